@@ -1,0 +1,230 @@
+"""Local backend: runs a job's agent and launcher on this host as detached processes.
+
+The GPUs are the host's (``nvidia-smi``) or, where there is none, ``N``
+*virtual* GPUs: each virtual GPU is one training process (``torchrun
+--nproc_per_node={num_gpus}`` with gloo on the CPU), so everything runs on a
+laptop. Each job gets a directory ``<work_dir>/<job_id>/`` holding the shared
+files of :mod:`airflow_elastic_gpu.sidecar.protocol`, ``agent.log``,
+``launcher.log`` and ``handle.json`` (the pids). Both processes start in their
+own session through a short-lived spawner, so they outlive the caller (an
+Airflow worker slot is freed while the task is deferred) and leave no zombie.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from airflow_elastic_gpu.sidecar import protocol
+
+DEFAULT_VIRTUAL_GPUS = 4
+ENV_VIRTUAL_GPUS = "AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS"
+_SPAWN = (
+    "import subprocess, sys\n"
+    "out = open(sys.argv[1], 'ab')\n"
+    "p = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,"
+    " start_new_session=True, close_fds=True)\n"
+    "print(p.pid)\n"
+)
+
+
+class BackendError(RuntimeError):
+    """The backend could not start or find a job's processes; the message says why."""
+
+
+@dataclass(frozen=True)
+class HostGpus:
+    """GPUs found on this host: device indices, product name, and whether they are virtual."""
+
+    indices: tuple[int, ...]
+    gpu_type: str
+    virtual: bool
+
+
+def detect_gpus(virtual_gpus: int | None = None, nvidia_smi: str = "nvidia-smi") -> HostGpus:
+    """The host's NVIDIA GPUs via ``nvidia-smi``, else ``virtual_gpus`` virtual ones.
+
+    :param virtual_gpus: count of virtual GPUs when none is found (default
+        ``$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS`` or 4); >= 1.
+    :raises ValueError: ``virtual_gpus`` < 1.
+    """
+    exe = shutil.which(nvidia_smi)
+    if exe:
+        try:
+            out = subprocess.run(
+                [exe, "--query-gpu=index,name", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20, check=True,
+            ).stdout
+            rows = [line.split(",", 1) for line in out.strip().splitlines() if line.strip()]
+            if rows:
+                return HostGpus(tuple(int(i) for i, _ in rows), rows[0][1].strip(), False)
+        except (subprocess.SubprocessError, ValueError, OSError):
+            pass
+    if virtual_gpus is None:
+        virtual_gpus = int(os.environ.get(ENV_VIRTUAL_GPUS, DEFAULT_VIRTUAL_GPUS))
+    if virtual_gpus < 1:
+        raise ValueError(f"virtual_gpus must be >= 1, got {virtual_gpus}")
+    return HostGpus(tuple(range(virtual_gpus)), "virtual", True)
+
+
+@dataclass(frozen=True)
+class LocalHandle:
+    """Where a local job runs: its directory and the pids of its agent and launcher."""
+
+    job_dir: Path
+    agent_pid: int
+    launcher_pid: int
+
+    def to_ref(self) -> str:
+        return json.dumps({"job_dir": str(self.job_dir), "agent_pid": self.agent_pid,
+                           "launcher_pid": self.launcher_pid})
+
+    @classmethod
+    def from_ref(cls, ref: str) -> LocalHandle:
+        data = json.loads(ref)
+        return cls(Path(data["job_dir"]), int(data["agent_pid"]), int(data["launcher_pid"]))
+
+
+class LocalBackend:
+    """Start, watch and stop jobs on this host.
+
+    :param work_dir: parent of the per-job directories.
+    :param broker_url: the broker DB URL the agent connects to.
+    :param python: interpreter for the agent and launcher (default: this one).
+    :param grace_s: SIGTERM-to-SIGKILL grace for the trainer, seconds.
+    :param poll_s: agent poll period, seconds.
+    """
+
+    name = "local"
+
+    def __init__(self, work_dir: str | Path, broker_url: str, *, python: str = sys.executable,
+                 grace_s: float = 30.0, poll_s: float = 1.0) -> None:
+        self.work_dir = Path(work_dir)
+        self.broker_url = broker_url
+        self.python = python
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.work_dir / job_id
+
+    @staticmethod
+    def check_command(command: str) -> None:
+        """Fail fast on a command that cannot start here.
+
+        :raises BackendError: it is empty, does not parse, or its program is not found.
+        """
+        try:
+            argv = shlex.split(command.replace("{num_gpus}", "1"))
+        except ValueError as exc:
+            raise BackendError(f"command {command!r} does not parse: {exc}") from None
+        if not argv:
+            raise BackendError("command is empty")
+        if shutil.which(argv[0]) is None:
+            raise BackendError(
+                f"command not found: {argv[0]!r} (not on PATH and not an executable file); "
+                f"full command: {command!r}"
+            )
+
+    @staticmethod
+    def check_checkpoint_dir(path: str | None) -> None:
+        """:raises BackendError: ``path`` cannot be created or written."""
+        if path is None:
+            return
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BackendError(f"checkpoint_dir {path!r} cannot be created: {exc}") from None
+        if not os.access(path, os.W_OK):
+            raise BackendError(f"checkpoint_dir {path!r} is not writable")
+
+    def _spawn(self, log_path: Path, argv: list[str], env: dict[str, str]) -> int:
+        out = subprocess.run(
+            [self.python, "-c", _SPAWN, str(log_path), *argv],
+            capture_output=True, text=True, env=env, check=False, timeout=60,
+        )
+        if out.returncode != 0:
+            raise BackendError(f"could not start {argv[:3]}...: {out.stderr.strip()}")
+        return int(out.stdout.strip())
+
+    def start(self, job_id: str, command: str, *, progress_pattern: str | None = None,
+              checkpoint_dir: str | None = None, env: dict[str, str] | None = None) -> LocalHandle:
+        """Start the job's launcher and agent (idempotent: a live handle is returned as is).
+
+        :raises BackendError: bad command or checkpoint dir, or a spawn failure.
+        """
+        self.check_command(command)
+        self.check_checkpoint_dir(checkpoint_dir)
+        job_dir = self.job_dir(job_id)
+        existing = self.handle(job_id)
+        if existing is not None and protocol.pid_alive(existing.agent_pid):
+            return existing
+        job_dir.mkdir(parents=True, exist_ok=True)
+        proc_env = {**os.environ, **(env or {})}
+        proc_env.setdefault("OMP_NUM_THREADS", "1")
+        launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
+                    "--shared-dir", str(job_dir), "--grace-s", str(self.grace_s)]
+        if checkpoint_dir:
+            launcher += ["--checkpoint-dir", checkpoint_dir]
+        launcher_pid = self._spawn(job_dir / "launcher.log", [*launcher, "--", command], proc_env)
+        agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job_id,
+                 "--shared-dir", str(job_dir), "--broker-url", self.broker_url,
+                 "--poll-s", str(self.poll_s), "--launcher-pid", str(launcher_pid)]
+        if progress_pattern:
+            agent += ["--progress-pattern", progress_pattern]
+        agent_pid = self._spawn(job_dir / "agent.log", agent, proc_env)
+        handle = LocalHandle(job_dir, agent_pid, launcher_pid)
+        protocol.write_json(job_dir / "handle.json", json.loads(handle.to_ref()))
+        return handle
+
+    def handle(self, job_id: str) -> LocalHandle | None:
+        data = protocol.read_json(self.job_dir(job_id) / "handle.json")
+        return None if data is None else LocalHandle.from_ref(json.dumps(data))
+
+    def is_running(self, job_id: str) -> bool:
+        """True while the job's agent or launcher process is alive."""
+        h = self.handle(job_id)
+        return h is not None and (protocol.pid_alive(h.agent_pid) or protocol.pid_alive(h.launcher_pid))
+
+    def stop(self, job_id: str, *, timeout_s: float | None = None) -> None:
+        """Ask the launcher to stop the trainer, then kill whatever is left after ``timeout_s``."""
+        h = self.handle(job_id)
+        if h is None:
+            return
+        desired = protocol.read_json(h.job_dir / protocol.DESIRED) or {"generation": 0, "gpus": []}
+        desired["stop"] = True
+        protocol.write_json(h.job_dir / protocol.DESIRED, desired)
+        deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
+        while time.monotonic() < deadline and protocol.pid_alive(h.launcher_pid):
+            time.sleep(0.2)
+        trainer = (protocol.read_json(h.job_dir / protocol.STATUS) or {}).get("pid")
+        for pid in (h.launcher_pid, h.agent_pid, trainer):
+            if pid and protocol.pid_alive(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def log_tail(self, job_id: str, lines: int = 20) -> list[str]:
+        """The last ``lines`` lines of the trainer's log."""
+        path = self.job_dir(job_id) / protocol.LOG
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                return f.read().decode("utf-8", "replace").splitlines()[-lines:]
+        except FileNotFoundError:
+            return []
+
+    def cleanup(self, job_id: str) -> None:
+        """Stop the job if needed and delete its directory (checkpoints elsewhere are kept)."""
+        self.stop(job_id, timeout_s=5)
+        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)

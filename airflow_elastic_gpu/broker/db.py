@@ -1,0 +1,109 @@
+"""Broker database: engine creation (SQLite or PostgreSQL) and Alembic migrations.
+
+SQLite writers take the database lock up front (``BEGIN IMMEDIATE``, the
+recipe of SQLAlchemy's pysqlite dialect docs), so two writers never interleave
+a read-then-write; PostgreSQL writers lock their GPU pool's row instead
+(``SELECT ... FOR UPDATE`` in :mod:`airflow_elastic_gpu.broker.service`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.pool import StaticPool
+
+ENV_BROKER_URL = "AIRFLOW_ELASTIC_GPU_BROKER_URL"
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+def default_broker_url() -> str:
+    """``$AIRFLOW_ELASTIC_GPU_BROKER_URL``, else a SQLite file under ``$AIRFLOW_HOME`` (default ``~/airflow``)."""
+    url = os.environ.get(ENV_BROKER_URL)
+    if url:
+        return url
+    home = Path(os.environ.get("AIRFLOW_HOME", Path.home() / "airflow"))
+    return f"sqlite:///{home / 'elastic_gpu_broker.db'}"
+
+
+def create_broker_engine(url: str) -> Engine:
+    """Engine for a broker URL (``sqlite:///PATH``, ``sqlite://`` in memory, ``postgresql+psycopg://...``).
+
+    :raises ValueError: the URL is malformed, names a driver that is not installed,
+        or a database other than SQLite or PostgreSQL.
+    """
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ValueError(
+            f"invalid broker URL {url!r}: {exc}. Expected e.g. sqlite:////path/broker.db "
+            "or postgresql+psycopg://user:password@host:5432/dbname"
+        ) from None
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        database = parsed.database or ""
+        in_memory = database in ("", ":memory:")
+        if not in_memory:
+            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            parsed,
+            connect_args={"timeout": 60, "check_same_thread": False},
+            poolclass=StaticPool if in_memory else None,
+        )
+
+        @event.listens_for(engine, "connect")
+        def _connect(dbapi_conn, _record) -> None:  # pragma: no cover - driver glue
+            dbapi_conn.isolation_level = None  # let the "begin" hook issue BEGIN
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            if not in_memory:
+                cur.execute("PRAGMA journal_mode=WAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin(conn) -> None:  # pragma: no cover - driver glue
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    if backend == "postgresql":
+        try:
+            return create_engine(parsed, pool_pre_ping=True)
+        except (NoSuchModuleError, ModuleNotFoundError) as exc:
+            raise ValueError(
+                f"broker URL {parsed.render_as_string(hide_password=True)!r} needs a "
+                f"PostgreSQL driver that is not installed ({exc}); "
+                "pip install 'airflow-elastic-gpu[postgres]' and use postgresql+psycopg://"
+            ) from None
+    raise ValueError(
+        f"broker URL {parsed.render_as_string(hide_password=True)!r}: database "
+        f"{backend!r} is not supported; use sqlite or postgresql"
+    )
+
+
+def _alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return cfg
+
+
+def migrate(engine: Engine) -> None:
+    """Create or upgrade the broker schema to the latest Alembic revision (safe to call concurrently)."""
+    cfg = _alembic_config()
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    with engine.connect() as conn:
+        if MigrationContext.configure(conn).get_current_revision() == head:
+            return
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(724101)"))
+        if MigrationContext.configure(conn).get_current_revision() == head:
+            return
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")

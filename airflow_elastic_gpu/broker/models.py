@@ -1,0 +1,162 @@
+"""SQLAlchemy 2.0 ORM of the broker's state: pools, nodes, GPUs, jobs, allocations, samples, events.
+
+Times are seconds since the epoch (floats) on the broker's injected clock, so
+the simulator can drive the broker with a fake one.
+
+The invariant "no GPU is in use by two jobs" is held by the primary key of
+``gpu_in_use`` (one row per GPU); ``gpu_target`` has the same key, so a GPU is
+also never *published* to two jobs at once.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON}
+
+
+class JobStatus(StrEnum):
+    """A job's life: QUEUED -> RUNNING -> one of the terminal states."""
+
+    QUEUED = "queued"  # submitted, no GPUs published yet
+    RUNNING = "running"  # has a target allocation (generation >= 1)
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"  # its agent stopped heart-beating; GPUs reclaimed
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.LOST}
+)
+
+
+class GpuPool(Base):
+    """A named set of nodes shared out by the broker; its row is the pool's lock."""
+
+    __tablename__ = "gpu_pool"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    last_rebalance_s: Mapped[float] = mapped_column(Float, default=0.0)
+    created_s: Mapped[float] = mapped_column(Float)
+    # scheduling settings shared by every process that uses the pool
+    policy: Mapped[str] = mapped_column(String(64), default="adaptive")
+    policy_params: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    lease_s: Mapped[float] = mapped_column(Float, default=60.0)
+    rebalance_interval_s: Mapped[float] = mapped_column(Float, default=10.0)
+
+
+class Node(Base):
+    __tablename__ = "node"
+    __table_args__ = (UniqueConstraint("pool", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    pool: Mapped[str] = mapped_column(ForeignKey("gpu_pool.name"))
+    name: Mapped[str] = mapped_column(String(253))
+    schedulable: Mapped[bool] = mapped_column(default=True)
+    gpus: Mapped[list[Gpu]] = relationship(back_populates="node", order_by="Gpu.index")
+
+
+class Gpu(Base):
+    __tablename__ = "gpu"
+    __table_args__ = (UniqueConstraint("node_id", "index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("node.id"))
+    index: Mapped[int] = mapped_column(Integer)
+    gpu_type: Mapped[str] = mapped_column(String(128))
+    healthy: Mapped[bool] = mapped_column(default=True)
+    node: Mapped[Node] = relationship(back_populates="gpus")
+
+
+class Job(Base):
+    __tablename__ = "job"
+    __table_args__ = (Index("ix_job_pool_status", "pool", "status"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    key: Mapped[str] = mapped_column(String(512), unique=True)
+    pool: Mapped[str] = mapped_column(ForeignKey("gpu_pool.name"))
+    name: Mapped[str] = mapped_column(String(256))
+    command: Mapped[str] = mapped_column(Text)
+    min_gpus: Mapped[int] = mapped_column(Integer)
+    max_gpus: Mapped[int] = mapped_column(Integer)
+    requested_gpus: Mapped[int] = mapped_column(Integer)
+    total_steps: Mapped[int] = mapped_column(Integer)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    progress_pattern: Mapped[str | None] = mapped_column(Text, default=None)
+    checkpoint_dir: Mapped[str | None] = mapped_column(Text, default=None)
+    backend: Mapped[str] = mapped_column(String(32), default="local")
+    backend_ref: Mapped[str | None] = mapped_column(Text, default=None)
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)
+    reason: Mapped[str | None] = mapped_column(Text, default=None)
+    exit_code: Mapped[int | None] = mapped_column(Integer, default=None)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    steps_done: Mapped[float] = mapped_column(Float, default=0.0)
+    target_generation: Mapped[int] = mapped_column(Integer, default=0)
+    acked_generation: Mapped[int] = mapped_column(Integer, default=0)
+    num_resizes: Mapped[int] = mapped_column(Integer, default=0)
+    gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    restart_overhead_s: Mapped[float | None] = mapped_column(Float, default=None)
+    throughput: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    submit_s: Mapped[float] = mapped_column(Float)
+    start_s: Mapped[float | None] = mapped_column(Float, default=None)
+    end_s: Mapped[float | None] = mapped_column(Float, default=None)
+    last_heartbeat_s: Mapped[float] = mapped_column(Float)
+    last_resize_s: Mapped[float | None] = mapped_column(Float, default=None)
+    published_s: Mapped[float | None] = mapped_column(Float, default=None)
+    in_use_since_s: Mapped[float | None] = mapped_column(Float, default=None)
+
+
+class GpuTarget(Base):
+    """The GPUs published to a job in its latest generation (one row per GPU)."""
+
+    __tablename__ = "gpu_target"
+
+    gpu_id: Mapped[int] = mapped_column(ForeignKey("gpu.id"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id"), index=True)
+    generation: Mapped[int] = mapped_column(Integer)
+
+
+class GpuInUse(Base):
+    """The GPUs a job's trainer runs on (moved here by an ack). One row per GPU: never two jobs."""
+
+    __tablename__ = "gpu_in_use"
+
+    gpu_id: Mapped[int] = mapped_column(ForeignKey("gpu.id"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id"), index=True)
+    generation: Mapped[int] = mapped_column(Integer)
+
+
+class ProgressSample(Base):
+    __tablename__ = "progress_sample"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id"), index=True)
+    time_s: Mapped[float] = mapped_column(Float)
+    step: Mapped[float] = mapped_column(Float)
+    num_gpus: Mapped[int] = mapped_column(Integer)
+    generation: Mapped[int] = mapped_column(Integer)
+
+
+class Event(Base):
+    """Something the broker did or saw, with its reason (resizes carry predicted gain and overhead)."""
+
+    __tablename__ = "event"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    time_s: Mapped[float] = mapped_column(Float, index=True)
+    pool: Mapped[str] = mapped_column(String(128))
+    job_id: Mapped[str | None] = mapped_column(String(36), index=True, default=None)
+    kind: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)

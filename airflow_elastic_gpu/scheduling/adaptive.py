@@ -1,0 +1,168 @@
+"""The adaptive policy: progress-driven GPU counts for every job, resized only when it pays.
+
+Source: Wang et al., "An Efficient and Non-Intrusive GPU Scheduling Framework
+for Deep Learning Training Systems", SC20, section III (adaptive scheduler:
+use each job's measured progress to decide how many GPUs it gets now). The
+hand-out rule weights each job's marginal speed-up by its rank in
+shortest-remaining-work order, the discrete form of heSRPT (Berg et al.,
+"Optimal Resource Allocation for Elastic and Parallelizable Jobs", 2020):
+linear-scaling jobs are served shortest-first, poorly scaling ones share.
+
+Steps of one decision:
+
+1. Jobs resized less than ``min_resize_interval_s`` ago are frozen at their count.
+2. Other running jobs start from ``min_gpus``; waiting jobs are admitted at
+   ``min_gpus`` in rank order (priority, then least remaining work) while GPUs last.
+3. Remaining GPUs go one at a time to the job with the highest
+   ``weight * (throughput(n+1) - throughput(n)) / throughput(1)``, where
+   ``weight`` is the number of unfinished jobs ranked at or after it.
+4. GPUs nobody gained go back to the running jobs that gave them up, so no job
+   is shrunk for nothing.
+5. Hysteresis: a running job grows only if the predicted time saved
+   ``remaining(n_now) - remaining(n_new)`` exceeds ``hysteresis * restart_overhead_s``;
+   otherwise it is frozen and steps 2-4 run again.
+6. Placement turns counts into GPUs (``placement.place``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place
+from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, JobState
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """The default policy.
+
+    :param hysteresis: a growth must save more than this many restart overheads (>= 0).
+    :param min_resize_interval_s: seconds a job keeps an allocation before it may be resized (>= 0).
+    """
+
+    hysteresis: float = 2.0
+    min_resize_interval_s: float = 60.0
+    name: str = "adaptive"
+    elastic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hysteresis < 0:
+            raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
+        if self.min_resize_interval_s < 0:
+            raise ValueError(
+                f"min_resize_interval_s must be >= 0, got {self.min_resize_interval_s}"
+            )
+
+    def rank(self, cluster: ClusterState) -> list[JobState]:
+        """Jobs in service order: priority (high first), then least remaining work, then submit time."""
+        return sorted(
+            cluster.jobs,
+            key=lambda j: (-j.priority, j.remaining_time_s(1), j.submit_time_s, j.job_id),
+        )
+
+    def _frozen(self, job: JobState, now_s: float) -> bool:
+        return bool(
+            job.allocation
+            and job.last_resize_s is not None
+            and now_s - job.last_resize_s < self.min_resize_interval_s
+        )
+
+    def counts(self, cluster: ClusterState) -> tuple[dict[str, int], list[JobState]]:
+        """Target GPU count per job (steps 1-5), and the rank order used."""
+        order = self.rank(cluster)
+        weight = {j.job_id: len(order) - r for r, j in enumerate(order)}
+        frozen = {j.job_id for j in order if self._frozen(j, cluster.now_s)}
+        while True:
+            counts = self._hand_out(cluster, order, weight, frozen)
+            unpaid = [
+                j
+                for j in order
+                if j.job_id not in frozen
+                and j.allocation
+                and counts[j.job_id] > j.num_gpus
+                and j.remaining_time_s(j.num_gpus) - j.remaining_time_s(counts[j.job_id])
+                <= self.hysteresis * j.restart_overhead_s
+            ]
+            if not unpaid:
+                return counts, order
+            frozen.update(j.job_id for j in unpaid)
+
+    def _hand_out(
+        self,
+        cluster: ClusterState,
+        order: list[JobState],
+        weight: dict[str, int],
+        frozen: set[str],
+    ) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        free = cluster.capacity
+        for j in order:  # frozen jobs keep their count, running jobs their minimum
+            if j.job_id in frozen:
+                counts[j.job_id] = j.num_gpus
+            elif j.allocation:
+                counts[j.job_id] = min(j.min_gpus, j.num_gpus) if j.num_gpus else j.min_gpus
+            else:
+                continue
+            free -= counts[j.job_id]
+        for j in order:  # admit waiting jobs at their minimum
+            if not j.allocation:
+                counts[j.job_id] = j.min_gpus if free >= j.min_gpus else 0
+                free -= counts[j.job_id]
+
+        def score(j: JobState, n: int) -> float:
+            t = j.throughput
+            return weight[j.job_id] * (t.steps_per_s(n + 1) - t.steps_per_s(n)) / t.steps_per_s(1)
+
+        heap = [
+            (-score(j, counts[j.job_id]), j.remaining_time_s(1), j.job_id, j)
+            for j in order
+            if j.job_id not in frozen and 0 < counts[j.job_id] < j.max_gpus
+        ]
+        heapq.heapify(heap)
+        while free > 0 and heap:
+            neg, rem, job_id, j = heapq.heappop(heap)
+            if -neg <= 0:
+                break
+            counts[job_id] += 1
+            free -= 1
+            if counts[job_id] < j.max_gpus:
+                heapq.heappush(heap, (-score(j, counts[job_id]), rem, job_id, j))
+        for j in order:  # step 4: nobody wanted them, give them back
+            if free <= 0:
+                break
+            back = min(free, j.num_gpus - counts[j.job_id]) if j.allocation else 0
+            if back > 0:
+                counts[j.job_id] += back
+                free -= back
+        return counts
+
+    def decide(self, cluster: ClusterState) -> Decision:
+        counts, order = self.counts(cluster)
+        allocations = place(
+            cluster.nodes,
+            [PlacementRequest(j.job_id, counts[j.job_id], j.min_gpus, j.allocation) for j in order],
+        )
+        reasons: dict[str, str] = {}
+        for j in order:
+            new = allocations[j.job_id]
+            if set(new) == set(j.allocation):
+                continue
+            if not j.allocation:
+                reasons[j.job_id] = f"start on {len(new)} GPU(s)"
+            elif len(new) > j.num_gpus:
+                saved = j.remaining_time_s(j.num_gpus) - j.remaining_time_s(len(new))
+                reasons[j.job_id] = (
+                    f"grow {j.num_gpus}->{len(new)} GPUs: predicted remaining time "
+                    f"{j.remaining_time_s(j.num_gpus):.0f}s->{j.remaining_time_s(len(new)):.0f}s, "
+                    f"gain {saved:.0f}s > {self.hysteresis:g} x restart overhead "
+                    f"{j.restart_overhead_s:.0f}s"
+                )
+            elif len(new) < j.num_gpus:
+                reasons[j.job_id] = (
+                    f"shrink {j.num_gpus}->{len(new)} GPUs: the GPUs gain more elsewhere "
+                    f"(rank {order.index(j) + 1} of {len(order)} by remaining work)"
+                )
+            else:
+                reasons[j.job_id] = f"move to {', '.join(map(str, new))} (placement)"
+        return Decision(allocations, reasons)

@@ -1,0 +1,43 @@
+"""The one small interface every scheduling policy implements, and the registry of policies by name."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from airflow_elastic_gpu.scheduling.state import ClusterState, Decision
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A pure function from cluster state to target allocations.
+
+    ``decide`` must not do I/O or read a clock: the time is ``cluster.now_s``.
+    It returns an allocation for every job in ``cluster.jobs``; running jobs
+    keep at least ``min_gpus``; no GPU goes to two jobs.
+    """
+
+    name: str
+    elastic: bool
+
+    def decide(self, cluster: ClusterState) -> Decision: ...
+
+
+def get_policy(name: str, **params: Any) -> Policy:
+    """Build the policy called ``name`` with keyword ``params``.
+
+    :raises ValueError: unknown name (the message lists the known ones), or bad params.
+    """
+    from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
+    from airflow_elastic_gpu.scheduling.baselines import StaticPolicy
+
+    known: dict[str, type] = {"adaptive": AdaptivePolicy, "static": StaticPolicy}
+    try:
+        cls = known[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown scheduling policy {name!r}; choose one of {', '.join(sorted(known))}"
+        ) from None
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None

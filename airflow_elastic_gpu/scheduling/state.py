@@ -1,0 +1,160 @@
+"""Values the scheduling policies read and return: GPUs, nodes, jobs, the cluster and a decision.
+
+Everything here is a frozen dataclass: a policy is a pure function of a
+:class:`ClusterState` and returns a :class:`Decision`, so the broker and the
+simulator can share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+
+
+@dataclass(frozen=True, order=True)
+class GpuId:
+    """One concrete GPU: ``index`` is the device index on ``node`` (as in ``CUDA_VISIBLE_DEVICES``)."""
+
+    node: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.node}:{self.index}"
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node of a GPU pool.
+
+    :param name: node name, unique in its pool.
+    :param gpu_indices: device indices of the node's GPUs that may be handed out
+        (healthy ones; a node marked unschedulable has none here).
+    :param gpu_type: product name, e.g. ``"NVIDIA H100"`` or ``"virtual"``.
+    """
+
+    name: str
+    gpu_indices: tuple[int, ...]
+    gpu_type: str = "virtual"
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpu_indices)
+
+    def gpus(self) -> tuple[GpuId, ...]:
+        return tuple(GpuId(self.name, i) for i in self.gpu_indices)
+
+
+class JobPhase(StrEnum):
+    """Where a job is in its life, as the policy sees it."""
+
+    WAITING = "waiting"  # submitted, holds no GPU
+    RUNNING = "running"  # holds a target allocation
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What a policy knows about one unfinished job.
+
+    :param job_id: the broker's id.
+    :param min_gpus: fewest GPUs the job can run on (>= 1).
+    :param max_gpus: most GPUs the job can use (>= ``min_gpus``).
+    :param requested_gpus: the fixed request a static scheduler would grant,
+        ``min_gpus <= requested_gpus <= max_gpus``.
+    :param total_steps: steps (optimizer updates) the job must do in all.
+    :param steps_done: steps done so far.
+    :param submit_time_s: submit time, seconds on the policy's clock.
+    :param allocation: GPUs the job holds now (its latest target), empty when waiting.
+    :param last_resize_s: time of the job's latest allocation change, or ``None``.
+    :param restart_overhead_s: measured seconds of training lost by one resize.
+    :param throughput: the job's fitted throughput model (steps/s vs GPU count).
+    :param priority: larger is served first; ties fall to the policy's order.
+    :param attained_gpu_s: GPU-seconds the job has received so far (Tiresias).
+    """
+
+    job_id: str
+    min_gpus: int
+    max_gpus: int
+    total_steps: int
+    requested_gpus: int | None = None
+    steps_done: float = 0.0
+    submit_time_s: float = 0.0
+    allocation: tuple[GpuId, ...] = ()
+    last_resize_s: float | None = None
+    restart_overhead_s: float = 10.0
+    throughput: ThroughputModel = field(default_factory=ThroughputModel)
+    priority: int = 0
+    attained_gpu_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.min_gpus < 1:
+            raise ValueError(f"job {self.job_id}: min_gpus must be >= 1, got {self.min_gpus}")
+        if self.max_gpus < self.min_gpus:
+            raise ValueError(
+                f"job {self.job_id}: max_gpus ({self.max_gpus}) is below min_gpus ({self.min_gpus})"
+            )
+        if self.requested_gpus is not None and not (
+            self.min_gpus <= self.requested_gpus <= self.max_gpus
+        ):
+            raise ValueError(
+                f"job {self.job_id}: requested_gpus ({self.requested_gpus}) must lie in "
+                f"[min_gpus, max_gpus] = [{self.min_gpus}, {self.max_gpus}]"
+            )
+
+    @property
+    def phase(self) -> JobPhase:
+        return JobPhase.RUNNING if self.allocation else JobPhase.WAITING
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.allocation)
+
+    @property
+    def request(self) -> int:
+        """The static request: ``requested_gpus``, or ``max_gpus`` when none was given."""
+        return self.requested_gpus if self.requested_gpus is not None else self.max_gpus
+
+    @property
+    def remaining_steps(self) -> float:
+        return max(0.0, self.total_steps - self.steps_done)
+
+    def remaining_time_s(self, num_gpus: int) -> float:
+        """Predicted seconds to finish on ``num_gpus`` GPUs (``inf`` for 0 GPUs)."""
+        if num_gpus <= 0:
+            return float("inf")
+        return self.remaining_steps / self.throughput.steps_per_s(num_gpus)
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """One GPU pool at one moment: its nodes, its unfinished jobs and the time."""
+
+    nodes: tuple[NodeState, ...]
+    jobs: tuple[JobState, ...]
+    now_s: float
+
+    @property
+    def capacity(self) -> int:
+        return sum(n.num_gpus for n in self.nodes)
+
+    @property
+    def max_node_gpus(self) -> int:
+        return max((n.num_gpus for n in self.nodes), default=0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A policy's answer: the target allocation of every unfinished job.
+
+    :param allocations: job id -> GPUs it should hold (empty tuple: wait).
+        Every unfinished job of the input appears once; no GPU appears twice.
+    :param reasons: job id -> one line saying why its allocation changed.
+    """
+
+    allocations: Mapping[str, tuple[GpuId, ...]]
+    reasons: Mapping[str, str] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        return {job_id: len(gpus) for job_id, gpus in self.allocations.items()}

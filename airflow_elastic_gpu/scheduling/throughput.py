@@ -1,0 +1,97 @@
+"""Per-job throughput model: steps/s as a function of GPU count, fitted from progress samples.
+
+The model is Amdahl's law written as a line in ``1/n``::
+
+    1 / throughput(n) = a / n + b        (a: parallel part, b: serial part; s/step)
+
+which is ``throughput(n) = t1 * n / (1 + alpha * (n - 1))`` with ``t1 = 1/(a+b)``
+and ``alpha = b/(a+b)``. Optimus (Peng et al., EuroSys'18, section 4.1) fits a
+speed function of the same family by least squares; Pollux (Qiao et al.,
+OSDI'21) models synchronisation cost the same way. Until a job has run on two
+GPU counts, ``alpha`` comes from a prior (near-linear scaling), so a new job is
+not starved of GPUs it may well use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+DEFAULT_PRIOR_ALPHA = 0.05
+DEFAULT_PRIOR_STEPS_PER_S = 1.0
+EMA_WEIGHT = 0.3
+
+
+@dataclass(frozen=True)
+class ThroughputModel:
+    """Throughput of one job vs GPU count.
+
+    :param observed: ``(num_gpus, steps_per_s)`` pairs, one per GPU count the
+        job has run on (each a moving average of its samples), sorted by count.
+    :param prior_alpha: serial fraction assumed before two counts are seen,
+        in ``[0, 1)``; 0 means linear scaling.
+    :param prior_steps_per_s: single-GPU throughput assumed before any sample.
+    """
+
+    observed: tuple[tuple[int, float], ...] = ()
+    prior_alpha: float = DEFAULT_PRIOR_ALPHA
+    prior_steps_per_s: float = DEFAULT_PRIOR_STEPS_PER_S
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prior_alpha < 1.0:
+            raise ValueError(f"prior_alpha must be in [0, 1), got {self.prior_alpha}")
+        if self.prior_steps_per_s <= 0:
+            raise ValueError(f"prior_steps_per_s must be > 0, got {self.prior_steps_per_s}")
+        for n, t in self.observed:
+            if n < 1 or t <= 0:
+                raise ValueError(f"bad throughput sample: {t} steps/s on {n} GPUs")
+
+    def with_sample(self, num_gpus: int, steps_per_s: float) -> ThroughputModel:
+        """Return a model that has also seen ``steps_per_s`` (> 0) measured on ``num_gpus`` (>= 1)."""
+        if num_gpus < 1 or steps_per_s <= 0:
+            raise ValueError(f"bad throughput sample: {steps_per_s} steps/s on {num_gpus} GPUs")
+        merged = dict(self.observed)
+        old = merged.get(num_gpus)
+        merged[num_gpus] = (
+            steps_per_s if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * steps_per_s
+        )
+        return ThroughputModel(
+            tuple(sorted(merged.items())), self.prior_alpha, self.prior_steps_per_s
+        )
+
+    @cached_property
+    def _line(self) -> tuple[float, float]:
+        """``(a, b)`` of ``1/throughput(n) = a/n + b``, both >= 0, ``a + b > 0``."""
+        if not self.observed:
+            inv_t1 = 1.0 / self.prior_steps_per_s
+            return (1 - self.prior_alpha) * inv_t1, self.prior_alpha * inv_t1
+        if len(self.observed) == 1:
+            (n0, t0), alpha = self.observed[0], self.prior_alpha
+            # t0 = t1 * n0 / (1 + alpha (n0 - 1))  =>  1/t1 = n0 / (t0 (1 + alpha (n0 - 1)))
+            inv_t1 = n0 / (t0 * (1 + alpha * (n0 - 1)))
+            return (1 - alpha) * inv_t1, alpha * inv_t1
+        xs = [1.0 / n for n, _ in self.observed]
+        ys = [1.0 / t for _, t in self.observed]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        b = my - a * mx
+        if a <= 0:  # more GPUs never helped: flat throughput at the best seen
+            return 0.0, min(ys)
+        if b < 0:  # super-linear samples: clamp to linear through the mean
+            return my / mx, 0.0
+        return a, b
+
+    def steps_per_s(self, num_gpus: int) -> float:
+        """Predicted steps/s on ``num_gpus`` (>= 1) GPUs; a measured count returns its measurement."""
+        if num_gpus < 1:
+            raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+        for n, t in self.observed:
+            if n == num_gpus:
+                return t
+        a, b = self._line
+        return 1.0 / (a / num_gpus + b)
+
+    def speedup(self, num_gpus: int) -> float:
+        """``steps_per_s(num_gpus) / steps_per_s(1)``."""
+        return self.steps_per_s(num_gpus) / self.steps_per_s(1)

@@ -1,0 +1,83 @@
+"""The shared-directory protocol between the agent and the launcher (standard library only).
+
+Files in the job's shared directory, each replaced atomically (write a temp
+file, fsync, ``os.replace``) so a reader never sees half a file:
+
+``desired.json`` (agent -> launcher)
+    ``{"generation": int, "gpus": [int, ...], "stop": bool}``: run the trainer
+    on these device indices; a higher generation means stop and restart;
+    ``stop`` means stop the trainer and exit.
+``status.json`` (launcher -> agent)
+    ``{"generation": int, "state": str, "pid": int|null, "exit_code": int|null,
+    "restarts": int, "time_s": float}``; ``state`` is one of :data:`STATES`.
+``train.log``
+    the trainer's stdout and stderr, appended across restarts.
+
+This module is copied next to ``launcher.py`` into images that lack the
+package, so it imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DESIRED = "desired.json"
+STATUS = "status.json"
+LOG = "train.log"
+
+STARTING, RUNNING, STOPPING, EXITED, STOPPED = "starting", "running", "stopping", "exited", "stopped"
+STATES = (STARTING, RUNNING, STOPPING, EXITED, STOPPED)
+# EXITED: the trainer ended by itself (exit_code says how); STOPPED: stopped on request.
+
+
+def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically (readers see the old or the new file, never a mix)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or ``None`` if the file does not exist yet."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def pid_alive(pid: int) -> bool:
+    """True if process ``pid`` exists and is not a zombie (reads ``/proc`` where there is one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            return False
+    except (IndexError, OSError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
