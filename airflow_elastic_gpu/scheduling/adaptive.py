@@ -17,8 +17,9 @@ Steps of one decision:
    ``weight * (throughput(n+1) - throughput(n)) / throughput(1)``, where
    ``weight`` is the number of unfinished jobs ranked at or after it.
 4. GPUs nobody gained go back to the running jobs that gave them up, so no job
-   is shrunk for nothing.
-5. Hysteresis: a running job grows only if the predicted time saved
+   is shrunk for nothing (unless it was measured slower on them).
+5. Hysteresis: a running job is resized for its own sake (a growth, or a
+   shrink to a count measured faster) only if the predicted time saved
    ``remaining(n_now) - remaining(n_new)`` exceeds ``hysteresis * restart_overhead_s``;
    otherwise it is frozen and steps 2-4 run again.
 6. Placement turns counts into GPUs (``placement.place``).
@@ -75,18 +76,22 @@ class AdaptivePolicy:
         frozen = {j.job_id for j in order if self._frozen(j, cluster.now_s)}
         while True:
             counts = self._hand_out(cluster, order, weight, frozen)
-            unpaid = [
-                j
-                for j in order
-                if j.job_id not in frozen
-                and j.allocation
-                and counts[j.job_id] > j.num_gpus
-                and j.remaining_time_s(j.num_gpus) - j.remaining_time_s(counts[j.job_id])
-                <= self.hysteresis * j.restart_overhead_s
-            ]
+            unpaid = [j for j in order if j.job_id not in frozen and self._unpaid(j, counts[j.job_id])]
             if not unpaid:
                 return counts, order
             frozen.update(j.job_id for j in unpaid)
+
+    def _unpaid(self, job: JobState, count: int) -> bool:
+        """True if resizing running ``job`` to ``count`` is for its own sake but saves too little.
+
+        A growth, or a shrink that speeds the job up (it was measured slower on
+        more GPUs), must save more than ``hysteresis`` restart overheads. A
+        shrink that slows the job down serves other jobs and is not judged here.
+        """
+        if not job.allocation or count == job.num_gpus:
+            return False
+        gain = job.remaining_time_s(job.num_gpus) - job.remaining_time_s(count)
+        return (count > job.num_gpus or gain > 0) and gain <= self.hysteresis * job.restart_overhead_s
 
     def _hand_out(
         self,
@@ -128,11 +133,12 @@ class AdaptivePolicy:
             free -= 1
             if counts[job_id] < j.max_gpus:
                 heapq.heappush(heap, (-score(j, counts[job_id]), rem, job_id, j))
-        for j in order:  # step 4: nobody wanted them, give them back
+        for j in order:  # step 4: nobody wanted them, give them back (unless that slows the job)
             if free <= 0:
                 break
             back = min(free, j.num_gpus - counts[j.job_id]) if j.allocation else 0
-            if back > 0:
+            t = j.throughput
+            if back > 0 and t.steps_per_s(counts[j.job_id] + back) >= t.steps_per_s(counts[j.job_id]):
                 counts[j.job_id] += back
                 free -= back
         return counts
@@ -157,6 +163,12 @@ class AdaptivePolicy:
                     f"{j.remaining_time_s(j.num_gpus):.0f}s->{j.remaining_time_s(len(new)):.0f}s, "
                     f"gain {saved:.0f}s > {self.hysteresis:g} x restart overhead "
                     f"{j.restart_overhead_s:.0f}s"
+                )
+            elif len(new) < j.num_gpus and j.remaining_time_s(len(new)) < j.remaining_time_s(j.num_gpus):
+                reasons[j.job_id] = (
+                    f"shrink {j.num_gpus}->{len(new)} GPUs: measured faster on fewer GPUs, predicted "
+                    f"remaining time {j.remaining_time_s(j.num_gpus):.0f}s->"
+                    f"{j.remaining_time_s(len(new)):.0f}s"
                 )
             elif len(new) < j.num_gpus:
                 reasons[j.job_id] = (

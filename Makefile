@@ -1,0 +1,39 @@
+# Two commands do everything: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: test test-all demo demo-stop lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e '.[test,demo]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+## make test: set up .venv if needed, then run the test suite (SQLite and PostgreSQL)
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+## make test-all: also the slow tests
+test-all: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## make demo: run the demo (see README)
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m airflow_elastic_gpu.demo
+
+demo-stop: $(STAMP)
+	$(BIN)/python -m airflow_elastic_gpu.demo --stop
+
+lint: $(STAMP)
+	$(BIN)/pip install -q ruff && $(BIN)/ruff check airflow_elastic_gpu tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache .hypothesis

@@ -1,0 +1,276 @@
+"""``airflow-elastic-gpu``: inspect and drive the GPU broker from a terminal (rich tables and progress).
+
+Commands: ``nodes`` (list, ``add``, ``detect``), ``pool`` (policy settings),
+``jobs``, ``status`` (``--watch`` for a live view), ``cancel``, and
+``run-local`` (submit a command as a job on this host and follow it).
+The broker URL comes from ``--broker-url``, else ``$AIRFLOW_ELASTIC_GPU_BROKER_URL``,
+else a SQLite file under ``$AIRFLOW_HOME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from airflow_elastic_gpu.broker.db import default_broker_url
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import (
+    DEFAULT_POOL,
+    BrokerError,
+    JobSpec,
+    JobView,
+    PoolSnapshot,
+)
+
+LOCAL_NODE = "localhost"
+console = Console()
+
+
+def _fmt_s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:,.1f}"
+
+
+def jobs_table(jobs: list[JobView] | tuple[JobView, ...], title: str = "jobs") -> Table:
+    table = Table(title=title)
+    for col in ("job", "name", "status", "GPUs", "min-max", "step", "gen", "resizes", "JCT s",
+                "GPU-s", "accuracy"):
+        table.add_column(col, justify="right" if col not in ("job", "name", "status") else "left")
+    for j in jobs:
+        acc = (j.metrics or {}).get("accuracy")
+        table.add_row(
+            j.id[:8], j.name, j.status.value, str(len(j.in_use_gpus or j.target_gpus)),
+            f"{j.min_gpus}-{j.max_gpus}", f"{j.steps_done:,.0f}/{j.total_steps:,}",
+            f"{j.acked_generation}/{j.target_generation}", str(j.num_resizes), _fmt_s(j.jct_s),
+            f"{j.gpu_seconds:,.0f}", "-" if acc is None else f"{acc:.3f}",
+        )
+    return table
+
+
+def snapshot_view(snap: PoolSnapshot) -> Group:
+    """The pool as a GPU grid (which job holds which GPU), the jobs, and the latest events."""
+    names = {j.id: j.name for j in snap.jobs}
+    grid = Table(title=f"GPU pool {snap.pool!r}")
+    grid.add_column("node")
+    width = max((len(n.gpus) for n in snap.nodes), default=0)
+    for i in range(width):
+        grid.add_column(f"GPU {i}")
+    for node in snap.nodes:
+        cells = []
+        for g in node.gpus:
+            holder = g.in_use_by or g.target_of
+            label = names.get(holder, "") if holder else "[dim]free[/dim]"
+            if g.target_of and g.target_of != g.in_use_by:
+                label += " [yellow](→)[/yellow]"
+            cells.append(label)
+        grid.add_row(node.name + ("" if node.schedulable else " [red](drained)[/red]"), *cells)
+    events = Table(title="latest events")
+    events.add_column("time")
+    events.add_column("job")
+    events.add_column("event")
+    events.add_column("message", overflow="fold")
+    for e in snap.events[-10:]:
+        events.add_row(time.strftime("%H:%M:%S", time.localtime(e.time_s)),
+                       names.get(e.job_id or "", ""), e.kind, e.message)
+    return Group(grid, jobs_table(list(snap.jobs)), events)
+
+
+def _broker(args: argparse.Namespace) -> GpuBroker:
+    return GpuBroker(args.broker_url or default_broker_url())
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    broker = _broker(args)
+    if args.action == "add":
+        broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type)
+    elif args.action == "detect":
+        from airflow_elastic_gpu.backends.local import detect_gpus
+
+        found = detect_gpus(args.virtual_gpus)
+        broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type,
+                             gpu_indices=found.indices)
+    table = Table(title="nodes")
+    for col in ("pool", "node", "schedulable", "GPUs", "type", "in use"):
+        table.add_column(col)
+    for n in broker.nodes():
+        table.add_row(n.pool, n.name, "yes" if n.schedulable else "no", str(len(n.gpus)),
+                      n.gpus[0].gpu_type if n.gpus else "-",
+                      str(sum(g.in_use_by is not None for g in n.gpus)))
+    console.print(table)
+    return 0
+
+
+def cmd_pool(args: argparse.Namespace) -> int:
+    broker = _broker(args)
+    params: dict[str, Any] = {}
+    for item in args.param or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise BrokerError(f"--param {item!r}: expected NAME=VALUE")
+        params[key] = float(value)
+    broker.configure_pool(args.pool, policy=args.policy, policy_params=params or None,
+                          lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
+    console.print(f"pool {args.pool!r}: policy {broker.pool_policy(args.pool)}")
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    console.print(jobs_table(_broker(args).jobs(args.pool, active_only=args.active)))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    broker = _broker(args)
+    if not args.watch:
+        console.print(snapshot_view(broker.snapshot(args.pool)))
+        return 0
+    with Live(snapshot_view(broker.snapshot(args.pool)), console=console, refresh_per_second=2) as live:
+        try:
+            while True:
+                time.sleep(args.interval)
+                live.update(snapshot_view(broker.snapshot(args.pool)))
+        except KeyboardInterrupt:
+            return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    job = _broker(args).cancel(args.job_id, args.reason)
+    console.print(f"job {job.id} is {job.status.value}")
+    return 0
+
+
+def follow(broker: GpuBroker, job_ids: list[str], poll_s: float = 1.0) -> list[JobView]:
+    """Show a progress bar per job (steps, GPUs, generation) until every job has ended."""
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} steps"),
+        TextColumn("{task.fields[gpus]} GPU(s) gen {task.fields[gen]}"), TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(), console=console,
+    ) as progress:
+        views = [broker.job(j) for j in job_ids]
+        tasks = [progress.add_task(v.name, total=v.total_steps, gpus=0, gen=0, status="") for v in views]
+        while True:
+            views = [broker.job(j) for j in job_ids]
+            for task, v in zip(tasks, views):
+                progress.update(task, completed=v.steps_done, gpus=len(v.in_use_gpus),
+                                gen=v.acked_generation, status=v.status.value)
+            if all(v.status.terminal for v in views):
+                return views
+            time.sleep(poll_s)
+
+
+def cmd_run_local(args: argparse.Namespace) -> int:
+    from airflow_elastic_gpu.backends.local import LocalBackend, detect_gpus
+
+    url = args.broker_url or default_broker_url()
+    broker = GpuBroker(url)
+    if args.pool not in broker.pools():
+        found = detect_gpus(args.virtual_gpus)
+        broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
+        console.print(f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) "
+                      f"of this host in pool {args.pool!r}")
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise BrokerError("no command given: airflow-elastic-gpu run-local [options] -- CMD ...")
+    import shlex
+
+    cmd = command[0] if len(command) == 1 else shlex.join(command)
+    backend = LocalBackend(args.work_dir, url)
+    backend.check_command(cmd)
+    job = broker.submit(JobSpec(
+        name=args.name or Path(shlex.split(cmd)[0]).name, command=cmd, min_gpus=args.min_gpus,
+        max_gpus=args.max_gpus or args.min_gpus, total_steps=args.total_steps, pool=args.pool,
+        progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
+    ))
+    handle = backend.start(job.id, cmd, progress_pattern=args.progress_pattern,
+                           checkpoint_dir=args.checkpoint_dir)
+    broker.start(job.id, handle.to_ref())
+    console.print(f"job {job.id} started; files in {handle.job_dir}")
+    if args.detach:
+        return 0
+    [view] = follow(broker, [job.id])
+    console.print(jobs_table([view], title="result"))
+    if view.status.value != "succeeded":
+        console.print(f"[red]job {view.status.value}:[/red] {view.reason}")
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="airflow-elastic-gpu", description=__doc__.split("\n")[0])
+    parser.add_argument("--broker-url", default=None,
+                        help="broker DB URL (default: $AIRFLOW_ELASTIC_GPU_BROKER_URL or a SQLite file "
+                             "under $AIRFLOW_HOME)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("nodes", help="list nodes; add one; or detect this host's GPUs")
+    p.add_argument("action", nargs="?", choices=["list", "add", "detect"], default="list")
+    p.add_argument("name", nargs="?", default=LOCAL_NODE)
+    p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
+    p.add_argument("--gpu-type", default="virtual")
+    p.add_argument("--virtual-gpus", type=int, default=None, help="virtual GPUs when none is found (detect)")
+    p.add_argument("--pool", default=DEFAULT_POOL)
+    p.set_defaults(fn=cmd_nodes)
+
+    p = sub.add_parser("pool", help="set a pool's policy and timing")
+    p.add_argument("--pool", default=DEFAULT_POOL)
+    p.add_argument("--policy", default=None, help="adaptive (default) or static")
+    p.add_argument("--param", action="append", help="policy parameter NAME=VALUE, e.g. hysteresis=2")
+    p.add_argument("--lease-s", type=float, default=None)
+    p.add_argument("--rebalance-interval-s", type=float, default=None)
+    p.set_defaults(fn=cmd_pool)
+
+    p = sub.add_parser("jobs", help="list jobs")
+    p.add_argument("--pool", default=None)
+    p.add_argument("--active", action="store_true", help="only queued and running jobs")
+    p.set_defaults(fn=cmd_jobs)
+
+    p = sub.add_parser("status", help="the pool: GPU grid, jobs, latest events")
+    p.add_argument("--pool", default=DEFAULT_POOL)
+    p.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("cancel", help="cancel a job and release its GPUs")
+    p.add_argument("job_id")
+    p.add_argument("--reason", default="cancelled from the CLI")
+    p.set_defaults(fn=cmd_cancel)
+
+    p = sub.add_parser("run-local", help="run a command as an elastic job on this host and follow it")
+    p.add_argument("--name", default=None)
+    p.add_argument("--min-gpus", type=int, default=1)
+    p.add_argument("--max-gpus", type=int, default=None)
+    p.add_argument("--total-steps", type=int, required=True)
+    p.add_argument("--pool", default=DEFAULT_POOL)
+    p.add_argument("--progress-pattern", default=None)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--key", default=None, help="idempotency key")
+    p.add_argument("--virtual-gpus", type=int, default=None)
+    p.add_argument("--work-dir", default=os.path.join(os.environ.get("AIRFLOW_HOME", "."), "elastic_gpu_jobs"))
+    p.add_argument("--detach", action="store_true", help="start and return")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_run_local)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (BrokerError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    except RuntimeError as exc:  # backend errors
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

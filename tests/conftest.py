@@ -1,0 +1,93 @@
+"""Shared fixtures: a broker on SQLite and on PostgreSQL, a fake clock, the repository paths."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from airflow_elastic_gpu.broker.service import GpuBroker
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_SCRIPT = REPO / "examples" / "train_digits.py"
+POSTGRES_URL = os.environ.get(
+    "ELASTIC_GPU_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+class FakeClock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self, start: float = 1_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped at the end.
+
+    Skipped when no server answers, except under CI (``CI=true``), where it fails.
+    """
+    admin = create_engine(make_url(POSTGRES_URL), isolation_level="AUTOCOMMIT")
+    name = f"aeg_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # noqa: BLE001 - any connection failure
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL at {POSTGRES_URL} is required in CI: {exc}")
+        pytest.skip(f"PostgreSQL not reachable at {POSTGRES_URL}: {exc}")
+    url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    yield url
+    with admin.connect() as conn:
+        conn.execute(text(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n AND pid <> pg_backend_pid()"
+        ), {"n": name})
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+    admin.dispose()
+
+
+def _reset_postgres(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def broker_url(request, tmp_path) -> str:
+    """A broker DB URL, empty: a SQLite file, or a clean schema in the test PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'broker.db'}"
+    url = request.getfixturevalue("postgres_server_url")
+    _reset_postgres(url)
+    return url
+
+
+@pytest.fixture
+def broker(broker_url, clock) -> Iterator[GpuBroker]:
+    b = GpuBroker(broker_url, clock=clock)
+    yield b
+    b.engine.dispose()
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

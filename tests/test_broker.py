@@ -1,0 +1,222 @@
+"""GpuBroker on SQLite and PostgreSQL: job life, the two-phase resize protocol, leases, bad input."""
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import insert, select
+from sqlalchemy.exc import IntegrityError
+
+from airflow_elastic_gpu.broker.models import Base, Gpu, GpuInUse, JobStatus
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, NotFound
+
+
+def spec(key, **kw):
+    kw.setdefault("min_gpus", 1)
+    kw.setdefault("max_gpus", 4)
+    kw.setdefault("total_steps", 1000)
+    return JobSpec(name=key, command="python train.py", key=key, **kw)
+
+
+@pytest.fixture
+def pool(broker):
+    broker.register_node("n0", 4)
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    return broker
+
+
+def test_schema_from_migrations_matches_the_models(broker):
+    with broker.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []
+
+
+def test_submit_is_idempotent_on_its_key(pool):
+    a1 = pool.submit(spec("dag.task.run1.-1"))
+    a2 = pool.submit(spec("dag.task.run1.-1"))
+    assert a1.id == a2.id
+    assert len(pool.jobs()) == 1
+
+
+def test_resubmitting_an_ended_key_starts_a_new_job_and_keeps_the_old_record(pool):
+    a = pool.submit(spec("k"))
+    pool.fail(a.id, "boom")
+    b = pool.submit(spec("k"))
+    assert b.id != a.id and b.status is JobStatus.RUNNING
+    assert pool.job(a.id).key == f"k@{a.id}" and pool.job(a.id).status is JobStatus.FAILED
+
+
+def test_first_job_is_published_all_free_gpus_and_ack_moves_them_in_use(pool):
+    a = pool.submit(spec("a"))
+    assert a.status is JobStatus.RUNNING and a.target_generation == 1
+    assert len(a.target_gpus) == 4 and a.in_use_gpus == ()
+    assert pool.ack(a.id, 1) is True
+    a = pool.job(a.id)
+    assert a.in_use_gpus == a.target_gpus and a.acked_generation == 1 and a.start_s is not None
+
+
+def test_growth_waits_until_the_shrinking_job_acks(pool, clock):
+    a = pool.submit(spec("a", total_steps=100_000))
+    pool.ack(a.id, 1)
+    clock.advance(10)
+    b = pool.submit(spec("b", total_steps=100))
+    a = pool.job(a.id)
+    assert a.target_generation == 2 and len(a.target_gpus) < 4
+    assert len(a.in_use_gpus) == 4, "a still runs on its old GPUs until it acks"
+    b = pool.job(b.id)
+    assert b.target_gpus == (), "b is published nothing while its GPUs are in a's in-use set"
+    pool.ack(a.id, 2)
+    b = pool.job(b.id)
+    assert b.target_generation == 1 and len(b.target_gpus) >= 1
+    assert not set(b.target_gpus) & set(pool.job(a.id).in_use_gpus)
+
+
+def test_stale_ack_changes_nothing(pool):
+    a = pool.submit(spec("a"))
+    assert pool.ack(a.id, 7) is False
+    assert pool.ack(a.id, 1) is True
+    assert pool.ack(a.id, 1) is False
+    assert pool.job(a.id).acked_generation == 1
+
+
+def test_finish_releases_gpus_records_metrics_and_lets_others_grow(pool, clock):
+    a = pool.submit(spec("a", total_steps=100_000))
+    pool.ack(a.id, 1)
+    b = pool.submit(spec("b", total_steps=500_000))
+    pool.ack(a.id, 2)
+    pool.ack(b.id, 1)
+    b_gpus = len(pool.job(b.id).in_use_gpus)
+    clock.advance(60)
+    done = pool.finish(a.id, 0, {"accuracy": 0.97})
+    assert done.status is JobStatus.SUCCEEDED and done.metrics == {"accuracy": 0.97}
+    assert done.in_use_gpus == () and done.target_gpus == () and done.jct_s == pytest.approx(60)
+    assert done.gpu_seconds > 0
+    assert len(pool.job(b.id).target_gpus) > b_gpus, "b grows into the freed GPUs"
+
+
+def test_resize_events_carry_their_reason(pool, clock):
+    a = pool.submit(spec("a", total_steps=100_000))
+    pool.ack(a.id, 1)
+    pool.submit(spec("b", total_steps=100))
+    resize = [e for e in pool.events(job_id=a.id) if e.kind == "resize"]
+    assert resize and "shrink 4->" in resize[0].message
+    assert resize[0].data["from_gpus"] == 4 and "restart_overhead_s" in resize[0].data
+
+
+def test_progress_builds_a_throughput_model_and_measures_restart_overhead(pool, clock):
+    a = pool.submit(spec("a", total_steps=100_000))
+    pool.ack(a.id, 1)
+    for step in (0, 100, 200):
+        pool.progress(a.id, step, generation=1)
+        clock.advance(10)
+    assert pool.job(a.id).throughput == ((4, pytest.approx(10.0)),)
+    pool.submit(spec("b", total_steps=100))
+    clock.advance(7)
+    pool.ack(a.id, 2)
+    pool.progress(a.id, 150, generation=2)
+    assert pool.job(a.id).restart_overhead_s == pytest.approx(7.0)
+    assert pool.job(a.id).steps_done == 150
+
+
+def test_silent_job_is_marked_lost_and_its_gpus_reclaimed(pool, clock):
+    pool.configure_pool(lease_s=30)
+    a = pool.submit(spec("a"))
+    pool.ack(a.id, 1)
+    clock.advance(31)
+    b = pool.submit(spec("b"))
+    a = pool.job(a.id)
+    assert a.status is JobStatus.LOST and "no heartbeat" in a.reason
+    assert a.in_use_gpus == ()
+    assert len(pool.job(b.id).target_gpus) == 4
+
+
+def test_heartbeat_keeps_a_job_alive_and_reports_cancellation(pool, clock):
+    pool.configure_pool(lease_s=30)
+    a = pool.submit(spec("a"))
+    for _ in range(3):
+        clock.advance(20)
+        assert pool.heartbeat(a.id).status is JobStatus.RUNNING
+    pool.cancel(a.id)
+    assert pool.heartbeat(a.id).status is JobStatus.CANCELLED
+
+
+def test_database_rejects_a_gpu_in_use_by_two_jobs(pool):
+    a = pool.submit(spec("a", max_gpus=1))
+    b = pool.submit(spec("b", max_gpus=1))
+    pool.ack(a.id, 1)
+    with pool.engine.connect() as conn:
+        gpu_id = conn.scalar(select(GpuInUse.gpu_id).where(GpuInUse.job_id == a.id))
+    with pytest.raises(IntegrityError):
+        with pool.engine.begin() as conn:
+            conn.execute(insert(GpuInUse).values(gpu_id=gpu_id, job_id=b.id, generation=1))
+
+
+def test_drained_node_gets_no_new_jobs(broker):
+    broker.register_node("n0", 2)
+    broker.register_node("n1", 2)
+    broker.set_node_schedulable("n1", False)
+    a = broker.submit(spec("a", max_gpus=4))
+    assert {g.node for g in a.target_gpus} == {"n0"}
+
+
+def test_register_node_is_idempotent_and_records_gpu_type(broker):
+    broker.register_node("n0", 2, gpu_type="NVIDIA H100")
+    broker.register_node("n0", 2, gpu_type="NVIDIA H100")
+    [n] = broker.nodes()
+    assert len(n.gpus) == 2 and {g.gpu_type for g in n.gpus} == {"NVIDIA H100"}
+    with broker.engine.connect() as conn:
+        assert len(conn.execute(select(Gpu)).all()) == 2
+
+
+def test_snapshot_shows_who_holds_which_gpu(pool):
+    a = pool.submit(spec("a", max_gpus=2))
+    pool.ack(a.id, 1)
+    snap = pool.snapshot()
+    held = {str(g.gpu): g.in_use_by for n in snap.nodes for g in n.gpus}
+    assert list(held.values()).count(a.id) == 2
+    assert [j.id for j in snap.jobs] == [a.id] and snap.events
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"min_gpus": 3, "max_gpus": 2}, r"min_gpus \(3\) must not be larger than max_gpus \(2\)"),
+    ({"min_gpus": 0}, "min_gpus must be an integer >= 1, got 0"),
+    ({"max_gpus": -1}, "max_gpus must be an integer >= 1, got -1"),
+    ({"total_steps": 0}, "total_steps must be an integer >= 1"),
+    ({"min_gpus": 5, "max_gpus": 8}, "min_gpus=5 is more than GPU pool 'default' has"),
+    ({"progress_pattern": "step=(\\d+"}, "not a valid regex"),
+    ({"progress_pattern": "(a)(b)"}, "named group"),
+    ({"requested_gpus": 9}, "requested_gpus"),
+    ({"backend": "slurm"}, "backend must be"),
+])
+def test_bad_submit_is_rejected_with_a_clear_message_and_changes_nothing(pool, kw, match):
+    with pytest.raises(InvalidRequest, match=match):
+        pool.submit(spec("bad", **kw))
+    assert pool.jobs() == []
+
+
+def test_min_gpus_larger_than_any_node_is_rejected_for_the_local_backend(broker):
+    broker.register_node("n0", 2)
+    broker.register_node("n1", 2)
+    with pytest.raises(InvalidRequest, match="larger than any node"):
+        broker.submit(spec("big", min_gpus=3))
+
+
+def test_unknown_pool_names_the_known_ones(pool):
+    with pytest.raises(NotFound, match="unknown GPU pool 'gpus-a100'; known pools: default"):
+        pool.submit(spec("x", pool="gpus-a100"))
+    with pytest.raises(NotFound, match="unknown job"):
+        pool.heartbeat("nope")
+
+
+def test_bad_policy_configuration_is_rejected(pool):
+    with pytest.raises(InvalidRequest, match="unknown scheduling policy"):
+        pool.configure_pool(policy="fifo")
+    with pytest.raises(InvalidRequest, match="lease_s must be > 0"):
+        pool.configure_pool(lease_s=0)
+
+
+def test_bad_broker_url_is_a_clear_error():
+    with pytest.raises(ValueError, match="invalid broker URL"):
+        GpuBroker("not a url")
+    with pytest.raises(ValueError, match="'mysql' is not supported"):
+        GpuBroker("mysql://u@h/db")

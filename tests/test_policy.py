@@ -1,0 +1,144 @@
+"""Scheduling policies and placement on hand-made clusters (pure functions, no DB)."""
+
+import pytest
+
+from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
+from airflow_elastic_gpu.scheduling.baselines import StaticPolicy
+from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place
+from airflow_elastic_gpu.scheduling.policy import get_policy
+from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
+from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+
+LINEAR = ThroughputModel(prior_alpha=0.0, prior_steps_per_s=1.0)
+
+
+def node(name="n0", gpus=4):
+    return NodeState(name, tuple(range(gpus)))
+
+
+def gpus(node_name, *indices):
+    return tuple(GpuId(node_name, i) for i in indices)
+
+
+def job(job_id, *, min_gpus=1, max_gpus=4, steps=1000, done=0, alloc=(), last_resize=None,
+        model=LINEAR, overhead=10.0, submit=0.0, requested=None):
+    return JobState(job_id, min_gpus, max_gpus, steps, requested_gpus=requested, steps_done=done,
+                    submit_time_s=submit, allocation=alloc, last_resize_s=last_resize,
+                    restart_overhead_s=overhead, throughput=model)
+
+
+def no_double_booking(decision):
+    used = [g for alloc in decision.allocations.values() for g in alloc]
+    return len(used) == len(set(used))
+
+
+def test_lone_job_gets_every_gpu_it_can_use():
+    d = AdaptivePolicy().decide(ClusterState((node(),), (job("a"),), 0.0))
+    assert len(d.allocations["a"]) == 4
+
+
+def test_new_job_is_admitted_by_shrinking_a_running_one():
+    a = job("a", alloc=gpus("n0", 0, 1, 2, 3), done=100)
+    b = job("b", submit=5.0)
+    d = AdaptivePolicy(min_resize_interval_s=0).decide(ClusterState((node(),), (a, b), 100.0))
+    assert len(d.allocations["b"]) >= 1
+    assert 1 <= len(d.allocations["a"]) < 4
+    assert set(d.allocations["a"]) <= set(a.allocation), "a shrink keeps a subset of its GPUs"
+    assert no_double_booking(d)
+    assert "shrink" in d.reasons["a"]
+
+
+def test_linear_jobs_are_served_shortest_remaining_first():
+    short = job("short", steps=100)
+    long = job("long", steps=10_000)
+    d = AdaptivePolicy().decide(ClusterState((node(),), (long, short), 0.0))
+    assert len(d.allocations["short"]) == 3 and len(d.allocations["long"]) == 1
+
+
+def test_a_job_that_does_not_scale_gets_no_extra_gpus():
+    flat = ThroughputModel().with_sample(1, 10.0).with_sample(2, 10.0)
+    d = AdaptivePolicy().decide(ClusterState((node(),), (job("flat", model=flat),), 0.0))
+    assert len(d.allocations["flat"]) == 1
+
+
+def test_growth_smaller_than_restart_overhead_is_not_worth_a_restart():
+    # 1 step left at 1 step/s: doubling saves 0.5 s, far below 2 x 10 s overhead
+    a = job("a", steps=1001, done=1000, alloc=gpus("n0", 0))
+    d = AdaptivePolicy(hysteresis=2.0, min_resize_interval_s=0).decide(
+        ClusterState((node(),), (a,), 100.0))
+    assert d.allocations["a"] == a.allocation
+
+
+def test_job_is_not_resized_within_min_resize_interval():
+    a = job("a", alloc=gpus("n0", 0), last_resize=90.0)
+    d = AdaptivePolicy(min_resize_interval_s=60).decide(ClusterState((node(),), (a,), 100.0))
+    assert d.allocations["a"] == a.allocation
+    d = AdaptivePolicy(min_resize_interval_s=60).decide(ClusterState((node(),), (a,), 151.0))
+    assert len(d.allocations["a"]) == 4
+
+
+def test_running_job_is_never_cut_below_its_minimum():
+    a = job("a", min_gpus=3, alloc=gpus("n0", 0, 1, 2))
+    b = job("b", min_gpus=2, steps=10)
+    d = AdaptivePolicy(min_resize_interval_s=0).decide(ClusterState((node(),), (a, b), 0.0))
+    assert len(d.allocations["a"]) >= 3
+    assert d.allocations["b"] == (), "b waits: only 1 GPU is free and it needs 2"
+
+
+def test_static_gives_the_request_in_submit_order_with_backfill_and_never_resizes():
+    big = job("big", min_gpus=1, max_gpus=4, requested=4, submit=1.0)
+    small = job("small", min_gpus=1, max_gpus=1, requested=1, submit=2.0)
+    running = job("run", requested=2, alloc=gpus("n0", 0, 1), submit=0.0)
+    d = StaticPolicy().decide(ClusterState((node(),), (running, big, small), 10.0))
+    assert d.allocations["run"] == running.allocation
+    assert d.allocations["big"] == (), "4 GPUs do not fit in the 2 free ones"
+    assert len(d.allocations["small"]) == 1, "a later job that fits is started (backfill)"
+
+
+def test_placement_keeps_a_job_on_one_node():
+    nodes = (node("n0", 4), node("n1", 4))
+    out = place(nodes, [PlacementRequest("a", 2, 1, gpus("n0", 0)),
+                        PlacementRequest("b", 4, 1, ())])
+    assert {g.node for g in out["a"]} == {"n0"} and GpuId("n0", 0) in out["a"]
+    assert {g.node for g in out["b"]} == {"n1"}
+
+
+def test_placement_spans_nodes_only_for_jobs_larger_than_a_node():
+    nodes = (node("n0", 4), node("n1", 4))
+    out = place(nodes, [PlacementRequest("a", 6, 6, ())])
+    assert len(out["a"]) == 6 and {g.node for g in out["a"]} == {"n0", "n1"}
+
+
+def test_placement_gives_nothing_below_min_when_fragmented():
+    nodes = (node("n0", 2), node("n1", 2))
+    out = place(nodes, [PlacementRequest("x", 1, 1, gpus("n0", 0)),
+                        PlacementRequest("y", 1, 1, gpus("n1", 0)),
+                        PlacementRequest("z", 2, 2, ())])
+    assert out["z"] == ()
+
+
+def test_unknown_policy_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'.*adaptive"):
+        get_policy("fifo")
+    with pytest.raises(ValueError, match="bad parameters"):
+        get_policy("adaptive", nonsense=1)
+    with pytest.raises(ValueError, match="hysteresis"):
+        get_policy("adaptive", hysteresis=-1)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"min_gpus": 0}, "min_gpus must be >= 1"),
+    ({"min_gpus": 3, "max_gpus": 2}, "max_gpus .* is below min_gpus"),
+    ({"requested": 9}, "requested_gpus"),
+])
+def test_bad_job_state_is_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        job("x", **kwargs)
+
+
+def test_a_job_measured_slower_on_more_gpus_is_shrunk_back():
+    slower = ThroughputModel().with_sample(1, 100.0).with_sample(4, 20.0)
+    a = job("a", steps=100_000, alloc=gpus("n0", 0, 1, 2, 3), model=slower)
+    d = AdaptivePolicy(min_resize_interval_s=0).decide(ClusterState((node(),), (a,), 100.0))
+    assert len(d.allocations["a"]) < 4
+    assert "measured faster on fewer GPUs" in d.reasons["a"]

@@ -1,0 +1,178 @@
+"""The launcher and the agent with real subprocesses (a tiny stand-in trainer, no PyTorch)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from airflow_elastic_gpu.backends.local import BackendError, LocalBackend
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.agent import LogParser
+from airflow_elastic_gpu.broker.service import GpuBroker, compile_progress_pattern
+
+TRAINER = """
+import json, os, signal, sys, time
+ignore = os.environ.get("IGNORE_TERM") == "1"
+signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else (lambda *_: sys.exit(143)))
+print(json.dumps({k: os.environ.get(k) for k in
+      ["CUDA_VISIBLE_DEVICES", "ELASTIC_GPU_COUNT", "ELASTIC_GENERATION", "ELASTIC_CHECKPOINT_DIR"]}
+      | {"argv": sys.argv[1:]}), flush=True)
+steps = int(sys.argv[2])
+for step in range(1, steps + 1):
+    time.sleep(0.05)
+    print(json.dumps({"step": step}), flush=True)
+print(json.dumps({"final": True, "step": steps, "accuracy": 0.95}), flush=True)
+"""
+
+
+def wait_for(predicate, timeout_s=30.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def trainer(tmp_path) -> Path:
+    path = tmp_path / "trainer.py"
+    path.write_text(TRAINER)
+    return path
+
+
+def start_launcher(shared: Path, command: str, grace_s: float = 5.0, env=None) -> subprocess.Popen:
+    shared.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "airflow_elastic_gpu.sidecar.launcher", "--shared-dir", str(shared),
+         "--grace-s", str(grace_s), "--poll-s", "0.05", "--", command], env=env,
+    )
+
+
+def log_json(shared: Path) -> list[dict]:
+    out = []
+    path = shared / protocol.LOG
+    for line in (path.read_text() if path.exists() else "").splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def test_launcher_exports_the_generation_and_expands_num_gpus(tmp_path, trainer):
+    shared = tmp_path / "job"
+    proc = start_launcher(shared, f"{sys.executable} {trainer} --gpus={{num_gpus}} 3")
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [2, 3], "stop": False})
+    assert proc.wait(30) == 0
+    env = log_json(shared)[0]
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["ELASTIC_GPU_COUNT"] == "2"
+    assert env["ELASTIC_GENERATION"] == "1" and env["argv"] == ["--gpus=2", "3"]
+    assert env["ELASTIC_CHECKPOINT_DIR"] == str(shared / "checkpoints")
+    status = protocol.read_json(shared / protocol.STATUS)
+    assert status["state"] == protocol.EXITED and status["exit_code"] == 0
+
+
+def test_launcher_restarts_the_trainer_on_a_new_generation(tmp_path, trainer):
+    shared = tmp_path / "job"
+    proc = start_launcher(shared, f"{sys.executable} {trainer} x 100000")
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    wait_for(lambda: len(log_json(shared)) > 3, what="generation 1 progress")
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [0, 1, 2], "stop": False})
+    wait_for(lambda: (protocol.read_json(shared / protocol.STATUS) or {}).get("generation") == 2
+             and any(e.get("ELASTIC_GENERATION") == "2" for e in log_json(shared)), what="generation 2")
+    status = protocol.read_json(shared / protocol.STATUS)
+    assert status["restarts"] == 1 and status["state"] == protocol.RUNNING
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [0, 1, 2], "stop": True})
+    assert proc.wait(30) == 0
+    assert protocol.read_json(shared / protocol.STATUS)["state"] == protocol.STOPPED
+
+
+def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path, trainer):
+    shared = tmp_path / "job"
+    env = {**__import__("os").environ, "IGNORE_TERM": "1"}
+    proc = start_launcher(shared, f"{sys.executable} {trainer} x 100000", grace_s=1.0, env=env)
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    wait_for(lambda: len(log_json(shared)) > 2, what="progress")
+    started = time.monotonic()
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": True})
+    assert proc.wait(30) == 0
+    assert 0.9 <= time.monotonic() - started < 10
+    assert "SIGKILL" in (shared / protocol.LOG).read_text()
+
+
+def test_launcher_reports_a_command_that_is_not_found(tmp_path):
+    shared = tmp_path / "job"
+    proc = start_launcher(shared, "no-such-trainer-binary --x")
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    assert proc.wait(30) == 127
+    assert protocol.read_json(shared / protocol.STATUS)["exit_code"] == 127
+    assert "command not found" in (shared / protocol.LOG).read_text()
+
+
+def test_local_backend_rejects_a_missing_command_before_starting_anything(tmp_path):
+    backend = LocalBackend(tmp_path, "sqlite://")
+    with pytest.raises(BackendError, match="command not found: 'no-such-trainer-binary'"):
+        backend.start("job", "no-such-trainer-binary --steps 3")
+    with pytest.raises(BackendError, match="does not parse"):
+        backend.check_command("python 'unterminated")
+    assert not (tmp_path / "job").exists()
+
+
+def test_log_parser_reads_json_lines_generations_and_metrics(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text('[launcher 10:00:00] generation 1: starting on GPUs [0]: x\n{"step": 5}\nnoise\n{"step": 9')
+    parser = LogParser()
+    assert parser.read(log) == [(1, 5.0)]
+    with open(log, "a") as f:
+        f.write('}\n[launcher 10:00:05] generation 2: starting on GPUs [0]: x\n{"final": true, "step": 12, "accuracy": 0.9}\n')
+    assert parser.read(log) == [(1, 9.0), (2, 12.0)]
+    assert parser.metrics["accuracy"] == 0.9
+
+
+def test_log_parser_uses_a_progress_regex(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("epoch 1 iter 40/100 loss 0.3\nepoch 1 iter 80/100 loss 0.2\n")
+    parser = LogParser(compile_progress_pattern(r"iter (?P<step>\d+)/"))
+    assert [s for _, s in parser.read(log)] == [40.0, 80.0]
+
+
+@pytest.fixture
+def real_broker(broker_url):
+    """A broker on the real clock: the agent processes it talks to use the real clock too."""
+    broker = GpuBroker(broker_url)
+    yield broker
+    broker.engine.dispose()
+
+
+def test_agent_and_launcher_run_a_job_through_the_broker(tmp_path, trainer, real_broker, broker_url):
+    broker, url = real_broker, broker_url
+    broker.register_node("localhost", 2)
+    backend = LocalBackend(tmp_path / "jobs", url, poll_s=0.2, grace_s=5)
+    job = broker.submit(JobSpec("tiny", f"{sys.executable} {trainer} x 20", 1, 2, total_steps=20))
+    handle = backend.start(job.id, job.command)
+    broker.start(job.id, handle.to_ref())
+    done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
+    assert done.status is JobStatus.SUCCEEDED, done.reason
+    assert done.steps_done == 20 and done.metrics["accuracy"] == 0.95
+    assert done.acked_generation == 1 and done.in_use_gpus == ()
+    wait_for(lambda: not backend.is_running(job.id), 10, "processes to exit")
+
+
+def test_a_crashing_trainer_fails_the_job_with_its_last_log_lines(tmp_path, real_broker, broker_url):
+    broker, url = real_broker, broker_url
+    broker.register_node("localhost", 1)
+    crash = tmp_path / "crash.py"
+    crash.write_text("import sys\nprint('loading data')\nprint('CUDA error: out of memory', flush=True)\nsys.exit(3)\n")
+    backend = LocalBackend(tmp_path / "jobs", url, poll_s=0.2)
+    job = broker.submit(JobSpec("crash", f"{sys.executable} {crash}", 1, 1, total_steps=10))
+    backend.start(job.id, job.command)
+    done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
+    assert done.status is JobStatus.FAILED and done.exit_code == 3
+    assert "trainer exited with code 3" in done.reason and "out of memory" in done.reason
