@@ -1,0 +1,153 @@
+"""``make demo``: start Airflow (SQLite, LocalExecutor), run the demo DAG, show live progress and a summary.
+
+Everything lives under ``.demo/`` in the repository: ``AIRFLOW_HOME``, the
+broker's SQLite file, the jobs' directories and ``standalone.log``. Airflow
+keeps running afterwards so the UI can be browsed; ``make demo-stop`` stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.cli import jobs_table, snapshot_view
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / ".demo"
+PID_FILE = DEMO / "standalone.pid"
+DAG_ID = "elastic_gpu_demo"
+PORT = int(os.environ.get("ELASTIC_GPU_DEMO_PORT", "8080"))
+VIRTUAL_GPUS = 4
+TIMEOUT_S = 900
+console = Console()
+
+
+def demo_env() -> dict[str, str]:
+    home = DEMO / "airflow"
+    return {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": "16",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__API__PORT": str(PORT),
+        "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "AIRFLOW__TRIGGERER__CAPACITY": "100",
+        "AIRFLOW_ELASTIC_GPU_BROKER_URL": f"sqlite:///{DEMO / 'broker.db'}",
+        "AIRFLOW_ELASTIC_GPU_WORK_DIR": str(DEMO / "jobs"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def airflow(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(Path(sys.executable).with_name("airflow")), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def stop() -> None:
+    if PID_FILE.exists():
+        pid = int(PID_FILE.read_text())
+        try:
+            os.killpg(pid, signal.SIGTERM)
+            for _ in range(30):
+                os.killpg(pid, 0)
+                time.sleep(0.5)
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        PID_FILE.unlink(missing_ok=True)
+        console.print("stopped the demo's Airflow")
+
+
+def wait_healthy(timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    url = f"http://localhost:{PORT}/api/v2/monitor/health"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"Airflow did not become healthy in {timeout_s:.0f}s; see {DEMO / 'standalone.log'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stop", action="store_true", help="stop the demo's Airflow and exit")
+    args = parser.parse_args(argv)
+    stop()
+    if args.stop:
+        return 0
+    env = demo_env()
+    DEMO.mkdir(exist_ok=True)
+    (DEMO / "broker.db").unlink(missing_ok=True)
+    broker = GpuBroker(env["AIRFLOW_ELASTIC_GPU_BROKER_URL"])
+    broker.register_node("localhost", VIRTUAL_GPUS, gpu_type="virtual")
+    broker.configure_pool(policy_params={"hysteresis": 1.0, "min_resize_interval_s": 10.0},
+                          lease_s=60, rebalance_interval_s=5)
+    console.print(f"[bold]1/4[/bold] starting Airflow (scheduler, triggerer, dag-processor, api-server) "
+                  f"in {env['AIRFLOW_HOME']}")
+    log = open(DEMO / "standalone.log", "ab")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("airflow")), "standalone"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    PID_FILE.write_text(str(proc.pid))
+    wait_healthy()
+    console.print("[bold]2/4[/bold] waiting for the demo DAG to be parsed")
+    deadline = time.monotonic() + 180
+    while airflow("dags", "unpause", DAG_ID, env=env).returncode != 0:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"DAG {DAG_ID} was not parsed; see {DEMO / 'standalone.log'}")
+        time.sleep(3)
+    out = airflow("dags", "trigger", DAG_ID, "-o", "json", env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"could not trigger {DAG_ID}: {out.stderr[-2000:]}")
+    run_id = json.loads(out.stdout[out.stdout.index("["):])[0]["dag_run_id"]
+    console.print(f"[bold]3/4[/bold] triggered run {run_id}; the broker shares {VIRTUAL_GPUS} virtual GPUs")
+    state = "running"
+    deadline = time.monotonic() + TIMEOUT_S
+    last_check = 0.0
+    with Live(snapshot_view(broker.snapshot()), console=console, refresh_per_second=1) as live:
+        while state not in ("success", "failed"):
+            if time.monotonic() > deadline:
+                state = "timed out"
+                break
+            time.sleep(1)
+            live.update(snapshot_view(broker.snapshot()))
+            jobs = broker.jobs()
+            if len(jobs) >= 4 and all(j.status.terminal for j in jobs) and time.monotonic() - last_check > 5:
+                last_check = time.monotonic()
+                res = airflow("dags", "state", DAG_ID, run_id, env=env)
+                state = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else state
+    jobs = broker.jobs()
+    console.print("[bold]4/4[/bold] summary")
+    console.print(jobs_table(jobs, title=f"{DAG_ID} run {run_id}: {state}"))
+    resizes = [e for e in broker.events() if e.kind == "resize"]
+    grew = sum(e.data["to_gpus"] > e.data["from_gpus"] for e in resizes)
+    shrank = sum(e.data["to_gpus"] < e.data["from_gpus"] for e in resizes)
+    console.print(f"resizes: {grew} up, {shrank} down; every decision and its reason: "
+                  f"airflow-elastic-gpu --broker-url {env['AIRFLOW_ELASTIC_GPU_BROKER_URL']} status")
+    console.print(f"Airflow UI: http://localhost:{PORT} (no login: every user is admin in this demo); "
+                  "stop it with [bold]make demo-stop[/bold]")
+    ok = state == "success" and all(j.status.value == "succeeded" for j in jobs)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

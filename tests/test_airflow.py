@@ -1,0 +1,115 @@
+"""The Airflow provider: metadata, operator arguments, trigger, on_kill, and a real DAG run (`airflow dags test`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from airflow.exceptions import AirflowException
+
+from airflow_elastic_gpu.backends.local import LocalBackend
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
+from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
+
+from conftest import REPO
+
+AIRFLOW = str(Path(sys.executable).with_name("airflow"))
+
+
+@pytest.fixture(scope="module")
+def airflow_env(tmp_path_factory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("airflow_home")
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "tests" / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW_ELASTIC_GPU_BROKER_URL": f"sqlite:///{home / 'broker.db'}",
+        "AIRFLOW_ELASTIC_GPU_WORK_DIR": str(home / "jobs"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "OMP_NUM_THREADS": "1",
+    }
+    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+    return env
+
+
+def test_provider_is_listed_by_airflow(airflow_env):
+    out = subprocess.run([AIRFLOW, "providers", "list", "-o", "json"], env=airflow_env, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    names = {p["package_name"] for p in json.loads(out[out.index("["):])}
+    assert "airflow-elastic-gpu" in names
+
+
+def test_dag_with_a_training_and_a_mapped_training_over_three_configs_succeeds(airflow_env):
+    run = subprocess.run([AIRFLOW, "dags", "test", "elastic_test"], env=airflow_env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "state=success" in run.stdout + run.stderr
+    broker = GpuBroker(airflow_env["AIRFLOW_ELASTIC_GPU_BROKER_URL"])
+    jobs = broker.jobs()
+    assert sorted(j.name for j in jobs) == ["mapped[0]", "mapped[1]", "mapped[2]", "single"]
+    for j in jobs:
+        assert j.status is JobStatus.SUCCEEDED and j.metrics["accuracy"] >= 0.9, j
+        assert j.in_use_gpus == () and j.key.startswith("elastic_test/")
+    logs = run.stdout + run.stderr
+    assert "[start] generation 1" in logs, "the job's allocations are logged into the task log"
+
+
+def test_trigger_serialization_round_trips():
+    trigger = ElasticTrainingTrigger("job-1", "conn", 2.5, "local", "/tmp/jobs", after_event_id=7)
+    path, kwargs = trigger.serialize()
+    assert path == "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger"
+    again = ElasticTrainingTrigger(**kwargs)
+    assert again.serialize() == (path, kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"min_gpus": 3, "max_gpus": 2}, r"min_gpus \(3\) must not be larger than max_gpus \(2\)"),
+    ({"min_gpus": 0}, "min_gpus must be an integer >= 1"),
+    ({"total_steps": -5}, "total_steps must be an integer >= 1"),
+    ({"backend": "slurm"}, "backend must be one of"),
+    ({"progress_pattern": "step=("}, "not a valid regex"),
+    ({"poll_interval": 0}, "poll_interval must be > 0"),
+])
+def test_bad_operator_arguments_fail_at_dag_parse_time(kwargs, match):
+    args = {"task_id": "t", "command": "python train.py", "total_steps": 10, **kwargs}
+    with pytest.raises(AirflowException, match=match):
+        ElasticTrainingOperator(**args)
+
+
+def test_trigger_fires_on_the_brokers_terminal_state_and_on_kill_releases_gpus(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    broker = GpuBroker(url)
+    broker.register_node("localhost", 2)
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time, json\nfor i in range(10000):\n    print(json.dumps({'step': i}), flush=True)\n"
+                       "    time.sleep(0.1)\n")
+    backend = LocalBackend(tmp_path / "jobs", url, poll_s=0.2, grace_s=5)
+    job = broker.submit(JobSpec("sleeper", f"{sys.executable} {sleeper}", 1, 2, total_steps=10000))
+    backend.start(job.id, job.command)
+    broker.start(job.id, "local")
+    deadline = time.monotonic() + 60
+    while broker.job(job.id).steps_done < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    trigger = ElasticTrainingTrigger(job.id, "elastic_gpu_missing_conn", 0.2, "local", str(tmp_path / "jobs"))
+
+    async def kill_then_wait():
+        await trigger.on_kill()
+        return await asyncio.wait_for(trigger.run().__anext__(), 30)
+
+    event = asyncio.run(kill_then_wait())
+    assert event.payload["status"] == "cancelled"
+    done = broker.job(job.id)
+    assert done.in_use_gpus == () and done.target_gpus == ()
+    assert not backend.is_running(job.id)
