@@ -115,7 +115,9 @@ def in_place_resize(work: Path, from_gpus: int, to_gpus: int, kill: bool = False
     mark = max(i for i, line in enumerate(lines) if "generation 2: starting" in line)
     done_before = max([before] + [int(m.group(1)) for line in lines[:mark] if (m := _STEP.match(line))])
     stopped = [json.loads(line)["step"] for line in lines[:mark] if line.startswith('{"event": "stopped"')]
-    resume_step = [int(m.group(1)) for line in lines[mark:] if (m := _START.match(line))][0]
+    starts = [int(m.group(1)) for line in lines[mark:] if (m := _START.match(line))]
+    first_step = next(int(m.group(1)) for line in lines[mark:] if (m := _STEP.match(line)))
+    resume_step = starts[0] if starts else first_step - 1
     redone = max(stopped + [done_before]) - resume_step
     protocol.write_json(work / protocol.DESIRED, {"generation": 2, "gpus": list(range(to_gpus)), "stop": True})
     proc.wait(120)
