@@ -1,8 +1,10 @@
 """``airflow-elastic-gpu``: inspect and drive the GPU broker from a terminal (rich tables and progress).
 
 Commands: ``nodes`` (list, ``add``, ``detect``), ``pool`` (policy settings),
-``jobs``, ``status`` (``--watch`` for a live view), ``cancel``, and
-``run-local`` (submit a command as a job on this host and follow it).
+``jobs``, ``status`` (``--watch`` for a live view), ``cancel``,
+``run-local`` (submit a command as a job on this host and follow it),
+``workload`` (cut a paper-scale workload from a trace) and ``simulate``
+(replay a trace under several policies and compare them).
 The broker URL comes from ``--broker-url``, else ``$AIRFLOW_ELASTIC_GPU_BROKER_URL``,
 else a SQLite file under ``$AIRFLOW_HOME``.
 """
@@ -203,6 +205,86 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_workload(args: argparse.Namespace) -> int:
+    from airflow_elastic_gpu.simulator.profiles import load_profiles
+    from airflow_elastic_gpu.simulator.trace import load_trace, write_trace
+    from airflow_elastic_gpu.simulator.workload import generate_workload
+
+    jobs = generate_workload(
+        load_trace(args.trace), gpus=args.gpus, hours=args.hours, load=args.load, seed=args.seed,
+        start_hour=args.start_hour, max_gpu_hours=args.max_gpu_hours,
+        profiles=load_profiles(args.profiles, args.profile_source),
+    )
+    write_trace(args.out, jobs)
+    gpu_h = sum(j.gpu_time_s for j in jobs) / 3600
+    console.print(f"wrote {len(jobs)} jobs ({gpu_h:.1f} GPU-hours) to {args.out}")
+    return 0
+
+
+def comparison_table(summaries: list[dict[str, Any]], baseline: str = "static") -> Table:
+    """Rich table of simulation summaries, with avg-JCT and makespan ratios to ``baseline``."""
+    base = next((s for s in summaries if s["policy"] == baseline), None)
+    table = Table(
+        title="policies compared" + (f" (x: ratio to {baseline}; LB: lower bound)" if base else ""),
+    )
+    for col in ("policy", "JCT h", "p95 h", "mksp h", "queue h", "util", "resizes",
+                "JCT/LB", "JCT x", "mksp x"):
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+
+    def hours(value: float) -> str:
+        return f"{value / 3600:.2f}"
+
+    for s in summaries:
+        ratio = (lambda k: f"{s[k] / base[k]:.2f}") if base else (lambda k: "-")
+        table.add_row(
+            s["policy"], hours(s["avg_jct_s"]), hours(s["p95_jct_s"]), hours(s["makespan_s"]),
+            hours(s["avg_queueing_s"]), f"{s['gpu_utilisation']:.0%}", str(s["resizes"] + s["preemptions"]),
+            f"{s['avg_jct_over_bound']:.2f}", ratio("avg_jct_s"), ratio("makespan_s"),
+        )
+    return table
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from airflow_elastic_gpu.simulator import report
+    from airflow_elastic_gpu.simulator.engine import ClusterShape, RestartOverheads, simulate
+    from airflow_elastic_gpu.simulator.profiles import load_profiles
+    from airflow_elastic_gpu.simulator.trace import load_trace
+
+    trace = load_trace(args.trace)
+    cluster = ClusterShape.parse(args.cluster)
+    profiles = load_profiles(args.profiles, args.profile_source)
+    overheads = RestartOverheads(
+        args.inplace_overhead_s if args.inplace_overhead_s is not None else RestartOverheads().inplace_s,
+        args.recreate_overhead_s if args.recreate_overhead_s is not None else RestartOverheads().recreate_s,
+    )
+    names = [p.strip() for p in args.policy.split(",") if p.strip()]
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), console=console) as bar:
+        for name in names:
+            task = bar.add_task(f"{name:<12}", total=1.0)
+            results.append(simulate(
+                trace, cluster, name, profiles=profiles, overheads=overheads, mechanism=args.mechanism,
+                rebalance_interval_s=args.rebalance_interval_s, seed=args.seed,
+                progress=lambda f, task=task: bar.update(task, completed=f),
+            ))
+            bar.update(task, completed=1.0)
+    summaries = [r.summary() for r in results]
+    Console(width=max(console.width, 110)).print(comparison_table(summaries))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for r in results:
+            report.write_jobs_csv(r, out / f"jobs_{r.policy}.csv")
+        report.write_summary(summaries, out / "summary.csv")
+        report.plot_jct_cdf(results, out / "jct_cdf.png", f"JCT CDF: {Path(args.trace).name} on {cluster}")
+        report.plot_gpus_in_use(results, out / "gpus_in_use.png", f"GPUs in use on {cluster}")
+        focus = next((r for r in results if r.policy == args.timeline_policy), results[0])
+        report.plot_allocation_timeline(focus, out / f"timeline_{focus.policy}.png")
+        console.print(f"per-job CSVs, summary.csv and plots written to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="airflow-elastic-gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--broker-url", default=None,
@@ -221,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pool", help="set a pool's policy and timing")
     p.add_argument("--pool", default=DEFAULT_POOL)
-    p.add_argument("--policy", default=None, help="adaptive (default) or static")
+    p.add_argument("--policy", default=None, help="adaptive (default), static or termination")
     p.add_argument("--param", action="append", help="policy parameter NAME=VALUE, e.g. hysteresis=2")
     p.add_argument("--lease-s", type=float, default=None)
     p.add_argument("--rebalance-interval-s", type=float, default=None)
@@ -257,6 +339,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="start and return")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_run_local)
+
+    from airflow_elastic_gpu.simulator.profiles import DEFAULT_SOURCE
+
+    p = sub.add_parser("workload", help="cut a paper-scale workload from a raw job trace")
+    p.add_argument("--trace", required=True, help="trace CSV (job_id, submit_time_s, num_gpus, duration_s)")
+    p.add_argument("--gpus", type=int, default=16, help="cluster size; larger jobs are dropped")
+    p.add_argument("--hours", type=float, default=8.0, help="arrival window length")
+    p.add_argument("--load", type=float, default=1.0, help="GPU-time offered, as a multiple of gpus x hours")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-hour", type=float, default=0.0, help="window start, hour of the trace's day")
+    p.add_argument("--max-gpu-hours", type=float, default=None, help="largest job kept (default gpus*hours/8)")
+    p.add_argument("--profiles", default=None, help="throughput profile CSV (default: bundled)")
+    p.add_argument("--profile-source", default=DEFAULT_SOURCE)
+    p.add_argument("--out", required=True, help="output trace CSV")
+    p.set_defaults(fn=cmd_workload)
+
+    p = sub.add_parser("simulate", help="replay a trace under several policies and compare them")
+    p.add_argument("--trace", required=True)
+    p.add_argument("--cluster", default="4x4", help="NODESxGPUS_PER_NODE (default 4x4)")
+    p.add_argument("--policy", default="adaptive,static",
+                   help="comma-separated: adaptive, static, termination, tiresias, optimus, afs_l")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model draw for jobs without one")
+    p.add_argument("--out", default=None, help="directory for per-job CSVs, summary.csv and PNG plots")
+    p.add_argument("--mechanism", choices=["inplace", "recreate"], default=None,
+                   help="force one resize mechanism for every policy (default: each policy's own)")
+    p.add_argument("--inplace-overhead-s", type=float, default=None)
+    p.add_argument("--recreate-overhead-s", type=float, default=None)
+    p.add_argument("--rebalance-interval-s", type=float, default=60.0)
+    p.add_argument("--profiles", default=None)
+    p.add_argument("--profile-source", default=DEFAULT_SOURCE)
+    p.add_argument("--timeline-policy", default="adaptive", help="policy whose per-job timeline is plotted")
+    p.set_defaults(fn=cmd_simulate)
     return parser
 
 

@@ -25,6 +25,7 @@ import logging
 import random
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -63,7 +64,11 @@ from airflow_elastic_gpu.broker.types import (
 )
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
-from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+from airflow_elastic_gpu.scheduling.throughput import (
+    ThroughputModel,
+    update_restart_overhead,
+    with_pool_prior,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,6 @@ __all__ = [
     "NodeView", "NotFound", "PoolSnapshot", "StaleGeneration", "Target", "compile_progress_pattern",
 ]
 
-OVERHEAD_EMA = 0.5
 _RETRYABLE_PG_CODES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 
 
@@ -274,14 +278,19 @@ class GpuBroker:
     ) -> None:
         """Set a pool's scheduling policy (by name, with parameters), heartbeat lease and rebalance period.
 
-        :raises InvalidRequest: unknown policy, bad parameters, or a non-positive period.
+        :raises InvalidRequest: unknown or preemptive policy, bad parameters, or a non-positive period.
         :raises NotFound: unknown pool.
         """
         if policy is not None or policy_params is not None:
             try:
-                get_policy(policy or "adaptive", **(policy_params or {}))
+                chosen = get_policy(policy or "adaptive", **(policy_params or {}))
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
+            if getattr(chosen, "preemptive", False):
+                raise InvalidRequest(
+                    f"policy {chosen.name!r} preempts running jobs (takes all their GPUs), which the "
+                    "broker never does; it is available in the simulator only"
+                )
         for name, value in (("lease_s", lease_s), ("rebalance_interval_s", rebalance_interval_s)):
             if value is not None and not value > 0:
                 raise InvalidRequest(f"{name} must be > 0 seconds, got {value!r}")
@@ -518,11 +527,8 @@ class GpuBroker:
                     .limit(1)
                 )
                 if prev is None and job.published_s is not None and gen == job.target_generation and gen > 1:
-                    measured = max(0.0, now - job.published_s)
-                    job.restart_overhead_s = (
-                        measured
-                        if job.restart_overhead_s is None
-                        else OVERHEAD_EMA * measured + (1 - OVERHEAD_EMA) * job.restart_overhead_s
+                    job.restart_overhead_s = update_restart_overhead(
+                        job.restart_overhead_s, now - job.published_s
                     )
                 if prev is not None and now > prev.time_s and step > prev.step and num_gpus > 0:
                     model = self._model(job).with_sample(num_gpus, (step - prev.step) / (now - prev.time_s))
@@ -694,11 +700,9 @@ class GpuBroker:
             u.gpu_id: u.job_id
             for u in s.scalars(select(GpuInUse).join(Job, Job.id == GpuInUse.job_id).where(Job.pool == pool))
         }
-        models = {j.id: self._model(j) for j in active}
-        known_t1 = sorted(m.steps_per_s(1) for m in models.values() if m.observed)
-        if known_t1:  # a job not yet measured is assumed as fast as the pool's median job
-            prior = known_t1[len(known_t1) // 2]
-            models = {k: m if m.observed else ThroughputModel(prior_steps_per_s=prior) for k, m in models.items()}
+        # a job not yet measured is assumed as fast as the pool's median job
+        models = with_pool_prior({j.id: self._model(j) for j in active})
+        held = Counter(in_use_holder.values())
         states = tuple(
             JobState(
                 job_id=j.id,
@@ -715,7 +719,9 @@ class GpuBroker:
                 ),
                 throughput=models[j.id],
                 priority=j.priority,
-                attained_gpu_s=j.gpu_seconds,
+                attained_gpu_s=j.gpu_seconds
+                + held[j.id] * max(0.0, now - (j.in_use_since_s if j.in_use_since_s is not None else now)),
+                first_start_s=j.start_s,
             )
             for j in active
         )

@@ -22,16 +22,23 @@ Steps of one decision:
    shrink to a count measured faster) only if the predicted time saved
    ``remaining(n_now) - remaining(n_new)`` exceeds ``hysteresis * restart_overhead_s``;
    otherwise it is frozen and steps 2-4 run again.
-6. Placement turns counts into GPUs (``placement.place``).
+6. Placement turns counts into GPUs (``placement.place``). Counts are
+   node-aware: a job grows one GPU at a time up to a node's size, then by
+   whole nodes, because a job split over partly used nodes pays cross-node
+   synchronisation (the Pollux T4 profiles measure 8 GPUs on two nodes slower
+   than 4 on one for most models).
+7. GPUs placement could not use (free GPUs scattered over nodes) go to jobs
+   already on those nodes, by marginal speed-up.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import ClassVar
 
 from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place
-from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, JobState
+from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,11 @@ class AdaptivePolicy:
 
     hysteresis: float = 2.0
     min_resize_interval_s: float = 60.0
+    explore: bool = True
     name: str = "adaptive"
     elastic: bool = True
+    preemptive: ClassVar[bool] = False
+    resize_mechanism: ClassVar[str] = "inplace"
 
     def __post_init__(self) -> None:
         if self.hysteresis < 0:
@@ -115,9 +125,17 @@ class AdaptivePolicy:
                 counts[j.job_id] = j.min_gpus if free >= j.min_gpus else 0
                 free -= counts[j.job_id]
 
+        node = cluster.max_node_gpus
+
+        def step(j: JobState, n: int) -> int:
+            """GPUs the job's next growth takes: one while it fits a node, then a whole node."""
+            if n < node or node == 0:
+                return min(1, j.max_gpus - n)
+            return min(node - n % node, j.max_gpus - n)
+
         def score(j: JobState, n: int) -> float:
-            t = j.throughput
-            return weight[j.job_id] * (t.steps_per_s(n + 1) - t.steps_per_s(n)) / t.steps_per_s(1)
+            t, k = j.throughput, step(j, n)
+            return weight[j.job_id] * (t.steps_per_s(n + k) - t.steps_per_s(n)) / t.steps_per_s(1) / k
 
         heap = [
             (-score(j, counts[j.job_id]), j.remaining_time_s(1), j.job_id, j)
@@ -129,10 +147,25 @@ class AdaptivePolicy:
             neg, rem, job_id, j = heapq.heappop(heap)
             if -neg <= 0:
                 break
-            counts[job_id] += 1
-            free -= 1
+            k = step(j, counts[job_id])
+            if k > free:
+                continue  # a whole node is not free; smaller growths of others may still fit
+            counts[job_id] += k
+            free -= k
             if counts[job_id] < j.max_gpus:
                 heapq.heappush(heap, (-score(j, counts[job_id]), rem, job_id, j))
+        if free > 0 and self.explore:  # step 4a: idle GPUs try a count no job has been measured on
+            for j in sorted(order, key=lambda j: -j.remaining_time_s(max(1, j.num_gpus))):
+                if free <= 0:
+                    break
+                n = counts.get(j.job_id, 0)
+                if j.job_id in frozen or not j.allocation or n != j.num_gpus or node == 0:
+                    continue
+                seen = max((c for c, _ in j.throughput.observed), default=0)
+                m = (max(n, seen) // node + 1) * node
+                if m <= j.max_gpus and m - n <= free and seen >= n:
+                    counts[j.job_id] = m
+                    free -= m - n
         for j in order:  # step 4: nobody wanted them, give them back (unless that slows the job)
             if free <= 0:
                 break
@@ -143,13 +176,55 @@ class AdaptivePolicy:
                 free -= back
         return counts
 
+    def _fill(
+        self, cluster: ClusterState, order: list[JobState], allocations: dict[str, tuple[GpuId, ...]]
+    ) -> dict[str, tuple[GpuId, ...]]:
+        """Step 7: GPUs that placement could not use (free GPUs split over nodes) go to jobs on their node.
+
+        A single-node job on a node with free GPUs grows there, one GPU at a
+        time, to the job with the best marginal speed-up, while that is
+        positive and pays its restart overhead.
+        """
+        free: dict[str, list[int]] = {n.name: list(n.gpu_indices) for n in cluster.nodes}
+        for gpus in allocations.values():
+            for g in gpus:
+                free[g.node].remove(g.index)
+        if not any(free.values()):
+            return allocations
+        out = {k: list(v) for k, v in allocations.items()}
+        on_node: dict[str, list[JobState]] = {}
+        for j in order:
+            nodes = {g.node for g in out[j.job_id]}
+            if len(nodes) == 1 and not self._frozen(j, cluster.now_s):
+                node = next(iter(nodes))
+                if free[node]:
+                    on_node.setdefault(node, []).append(j)
+
+        def gain(j: JobState, n: int) -> float:
+            t = j.throughput
+            return (t.steps_per_s(n + 1) - t.steps_per_s(n)) / t.steps_per_s(1)
+
+        for node, jobs in on_node.items():  # nodes are independent: each node's GPUs go to its jobs
+            heap = [(-gain(j, len(out[j.job_id])), i, j) for i, j in enumerate(jobs)]
+            heapq.heapify(heap)
+            while free[node] and heap:
+                neg, i, j = heapq.heappop(heap)
+                n = len(out[j.job_id])
+                if -neg <= 0 or n >= j.max_gpus or (j.allocation and self._unpaid(j, n + 1)):
+                    continue
+                out[j.job_id].append(GpuId(node, free[node].pop(0)))
+                heapq.heappush(heap, (-gain(j, n + 1), i, j))
+        return {k: tuple(sorted(v)) for k, v in out.items()}
+
     def decide(self, cluster: ClusterState) -> Decision:
         counts, order = self.counts(cluster)
         allocations = place(
             cluster.nodes,
             [PlacementRequest(j.job_id, counts[j.job_id], j.min_gpus, j.allocation) for j in order],
         )
+        allocations = self._fill(cluster, order, allocations)
         reasons: dict[str, str] = {}
+        rank = {j.job_id: r for r, j in enumerate(order)}
         for j in order:
             new = allocations[j.job_id]
             if set(new) == set(j.allocation):
@@ -173,7 +248,7 @@ class AdaptivePolicy:
             elif len(new) < j.num_gpus:
                 reasons[j.job_id] = (
                     f"shrink {j.num_gpus}->{len(new)} GPUs: the GPUs gain more elsewhere "
-                    f"(rank {order.index(j) + 1} of {len(order)} by remaining work)"
+                    f"(rank {rank[j.job_id] + 1} of {len(order)} by remaining work)"
                 )
             else:
                 reasons[j.job_id] = f"move to {', '.join(map(str, new))} (placement)"

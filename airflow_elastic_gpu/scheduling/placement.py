@@ -16,6 +16,7 @@ Rules, in order:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,6 +55,15 @@ def place(
     node_size = {n.name: n.num_gpus for n in nodes}
     max_node = max(node_size.values(), default=0)
     result: dict[str, list[GpuId]] = {}
+    # nodes by free-GPU count, each list sorted by name: best fit without scanning every node
+    by_free: list[list[str]] = [[] for _ in range(max_node + 1)]
+
+    def _unindex(node: str) -> None:
+        bucket = by_free[len(free[node])]
+        del bucket[bisect.bisect_left(bucket, node)]
+
+    def _index(node: str) -> None:
+        bisect.insort(by_free[len(free[node])], node)
 
     # 1. keep current GPUs (only those still schedulable)
     for req in requests:
@@ -62,15 +72,29 @@ def place(
         for g in kept:
             free[g.node].discard(g.index)
         result[req.job_id] = kept
+    for name in sorted(free):
+        _index(name)
 
     def take(node: str, count: int) -> list[GpuId]:
+        _unindex(node)
         picked = sorted(free[node])[:count]
         free[node].difference_update(picked)
+        _index(node)
         return [GpuId(node, i) for i in picked]
 
     def release(gpus: list[GpuId]) -> None:
-        for g in gpus:
-            free[g.node].add(g.index)
+        for node in {g.node for g in gpus}:
+            _unindex(node)
+            free[node].update(g.index for g in gpus if g.node == node)
+            _index(node)
+
+    def best_fit(target: int, home: str | None) -> str | None:
+        """The node with the fewest free GPUs that still has ``target`` (ties: ``home``, then name)."""
+        for count in range(target, max_node + 1):
+            bucket = by_free[count]
+            if bucket:
+                return home if home in bucket else bucket[0]
+        return None
 
     # 2. grow, in the caller's order
     for req in requests:
@@ -85,13 +109,14 @@ def place(
                 kept.extend(take(home, need))
                 continue
             # move whole to the tightest node that fits (counting GPUs we would give back)
-            fits = [
-                n
-                for n in free
-                if len(free[n]) + sum(g.node == n for g in kept) >= req.target
-            ]
-            if fits:
-                best = min(fits, key=lambda n: (len(free[n]), n != home, n))
+            if len(kept_nodes) > 1:
+                fits = [
+                    n for n in free if len(free[n]) + sum(g.node == n for g in kept) >= req.target
+                ]
+                best = min(fits, key=lambda n: (len(free[n]), n)) if fits else None
+            else:
+                best = best_fit(req.target, None)
+            if best is not None:
                 release(kept)
                 result[req.job_id] = take(best, req.target)
                 continue
@@ -99,18 +124,30 @@ def place(
                 kept.extend(take(home, len(free[home])))
                 continue
             if not kept:  # waiting job: start smaller on the roomiest node, if >= min
-                roomiest = max(free, key=lambda n: (len(free[n]), n), default=None)
+                roomiest = next((b[-1] for b in reversed(by_free) if b), None)
                 if roomiest is not None and len(free[roomiest]) >= req.min_gpus:
                     result[req.job_id] = take(roomiest, min(req.target, len(free[roomiest])))
             continue
         # larger than any node: fill its nodes first, then the emptiest others
-        order = sorted(free, key=lambda n: (n not in kept_nodes, -len(free[n]), n))
-        available = sum(len(free[n]) for n in order)
+        available = sum(count * len(bucket) for count, bucket in enumerate(by_free))
         if len(kept) + available < req.min_gpus:
             continue
+        order = sorted(kept_nodes, key=lambda n: (-len(free[n]), n))
+        covered = sum(len(free[n]) for n in order)
+        for count in range(max_node, 0, -1):
+            if covered >= need:
+                break
+            for n in by_free[count]:
+                if covered >= need:
+                    break
+                if n not in kept_nodes:
+                    order.append(n)
+                    covered += count
         for n in order:
             if need <= 0:
                 break
+            if not free[n]:
+                continue
             got = take(n, min(need, len(free[n])))
             kept.extend(got)
             need -= len(got)

@@ -18,8 +18,29 @@ class Policy(Protocol):
 
     name: str
     elastic: bool
+    preemptive: bool  # may take every GPU from a running job (simulation only; the broker keeps >= min)
+    resize_mechanism: str  # "inplace" (sidecar restart), "recreate" (new pod), or "none"
 
     def decide(self, cluster: ClusterState) -> Decision: ...
+
+
+def policy_classes() -> dict[str, type]:
+    """Every policy by name: ours (``adaptive``), the baselines and the peers from the literature."""
+    from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
+    from airflow_elastic_gpu.scheduling.afs_l import AfsLPolicy
+    from airflow_elastic_gpu.scheduling.optimus import OptimusPolicy
+    from airflow_elastic_gpu.scheduling.static import StaticPolicy
+    from airflow_elastic_gpu.scheduling.termination import TerminationPolicy
+    from airflow_elastic_gpu.scheduling.tiresias import TiresiasPolicy
+
+    return {
+        "adaptive": AdaptivePolicy,
+        "static": StaticPolicy,
+        "termination": TerminationPolicy,
+        "tiresias": TiresiasPolicy,
+        "optimus": OptimusPolicy,
+        "afs_l": AfsLPolicy,
+    }
 
 
 def get_policy(name: str, **params: Any) -> Policy:
@@ -27,10 +48,7 @@ def get_policy(name: str, **params: Any) -> Policy:
 
     :raises ValueError: unknown name (the message lists the known ones), or bad params.
     """
-    from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
-    from airflow_elastic_gpu.scheduling.baselines import StaticPolicy
-
-    known: dict[str, type] = {"adaptive": AdaptivePolicy, "static": StaticPolicy}
+    known = policy_classes()
     try:
         cls = known[name]
     except KeyError:

@@ -72,6 +72,7 @@ class JobState:
     :param throughput: the job's fitted throughput model (steps/s vs GPU count).
     :param priority: larger is served first; ties fall to the policy's order.
     :param attained_gpu_s: GPU-seconds the job has received so far (Tiresias).
+    :param first_start_s: when the job first ran, or ``None`` (Tiresias orders its queues by it).
     """
 
     job_id: str
@@ -87,6 +88,7 @@ class JobState:
     throughput: ThroughputModel = field(default_factory=ThroughputModel)
     priority: int = 0
     attained_gpu_s: float = 0.0
+    first_start_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.min_gpus < 1:

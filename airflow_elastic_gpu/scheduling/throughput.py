@@ -95,3 +95,34 @@ class ThroughputModel:
     def speedup(self, num_gpus: int) -> float:
         """``steps_per_s(num_gpus) / steps_per_s(1)``."""
         return self.steps_per_s(num_gpus) / self.steps_per_s(1)
+
+
+RESTART_OVERHEAD_EMA = 0.5
+"""Weight of a new measurement in a job's moving average of restart overhead."""
+
+
+def with_pool_prior(models: dict[str, ThroughputModel]) -> dict[str, ThroughputModel]:
+    """Give every job not yet measured the single-GPU throughput of the pool's median measured job.
+
+    A new job is assumed as fast as a typical one until its own samples
+    arrive; with no measured job at all, the models are returned unchanged.
+
+    :param models: job id -> model; not modified.
+    :returns: job id -> model (measured ones are the same objects).
+    """
+    known_t1 = sorted(m.steps_per_s(1) for m in models.values() if m.observed)
+    if not known_t1:
+        return dict(models)
+    prior = known_t1[len(known_t1) // 2]
+    return {
+        k: m if m.observed else ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=prior)
+        for k, m in models.items()
+    }
+
+
+def update_restart_overhead(current_s: float | None, measured_s: float) -> float:
+    """Fold one measured restart overhead (seconds, >= 0) into a job's moving average."""
+    measured_s = max(0.0, measured_s)
+    if current_s is None:
+        return measured_s
+    return RESTART_OVERHEAD_EMA * measured_s + (1 - RESTART_OVERHEAD_EMA) * current_s

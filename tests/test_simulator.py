@@ -1,0 +1,265 @@
+"""Simulator, peer policies and workload generator: conservation, determinism, each policy's
+characteristic behaviour, broker-in-the-loop equivalence, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections import defaultdict
+
+import pytest
+
+from airflow_elastic_gpu.cli import main as cli_main
+from airflow_elastic_gpu.scheduling.policy import get_policy, policy_classes
+from airflow_elastic_gpu.simulator.engine import (
+    ClusterShape,
+    RestartOverheads,
+    SimulationError,
+    SimulationResult,
+    simulate,
+)
+from airflow_elastic_gpu.simulator.profiles import ProfileError, bundled_data, load_profiles
+from airflow_elastic_gpu.simulator.trace import TraceError, TraceJob, load_trace, write_trace
+from airflow_elastic_gpu.simulator.workload import WorkloadError, generate_workload
+
+POLICIES = sorted(policy_classes())
+SMALL = [
+    TraceJob("a", 0, 1, 3000, "imagenet"),
+    TraceJob("b", 130, 2, 2000, "bert"),
+    TraceJob("c", 420, 4, 1500, "cifar10"),
+    TraceJob("d", 900, 1, 600, "ncf"),
+    TraceJob("e", 1000, 8, 900, "deepspeech2"),
+]
+
+
+@pytest.fixture(scope="module")
+def workload() -> list[TraceJob]:
+    trace = load_trace(bundled_data("itp_cluster02_day27_3d.csv"))
+    return generate_workload(trace, gpus=16, hours=8, load=1.0, seed=3)
+
+
+def held_over_time(result: SimulationResult) -> list[tuple[float, int]]:
+    """Total GPUs held after each allocation change, rebuilt from the per-job timeline."""
+    held: dict[str, int] = defaultdict(int)
+    out = []
+    for t, job_id, n in result.allocations:
+        held[job_id] = n
+        out.append((t, sum(held.values())))
+    return out
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_conservation_every_job_finishes_all_work_done_capacity_never_exceeded(policy, workload):
+    result = simulate(workload, ClusterShape(4, 4), policy, seed=3)
+    assert len(result.jobs) == len(workload)
+    assert all(j.end_s is not None and j.end_s >= j.submit_s for j in result.jobs)
+    assert result.work_done == pytest.approx(sum(j.work for j in result.jobs), rel=1e-9)
+    assert max(n for _, n in held_over_time(result)) <= 16
+    assert max(n for _, n in result.busy) <= 16
+    assert held_over_time(result)[-1][1] == 0
+    s = result.summary()
+    # nobody beats the lower bound (each job alone at its best speed; capacity-limited makespan)
+    assert s["avg_jct_over_bound"] >= 1.0 - 1e-9
+    assert s["makespan_over_bound"] >= 1.0 - 1e-9
+    assert 0 < s["gpu_utilisation"] <= 1.0 + 1e-9
+
+
+def test_same_seed_same_schedule_and_seed_changes_model_draw():
+    trace = load_trace(bundled_data("philly_vc-ee9e8c_2017-10-23_14d.csv"))
+    jobs = [j for j in trace if j.num_gpus <= 16][:20]  # no model column: models are drawn
+    a = simulate(jobs, ClusterShape(4, 4), "adaptive", seed=7)
+    b = simulate(jobs, ClusterShape(4, 4), "adaptive", seed=7)
+    assert a.allocations == b.allocations
+    assert [(j.model, j.end_s) for j in a.jobs] == [(j.model, j.end_s) for j in b.jobs]
+    models = {seed: [j.model for j in simulate(jobs, ClusterShape(4, 4), "static", seed=seed).jobs]
+              for seed in range(4)}
+    assert len({tuple(m) for m in models.values()}) > 1
+    w1 = generate_workload(trace, gpus=16, seed=5)
+    assert w1 == generate_workload(trace, gpus=16, seed=5)
+    assert w1 != generate_workload(trace, gpus=16, seed=6)
+
+
+def test_static_never_resizes_and_serves_in_submit_order_with_backfill():
+    trace = [TraceJob("big", 0, 4, 3600, "imagenet"), TraceJob("wide", 10, 4, 600, "imagenet"),
+             TraceJob("small", 20, 1, 600, "imagenet")]
+    r = simulate(trace, ClusterShape(1, 5), "static")
+    jobs = {j.job_id: j for j in r.jobs}
+    assert sum(j.resizes + j.preemptions for j in r.jobs) == 0
+    assert jobs["small"].queueing_s == 0  # backfilled on the free GPU
+    assert jobs["wide"].start_s == pytest.approx(jobs["big"].end_s)  # waits for its request
+    assert jobs["big"].jct_s == pytest.approx(3600)  # exactly its recorded duration
+
+
+def test_adaptive_grows_a_lone_job_and_shrinks_it_for_a_newcomer():
+    trace = [TraceJob("long", 0, 1, 20_000, "imagenet"), TraceJob("short", 3000, 1, 1200, "imagenet")]
+    r = simulate(trace, ClusterShape(1, 4), "adaptive")
+    counts = [(job, n) for _, job, n in r.allocations]
+    assert ("long", 4) in counts  # grew onto idle GPUs
+    assert any(job == "long" and 0 < n < 4 for job, n in counts[counts.index(("long", 4)):])  # gave some back
+    jobs = {j.job_id: j for j in r.jobs}
+    assert jobs["short"].queueing_s == pytest.approx(0)
+    assert jobs["long"].jct_s < 20_000 / 2  # imagenet scales well: far faster than on its 1 GPU
+
+
+def test_tiresias_demotes_a_long_job_and_preempts_it_for_a_new_one():
+    trace = [TraceJob("long", 0, 4, 20_000, "imagenet"), TraceJob("new", 3600, 4, 600, "imagenet")]
+    r = simulate(trace, ClusterShape(1, 4), "tiresias")
+    jobs = {j.job_id: j for j in r.jobs}
+    assert jobs["long"].preemptions == 1  # 4 GPUs x 3600 s > the 1 GPU-hour threshold: demoted
+    assert jobs["new"].queueing_s < 120
+    assert jobs["new"].end_s < jobs["long"].end_s
+    static = {j.job_id: j for j in simulate(trace, ClusterShape(1, 4), "static").jobs}
+    assert static["new"].start_s == pytest.approx(static["long"].end_s)
+
+
+def test_termination_pays_recreate_overhead_adaptive_pays_in_place():
+    overheads = RestartOverheads(inplace_s=5.0, recreate_s=100.0)
+    trace = [TraceJob("long", 0, 1, 20_000, "imagenet"), TraceJob("short", 3000, 1, 1200, "imagenet")]
+    a = simulate(trace, ClusterShape(1, 4), "adaptive", overheads=overheads)
+    t = simulate(trace, ClusterShape(1, 4), "termination", overheads=overheads)
+    assert a.mechanism == "inplace" and t.mechanism == "recreate"
+    lost_a = sum(j.restart_lost_s for j in a.jobs) / max(1, sum(j.resizes for j in a.jobs))
+    lost_t = sum(j.restart_lost_s for j in t.jobs) / max(1, sum(j.resizes for j in t.jobs))
+    assert lost_a == pytest.approx(5.0)
+    assert lost_t == pytest.approx(100.0)
+    forced = simulate(trace, ClusterShape(1, 4), "termination", overheads=overheads, mechanism="inplace")
+    assert forced.mechanism == "inplace"
+
+
+@pytest.mark.parametrize("policy", ["optimus", "afs_l"])
+def test_elastic_peers_use_idle_gpus(policy):
+    trace = [TraceJob("only", 0, 1, 20_000, "imagenet")]
+    r = simulate(trace, ClusterShape(1, 4), policy)
+    assert max(n for _, job, n in r.allocations) == 4
+    assert r.jobs[0].jct_s < 20_000 / 2
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "static", "termination", "optimus"])
+def test_broker_in_the_loop_gives_the_same_schedule(policy):
+    pure = simulate(SMALL, ClusterShape(2, 4), policy)
+    real = simulate(SMALL, ClusterShape(2, 4), policy, broker=True)
+    assert real.allocations == pure.allocations
+    assert [j.end_s for j in real.jobs] == pytest.approx([j.end_s for j in pure.jobs])
+    assert real.decisions > 0
+
+
+def test_profiles_are_node_aware_and_interpolate():
+    p = load_profiles()["bert"]
+    assert p.samples_per_s(8, 2) < p.samples_per_s(4, 1)  # the source's measured cross-node dip
+    assert p.samples_per_s(1) < p.samples_per_s(2) < p.samples_per_s(4)
+    six = p.samples_per_s(6, 2)
+    assert 0 < six < p.samples_per_s(12, 3)
+    assert p.samples_per_s(8, 1) > p.samples_per_s(4, 1)  # one 8-GPU node: extrapolated, no dip
+    gavel = load_profiles(source="gavel", gpu_type="V100")
+    assert gavel.source == "gavel" and gavel.profiles
+
+
+def test_workload_generator_cuts_a_paper_scale_workload():
+    trace = load_trace(bundled_data("philly_vc-ee9e8c_2017-10-23_14d.csv"))
+    jobs = generate_workload(trace, gpus=16, hours=8, load=1.5, seed=1)
+    gpu_s = sum(j.gpu_time_s for j in jobs)
+    budget = 1.5 * 16 * 8 * 3600
+    assert budget <= gpu_s <= budget + max(j.gpu_time_s for j in jobs)
+    assert all(j.num_gpus <= 16 and j.gpu_time_s <= 16 * 3600 for j in jobs)
+    assert all(0 <= j.submit_time_s < 8 * 3600 for j in jobs)
+    assert [j.job_id for j in jobs] == [str(i) for i in range(len(jobs))]
+    for j in jobs:  # a model by GPU-time, as the Pollux generator does
+        hours = j.gpu_time_s / 3600
+        expected = {"cifar10", "ncf"} if hours < 1 else {"deepspeech2", "bert"} if hours < 10 else {"yolov3"}
+        assert j.model in expected
+
+
+def test_cli_workload_and_simulate_write_csvs_and_plots(tmp_path):
+    wl = tmp_path / "w.csv"
+    assert cli_main(["workload", "--trace", str(bundled_data("itp_cluster02_day27_3d.csv")),
+                     "--gpus", "8", "--hours", "4", "--seed", "2", "--out", str(wl)]) == 0
+    assert load_trace(wl)[0].model is not None
+    out = tmp_path / "sim"
+    assert cli_main(["simulate", "--trace", str(wl), "--cluster", "2x4", "--policy", "adaptive,static",
+                     "--out", str(out)]) == 0
+    for name in ("summary.csv", "jobs_adaptive.csv", "jobs_static.csv", "jct_cdf.png",
+                 "gpus_in_use.png", "timeline_adaptive.png"):
+        assert (out / name).stat().st_size > 0, name
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["policy"] for r in rows] == ["adaptive", "static"]
+    assert (out / "jct_cdf.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def write_rows(path, header, *rows):
+    path.write_text("\n".join([",".join(header), *[",".join(map(str, r)) for r in rows]]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([("a", 0, 1)], "missing column"),
+        ([("a", 0, 1, 10), ("a", 5, 1, 10)], "job_id 'a' appears twice"),
+        ([("a", -1, 1, 10)], "submit_time_s must be >= 0"),
+        ([("a", 0, 0, 10)], "num_gpus must be an integer >= 1"),
+        ([("a", 0, 1.5, 10)], "num_gpus must be an integer >= 1"),
+        ([("a", 0, 1, 0)], "duration_s must be > 0"),
+        ([("a", "soon", 1, 10)], "submit_time_s must be a number"),
+        ([("a", 0, 1, "nan")], "duration_s must be finite"),
+        ([], "no jobs"),
+    ],
+)
+def test_bad_trace_files_name_the_problem(tmp_path, rows, message):
+    header = ("job_id", "submit_time_s", "num_gpus") if message == "missing column" else (
+        "job_id", "submit_time_s", "num_gpus", "duration_s")
+    path = write_rows(tmp_path / "t.csv", header, *rows)
+    with pytest.raises(TraceError, match=message):
+        load_trace(path)
+
+
+def test_bad_simulator_inputs_name_the_problem(tmp_path):
+    with pytest.raises(SimulationError, match="NODESxGPUS_PER_NODE"):
+        ClusterShape.parse("four")
+    with pytest.raises(SimulationError, match=">= 1 node"):
+        ClusterShape.parse("0x4")
+    with pytest.raises(SimulationError, match="ask for more GPUs than the 1x4 cluster"):
+        simulate([TraceJob("x", 0, 8, 10)], ClusterShape(1, 4))
+    with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
+        simulate(SMALL, ClusterShape(2, 4), "fifo")
+    with pytest.raises(ProfileError, match="no pollux/T4 throughput profile for model 'gpt9'"):
+        simulate([TraceJob("x", 0, 1, 10, "gpt9")], ClusterShape(1, 4))
+    with pytest.raises(ProfileError, match="unknown profile source 'nvidia'"):
+        load_profiles(source="nvidia")
+    with pytest.raises(SimulationError, match="restart overhead inplace_s"):
+        RestartOverheads(inplace_s=-1)
+    with pytest.raises(SimulationError, match="mechanism must be one of"):
+        simulate(SMALL, ClusterShape(2, 4), mechanism="teleport")
+    with pytest.raises(SimulationError, match="cannot read restart overheads"):
+        RestartOverheads.from_benchmark(tmp_path / "missing.json")
+    with pytest.raises(TraceError, match="does not exist"):
+        load_trace(tmp_path / "missing.csv")
+    trace = load_trace(bundled_data("itp_cluster02_day27_3d.csv"))
+    for kwargs, message in (({"load": 0}, "load must be > 0"), ({"hours": 30}, "hours must be in"),
+                            ({"gpus": 0}, "gpus must be an integer"),
+                            ({"max_gpu_hours": 0.001}, "no job of the trace")):
+        with pytest.raises(WorkloadError, match=message):
+            generate_workload(trace, **kwargs)
+    assert cli_main(["simulate", "--trace", str(tmp_path / "missing.csv")]) == 2
+
+
+def test_preemptive_policies_are_refused_by_the_broker():
+    from airflow_elastic_gpu.broker.service import GpuBroker
+    from airflow_elastic_gpu.broker.types import InvalidRequest
+
+    broker = GpuBroker("sqlite://")
+    broker.register_node("n0", 4)
+    for name in ("tiresias", "afs_l"):
+        with pytest.raises(InvalidRequest, match="preempts running jobs"):
+            broker.configure_pool(policy=name)
+    for name in ("adaptive", "static", "termination", "optimus"):
+        broker.configure_pool(policy=name)
+        assert broker.pool_policy().name == name
+    assert get_policy("afs_l").preemptive and not get_policy("adaptive").preemptive
+
+
+def test_bundled_traces_round_trip(tmp_path):
+    jobs = load_trace(bundled_data("philly_vc-ee9e8c_2017-10-23_14d.csv"))
+    assert len(jobs) == 302 and all(math.isfinite(j.duration_s) for j in jobs)
+    again = load_trace(write_trace(tmp_path / "copy.csv", jobs))
+    assert [(j.job_id, j.num_gpus, j.duration_s) for j in again] == [
+        (j.job_id, j.num_gpus, j.duration_s) for j in jobs]
