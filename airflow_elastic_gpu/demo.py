@@ -19,9 +19,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
+from rich.table import Table
 
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.cli import jobs_table, snapshot_view
+from airflow_elastic_gpu.cli import snapshot_view
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / ".demo"
@@ -30,7 +31,7 @@ DAG_ID = "elastic_gpu_demo"
 PORT = int(os.environ.get("ELASTIC_GPU_DEMO_PORT", "8080"))
 VIRTUAL_GPUS = 4
 TIMEOUT_S = 900
-console = Console()
+console = Console(width=max(Console().width, 120))
 
 
 def demo_env() -> dict[str, str]:
@@ -52,6 +53,40 @@ def demo_env() -> dict[str, str]:
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
         "OMP_NUM_THREADS": "1",
     }
+
+
+def summary_table(broker: GpuBroker, jobs, title: str) -> tuple[Table, int, int]:
+    """Per job: status, JCT, queueing delay, GPU-seconds, its GPU counts over time, resizes up/down,
+    final accuracy; and the total resizes up and down."""
+    table = Table(title=title)
+    for col in ("job", "status", "JCT s", "queued s", "GPU-s", "GPUs over time", "up", "down", "accuracy"):
+        table.add_column(col, justify="left" if col in ("job", "status", "GPUs over time") else "right")
+    grew = shrank = 0
+    for j in sorted(jobs, key=lambda j: j.name):
+        counts, up, down = [], 0, 0
+        for e in broker.events(job_id=j.id):
+            if e.kind in ("start", "resize") and e.data:
+                counts.append(str(e.data["to_gpus"]))
+                up += e.kind == "resize" and e.data["to_gpus"] > e.data["from_gpus"]
+                down += e.kind == "resize" and e.data["to_gpus"] < e.data["from_gpus"]
+        grew, shrank = grew + up, shrank + down
+        acc = (j.metrics or {}).get("accuracy")
+        table.add_row(
+            j.name, j.status.value, f"{j.jct_s:.0f}" if j.jct_s is not None else "-",
+            f"{j.queueing_delay_s:.0f}" if j.queueing_delay_s is not None else "-",
+            f"{j.gpu_seconds:.0f}", " -> ".join(counts) or "-", str(up), str(down),
+            "-" if acc is None else f"{acc:.3f}",
+        )
+    return table, grew, shrank
+
+
+def parse_run_id(stdout: str) -> str:
+    """The run id from ``airflow dags trigger -o json`` output (log lines may come before the JSON)."""
+    for line in stdout.splitlines():
+        if line.lstrip().startswith("[{"):
+            row = json.loads(line)[0]
+            return row.get("dag_run_id") or row["run_id"]
+    raise SystemExit(f"could not read the run id from `airflow dags trigger`: {stdout[-2000:]}")
 
 
 def airflow(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -118,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     out = airflow("dags", "trigger", DAG_ID, "-o", "json", env=env)
     if out.returncode != 0:
         raise SystemExit(f"could not trigger {DAG_ID}: {out.stderr[-2000:]}")
-    run_id = json.loads(out.stdout[out.stdout.index("["):])[0]["dag_run_id"]
+    run_id = parse_run_id(out.stdout)
     console.print(f"[bold]3/4[/bold] triggered run {run_id}; the broker shares {VIRTUAL_GPUS} virtual GPUs")
     state = "running"
     deadline = time.monotonic() + TIMEOUT_S
@@ -137,10 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                 state = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else state
     jobs = broker.jobs()
     console.print("[bold]4/4[/bold] summary")
-    console.print(jobs_table(jobs, title=f"{DAG_ID} run {run_id}: {state}"))
-    resizes = [e for e in broker.events() if e.kind == "resize"]
-    grew = sum(e.data["to_gpus"] > e.data["from_gpus"] for e in resizes)
-    shrank = sum(e.data["to_gpus"] < e.data["from_gpus"] for e in resizes)
+    table, grew, shrank = summary_table(broker, jobs, title=f"{DAG_ID} run {run_id}: {state}")
+    console.print(table)
     console.print(f"resizes: {grew} up, {shrank} down; every decision and its reason: "
                   f"airflow-elastic-gpu --broker-url {env['AIRFLOW_ELASTIC_GPU_BROKER_URL']} status")
     console.print(f"Airflow UI: http://localhost:{PORT} (no login: every user is admin in this demo); "

@@ -113,3 +113,65 @@ def test_trigger_fires_on_the_brokers_terminal_state_and_on_kill_releases_gpus(t
     done = broker.job(job.id)
     assert done.in_use_gpus == () and done.target_gpus == ()
     assert not backend.is_running(job.id)
+
+
+class _FakeTI:
+    """The task-instance fields the operator reads, for a retry test without a metadata DB."""
+
+    dag_id, task_id, run_id, map_index = "retry_dag", "train", "manual__1", -1
+
+    def __init__(self) -> None:
+        self.xcom: dict[str, object] = {}
+
+    def xcom_push(self, key: str, value: object) -> None:
+        self.xcom[key] = value
+
+
+def test_a_retried_task_reattaches_to_its_running_job_then_a_later_retry_replaces_it(tmp_path, monkeypatch):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_WORK_DIR", str(tmp_path / "jobs"))
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time, json\nfor i in range(10000):\n    print(json.dumps({'step': i}), flush=True)\n"
+                       "    time.sleep(0.1)\n")
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {sleeper}", total_steps=10000,
+                                 min_gpus=1, max_gpus=2, virtual_gpus=3, poll_interval=0.2)
+    context = {"ti": _FakeTI()}
+    job_ids = []
+    for _attempt in range(2):  # the worker died after deferring; the retry runs execute again
+        with pytest.raises(TaskDeferred):
+            op.execute(context)
+        job_ids.append(context["ti"].xcom["job_id"])
+    broker = GpuBroker(url)
+    backend = LocalBackend(tmp_path / "jobs", url)
+    try:
+        assert job_ids[0] == job_ids[1]  # reattached, not a second job
+        assert len(broker.jobs()) == 1
+        deadline = time.monotonic() + 60
+        while not broker.job(job_ids[0]).in_use_gpus:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        held = [g for g in _gpus(broker) if g.in_use_by]
+        assert {g.in_use_by for g in held} == {job_ids[0]}
+        assert len(held) == len({g.gpu for g in held}) <= 2
+        # the job ends (here: cancelled); a later retry of the same try key starts a fresh job
+        broker.cancel(job_ids[0], "test")
+        backend.stop(job_ids[0], timeout_s=30)
+        with pytest.raises(TaskDeferred):
+            op.execute(context)
+        new_id = context["ti"].xcom["job_id"]
+        assert new_id != job_ids[0]
+        assert broker.job(job_ids[0]).key.endswith(f"@{job_ids[0]}")  # the old record is kept
+        assert broker.job(new_id).status in (JobStatus.QUEUED, JobStatus.RUNNING)
+        assert {g.in_use_by for g in _gpus(broker) if g.in_use_by} <= {new_id}
+    finally:
+        for job in broker.jobs():
+            if not job.status.terminal:
+                broker.cancel(job.id, "test cleanup")
+            backend.stop(job.id, timeout_s=30)
+
+
+def _gpus(broker: GpuBroker):
+    return [g for node in broker.snapshot().nodes for g in node.gpus]
