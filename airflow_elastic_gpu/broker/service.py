@@ -78,6 +78,8 @@ __all__ = [
 ]
 
 _RETRYABLE_PG_CODES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
+# the server went away (restart, failover): the transaction was rolled back, so it is safe to redo
+_RECONNECT_PG_CODES = {"57P01", "57P02", "57P03", "08000", "08001", "08003", "08006"}
 
 
 class GpuBroker:
@@ -114,6 +116,7 @@ class GpuBroker:
         self.policy_override = policy
         self.clock = clock
         self.default_restart_overhead_s = default_restart_overhead_s
+        self.retries = 0  # transactions redone after a serialization failure, deadlock or lost connection
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     # ------------------------------------------------------------------ plumbing
@@ -155,13 +158,16 @@ class GpuBroker:
                     getattr(exc, "orig", None), "pgcode", None
                 )
                 locked = "database is locked" in str(exc)
+                lost = bool(getattr(exc, "connection_invalidated", False)) or code in _RECONNECT_PG_CODES
                 if isinstance(exc, IntegrityError) or not (
-                    code in _RETRYABLE_PG_CODES or locked
+                    code in _RETRYABLE_PG_CODES or locked or lost
                 ):
                     raise
                 if attempt == attempts - 1:
                     raise
-                log.info("retrying broker transaction after %s", code or "locked database")
+                self.retries += 1
+                log.info("retrying broker transaction after %s",
+                         code or ("a lost connection" if lost else "locked database"))
                 time.sleep(min(1.0, 0.01 * 2**attempt) * (1 + random.random()))
         raise AssertionError("unreachable")
 

@@ -10,13 +10,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 
 
-@dataclass(frozen=True, order=True)
-class GpuId:
-    """One concrete GPU: ``index`` is the device index on ``node`` (as in ``CUDA_VISIBLE_DEVICES``)."""
+class GpuId(NamedTuple):
+    """One concrete GPU: ``index`` is the device index on ``node`` (as in ``CUDA_VISIBLE_DEVICES``).
+
+    A named tuple (immutable, ordered by node then index) because policies sort
+    and hash tens of thousands of them per decision on large pools.
+    """
 
     node: str
     index: int

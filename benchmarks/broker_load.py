@@ -1,0 +1,215 @@
+"""Benchmark: many concurrent clients against one broker pool on PostgreSQL, with an invariant checker.
+
+``--clients`` threads (default 64), each with its own ``GpuBroker`` (own
+connection pool, as separate agents and triggerers have), issue a randomized
+mix of submit / progress / heartbeat / ack / finish / fail / cancel /
+rebalance against one pool until ``--ops`` operations (default 10,000) are
+done. An independent checker thread reads the database throughout (and once
+at the end) and counts invariant violations:
+
+* a GPU in two jobs' in-use sets, or two jobs' target sets;
+* more GPUs in use than the pool has;
+* an ended job that still holds or targets a GPU;
+* a running job (acked) whose in-use set is below its ``min_gpus``;
+* a job whose target or in-use set names a GPU of another pool.
+
+Writes ``benchmarks/results/broker_load.json`` (ops/s, p50/p99 latency per
+operation, violations, retried transactions).
+
+    python benchmarks/broker_load.py [--url postgresql+psycopg://postgres@127.0.0.1:5432/test]
+                                     [--clients 64] [--ops 10000] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from sqlalchemy import text
+
+from airflow_elastic_gpu.broker.db import create_broker_engine, migrate
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import BrokerError, JobSpec
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "broker_load.json"
+DEFAULT_URL = os.environ.get("ELASTIC_GPU_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+OPS = ("submit", "progress", "heartbeat", "ack", "finish", "fail", "cancel", "rebalance")
+WEIGHTS = (10, 30, 20, 20, 6, 2, 2, 10)
+
+CHECKS = {
+    "gpu in two jobs' in-use sets": "SELECT count(*) FROM (SELECT gpu_id FROM gpu_in_use GROUP BY gpu_id HAVING count(*) > 1) x",
+    "gpu in two jobs' targets": "SELECT count(*) FROM (SELECT gpu_id FROM gpu_target GROUP BY gpu_id HAVING count(*) > 1) x",
+    "more GPUs in use than the pool has": (
+        "SELECT count(*) FROM (SELECT j.pool, count(*) AS n FROM gpu_in_use u JOIN job j ON j.id = u.job_id "
+        "GROUP BY j.pool) used JOIN (SELECT n.pool, count(*) AS n FROM gpu g JOIN node n ON n.id = g.node_id "
+        "GROUP BY n.pool) cap ON cap.pool = used.pool WHERE used.n > cap.n"),
+    "ended job holds a GPU": (
+        "SELECT count(*) FROM job j WHERE j.status IN ('succeeded','failed','cancelled','lost') AND ("
+        "EXISTS (SELECT 1 FROM gpu_in_use u WHERE u.job_id = j.id) OR "
+        "EXISTS (SELECT 1 FROM gpu_target t WHERE t.job_id = j.id))"),
+    "running job below its minimum": (
+        "SELECT count(*) FROM job j WHERE j.status = 'running' AND j.acked_generation >= 1 AND "
+        "(SELECT count(*) FROM gpu_in_use u WHERE u.job_id = j.id) < j.min_gpus"),
+    "gpu of another pool": (
+        "SELECT count(*) FROM gpu_in_use u JOIN job j ON j.id = u.job_id JOIN gpu g ON g.id = u.gpu_id "
+        "JOIN node n ON n.id = g.node_id WHERE n.pool <> j.pool"),
+}
+
+
+def check(engine) -> dict[str, int]:
+    """Invariant violations found now, by name (one consistent snapshot)."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+        return {name: int(conn.execute(text(sql)).scalar_one()) for name, sql in CHECKS.items()}
+
+
+def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool: str = "load",
+             nodes: int = 4, gpus_per_node: int = 8) -> dict:
+    """Run the load and return the figures (see the module docstring)."""
+    engine = create_broker_engine(url)
+    migrate(engine)
+    setup = GpuBroker(engine, migrate=False)
+    for i in range(nodes):
+        setup.register_node(f"load-node-{i}", gpus_per_node, pool=pool)
+    setup.configure_pool(pool, lease_s=3600, rebalance_interval_s=0.5)
+    remaining = [ops]
+    lock = threading.Lock()
+    latencies: dict[str, list[float]] = defaultdict(list)
+    errors: dict[str, int] = defaultdict(int)
+    violations: dict[str, int] = defaultdict(int)
+    checks = [0]
+    stop = threading.Event()
+    retries = [0]
+
+    def take() -> bool:
+        with lock:
+            if remaining[0] <= 0:
+                return False
+            remaining[0] -= 1
+            return True
+
+    def client(n: int) -> None:
+        rng = random.Random(seed * 1000 + n)
+        broker = GpuBroker(url, migrate=False)
+        mine: list[str] = []
+        while take():
+            op = rng.choices(OPS, WEIGHTS)[0]
+            if op != "submit" and op != "rebalance" and not mine:
+                op = "submit"
+            t0 = time.perf_counter()
+            try:
+                if op == "submit":
+                    lo = rng.randint(1, 4)
+                    job = broker.submit(JobSpec(f"load-{n}-{len(mine)}", "train", lo, rng.randint(lo, 12),
+                                                total_steps=10_000, pool=pool, backend="kubernetes"))
+                    mine.append(job.id)
+                elif op == "rebalance":
+                    broker.rebalance(pool)
+                else:
+                    job_id = rng.choice(mine)
+                    if op == "progress":
+                        broker.progress(job_id, rng.uniform(0, 10_000))
+                    elif op == "heartbeat":
+                        broker.heartbeat(job_id)
+                    elif op == "ack":
+                        target = broker.target(job_id)
+                        broker.ack(job_id, target.generation)
+                    elif op == "finish":
+                        broker.finish(job_id)
+                        mine.remove(job_id)
+                    elif op == "fail":
+                        broker.fail(job_id, "load test failure")
+                        mine.remove(job_id)
+                    elif op == "cancel":
+                        broker.cancel(job_id, "load test cancel")
+                        mine.remove(job_id)
+            except BrokerError as exc:  # e.g. a job too large for the pool: counted, not fatal
+                errors[f"{op}: {type(exc).__name__}"] += 1
+            with lock:
+                latencies[op].append(time.perf_counter() - t0)
+        with lock:
+            retries[0] += broker.retries
+        broker.engine.dispose()
+
+    def checker() -> None:
+        while not stop.is_set():
+            for name, count in check(engine).items():
+                violations[name] += count
+            checks[0] += 1
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=client, args=(i,), name=f"client-{i}") for i in range(clients)]
+    watch = threading.Thread(target=checker, name="checker")
+    t0 = time.perf_counter()
+    watch.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    watch.join()
+    for name, count in check(engine).items():
+        violations[name] += count
+    checks[0] += 1
+    done = sum(len(v) for v in latencies.values())
+    result = {
+        "url": engine.url.render_as_string(hide_password=True),
+        "clients": clients,
+        "operations": done,
+        "elapsed_s": elapsed,
+        "ops_per_s": done / elapsed,
+        "latency_ms": {
+            op: {"count": len(v), "p50": 1000 * statistics.median(v),
+                 "p99": 1000 * sorted(v)[max(0, int(0.99 * len(v)) - 1)]}
+            for op, v in sorted(latencies.items())
+        },
+        "invariant_checks": checks[0],
+        "invariant_violations": sum(violations.values()),
+        "violations_by_kind": dict(violations),
+        "retried_transactions": retries[0],
+        "rejected_requests": dict(errors),
+    }
+    engine.dispose()
+    return result
+
+
+def main() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default=DEFAULT_URL, help="PostgreSQL URL (a scratch database: the test adds pool 'load')")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--ops", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    console = Console()
+    with console.status(f"{args.clients} clients, {args.ops} operations against {args.url} ..."):
+        result = run_load(args.url, args.clients, args.ops, args.seed, pool=f"load-{int(time.time())}")
+    table = Table(title=f"{result['operations']} operations, {result['clients']} clients: "
+                        f"{result['ops_per_s']:.0f} ops/s, {result['invariant_violations']} invariant violations "
+                        f"in {result['invariant_checks']} checks, {result['retried_transactions']} retried transactions")
+    for col in ("operation", "count", "p50 ms", "p99 ms"):
+        table.add_column(col, justify="left" if col == "operation" else "right")
+    for op, lat in result["latency_ms"].items():
+        table.add_row(op, str(lat["count"]), f"{lat['p50']:.1f}", f"{lat['p99']:.1f}")
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    console.print(f"written to {args.out}")
+    return 1 if result["invariant_violations"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
