@@ -92,6 +92,8 @@ def _broker(args: argparse.Namespace) -> GpuBroker:
 def cmd_nodes(args: argparse.Namespace) -> int:
     broker = _broker(args)
     if args.action == "add":
+        if args.gpus is None:
+            raise ValueError(f"`nodes add {args.name}` needs --gpus N (the node's GPU count)")
         broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type)
     elif args.action == "detect":
         from airflow_elastic_gpu.backends.local import detect_gpus

@@ -33,6 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 
 from airflow_elastic_gpu.broker.db import create_broker_engine, migrate
 from airflow_elastic_gpu.broker.service import GpuBroker
@@ -142,7 +143,12 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
 
     def checker() -> None:
         while not stop.is_set():
-            for name, count in check(engine).items():
+            try:
+                found = check(engine)
+            except OperationalError:  # the server dropped our connection too: check again
+                time.sleep(0.05)
+                continue
+            for name, count in found.items():
                 violations[name] += count
             checks[0] += 1
             time.sleep(0.05)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from airflow.exceptions import AirflowException
+from conftest import REPO
 
 from airflow_elastic_gpu.backends.local import LocalBackend
 from airflow_elastic_gpu.broker.models import JobStatus
@@ -19,8 +20,6 @@ from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
 from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
-
-from conftest import REPO
 
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 

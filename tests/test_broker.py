@@ -146,9 +146,8 @@ def test_database_rejects_a_gpu_in_use_by_two_jobs(pool):
     pool.ack(a.id, 1)
     with pool.engine.connect() as conn:
         gpu_id = conn.scalar(select(GpuInUse.gpu_id).where(GpuInUse.job_id == a.id))
-    with pytest.raises(IntegrityError):
-        with pool.engine.begin() as conn:
-            conn.execute(insert(GpuInUse).values(gpu_id=gpu_id, job_id=b.id, generation=1))
+    with pytest.raises(IntegrityError), pool.engine.begin() as conn:
+        conn.execute(insert(GpuInUse).values(gpu_id=gpu_id, job_id=b.id, generation=1))
 
 
 def test_drained_node_gets_no_new_jobs(broker):

@@ -8,11 +8,10 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from conftest import REPO, _reset_postgres
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from broker_load import CHECKS, check, run_load  # noqa: E402
+from broker_load import CHECKS, check, run_load
 
 
 @pytest.mark.postgres

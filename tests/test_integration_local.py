@@ -14,14 +14,13 @@ import threading
 import time
 from pathlib import Path
 
+from conftest import TRAIN_SCRIPT
 
 from airflow_elastic_gpu.backends.local import LocalBackend
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.sidecar import protocol
-
-from conftest import TRAIN_SCRIPT
 
 
 def trainer_devices(job_dir: Path) -> set[int] | None:

@@ -11,6 +11,7 @@ Invariants checked after every step:
 
 from __future__ import annotations
 
+from conftest import FakeClock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -21,8 +22,6 @@ from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
 from airflow_elastic_gpu.scheduling.baselines import StaticPolicy
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
-
-from conftest import FakeClock
 
 NODES = (("n0", 4), ("n1", 2))
 CAPACITY = sum(n for _, n in NODES)

@@ -12,10 +12,10 @@ import pytest
 
 from airflow_elastic_gpu.backends.local import BackendError, LocalBackend
 from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.service import GpuBroker, compile_progress_pattern
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.sidecar.agent import LogParser
-from airflow_elastic_gpu.broker.service import GpuBroker, compile_progress_pattern
 
 TRAINER = """
 import json, os, signal, sys, time

@@ -23,7 +23,7 @@ def test_one_measured_count_sets_the_scale_and_keeps_the_prior_shape():
 
 def test_two_counts_fit_amdahl_exactly():
     t1, alpha = 8.0, 0.25
-    true = lambda n: t1 * n / (1 + alpha * (n - 1))  # noqa: E731
+    true = lambda n: t1 * n / (1 + alpha * (n - 1))
     m = ThroughputModel().with_sample(1, true(1)).with_sample(4, true(4))
     for n in (2, 3, 8):
         assert m.steps_per_s(n) == pytest.approx(true(n), rel=1e-9)

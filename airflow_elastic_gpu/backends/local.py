@@ -159,6 +159,9 @@ class LocalBackend:
               checkpoint_dir: str | None = None, env: dict[str, str] | None = None) -> LocalHandle:
         """Start the job's launcher and agent (idempotent: a live handle is returned as is).
 
+        If only the agent died (the launcher and trainer still run), only a new
+        agent is started, attached to the running launcher, so the job goes on.
+
         :raises BackendError: bad command or checkpoint dir, or a spawn failure.
         """
         self.check_command(command)
@@ -170,11 +173,15 @@ class LocalBackend:
         job_dir.mkdir(parents=True, exist_ok=True)
         proc_env = {**os.environ, **(env or {})}
         proc_env.setdefault("OMP_NUM_THREADS", "1")
-        launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
-                    "--shared-dir", str(job_dir), "--grace-s", str(self.grace_s)]
-        if checkpoint_dir:
-            launcher += ["--checkpoint-dir", checkpoint_dir]
-        launcher_pid = self._spawn(job_dir / "launcher.log", [*launcher, "--", command], proc_env)
+        if existing is not None and protocol.pid_alive(existing.launcher_pid):
+            # the agent died but the trainer runs on: start a new agent for the same launcher
+            launcher_pid = existing.launcher_pid
+        else:
+            launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
+                        "--shared-dir", str(job_dir), "--grace-s", str(self.grace_s)]
+            if checkpoint_dir:
+                launcher += ["--checkpoint-dir", checkpoint_dir]
+            launcher_pid = self._spawn(job_dir / "launcher.log", [*launcher, "--", command], proc_env)
         agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job_id,
                  "--shared-dir", str(job_dir), "--broker-url", self.broker_url,
                  "--poll-s", str(self.poll_s), "--launcher-pid", str(launcher_pid)]

@@ -322,22 +322,31 @@ class GpuBroker:
         """The policy that rebalances ``pool``."""
         if self.policy_override is not None:
             return self.policy_override
-        with self._sessions() as s:
-            row = s.get(GpuPool, pool)
-            if row is None:
-                raise NotFound(f"unknown GPU pool {pool!r}")
-            return get_policy(row.policy, **(row.policy_params or {}))
+        def read() -> Any:
+            with self._sessions() as s:
+                row = s.get(GpuPool, pool)
+                if row is None:
+                    raise NotFound(f"unknown GPU pool {pool!r}")
+                return get_policy(row.policy, **(row.policy_params or {}))
+
+        return self._retrying(read)
 
     def pools(self) -> list[str]:
-        with self._sessions() as s:
-            return list(s.scalars(select(GpuPool.name).order_by(GpuPool.name)))
+        def read() -> Any:
+            with self._sessions() as s:
+                return list(s.scalars(select(GpuPool.name).order_by(GpuPool.name)))
+
+        return self._retrying(read)
 
     def nodes(self, pool: str | None = None) -> list[NodeView]:
-        with self._sessions() as s:
-            q = select(Node).order_by(Node.pool, Node.name)
-            if pool is not None:
-                q = q.where(Node.pool == pool)
-            return [self._node_view(s, n) for n in s.scalars(q)]
+        def read() -> Any:
+            with self._sessions() as s:
+                q = select(Node).order_by(Node.pool, Node.name)
+                if pool is not None:
+                    q = q.where(Node.pool == pool)
+                return [self._node_view(s, n) for n in s.scalars(q)]
+
+        return self._retrying(read)
 
     def _node_view(self, s: Session, node: Node) -> NodeView:
         gpu_ids = [g.id for g in node.gpus]
@@ -486,14 +495,18 @@ class GpuBroker:
 
     def target(self, job_id: str) -> Target:
         """The job's latest published generation and its GPUs (read-only)."""
-        with self._sessions() as s:
-            return self._target(s, self._job(s, job_id))
+
+        def read() -> Any:
+            with self._sessions() as s:
+                return self._target(s, self._job(s, job_id))
+
+        return self._retrying(read)
 
     def _target(self, s: Session, job: Job) -> Target:
         gpus = self._gpus_of(s, GpuTarget, job.id)
         return Target(job.id, JobStatus(job.status), job.target_generation, gpus)
 
-    def _gpus_of(self, s: Session, table: type[GpuTarget] | type[GpuInUse], job_id: str) -> tuple[GpuId, ...]:
+    def _gpus_of(self, s: Session, table: type[GpuTarget | GpuInUse], job_id: str) -> tuple[GpuId, ...]:
         rows = s.execute(
             select(Node.name, Gpu.index)
             .join(Gpu, Gpu.node_id == Node.id)
@@ -786,51 +799,71 @@ class GpuBroker:
     # ------------------------------------------------------------------ reading
 
     def job(self, job_id: str) -> JobView:
-        with self._sessions() as s:
-            return self._view(s, self._job(s, job_id))
+        def read() -> Any:
+            with self._sessions() as s:
+                return self._view(s, self._job(s, job_id))
+
+        return self._retrying(read)
 
     def job_by_key(self, key: str) -> JobView | None:
-        with self._sessions() as s:
-            job = s.scalar(select(Job).where(Job.key == key))
-            return None if job is None else self._view(s, job)
+        def read() -> Any:
+            with self._sessions() as s:
+                job = s.scalar(select(Job).where(Job.key == key))
+                return None if job is None else self._view(s, job)
+
+        return self._retrying(read)
 
     def jobs(self, pool: str | None = None, *, active_only: bool = False) -> list[JobView]:
-        with self._sessions() as s:
-            q = select(Job).order_by(Job.submit_s, Job.id)
-            if pool is not None:
-                q = q.where(Job.pool == pool)
-            if active_only:
-                q = q.where(Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
-            return [self._view(s, j) for j in s.scalars(q)]
+        def read() -> Any:
+            with self._sessions() as s:
+                q = select(Job).order_by(Job.submit_s, Job.id)
+                if pool is not None:
+                    q = q.where(Job.pool == pool)
+                if active_only:
+                    q = q.where(Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
+                return [self._view(s, j) for j in s.scalars(q)]
+
+        return self._retrying(read)
 
     def events(self, pool: str | None = None, *, job_id: str | None = None, after_id: int = 0,
                limit: int = 1000) -> list[EventView]:
-        with self._sessions() as s:
-            q = select(Event).where(Event.id > after_id).order_by(Event.id).limit(limit)
-            if pool is not None:
-                q = q.where(Event.pool == pool)
-            if job_id is not None:
-                q = q.where(Event.job_id == job_id)
-            return [EventView(e.id, e.time_s, e.pool, e.job_id, e.kind, e.message, e.data) for e in s.scalars(q)]
+        def read() -> Any:
+            with self._sessions() as s:
+                q = select(Event).where(Event.id > after_id).order_by(Event.id).limit(limit)
+                if pool is not None:
+                    q = q.where(Event.pool == pool)
+                if job_id is not None:
+                    q = q.where(Event.job_id == job_id)
+                return [EventView(e.id, e.time_s, e.pool, e.job_id, e.kind, e.message, e.data) for e in s.scalars(q)]
+
+        return self._retrying(read)
 
     def samples(self, job_id: str) -> list[tuple[float, float, int, int]]:
         """``(time_s, step, num_gpus, generation)`` of every progress sample of a job, in order."""
-        with self._sessions() as s:
-            return [
-                (p.time_s, p.step, p.num_gpus, p.generation)
-                for p in s.scalars(select(ProgressSample).where(ProgressSample.job_id == job_id).order_by(ProgressSample.id))
-            ]
+
+        def read() -> Any:
+            with self._sessions() as s:
+                return [
+                    (p.time_s, p.step, p.num_gpus, p.generation)
+                    for p in s.scalars(select(ProgressSample).where(ProgressSample.job_id == job_id).order_by(ProgressSample.id))
+                ]
+
+        return self._retrying(read)
 
     def snapshot(self, pool: str = DEFAULT_POOL, *, events: int = 50) -> PoolSnapshot:
         """Nodes, GPUs and their holders, jobs and the latest ``events`` of one pool, read in one transaction."""
-        with self._sessions() as s:
-            nodes = tuple(self._node_view(s, n) for n in s.scalars(select(Node).where(Node.pool == pool).order_by(Node.name)))
-            jobs = tuple(self._view(s, j) for j in s.scalars(select(Job).where(Job.pool == pool).order_by(Job.submit_s)))
-            evs = s.scalars(select(Event).where(Event.pool == pool).order_by(Event.id.desc()).limit(events)).all()
-            return PoolSnapshot(
-                pool, self.clock(), nodes, jobs,
-                tuple(EventView(e.id, e.time_s, e.pool, e.job_id, e.kind, e.message, e.data) for e in reversed(evs)),
-            )
+
+        def read() -> Any:
+            with self._sessions() as s:
+                nodes = tuple(self._node_view(s, n) for n in s.scalars(select(Node).where(Node.pool == pool).order_by(Node.name)))
+                jobs = tuple(self._view(s, j) for j in s.scalars(select(Job).where(Job.pool == pool).order_by(Job.submit_s)))
+                evs = s.scalars(select(Event).where(Event.pool == pool).order_by(Event.id.desc()).limit(events)).all()
+                return PoolSnapshot(
+                    pool, self.clock(), nodes, jobs,
+                    tuple(EventView(e.id, e.time_s, e.pool, e.job_id, e.kind, e.message, e.data) for e in reversed(evs)),
+                )
+
+        return self._retrying(read)
 
     def _view(self, s: Session, job: Job) -> JobView:
         return JobView(

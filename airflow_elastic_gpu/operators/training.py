@@ -22,7 +22,13 @@ from airflow_elastic_gpu.backends import BACKENDS, BackendError, get_backend
 from airflow_elastic_gpu.backends.local import detect_gpus
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.broker.types import DEFAULT_POOL, BrokerError, JobSpec, JobView, compile_progress_pattern
+from airflow_elastic_gpu.broker.types import (
+    DEFAULT_POOL,
+    BrokerError,
+    JobSpec,
+    JobView,
+    compile_progress_pattern,
+)
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
 

@@ -1,0 +1,115 @@
+"""The bad-input catalogue: every public entry point with malformed, missing, out-of-range and
+hostile values gets an error that names the problem, and changes nothing.
+
+More of the catalogue lives next to each feature: JobSpec fields
+(``test_broker.py::test_bad_submit_is_rejected_with_a_clear_message_and_changes_nothing``),
+operator arguments (``test_airflow.py::test_bad_operator_arguments_fail_at_dag_parse_time``),
+trace CSVs and simulator parameters (``test_simulator.py``), the broker URL
+(``test_broker.py::test_bad_broker_url_is_a_clear_error``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, NotFound
+from airflow_elastic_gpu.cli import main as cli
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
+    b.register_node("n0", 2)
+    yield b
+    b.engine.dispose()
+
+
+def state(b: GpuBroker) -> tuple:
+    """Everything a bad call must leave unchanged."""
+    return (tuple(b.jobs()), tuple(b.nodes()), tuple(e.id for e in b.events()), tuple(b.pools()))
+
+
+HOSTILE_NAME = "x'); DROP TABLE job; --"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (dict(min_gpus="2"), "min_gpus must be an integer >= 1, got '2'"),
+    (dict(min_gpus=True), "min_gpus must be an integer >= 1, got True"),
+    (dict(max_gpus=1.5), "max_gpus must be an integer >= 1, got 1.5"),
+    (dict(min_gpus=10**12, max_gpus=10**12), "more than GPU pool 'default' has"),
+    (dict(total_steps=None), "total_steps must be an integer >= 1, got None"),
+    (dict(command="   "), "command must not be empty"),
+    (dict(name=""), "name must not be empty"),
+    (dict(progress_pattern="(?P<step>"), "not a valid regex"),
+    (dict(backend="../../bin/sh"), "backend must be 'local' or 'kubernetes'"),
+])
+def test_submit_rejects_bad_fields_and_changes_nothing(broker, spec, message):
+    before = state(broker)
+    fields = {"name": "job", "command": "python train.py", "min_gpus": 1, "max_gpus": 2, "total_steps": 10}
+    with pytest.raises(InvalidRequest, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        broker.submit(JobSpec(**{**fields, **spec}))
+    assert state(broker) == before
+
+
+def test_hostile_text_is_stored_verbatim_and_harms_nothing(broker):
+    job = broker.submit(JobSpec(HOSTILE_NAME, "python train.py; rm -rf /", 1, 1, total_steps=5,
+                                key="../../etc/passwd"))
+    assert broker.job(job.id).name == HOSTILE_NAME
+    assert broker.job_by_key("../../etc/passwd").id == job.id
+    assert len(broker.jobs()) == 1 and broker.nodes()[0].name == "n0"
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda b: b.register_node("", 2), InvalidRequest, "node name must not be empty"),
+    (lambda b: b.register_node("n1", 0), InvalidRequest, "num_gpus must be >= 1, got 0"),
+    (lambda b: b.register_node("n1", -3), InvalidRequest, "num_gpus must be >= 1, got -3"),
+    (lambda b: b.register_node("n1", 2, pool=""), InvalidRequest, "GPU pool name must not be empty"),
+    (lambda b: b.set_node_schedulable("ghost", False), NotFound, "unknown node 'ghost'"),
+    (lambda b: b.configure_pool(policy="tiresias"), InvalidRequest, "preempts running jobs"),
+    (lambda b: b.configure_pool(policy_params={"hysteresis": -1}), InvalidRequest, "hysteresis must be >= 0"),
+    (lambda b: b.configure_pool(policy_params={"warp": 9}), InvalidRequest, "bad parameters for policy"),
+    (lambda b: b.configure_pool(rebalance_interval_s=-1), InvalidRequest, "rebalance_interval_s must be > 0"),
+    (lambda b: b.configure_pool("nope"), NotFound, "unknown GPU pool 'nope'"),
+    (lambda b: b.progress("no-such-job", 1.0), NotFound, "unknown job"),
+    (lambda b: b.ack("no-such-job", 1), NotFound, "unknown job"),
+    (lambda b: b.finish("no-such-job"), NotFound, "unknown job"),
+    (lambda b: b.cancel("no-such-job"), NotFound, "unknown job"),
+    (lambda b: b.job("no-such-job"), NotFound, "unknown job"),
+])
+def test_broker_calls_with_bad_arguments_name_the_problem_and_change_nothing(broker, call, error, message):
+    before = state(broker)
+    with pytest.raises(error, match=message):
+        call(broker)
+    assert state(broker) == before
+
+
+@pytest.mark.parametrize("step", [-1.0, math.nan, math.inf])
+def test_progress_rejects_impossible_steps(broker, step):
+    job = broker.submit(JobSpec("j", "python train.py", 1, 1, total_steps=5))
+    with pytest.raises(InvalidRequest, match="step must be a finite number >= 0"):
+        broker.progress(job.id, step)
+    assert broker.job(job.id).steps_done == 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["nodes", "add", "gpu-1"], "--gpus"),
+    (["pool", "--param", "hysteresis"], "NAME=VALUE"),
+    (["pool", "--policy", "fifo"], "unknown scheduling policy 'fifo'"),
+    (["run-local", "--total-steps", "10"], "command"),
+    (["run-local", "--total-steps", "0", "--", "python", "x.py"], "total_steps must be an integer >= 1"),
+    (["cancel", "no-such-job"], "unknown job"),
+    (["simulate", "--trace", "missing.csv"], "does not exist"),
+    (["workload", "--trace", "missing.csv", "--out", "w.csv"], "does not exist"),
+])
+def test_cli_errors_name_the_problem_and_exit_2(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    GpuBroker(url).register_node("n0", 2)
+    code = cli(["--broker-url", url, *argv])
+    out = capsys.readouterr()
+    assert code == 2
+    assert message in out.out + out.err
+    assert GpuBroker(url).jobs() == []
