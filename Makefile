@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: test test-all demo demo-stop lint clean
+.PHONY: test test-all demo demo-stop lint clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,12 +17,19 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-## make test: set up .venv if needed, then run the test suite (SQLite and PostgreSQL)
-test: $(STAMP)
+## browser: Debian's chromium + chromedriver for the UI test (installed once, with apt-get)
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; }; }
+
+## make test: set up .venv (and chromium) if needed, then run the test suite (SQLite and PostgreSQL)
+test: $(STAMP) browser
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 ## make test-all: also the slow tests
-test-all: $(STAMP)
+test-all: $(STAMP) browser
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 ## make demo: run the demo (see README)

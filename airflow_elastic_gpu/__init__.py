@@ -29,6 +29,7 @@ def get_provider_info() -> dict:
             {"integration-name": "Elastic GPU",
              "python-modules": ["airflow_elastic_gpu.triggers.training"]}
         ],
+        "extra-links": ["airflow_elastic_gpu.links.job.ElasticJobLink"],
         "connection-types": [
             {
                 "hook-class-name": "airflow_elastic_gpu.hooks.broker.GpuBrokerHook",

@@ -287,6 +287,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_broker(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from airflow_elastic_gpu.broker.api import create_app
+
+    url = args.broker_url or default_broker_url()
+    console.print(f"broker API on http://{args.host}:{args.port} (page: /ui, OpenAPI: /docs) for {url}")
+    uvicorn.run(create_app(broker_url=url), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="airflow-elastic-gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--broker-url", default=None,
@@ -341,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="start and return")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_run_local)
+
+    p = sub.add_parser("broker", help="serve the broker HTTP API and the GPU pool page")
+    p.add_argument("action", choices=["serve"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8793)
+    p.set_defaults(fn=cmd_broker)
 
     from airflow_elastic_gpu.simulator.profiles import DEFAULT_SOURCE
 

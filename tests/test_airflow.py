@@ -174,3 +174,23 @@ def test_a_retried_task_reattaches_to_its_running_job_then_a_later_retry_replace
 
 def _gpus(broker: GpuBroker):
     return [g for node in broker.snapshot().nodes for g in node.gpus]
+
+
+def test_plugin_serves_the_api_and_the_page_inside_airflow(airflow_env):
+    run = subprocess.run([AIRFLOW, "plugins", "-o", "json"], env=airflow_env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    plugins = json.loads(run.stdout[run.stdout.index("[{"):])
+    ours = next(p for p in plugins if p["name"] == "elastic_gpu")
+    assert "/elastic-gpu" in json.dumps(ours["fastapi_apps"])
+    assert "GPU pool" in json.dumps(ours["external_views"])
+    assert "ElasticJobLink" in json.dumps(ours)
+
+
+def test_extra_link_points_at_the_job_on_the_pool_page(monkeypatch):
+    from airflow_elastic_gpu.links import job as link_module
+
+    monkeypatch.setattr(link_module.XCom, "get_value", staticmethod(lambda ti_key, key: "job-123"))
+    op = ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10, gpu_pool="a100")
+    assert link_module.ElasticJobLink().get_link(op, ti_key=None) == "/elastic-gpu/ui?pool=a100&job=job-123"
+    assert any(isinstance(l, link_module.ElasticJobLink) for l in op.operator_extra_links)

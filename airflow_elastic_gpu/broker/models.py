@@ -115,6 +115,8 @@ class Job(Base):
     last_resize_s: Mapped[float | None] = mapped_column(Float, default=None)
     published_s: Mapped[float | None] = mapped_column(Float, default=None)
     in_use_since_s: Mapped[float | None] = mapped_column(Float, default=None)
+    # sha256 of the job's API bearer token (the token itself is never stored)
+    token_hash: Mapped[str | None] = mapped_column(String(64), default=None)
 
 
 class GpuTarget(Base):

@@ -21,8 +21,12 @@ key of ``gpu_in_use`` (and of ``gpu_target``) enforces it in the database.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import logging
 import random
+import secrets
 import time
 import uuid
 from collections import Counter
@@ -76,6 +80,10 @@ __all__ = [
     "BrokerError", "EventView", "GpuBroker", "GpuView", "InvalidRequest", "JobSpec", "JobView",
     "NodeView", "NotFound", "PoolSnapshot", "StaleGeneration", "Target", "compile_progress_pattern",
 ]
+
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
 
 _RETRYABLE_PG_CODES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 # the server went away (restart, failover): the transaction was rolled back, so it is safe to redo
@@ -419,6 +427,8 @@ class GpuBroker:
                     num_resizes=0,
                     gpu_seconds=0.0,
                 )
+                token = secrets.token_urlsafe(32)
+                job.token_hash = _token_hash(token)
                 s.add(job)
                 s.flush()
                 self._event(
@@ -427,9 +437,35 @@ class GpuBroker:
                     job.id,
                 )
                 self._rebalance(s, spec.pool)
-                return self._view(s, job)
+                return dataclasses.replace(self._view(s, job), token=token)
 
         return self._retrying(run)
+
+    def issue_token(self, job_id: str) -> str:
+        """A new API bearer token for ``job_id`` (the old one stops working); only its hash is stored.
+
+        Used when a job's agent is (re)started and needs the HTTP transport.
+
+        :raises NotFound: unknown job.
+        """
+        token = secrets.token_urlsafe(32)
+
+        def run() -> None:
+            with self._job_tx(job_id) as (_s, job):
+                job.token_hash = _token_hash(token)
+
+        self._retrying(run)
+        return token
+
+    def verify_token(self, job_id: str, token: str) -> bool:
+        """True if ``token`` is ``job_id``'s current API token (constant-time compare); False for unknown jobs."""
+
+        def read() -> bool:
+            with self._sessions() as s:
+                stored = s.scalar(select(Job.token_hash).where(Job.id == job_id))
+                return stored is not None and hmac.compare_digest(stored, _token_hash(token))
+
+        return self._retrying(read)
 
     @staticmethod
     def _validate(spec: JobSpec) -> None:

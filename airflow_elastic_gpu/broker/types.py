@@ -97,6 +97,7 @@ class JobView:
     checkpoint_dir: str | None
     backend: str
     backend_ref: str | None
+    token: str | None = None  # the job's API bearer token: only in the reply that created it
 
     @property
     def jct_s(self) -> float | None:

@@ -29,6 +29,7 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     compile_progress_pattern,
 )
+from airflow_elastic_gpu.links.job import ElasticJobLink
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
 
@@ -61,6 +62,7 @@ class ElasticTrainingOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("command", "env", "checkpoint_dir", "job_name")
     ui_color = "#b5e3c6"
+    operator_extra_links = (ElasticJobLink(),)
 
     def __init__(
         self,

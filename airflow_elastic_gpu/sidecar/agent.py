@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -226,12 +227,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--shared-dir", required=True, type=Path)
     parser.add_argument("--broker-url", default=None, help="broker DB URL (default: $AIRFLOW_ELASTIC_GPU_BROKER_URL)")
+    parser.add_argument("--broker-api", default=os.environ.get("AIRFLOW_ELASTIC_GPU_BROKER_API"),
+                        help="broker HTTP API root; with it the agent uses the job's token, not the DB")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="file holding the job's API token (default: $AIRFLOW_ELASTIC_GPU_JOB_TOKEN)")
     parser.add_argument("--progress-pattern", default=None)
     parser.add_argument("--poll-s", type=float, default=1.0)
     parser.add_argument("--launcher-pid", type=int, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    broker = GpuBroker(args.broker_url, migrate=False)
+    broker: BrokerTransport
+    if args.broker_api:
+        from airflow_elastic_gpu.sidecar.http_transport import HttpBrokerTransport
+
+        token = (args.token_file.read_text().strip() if args.token_file
+                 else os.environ.get("AIRFLOW_ELASTIC_GPU_JOB_TOKEN", ""))
+        broker = HttpBrokerTransport(args.broker_api, token)
+    else:
+        broker = GpuBroker(args.broker_url, migrate=False)
     return Agent(
         broker, args.job_id, args.shared_dir, progress_pattern=args.progress_pattern,
         poll_s=args.poll_s, launcher_pid=args.launcher_pid,

@@ -1,0 +1,23 @@
+"""Operator extra link: from a training task instance to its job on the GPU pool page."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+from airflow.providers.common.compat.sdk import BaseOperatorLink, XCom
+
+UI_PREFIX = "/elastic-gpu"
+
+
+class ElasticJobLink(BaseOperatorLink):
+    """"GPU job": opens ``/elastic-gpu/ui?pool=POOL&job=JOB_ID`` (the job is highlighted there)."""
+
+    name = "GPU job"
+
+    def get_link(self, operator: Any, *, ti_key: Any) -> str:
+        job_id = XCom.get_value(ti_key=ti_key, key="job_id")
+        if not job_id:
+            return ""
+        query = {"pool": getattr(operator, "gpu_pool", "default"), "job": job_id}
+        return f"{UI_PREFIX}/ui?{urlencode(query)}"

@@ -1,0 +1,46 @@
+"""Airflow plugin: the broker API and the GPU pool page inside Airflow's api-server.
+
+* ``fastapi_apps``: the broker API (:mod:`airflow_elastic_gpu.broker.api`) at ``/elastic-gpu``; its
+  read-only part requires Airflow's authentication (the ``PLUGINS`` view permission), the sidecar
+  part the job's own token.
+* ``external_views``: "GPU pool" in the navigation (Browse menu), the live page at ``/elastic-gpu/ui``.
+* ``operator_extra_links``: "GPU job" on each training task instance.
+
+Registered through the ``airflow.plugins`` entry point, so installing the package is enough.
+"""
+
+from __future__ import annotations
+
+from airflow.plugins_manager import AirflowPlugin
+
+from airflow_elastic_gpu.links.job import UI_PREFIX, ElasticJobLink
+
+
+def _ui_auth() -> list:
+    try:
+        from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
+        from airflow.api_fastapi.core_api.security import requires_access_view
+    except ImportError:  # pragma: no cover - older Airflow
+        return []
+    return [requires_access_view(AccessView.PLUGINS)]
+
+
+def _app():
+    from airflow_elastic_gpu.broker.api import create_app
+    from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+
+    return create_app(broker_url=None, url_factory=lambda: GpuBrokerHook().get_url(),
+                      ui_dependencies=_ui_auth())
+
+
+class ElasticGpuPlugin(AirflowPlugin):
+    name = "elastic_gpu"
+    fastapi_apps = [{"app": _app(), "url_prefix": UI_PREFIX, "name": "Elastic GPU broker"}]
+    external_views = [{
+        "name": "GPU pool",
+        "href": f"{UI_PREFIX}/ui",
+        "destination": "nav",
+        "category": "browse",
+        "url_route": "elastic-gpu",
+    }]
+    operator_extra_links = [ElasticJobLink()]

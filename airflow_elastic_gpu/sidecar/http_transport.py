@@ -1,0 +1,82 @@
+"""The agent's HTTP transport: the broker API with the job's bearer token, instead of a DB connection.
+
+Standard library only (``urllib``), so a sidecar container needs no database driver and never sees
+the broker's database password. Transient failures (connection refused, 5xx) raise
+:class:`BrokerUnavailable`; the agent keeps the trainer running and retries.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.types import BrokerError, Target
+from airflow_elastic_gpu.scheduling.state import GpuId
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker API did not answer, or answered with a server error; worth retrying."""
+
+
+class HttpBrokerTransport:
+    """Calls ``{base_url}/api/v1/jobs/{job_id}/...`` with ``Authorization: Bearer {token}``.
+
+    :param base_url: the API root, e.g. ``http://broker:8793`` or ``http://airflow:8080/elastic-gpu``.
+    :param token: the job's API token.
+    :param timeout_s: per-request timeout.
+    """
+
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 10.0) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"broker API URL must start with http:// or https://, got {base_url!r}")
+        if not token:
+            raise ValueError("the job's API token is empty")
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, job_id: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            f"{self.base_url}/api/v1/jobs/{job_id}/{path}", data=data, method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            if exc.code >= 500:
+                raise BrokerUnavailable(f"broker API {path}: HTTP {exc.code}: {detail}") from None
+            raise BrokerError(f"broker API {path}: HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            raise BrokerUnavailable(f"broker API {self.base_url} unreachable: {exc}") from None
+        return json.loads(raw) if raw else None
+
+    @staticmethod
+    def _target(data: dict[str, Any]) -> Target:
+        gpus = tuple(sorted(GpuId(n, int(i)) for n, i in (g.rsplit(":", 1) for g in data["gpus"])))
+        return Target(data["job_id"], JobStatus(data["status"]), int(data["generation"]), gpus)
+
+    def heartbeat(self, job_id: str) -> Target:
+        return self._target(self._call("POST", job_id, "heartbeat"))
+
+    def target(self, job_id: str) -> Target:
+        return self._target(self._call("GET", job_id, "target"))
+
+    def progress(self, job_id: str, step: float, *, generation: int | None = None,
+                 time_s: float | None = None) -> None:
+        self._call("POST", job_id, "progress", {"step": step, "generation": generation, "time_s": time_s})
+
+    def ack(self, job_id: str, generation: int) -> bool:
+        return bool(self._call("POST", job_id, "ack", {"generation": generation})["accepted"])
+
+    def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None) -> Any:
+        return self._call("POST", job_id, "finish", {"exit_code": exit_code, "metrics": metrics})
+
+    def fail(self, job_id: str, reason: str, exit_code: int | None = None,
+             metrics: dict[str, Any] | None = None) -> Any:
+        return self._call("POST", job_id, "fail", {"reason": reason, "exit_code": exit_code, "metrics": metrics})

@@ -1,0 +1,161 @@
+"""The broker HTTP API: per-job token auth, validation, read-only views, schemathesis, and a real
+agent talking to it over HTTP."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import pytest
+import schemathesis
+import uvicorn
+from fastapi.testclient import TestClient
+
+from airflow_elastic_gpu.backends.local import LocalBackend
+from airflow_elastic_gpu.broker.api import create_app
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.http_transport import BrokerUnavailable, HttpBrokerTransport
+
+from test_sidecar import TRAINER, wait_for
+
+
+@pytest.fixture
+def broker(tmp_path):
+    b = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
+    b.register_node("n0", 4)
+    b.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    yield b
+    b.engine.dispose()
+
+
+@pytest.fixture
+def client(broker):
+    return TestClient(create_app(broker))
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_sidecar_calls_need_the_jobs_own_token(broker, client):
+    a = broker.submit(JobSpec("a", "train", 1, 2, total_steps=100))
+    b = broker.submit(JobSpec("b", "train", 1, 2, total_steps=100))
+    url = f"/api/v1/jobs/{a.id}"
+    r = client.post(f"{url}/heartbeat")
+    assert r.status_code == 401 and "missing bearer token" in r.json()["detail"]
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert client.post(f"{url}/heartbeat", headers=auth("wrong")).status_code == 403
+    other = client.post(f"{url}/ack", headers=auth(b.token), json={"generation": 1})  # b's token on a
+    assert other.status_code == 403 and a.id in other.json()["detail"]
+    assert broker.job(a.id).acked_generation == 0  # nothing changed
+    assert client.get(f"/api/v1/jobs/no-such-job/target", headers=auth(a.token)).status_code == 403
+    ok = client.post(f"{url}/heartbeat", headers=auth(a.token))
+    assert ok.status_code == 200 and ok.json()["generation"] == 1
+    assert client.post(f"{url}/ack", headers=auth(a.token), json={"generation": 1}).json() == {"accepted": True}
+    # a rotated token replaces the old one
+    fresh = broker.issue_token(a.id)
+    assert client.get(f"{url}/target", headers=auth(a.token)).status_code == 403
+    assert client.get(f"{url}/target", headers=auth(fresh)).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body", "field", "message"), [
+    ("progress", {"step": -1}, "step", "greater than or equal to 0"),
+    ("progress", {}, "step", "Field required"),
+    ("progress", {"step": 1, "generation": 0}, "generation", "greater than or equal to 1"),
+    ("progress", {"step": 1, "colour": "red"}, "colour", "Extra inputs are not permitted"),
+    ("ack", {"generation": "two"}, "generation", "valid integer"),
+    ("fail", {"reason": ""}, "reason", "at least 1 character"),
+    ("finish", {"exit_code": 300}, "exit_code", "less than or equal to 255"),
+])
+def test_bad_bodies_get_422_naming_the_field(broker, client, path, body, field, message):
+    job = broker.submit(JobSpec("a", "train", 1, 2, total_steps=100))
+    before = broker.job(job.id)
+    r = client.post(f"/api/v1/jobs/{job.id}/{path}", headers=auth(job.token), json=body)
+    assert r.status_code == 422
+    detail = r.json()["detail"][0]
+    assert detail["loc"][-1] == field and message in detail["msg"]
+    assert broker.job(job.id) == before
+
+
+def test_read_only_views_show_holders_progress_timeline_and_reasons(broker, client):
+    a = broker.submit(JobSpec("alpha", "train", 1, 4, total_steps=100))
+    broker.ack(a.id, 1)
+    broker.progress(a.id, 10.0, generation=1)
+    broker.submit(JobSpec("beta", "train", 1, 4, total_steps=10))  # alpha shrinks for beta
+    snap = client.get("/api/v1/pools/default/snapshot").json()
+    holders = {g["gpu"]: g["in_use_by"] for n in snap["nodes"] for g in n["gpus"]}
+    assert set(holders.values()) == {a.id}
+    assert {j["name"] for j in snap["jobs"]} == {"alpha", "beta"}
+    assert any(e["kind"] == "resize" and "shrink" in e["message"] for e in snap["events"])
+    timeline = client.get("/api/v1/pools/default/timeline").json()
+    assert [(s["name"], s["num_gpus"]) for s in timeline["segments"]] == [("alpha", 4)]
+    assert timeline["resizes"] and timeline["resizes"][0]["job_id"] == a.id
+    assert client.get("/api/v1/jobs", params={"active": True}).json()[0]["steps_done"] == 10.0
+    assert client.get("/api/v1/pools/nope/snapshot").status_code == 404
+    assert client.get("/api/v1/events", params={"limit": 0}).status_code == 422
+    page = client.get("/ui")
+    assert page.status_code == 200 and "plotly.min.js" in page.text
+    assert client.get("/ui/plotly.min.js").headers["content-type"].startswith("application/javascript")
+
+
+def test_ui_token_guards_the_read_only_part_when_set(broker, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_UI_TOKEN", "s3cret")
+    c = TestClient(create_app(broker))
+    assert c.get("/api/v1/pools").status_code == 401
+    assert c.get("/api/v1/pools", headers=auth("s3cret")).json() == ["default"]
+    assert c.get("/ui", params={"token": "s3cret"}).status_code == 200
+
+
+schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(broker_url="sqlite://"))
+
+
+@schema.parametrize()
+def test_schemathesis_finds_no_server_error(case):
+    case.call_and_validate(checks=[schemathesis.checks.not_a_server_error])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def api_server(broker):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(broker), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 20, "API server to start")
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_a_real_agent_runs_a_job_over_http_without_the_database(tmp_path, broker, api_server, monkeypatch):
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    job = broker.submit(JobSpec("http", f"{sys.executable} {trainer} x 30", 1, 2, total_steps=30))
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_API", api_server)
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_JOB_TOKEN", job.token)
+    # a DB URL the agent cannot use: the job can only succeed through the API
+    backend = LocalBackend(tmp_path / "jobs", "sqlite:////nonexistent/dir/broker.db", poll_s=0.2)
+    handle = backend.start(job.id, job.command)
+    done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
+    assert done.status is JobStatus.SUCCEEDED, done.reason + (handle.job_dir / "agent.log").read_text()[-2000:]
+    assert done.steps_done == 30 and done.metrics["accuracy"] == 0.95
+    assert protocol.read_json(handle.job_dir / protocol.STATUS)["generation"] == 1
+
+
+def test_http_transport_errors_are_clear():
+    with pytest.raises(ValueError, match="must start with http"):
+        HttpBrokerTransport("broker:8793", "t")
+    with pytest.raises(ValueError, match="token is empty"):
+        HttpBrokerTransport("http://127.0.0.1:1", "")
+    with pytest.raises(BrokerUnavailable, match="unreachable"):
+        HttpBrokerTransport("http://127.0.0.1:1", "t", timeout_s=2).heartbeat("job")
