@@ -95,6 +95,14 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         if args.gpus is None:
             raise ValueError(f"`nodes add {args.name}` needs --gpus N (the node's GPU count)")
         broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type)
+    elif args.action == "kube-sync":
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+        from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
+
+        core_v1 = KubernetesHook(conn_id=args.kubernetes_conn_id).core_v1_client
+        names = register_nodes_from_cluster(broker, core_v1, pool=args.pool, label_selector=args.label_selector)
+        console.print(f"registered {len(names)} GPU node(s) of the cluster in pool {args.pool!r}")
     elif args.action == "detect":
         from airflow_elastic_gpu.backends.local import detect_gpus
 
@@ -306,7 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("nodes", help="list nodes; add one; or detect this host's GPUs")
-    p.add_argument("action", nargs="?", choices=["list", "add", "detect"], default="list")
+    p.add_argument("action", nargs="?", choices=["list", "add", "detect", "kube-sync"], default="list",
+                   help="kube-sync: register the Kubernetes cluster's GPU nodes (GPU feature discovery labels)")
+    p.add_argument("--kubernetes-conn-id", default="kubernetes_default")
+    p.add_argument("--label-selector", default="nvidia.com/gpu.present=true")
     p.add_argument("name", nargs="?", default=LOCAL_NODE)
     p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
     p.add_argument("--gpu-type", default="virtual")

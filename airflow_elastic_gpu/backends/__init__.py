@@ -1,4 +1,5 @@
-"""Where a job's processes run: ``local`` (this host) now; ``kubernetes`` plugs in behind the same calls."""
+"""Where a job's processes run: ``local`` (this host) or ``kubernetes`` (a pod per job, see
+:mod:`airflow_elastic_gpu.backends.kubernetes`, built by the operator from its pod settings)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def get_backend(name: str, *, broker_url: str, work_dir: str | Path) -> LocalBac
         return LocalBackend(work_dir, broker_url)
     if name == "kubernetes":
         raise BackendError(
-            "backend='kubernetes' is not available in this release yet; use backend='local'"
+            "backend='kubernetes' needs pod settings: use ElasticTrainingOperator(backend='kubernetes', "
+            "image=..., kubernetes={...}) or KubernetesBackend(KubernetesJobConfig(...), broker)"
         )
     raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -50,7 +50,14 @@ class ElasticTrainingOperator(BaseOperator):
     :param checkpoint_dir: where the trainer checkpoints (checked at submit); default a per-job dir.
     :param gpu_pool: broker GPU pool name.
     :param priority: larger is served first by the broker.
-    :param backend: ``"local"`` (``"kubernetes"`` in a later release).
+    :param backend: ``"local"`` (processes on this host) or ``"kubernetes"`` (a pod per job with the
+        sidecar; needs ``image`` and the ``kubernetes`` settings, see :class:`KubernetesJobConfig`).
+    :param image: the training image (``backend="kubernetes"``).
+    :param kubernetes: pod settings for ``backend="kubernetes"`` (any field of
+        :class:`~airflow_elastic_gpu.backends.kubernetes.KubernetesJobConfig`: ``namespace``,
+        ``resize_mechanism`` ("inplace" or "recreate"), ``on_finish_action``, ``pod_template_file``,
+        ``full_pod_spec``, ``image_pull_secrets``, ``container_resources``, ``tolerations``, ``volumes``,
+        ``volume_mounts``, ``broker_api_url``, ``agent_image``, ``kubernetes_conn_id``...).
     :param env: extra environment variables for the trainer (templated).
     :param broker_conn_id: Airflow connection of the broker.
     :param poll_interval: seconds between the trigger's polls.
@@ -83,6 +90,8 @@ class ElasticTrainingOperator(BaseOperator):
         deferrable: bool = True,
         virtual_gpus: int | None = None,
         job_name: str | None = None,
+        image: str | None = None,
+        kubernetes: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -101,6 +110,16 @@ class ElasticTrainingOperator(BaseOperator):
             compile_progress_pattern(progress_pattern)
         except BrokerError as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
+        self.kubernetes: dict[str, Any] | None = None
+        if backend == "kubernetes":
+            from airflow_elastic_gpu.backends.kubernetes import KubernetesJobConfig
+
+            try:
+                self.kubernetes = KubernetesJobConfig(image=image or "", **(kubernetes or {})).to_dict()
+            except (BackendError, TypeError) as exc:
+                raise AirflowException(f"{self.task_id}: {exc}") from None
+        elif image or kubernetes:
+            raise AirflowException(f"{self.task_id}: image and kubernetes apply to backend='kubernetes' only")
         self.command = command
         self.total_steps = total_steps
         self.min_gpus = min_gpus
@@ -124,6 +143,10 @@ class ElasticTrainingOperator(BaseOperator):
         return GpuBrokerHook(self.broker_conn_id)
 
     def _backend(self, url: str):
+        if self.backend == "kubernetes":
+            from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, KubernetesJobConfig
+
+            return KubernetesBackend(KubernetesJobConfig.from_dict(self.kubernetes or {}), GpuBroker(url, migrate=False))
         return get_backend(self.backend, broker_url=url, work_dir=GpuBrokerHook.work_dir())
 
     def _ensure_local_pool(self, broker: GpuBroker) -> None:
@@ -147,6 +170,12 @@ class ElasticTrainingOperator(BaseOperator):
         self._ensure_local_pool(broker)
         backend = self._backend(url)
         try:
+            if self.backend == "kubernetes":
+                largest = max((len(n.gpus) for n in broker.nodes(self.gpu_pool) if n.schedulable), default=0)
+                if self.max_gpus > largest:
+                    raise BackendError(
+                        f"max_gpus={self.max_gpus} is larger than any node of pool {self.gpu_pool!r} "
+                        f"({largest} GPUs): one pod per node is not supported yet")
             backend.check_command(self.command)
             backend.check_checkpoint_dir(self.checkpoint_dir)
             ti = context["ti"]
@@ -158,7 +187,15 @@ class ElasticTrainingOperator(BaseOperator):
                 checkpoint_dir=self.checkpoint_dir, backend=self.backend,
             ))
             self._job_id = job.id
-            if backend.is_running(job.id):
+            if self.backend == "kubernetes":
+                ref = backend.start(job.id, self.command, progress_pattern=self.progress_pattern,
+                                    checkpoint_dir=self.checkpoint_dir, env=self.env,
+                                    context={"dag_id": ti.dag_id, "task_id": ti.task_id, "run_id": ti.run_id,
+                                             "map_index": str(ti.map_index)})
+                broker.start(job.id, ref)
+                self.log.info("job %s: token Secret and (once placed) pod in namespace %s", job.id,
+                              backend.config.namespace)
+            elif backend.is_running(job.id):
                 self.log.info("reattached to running job %s", job.id)
             else:
                 handle = backend.start(job.id, self.command, progress_pattern=self.progress_pattern,
@@ -170,7 +207,8 @@ class ElasticTrainingOperator(BaseOperator):
             raise AirflowException(f"{self.task_id}: {exc}") from None
         ti.xcom_push(key="job_id", value=job.id)
         trigger = ElasticTrainingTrigger(job.id, self.broker_conn_id, self.poll_interval, self.backend,
-                                         str(GpuBrokerHook.work_dir()))
+                                         str(GpuBrokerHook.work_dir()), kubernetes=self.kubernetes,
+                                         env=self.env or None)
         if self.deferrable:
             self.defer(trigger=trigger, method_name="execute_complete")
         while not broker.job(job.id).status.terminal:  # non-deferrable: poll here

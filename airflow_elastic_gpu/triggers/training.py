@@ -34,8 +34,11 @@ class ElasticTrainingTrigger(BaseTrigger):
     """
 
     def __init__(self, job_id: str, broker_conn_id: str = "elastic_gpu_default", poll_interval: float = 5.0,
-                 backend: str = "local", work_dir: str | None = None, after_event_id: int = 0) -> None:
+                 backend: str = "local", work_dir: str | None = None, after_event_id: int = 0,
+                 kubernetes: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
         super().__init__()
+        self.kubernetes = kubernetes
+        self.env = env
         self.job_id = job_id
         self.broker_conn_id = broker_conn_id
         self.poll_interval = poll_interval
@@ -50,7 +53,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger",
             {"job_id": self.job_id, "broker_conn_id": self.broker_conn_id,
              "poll_interval": self.poll_interval, "backend": self.backend, "work_dir": self.work_dir,
-             "after_event_id": self.after_event_id},
+             "after_event_id": self.after_event_id, "kubernetes": self.kubernetes, "env": self.env},
         )
 
     def _get_broker(self) -> GpuBroker:
@@ -75,6 +78,8 @@ class ElasticTrainingTrigger(BaseTrigger):
         except Exception:
             self._broker = None  # re-create the client next time (credentials, dropped connections)
             raise
+        if not job.status.terminal and self.backend == "kubernetes":
+            self._kubernetes_poll(broker, job)
         if not job.status.terminal and self.backend == "local" and job.backend_ref:
             backend = self._local_backend()
             gone = 0 if backend.is_running(self.job_id) else gone + 1
@@ -85,6 +90,24 @@ class ElasticTrainingTrigger(BaseTrigger):
         job = broker.job(self.job_id)
         events = broker.events(job_id=self.job_id, after_id=self.after_event_id)
         return job, events, gone
+
+    def _kubernetes_backend(self):
+        from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, KubernetesJobConfig
+
+        if getattr(self, "_k8s", None) is None:
+            self._k8s = KubernetesBackend(KubernetesJobConfig.from_dict(self.kubernetes or {}), self._get_broker())
+        return self._k8s
+
+    def _kubernetes_poll(self, broker: GpuBroker, job: Any) -> None:
+        """Create or re-create the job's pod for the broker's target; fail the job if its pod broke."""
+        backend = self._kubernetes_backend()
+        backend.sync(job.id, job.command, progress_pattern=job.progress_pattern,
+                     checkpoint_dir=job.checkpoint_dir, env=self.env)
+        placed = bool(job.target_gpus)
+        problem = backend.problem(job.id, expected=placed and job.acked_generation >= 1)
+        if problem:
+            tail = "\n".join(backend.log_tail(job.id))
+            broker.fail(job.id, f"{problem}. Last log lines:\n{tail}" if tail else problem)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         gone = 0
@@ -100,6 +123,9 @@ class ElasticTrainingTrigger(BaseTrigger):
                     self.log.info("[%s] %s", e.kind, e.message)
                 self.after_event_id = e.id
             if job.status.terminal:
+                if self.backend == "kubernetes":
+                    await asyncio.to_thread(self._kubernetes_backend().stop, job.id,
+                                            succeeded=job.status.value == "succeeded")
                 yield TriggerEvent({"job_id": job.id, "status": job.status.value, "reason": job.reason})
                 return
             await asyncio.sleep(self.poll_interval)
@@ -111,5 +137,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             broker.cancel(self.job_id, "task instance killed by a user while deferred")
             if self.backend == "local":
                 self._local_backend().stop(self.job_id, timeout_s=30)
+            elif self.backend == "kubernetes":
+                self._kubernetes_backend().stop(self.job_id)
 
         await asyncio.to_thread(kill)

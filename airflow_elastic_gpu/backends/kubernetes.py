@@ -1,0 +1,457 @@
+"""Kubernetes backend: one training pod per job, with the stop-and-restart sidecar, pinned to the
+broker's node.
+
+Pod layout (see ``docs/kubernetes.md``):
+
+* an init container (the agent image) copies the standard-library launcher (``launcher.py`` and
+  ``protocol.py``) into a shared ``emptyDir`` mounted at ``/elastic``;
+* the **agent** runs as a native sidecar (an init container with ``restartPolicy: Always``,
+  Kubernetes >= 1.29): it talks to the broker's HTTP API with the job's bearer token, read from a
+  Secret created for the job (and deleted with it), and relays through ``/elastic/job``;
+* the **trainer** container runs the user's image with the launcher as entry point:
+  ``python /elastic/launcher.py --shared-dir /elastic/job -- COMMAND``. The launcher sets
+  ``CUDA_VISIBLE_DEVICES`` to the broker's GPUs for each generation and restarts the trainer in
+  place on a resize;
+* the pod is pinned to the broker's node (``nodeName``) and sees all the node's GPUs through the
+  NVIDIA container runtime (``runtimeClassName``, ``NVIDIA_VISIBLE_DEVICES=all``) without requesting
+  ``nvidia.com/gpu``: the broker, not the kube-scheduler, owns GPU assignment on its nodes.
+
+``resize_mechanism="recreate"`` is the termination-based baseline: a new generation deletes the pod
+and creates a new one with the new GPU set. A job whose GPUs move to another node is re-created in
+either mode. Jobs larger than one node (one pod per node) are not supported yet: submit rejects
+them.
+
+The Kubernetes API is reached through ``apache-airflow-providers-cncf-kubernetes``'
+``KubernetesHook`` (``core_v1_client``); tests inject a fake with the same methods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kubernetes.client import ApiClient, models as k8s
+from kubernetes.client.exceptions import ApiException
+
+from airflow_elastic_gpu.backends.local import BackendError
+from airflow_elastic_gpu.broker.service import GpuBroker
+
+MANAGED_BY = "airflow-elastic-gpu"
+LABEL_JOB = "elastic-gpu.airflow.apache.org/job-id"
+LABEL_GENERATION = "elastic-gpu.airflow.apache.org/generation"
+SHARED = "/elastic"
+JOB_DIR = f"{SHARED}/job"
+TOKEN_KEY = "token"
+RESIZE_MECHANISMS = ("inplace", "recreate")
+ON_FINISH = ("delete_pod", "delete_succeeded_pod", "keep_pod")
+_COPY_LAUNCHER = (
+    "import os, shutil, airflow_elastic_gpu.sidecar as s; d = os.path.dirname(s.__file__); "
+    f"[shutil.copy(os.path.join(d, f), '{SHARED}') for f in ('launcher.py', 'protocol.py')]"
+)
+
+
+@dataclass(frozen=True)
+class KubernetesJobConfig:
+    """How a job's pod is built; JSON-serializable (it travels to the trigger).
+
+    :param image: the training image (needs ``python3``; the launcher is copied in).
+    :param agent_image: image with this package installed (the agent and the launcher's source).
+    :param broker_api_url: the broker HTTP API as seen from pods, e.g. ``http://elastic-gpu-broker:8793``.
+    :param namespace: where pods and secrets go.
+    :param kubernetes_conn_id: Airflow connection for ``KubernetesHook``.
+    :param resize_mechanism: ``"inplace"`` (sidecar restart) or ``"recreate"`` (new pod per generation).
+    :param on_finish_action: ``"delete_pod"``, ``"delete_succeeded_pod"`` or ``"keep_pod"`` (as in KPO).
+    :param runtime_class_name: the NVIDIA runtime class (``None``: the node's default runtime).
+    :param pod_template_file: a pod YAML merged under the generated spec (as KPO's).
+    :param full_pod_spec: a pod dict merged under the generated spec.
+    :param image_pull_secrets: secret names.
+    :param container_resources: the trainer's ``resources`` (cpu/memory; never ``nvidia.com/gpu``).
+    :param tolerations, volumes, volume_mounts: as in the pod spec (dicts in Kubernetes' JSON form).
+    :param labels, annotations: extra metadata.
+    :param service_account_name: the pod's service account.
+    :param startup_grace_s: seconds a pod may take to appear before it counts as missing.
+    """
+
+    image: str
+    agent_image: str = "airflow-elastic-gpu-agent:latest"
+    broker_api_url: str = "http://elastic-gpu-broker:8793"
+    namespace: str = "default"
+    kubernetes_conn_id: str = "kubernetes_default"
+    resize_mechanism: str = "inplace"
+    on_finish_action: str = "delete_pod"
+    runtime_class_name: str | None = "nvidia"
+    pod_template_file: str | None = None
+    full_pod_spec: dict[str, Any] | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    container_resources: dict[str, Any] | None = None
+    tolerations: tuple[dict[str, Any], ...] = ()
+    volumes: tuple[dict[str, Any], ...] = ()
+    volume_mounts: tuple[dict[str, Any], ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    service_account_name: str | None = None
+    startup_grace_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.image:
+            raise BackendError("backend='kubernetes' needs an image for the trainer")
+        if self.resize_mechanism not in RESIZE_MECHANISMS:
+            raise BackendError(f"resize_mechanism must be one of {', '.join(RESIZE_MECHANISMS)}, "
+                               f"got {self.resize_mechanism!r}")
+        if self.on_finish_action not in ON_FINISH:
+            raise BackendError(f"on_finish_action must be one of {', '.join(ON_FINISH)}, got {self.on_finish_action!r}")
+        if not self.broker_api_url.startswith(("http://", "https://")):
+            raise BackendError(f"broker_api_url must start with http:// or https://, got {self.broker_api_url!r}")
+        limits = {**((self.container_resources or {}).get("limits") or {}),
+                  **((self.container_resources or {}).get("requests") or {})}
+        if any("nvidia.com/gpu" in k for k in limits):
+            raise BackendError("do not request nvidia.com/gpu: the broker assigns GPUs on its nodes "
+                               "(the pod sees them through the NVIDIA runtime)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KubernetesJobConfig:
+        data = dict(data)
+        for key in ("image_pull_secrets", "tolerations", "volumes", "volume_mounts"):
+            data[key] = tuple(data.get(key) or ())
+        return cls(**data)
+
+
+def label_value(text: str) -> str:
+    """``text`` as a valid label value (<= 63 chars of ``[A-Za-z0-9._-]``, alphanumeric at both ends)."""
+    clean = re.sub(r"[^A-Za-z0-9._-]", "-", text).strip("-._")
+    if len(clean) > 63:
+        clean = clean[:54].rstrip("-._") + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
+    return clean or "x"
+
+
+def resource_name(prefix: str, job_id: str, generation: int | None = None) -> str:
+    """A DNS-1123 name: ``{prefix}-{job id}[-g{generation}]``."""
+    name = f"{prefix}-{job_id}".lower()
+    if generation is not None:
+        name += f"-g{generation}"
+    return re.sub(r"[^a-z0-9-]", "-", name)[:63].strip("-")
+
+
+_api = ApiClient()
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A Kubernetes model as the JSON the API server receives (camelCase keys, no ``None``)."""
+    return _api.sanitize_for_serialization(obj)
+
+
+def _model(kind: str, data: dict[str, Any]) -> Any:
+    """A Kubernetes model (``V1Toleration``, ``V1Volume``...) from its JSON form."""
+    class Resp:
+        def __init__(self, d: dict[str, Any]) -> None:
+            import json
+
+            self.data = json.dumps(d)
+
+    return _api.deserialize(Resp(data), kind)
+
+
+class PodBuilder:
+    """Builds the job's Secret and Pod (pure: no API calls)."""
+
+    def __init__(self, config: KubernetesJobConfig) -> None:
+        self.config = config
+
+    def secret(self, job_id: str, token: str) -> k8s.V1Secret:
+        return k8s.V1Secret(
+            api_version="v1", kind="Secret",
+            metadata=k8s.V1ObjectMeta(name=resource_name("elastic-gpu-token", job_id),
+                                      namespace=self.config.namespace, labels=self._labels(job_id, None, {})),
+            type="Opaque", string_data={TOKEN_KEY: token},
+        )
+
+    def _labels(self, job_id: str, generation: int | None, context: dict[str, str]) -> dict[str, str]:
+        labels = {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_JOB: label_value(job_id),
+                  **{f"elastic-gpu.airflow.apache.org/{k}": label_value(v) for k, v in context.items()},
+                  **self.config.labels}
+        if generation is not None:
+            labels[LABEL_GENERATION] = str(generation)
+        return labels
+
+    def pod(self, job_id: str, command: str, node: str, generation: int, *,
+            progress_pattern: str | None = None, checkpoint_dir: str | None = None,
+            env: dict[str, str] | None = None, context: dict[str, str] | None = None) -> k8s.V1Pod:
+        """The pod of ``job_id``'s ``generation`` on ``node``.
+
+        :param context: dag_id, task_id, run_id, map_index... (labels and annotations).
+        """
+        c = self.config
+        context = dict(context or {})
+        shared_mount = k8s.V1VolumeMount(name="elastic", mount_path=SHARED)
+        user_mounts = [_model("V1VolumeMount", m) for m in c.volume_mounts]
+        token_env = k8s.V1EnvVar(
+            name="AIRFLOW_ELASTIC_GPU_JOB_TOKEN",
+            value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(
+                name=resource_name("elastic-gpu-token", job_id), key=TOKEN_KEY)))
+        agent_args = ["--job-id", job_id, "--shared-dir", JOB_DIR, "--broker-api", c.broker_api_url,
+                      "--poll-s", "2"]
+        if progress_pattern:
+            agent_args += ["--progress-pattern", progress_pattern]
+        copy_launcher = k8s.V1Container(
+            name="copy-launcher", image=c.agent_image, command=["python", "-c", _COPY_LAUNCHER],
+            volume_mounts=[shared_mount])
+        agent = k8s.V1Container(
+            name="elastic-agent", image=c.agent_image, restart_policy="Always",
+            command=["python", "-m", "airflow_elastic_gpu.sidecar.agent"], args=agent_args,
+            env=[token_env], volume_mounts=[shared_mount],
+            resources=k8s.V1ResourceRequirements(requests={"cpu": "50m", "memory": "128Mi"}))
+        launcher_args = ["--shared-dir", JOB_DIR]
+        if checkpoint_dir:
+            launcher_args += ["--checkpoint-dir", checkpoint_dir]
+        trainer = k8s.V1Container(
+            name="trainer", image=c.image, command=["python3", f"{SHARED}/launcher.py"],
+            args=[*launcher_args, "--", command],
+            env=[k8s.V1EnvVar(name="NVIDIA_VISIBLE_DEVICES", value="all"),
+                 *(k8s.V1EnvVar(name=k, value=v) for k, v in sorted((env or {}).items()))],
+            volume_mounts=[shared_mount, *user_mounts],
+            resources=_model("V1ResourceRequirements", c.container_resources) if c.container_resources else None)
+        pod = k8s.V1Pod(
+            api_version="v1", kind="Pod",
+            metadata=k8s.V1ObjectMeta(
+                name=resource_name("elastic-gpu", job_id, generation), namespace=c.namespace,
+                labels=self._labels(job_id, generation, {k: v for k, v in context.items() if k != "run_id"}),
+                annotations={**{f"elastic-gpu.airflow.apache.org/{k}": v for k, v in context.items()},
+                             "elastic-gpu.airflow.apache.org/job-id": job_id, **c.annotations}),
+            spec=k8s.V1PodSpec(
+                node_name=node, restart_policy="Never", runtime_class_name=c.runtime_class_name,
+                init_containers=[copy_launcher, agent], containers=[trainer],
+                volumes=[k8s.V1Volume(name="elastic", empty_dir=k8s.V1EmptyDirVolumeSource()),
+                         *(_model("V1Volume", v) for v in c.volumes)],
+                tolerations=[_model("V1Toleration", t) for t in c.tolerations] or None,
+                image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in c.image_pull_secrets] or None,
+                service_account_name=c.service_account_name,
+                termination_grace_period_seconds=120,
+            ),
+        )
+        base = self._template()
+        if base is not None:
+            from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
+
+            pod = PodGenerator.reconcile_pods(base, pod)
+        return pod
+
+    def _template(self) -> k8s.V1Pod | None:
+        from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
+
+        c = self.config
+        if c.pod_template_file:
+            return PodGenerator.deserialize_model_file(c.pod_template_file)
+        if c.full_pod_spec:
+            return PodGenerator.deserialize_model_dict(c.full_pod_spec)
+        return None
+
+
+@dataclass(frozen=True)
+class PodState:
+    """What the backend sees of a job's pod: its name, node, generation, phase and a problem, if any."""
+
+    name: str
+    node: str | None
+    generation: int
+    phase: str
+    problem: str | None = None
+
+
+def pod_problem(pod: Any) -> str | None:
+    """Why ``pod`` (a ``V1Pod``) can no longer train, or ``None``: eviction, a failed phase, a
+    terminated trainer (OOMKilled, Error), an unpullable image."""
+    status = pod.status
+    if status is None:
+        return None
+    if status.reason == "Evicted" or (status.phase == "Failed" and status.reason):
+        return f"pod {pod.metadata.name} {status.reason or 'failed'}: {status.message or ''}".strip()
+    for cs in status.container_statuses or []:
+        if cs.name != "trainer" or cs.state is None:
+            continue
+        if cs.state.waiting and cs.state.waiting.reason in ("ErrImagePull", "ImagePullBackOff",
+                                                            "CreateContainerConfigError", "InvalidImageName"):
+            return f"trainer container cannot start: {cs.state.waiting.reason}: {cs.state.waiting.message or ''}".strip()
+        if cs.state.terminated and cs.state.terminated.reason in ("OOMKilled", "Error", "ContainerCannotRun"):
+            t = cs.state.terminated
+            return f"trainer container terminated: {t.reason} (exit code {t.exit_code})"
+    if status.phase == "Failed":
+        return f"pod {pod.metadata.name} failed"
+    return None
+
+
+class KubernetesBackend:
+    """Runs jobs as pods; same calls as :class:`~airflow_elastic_gpu.backends.local.LocalBackend`
+    plus :meth:`sync` (create/re-create the pod for the broker's current target) and :meth:`problem`.
+
+    :param config: how pods are built.
+    :param broker: the broker (job targets, tokens).
+    :param core_v1: a ``CoreV1Api`` (default: from ``KubernetesHook(config.kubernetes_conn_id)``).
+    """
+
+    def __init__(self, config: KubernetesJobConfig, broker: GpuBroker, core_v1: Any | None = None) -> None:
+        self.config = config
+        self.broker = broker
+        self._core_v1 = core_v1
+        self.builder = PodBuilder(config)
+
+    @property
+    def core_v1(self) -> Any:
+        if self._core_v1 is None:
+            from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+            self._core_v1 = KubernetesHook(conn_id=self.config.kubernetes_conn_id).core_v1_client
+        return self._core_v1
+
+    # -- checks (the same as the local backend's, where they apply)
+    @staticmethod
+    def check_command(command: str) -> None:
+        if not command or not command.strip():
+            raise BackendError("command must not be empty")
+
+    @staticmethod
+    def check_checkpoint_dir(path: str | None) -> None:
+        if path is not None and not path.startswith("/"):
+            raise BackendError(f"checkpoint_dir must be an absolute path in the container, got {path!r}")
+
+    # -- life cycle
+    def start(self, job_id: str, command: str, *, progress_pattern: str | None = None,
+              checkpoint_dir: str | None = None, env: dict[str, str] | None = None,
+              context: dict[str, str] | None = None) -> str:
+        """Create the job's token Secret (a fresh token) and, once the broker has placed it, its pod.
+
+        Idempotent: an existing Secret is replaced, an existing pod of the current generation kept.
+        Returns the backend reference stored in the broker.
+        """
+        self.check_command(command)
+        self.check_checkpoint_dir(checkpoint_dir)
+        token = self.broker.issue_token(job_id)
+        secret = self.builder.secret(job_id, token)
+        try:
+            self.core_v1.create_namespaced_secret(self.config.namespace, secret)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise BackendError(f"cannot create the job's token Secret: {exc.status} {exc.reason}") from None
+            self.core_v1.replace_namespaced_secret(secret.metadata.name, self.config.namespace, secret)
+        self.sync(job_id, command, progress_pattern=progress_pattern, checkpoint_dir=checkpoint_dir,
+                  env=env, context=context)
+        return f"kubernetes:{self.config.namespace}/{resource_name('elastic-gpu', job_id)}"
+
+    def pods(self, job_id: str) -> list[Any]:
+        """The job's pods (``V1Pod``), oldest generation first."""
+        found = self.core_v1.list_namespaced_pod(
+            self.config.namespace, label_selector=f"{LABEL_JOB}={label_value(job_id)}").items
+        return sorted(found, key=lambda p: int((p.metadata.labels or {}).get(LABEL_GENERATION, 0)))
+
+    def state(self, job_id: str) -> PodState | None:
+        pods = self.pods(job_id)
+        if not pods:
+            return None
+        pod = pods[-1]
+        return PodState(pod.metadata.name, pod.spec.node_name,
+                        int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
+                        (pod.status.phase if pod.status else None) or "Pending", pod_problem(pod))
+
+    def sync(self, job_id: str, command: str, *, progress_pattern: str | None = None,
+             checkpoint_dir: str | None = None, env: dict[str, str] | None = None,
+             context: dict[str, str] | None = None) -> str:
+        """Make the pods match the broker's target; returns what it did (``wait``, ``keep``,
+        ``create``, ``recreate``).
+
+        - no GPUs published yet: wait;
+        - no pod: create it on the target's node;
+        - the target moved to another node, or (``recreate`` mode) a new generation: delete the pod,
+          create one for the new generation;
+        - otherwise (in place): keep; the sidecar applies the new generation.
+
+        :raises BackendError: a target spanning nodes, or an API error other than 404/409.
+        """
+        target = self.broker.target(job_id)
+        if target.status.terminal or not target.gpus:
+            return "wait"
+        nodes = {g.node for g in target.gpus}
+        if len(nodes) > 1:
+            raise BackendError(f"job {job_id} spans nodes {sorted(nodes)}: one pod per node is not supported yet")
+        (node,) = nodes
+        current = self.state(job_id)
+        if current is not None and current.node == node and (
+            self.config.resize_mechanism == "inplace" or current.generation >= target.generation
+        ):
+            return "keep"
+        action = "create" if current is None else "recreate"
+        if current is not None:
+            self._delete_pod(current.name)
+        pod = self.builder.pod(job_id, command, node, target.generation, progress_pattern=progress_pattern,
+                               checkpoint_dir=checkpoint_dir, env=env, context=context)
+        try:
+            self.core_v1.create_namespaced_pod(self.config.namespace, pod)
+        except ApiException as exc:
+            if exc.status != 409:  # 409: this generation's pod exists already (a retried call)
+                raise BackendError(f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}") from None
+        return action
+
+    def problem(self, job_id: str, *, expected: bool) -> str | None:
+        """Why the job cannot go on, judged from its pods; ``expected``: a pod should exist by now."""
+        state = self.state(job_id)
+        if state is None:
+            return "the job's pod was deleted from outside the broker" if expected else None
+        return state.problem
+
+    def is_running(self, job_id: str) -> bool:
+        state = self.state(job_id)
+        return state is not None and state.phase in ("Pending", "Running")
+
+    def _delete_pod(self, name: str) -> None:
+        try:
+            self.core_v1.delete_namespaced_pod(name, self.config.namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise BackendError(f"cannot delete pod {name}: {exc.status} {exc.reason}") from None
+
+    def stop(self, job_id: str, *, timeout_s: float | None = None, succeeded: bool = False) -> None:
+        """Clean up as ``on_finish_action`` says (pods), and always delete the token Secret."""
+        action = self.config.on_finish_action
+        if action == "delete_pod" or (action == "delete_succeeded_pod" and succeeded):
+            for pod in self.pods(job_id):
+                self._delete_pod(pod.metadata.name)
+        try:
+            self.core_v1.delete_namespaced_secret(resource_name("elastic-gpu-token", job_id), self.config.namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise BackendError(f"cannot delete the job's token Secret: {exc.status} {exc.reason}") from None
+
+    cleanup = stop
+
+    def log_tail(self, job_id: str, lines: int = 20) -> list[str]:
+        state = self.state(job_id)
+        if state is None:
+            return []
+        try:
+            text = self.core_v1.read_namespaced_pod_log(state.name, self.config.namespace, container="trainer",
+                                                        tail_lines=lines)
+        except ApiException:
+            return []
+        return str(text).splitlines()[-lines:]
+
+
+def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = "default",
+                                label_selector: str | None = "nvidia.com/gpu.present=true") -> list[str]:
+    """Register every GPU node of the cluster in ``pool``: GPU count from the ``nvidia.com/gpu.count``
+    label (GPU feature discovery) or the ``nvidia.com/gpu`` capacity, type from ``nvidia.com/gpu.product``.
+
+    :returns: the registered node names.
+    """
+    names = []
+    for node in core_v1.list_node(label_selector=label_selector).items:
+        labels = node.metadata.labels or {}
+        count = labels.get("nvidia.com/gpu.count") or (node.status.capacity or {}).get("nvidia.com/gpu")
+        if not count or int(count) < 1:
+            continue
+        broker.register_node(node.metadata.name, int(count), pool=pool,
+                             gpu_type=labels.get("nvidia.com/gpu.product", "nvidia"))
+        names.append(node.metadata.name)
+    return names

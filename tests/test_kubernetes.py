@@ -1,0 +1,392 @@
+"""Kubernetes backend: manifests validated against the official schema (strict), their semantics,
+and a job's whole life against a fake of the CoreV1 API (no cluster here)."""
+
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes.client import models as k8s
+from kubernetes.client.exceptions import ApiException
+
+from airflow_elastic_gpu.backends.kubernetes import (
+    LABEL_GENERATION,
+    LABEL_JOB,
+    KubernetesBackend,
+    KubernetesJobConfig,
+    PodBuilder,
+    register_nodes_from_cluster,
+    to_dict,
+)
+from airflow_elastic_gpu.backends.local import BackendError
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobSpec
+
+K8S_VERSION = "1.33.0"
+CONTEXT = {"dag_id": "nightly_retraining", "task_id": "train", "run_id": "scheduled__2026-11-23T00:00:00+00:00",
+           "map_index": "2"}
+
+
+def validate(manifest: dict) -> None:
+    kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+def config(**kw) -> KubernetesJobConfig:
+    return KubernetesJobConfig(image="registry.example/train:1", broker_api_url="http://broker:8793",
+                               namespace="ml", **kw)
+
+
+TEMPLATE = {
+    "apiVersion": "v1", "kind": "Pod",
+    "metadata": {"labels": {"team": "vision"}},
+    "spec": {"priorityClassName": "batch", "containers": [{"name": "base", "image": "ignored"}],
+             "nodeSelector": {"pool": "a100"}},
+}
+
+
+@pytest.mark.parametrize("kind", ["inplace", "recreate", "template_file", "full_pod_spec", "knobs"])
+def test_every_manifest_validates_strictly_against_the_kubernetes_schema(tmp_path, kind):
+    extra: dict = {}
+    if kind == "recreate":
+        extra = {"resize_mechanism": "recreate"}
+    elif kind == "template_file":
+        path = tmp_path / "pod.yaml"
+        path.write_text(yaml.safe_dump(TEMPLATE))
+        extra = {"pod_template_file": str(path)}
+    elif kind == "full_pod_spec":
+        extra = {"full_pod_spec": TEMPLATE}
+    elif kind == "knobs":
+        extra = {"image_pull_secrets": ("regcred",), "tolerations": ({"key": "gpu", "operator": "Exists",
+                                                                    "effect": "NoSchedule"},),
+                 "volumes": ({"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}},),
+                 "volume_mounts": ({"name": "ckpt", "mountPath": "/ckpt"},),
+                 "container_resources": {"requests": {"cpu": "4", "memory": "16Gi"}},
+                 "service_account_name": "trainer", "labels": {"team": "nlp"}}
+    builder = PodBuilder(config(**extra))
+    pod = to_dict(builder.pod("3f1c-job", "python train.py --gpus {num_gpus}", "gpu-node-7", 2,
+                              progress_pattern=r"step (?P<step>\d+)", checkpoint_dir="/ckpt/run1",
+                              env={"WANDB_MODE": "offline"}, context=CONTEXT))
+    validate(pod)
+    validate(to_dict(builder.secret("3f1c-job", "tok")))
+    if kind in ("template_file", "full_pod_spec"):
+        assert pod["spec"]["priorityClassName"] == "batch" and pod["spec"]["nodeSelector"] == {"pool": "a100"}
+        assert pod["metadata"]["labels"]["team"] == "vision"
+
+
+def test_the_schema_check_is_strict():
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
+                  "spec": {"containers": [{"name": "c", "image": "i", "restartPolicyy": "Always"}]}})
+
+
+def test_pod_semantics_the_schema_cannot_check():
+    pod = to_dict(PodBuilder(config()).pod("job-1", "python train.py", "gpu-node-7", 3, context=CONTEXT))
+    spec = pod["spec"]
+    copy_init, agent = spec["initContainers"]
+    (trainer,) = spec["containers"]
+    assert agent["name"] == "elastic-agent" and agent["restartPolicy"] == "Always"  # native sidecar
+    assert "restartPolicy" not in copy_init  # a plain init container runs to completion first
+    assert spec["nodeName"] == "gpu-node-7" and spec["restartPolicy"] == "Never"
+    assert spec["runtimeClassName"] == "nvidia"
+    assert "nvidia.com/gpu" not in str(pod)  # GPUs come from the broker, not the device plugin's requests
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in trainer["env"]
+    for c in (copy_init, agent, trainer):  # the shared volume is in every container
+        assert {"name": "elastic", "mountPath": "/elastic"} in c["volumeMounts"]
+    assert {"name": "elastic", "emptyDir": {}} in spec["volumes"]
+    (token,) = agent["env"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "elastic-gpu-token-job-1", "key": "token"}
+    assert "--broker-api" in agent["args"] and "--broker-url" not in agent["args"]  # no DB password in pods
+    assert trainer["command"] == ["python3", "/elastic/launcher.py"]
+    assert trainer["args"][-2:] == ["--", "python train.py"]
+    labels, notes = pod["metadata"]["labels"], pod["metadata"]["annotations"]
+    assert labels[LABEL_JOB] == "job-1" and labels[LABEL_GENERATION] == "3"
+    assert labels["elastic-gpu.airflow.apache.org/dag_id"] == "nightly_retraining"
+    assert notes["elastic-gpu.airflow.apache.org/run_id"] == CONTEXT["run_id"]  # not label-safe: annotation
+    assert pod["metadata"]["name"] == "elastic-gpu-job-1-g3"
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"image": ""}, "needs an image"),
+    ({"resize_mechanism": "migrate"}, "resize_mechanism must be one of"),
+    ({"on_finish_action": "explode"}, "on_finish_action must be one of"),
+    ({"broker_api_url": "broker:8793"}, "must start with http"),
+    ({"container_resources": {"limits": {"nvidia.com/gpu": 1}}}, "do not request nvidia.com/gpu"),
+])
+def test_bad_kubernetes_settings_are_rejected(kw, message):
+    args = {"image": "train:1", **kw}
+    with pytest.raises(BackendError, match=message):
+        KubernetesJobConfig(**args)
+
+
+# --------------------------------------------------------------------------- fake API
+
+
+class Listing:
+    def __init__(self, items):
+        self.items = items
+
+
+class FakeCoreV1:
+    """The CoreV1Api calls the backend makes, on dicts; ``fail`` injects API errors by method name."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, k8s.V1Pod] = {}
+        self.secrets: dict[str, k8s.V1Secret] = {}
+        self.nodes: list[k8s.V1Node] = []
+        self.fail: dict[str, int] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    def _maybe_fail(self, method: str) -> None:
+        status = self.fail.pop(method, None)
+        if status:
+            raise ApiException(status=status, reason="injected")
+
+    def create_namespaced_secret(self, namespace, body):
+        self._maybe_fail("create_namespaced_secret")
+        if body.metadata.name in self.secrets:
+            raise ApiException(status=409, reason="AlreadyExists")
+        self.calls.append(("create secret", body.metadata.name))
+        self.secrets[body.metadata.name] = copy.deepcopy(body)
+
+    def replace_namespaced_secret(self, name, namespace, body):
+        self.secrets[name] = copy.deepcopy(body)
+
+    def delete_namespaced_secret(self, name, namespace):
+        self._maybe_fail("delete_namespaced_secret")
+        if self.secrets.pop(name, None) is None:
+            raise ApiException(status=404, reason="NotFound")
+        self.calls.append(("delete secret", name))
+
+    def create_namespaced_pod(self, namespace, body):
+        self._maybe_fail("create_namespaced_pod")
+        if body.metadata.name in self.pods:
+            raise ApiException(status=409, reason="AlreadyExists")
+        pod = copy.deepcopy(body)
+        pod.status = k8s.V1PodStatus(phase="Pending")
+        self.pods[pod.metadata.name] = pod
+        self.calls.append(("create pod", pod.metadata.name))
+
+    def delete_namespaced_pod(self, name, namespace):
+        self._maybe_fail("delete_namespaced_pod")
+        if self.pods.pop(name, None) is None:
+            raise ApiException(status=404, reason="NotFound")
+        self.calls.append(("delete pod", name))
+
+    def list_namespaced_pod(self, namespace, label_selector):
+        self._maybe_fail("list_namespaced_pod")
+        key, value = label_selector.split("=", 1)
+        return Listing([p for p in self.pods.values() if (p.metadata.labels or {}).get(key) == value])
+
+    def read_namespaced_pod_log(self, name, namespace, container, tail_lines):
+        return "step 10\nCUDA error: out of memory\n"
+
+    def list_node(self, label_selector=None):
+        return Listing(self.nodes)
+
+    # what the kubelet / someone else does
+    def set_phase(self, name, phase, reason=None, message=None):
+        self.pods[name].status = k8s.V1PodStatus(phase=phase, reason=reason, message=message)
+
+    def oom(self, name):
+        self.pods[name].status = k8s.V1PodStatus(phase="Running", container_statuses=[k8s.V1ContainerStatus(
+            name="trainer", image="i", image_id="", ready=False, restart_count=0,
+            state=k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=137, reason="OOMKilled")))])
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    for node in ("gpu-node-0", "gpu-node-1"):
+        broker.register_node(node, 4, gpu_type="NVIDIA A100")
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    api = FakeCoreV1()
+    yield broker, api
+    broker.engine.dispose()
+
+
+def submit(broker, name, lo, hi, key=None):
+    return broker.submit(JobSpec(name, "python train.py", lo, hi, total_steps=1000, backend="kubernetes", key=key))
+
+
+def test_in_place_life_submit_start_resize_finish_cleanup(cluster):
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    a = submit(broker, "a", 1, 4)
+    ref = backend.start(a.id, "python train.py", context=CONTEXT)
+    assert ref.startswith("kubernetes:ml/")
+    (pod_name,) = api.pods
+    pod = api.pods[pod_name]
+    assert pod.spec.node_name == next(iter({g.node for g in broker.job(a.id).target_gpus}))
+    assert api.secrets  # the token Secret exists; its token authenticates this job only
+    token = api.secrets[f"elastic-gpu-token-{a.id}"].string_data["token"]
+    assert broker.verify_token(a.id, token) and not broker.verify_token(a.id, a.token)  # rotated at start
+    broker.ack(a.id, 1)
+    api.set_phase(pod_name, "Running")
+    b = submit(broker, "b", 1, 4)  # a shrinks in place on its node for b (b fits on the other node)
+    assert backend.sync(a.id, "python train.py") == "keep"
+    assert list(api.pods) == [pod_name]  # same pod: the sidecar restarts the trainer inside it
+    assert backend.problem(a.id, expected=True) is None and backend.is_running(a.id)
+    broker.finish(a.id)
+    backend.stop(a.id, succeeded=True)
+    assert api.pods == {} and f"elastic-gpu-token-{a.id}" not in api.secrets
+    broker.cancel(b.id)
+
+
+def test_recreate_mode_deletes_the_pod_and_creates_one_per_generation(cluster):
+    broker, api = cluster
+    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
+    big = submit(broker, "big", 1, 4)
+    backend.start(big.id, "python train.py")
+    broker.ack(big.id, 1)
+    first = next(iter(api.pods))
+    assert first.endswith("-g1")
+    submit(broker, "x", 4, 4)  # takes the other node
+    submit(broker, "y", 2, 2)  # big must shrink on its node to make room
+    assert broker.job(big.id).target_generation == 2
+    assert backend.sync(big.id, "python train.py") == "recreate"
+    assert list(api.pods) == [f"elastic-gpu-{big.id}-g2"]
+    assert ("delete pod", first) in api.calls
+    assert backend.sync(big.id, "python train.py") == "keep"  # idempotent
+
+
+def test_waiting_job_gets_no_pod_until_placed(cluster):
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    hogs = [submit(broker, f"hog{i}", 4, 4) for i in range(2)]
+    waiting = submit(broker, "waiting", 2, 2)
+    backend.start(waiting.id, "python train.py")
+    assert api.pods == {} and broker.job(waiting.id).status is JobStatus.QUEUED
+    assert backend.problem(waiting.id, expected=False) is None
+    broker.finish(hogs[0].id)
+    assert backend.sync(waiting.id, "python train.py") == "create"
+
+
+def test_evicted_oom_and_deleted_pods_are_reported_with_their_reason(cluster):
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit(broker, "j", 1, 1)
+    backend.start(job.id, "python train.py")
+    (name,) = api.pods
+    api.set_phase(name, "Failed", reason="Evicted", message="The node was low on resource: memory.")
+    assert "Evicted" in backend.problem(job.id, expected=True) and "low on resource" in backend.problem(
+        job.id, expected=True)
+    api.oom(name)
+    assert "OOMKilled (exit code 137)" in backend.problem(job.id, expected=True)
+    assert backend.log_tail(job.id)[-1] == "CUDA error: out of memory"
+    api.delete_namespaced_pod(name, "ml")  # someone ran kubectl delete
+    assert "deleted from outside" in backend.problem(job.id, expected=True)
+    assert not backend.is_running(job.id)
+
+
+def test_api_errors_409_404_500(cluster):
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit(broker, "j", 1, 1)
+    backend.start(job.id, "python train.py")
+    backend.start(job.id, "python train.py")  # 409 on the Secret: replaced; the pod is kept
+    assert len(api.pods) == 1
+    backend.stop(job.id)
+    backend.stop(job.id)  # 404s: already gone, fine
+    other = submit(broker, "k", 1, 1)
+    api.fail["create_namespaced_pod"] = 500
+    with pytest.raises(BackendError, match="cannot create pod .*500"):
+        backend.start(other.id, "python train.py")
+    api.fail["delete_namespaced_secret"] = 500
+    with pytest.raises(BackendError, match="cannot delete the job's token Secret: 500"):
+        backend.stop(other.id)
+
+
+def test_on_finish_action_keep_and_delete_succeeded(cluster):
+    broker, api = cluster
+    for action, succeeded, left in (("keep_pod", True, 1), ("delete_succeeded_pod", False, 1),
+                                    ("delete_succeeded_pod", True, 0)):
+        api.pods.clear()
+        backend = KubernetesBackend(config(on_finish_action=action), broker, api)
+        job = submit(broker, f"j-{action}-{succeeded}", 1, 1)
+        backend.start(job.id, "python train.py")
+        broker.cancel(job.id)
+        backend.stop(job.id, succeeded=succeeded)
+        assert len(api.pods) == left, action
+        assert f"elastic-gpu-token-{job.id}" not in api.secrets
+
+
+def test_nodes_are_registered_from_gpu_feature_discovery_labels(tmp_path):
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    api = FakeCoreV1()
+    api.nodes = [
+        k8s.V1Node(metadata=k8s.V1ObjectMeta(name="a100-0", labels={
+            "nvidia.com/gpu.count": "8", "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"})),
+        k8s.V1Node(metadata=k8s.V1ObjectMeta(name="t4-0", labels={}),
+                   status=k8s.V1NodeStatus(capacity={"nvidia.com/gpu": "4"})),
+        k8s.V1Node(metadata=k8s.V1ObjectMeta(name="cpu-0", labels={}), status=k8s.V1NodeStatus(capacity={})),
+    ]
+    assert register_nodes_from_cluster(broker, api, pool="gpus") == ["a100-0", "t4-0"]
+    nodes = {n.name: n for n in broker.nodes("gpus")}
+    assert len(nodes["a100-0"].gpus) == 8 and nodes["a100-0"].gpus[0].gpu_type == "NVIDIA-A100-SXM4-80GB"
+    assert len(nodes["t4-0"].gpus) == 4
+
+
+def test_config_round_trips_through_the_trigger_kwargs():
+    c = config(tolerations=({"key": "gpu", "operator": "Exists"},), image_pull_secrets=("regcred",))
+    assert KubernetesJobConfig.from_dict(c.to_dict()) == c
+
+
+def test_operator_and_trigger_run_a_kubernetes_job_against_the_fake_api(cluster, monkeypatch):
+    """The operator builds the config at parse time, starts the job (Secret, pod), and the trigger
+    keeps the pod in step with the broker, reports a broken pod, and cleans up."""
+    import asyncio
+
+    from airflow.exceptions import AirflowException
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from airflow_elastic_gpu.backends import kubernetes as kmod
+    from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
+    from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
+
+    broker, api = cluster
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", str(broker.engine.url))
+    monkeypatch.setattr(kmod.KubernetesBackend, "core_v1", property(lambda self: api))
+    with pytest.raises(AirflowException, match="needs an image"):
+        ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10, backend="kubernetes")
+    with pytest.raises(AirflowException, match="resize_mechanism must be one of"):
+        ElasticTrainingOperator(task_id="t", command="x", total_steps=10, backend="kubernetes", image="i",
+                                kubernetes={"resize_mechanism": "teleport"})
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=1000, min_gpus=1,
+                                 max_gpus=4, backend="kubernetes", image="registry.example/train:1",
+                                 kubernetes={"namespace": "ml", "broker_api_url": "http://broker:8793"})
+
+    class TI:
+        dag_id, task_id, run_id, map_index = "dag", "train", "manual__1", -1
+        xcom: dict = {}
+
+        def xcom_push(self, key, value):
+            self.xcom[key] = value
+
+    ti = TI()
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({"ti": ti})
+    job_id = ti.xcom["job_id"]
+    (pod_name,) = api.pods
+    assert api.pods[pod_name].metadata.annotations["elastic-gpu.airflow.apache.org/dag_id"] == "dag"
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, ElasticTrainingTrigger) and trigger.kubernetes["namespace"] == "ml"
+    classpath, kwargs = trigger.serialize()
+    resumed = ElasticTrainingTrigger(**kwargs)
+    broker.ack(job_id, 1)
+    api.set_phase(pod_name, "Failed", reason="Evicted", message="node drained")
+
+    async def first_event():
+        return await asyncio.wait_for(resumed.run().__anext__(), 30)
+
+    resumed.poll_interval = 0.05
+    event = asyncio.run(first_event())
+    assert event.payload["status"] == "failed" and "Evicted" in event.payload["reason"]
+    assert "CUDA error" in event.payload["reason"]  # the trainer's last log lines
+    assert api.pods == {} and not api.secrets  # cleaned up (on_finish_action=delete_pod)
+    too_big = ElasticTrainingOperator(task_id="big", command="x", total_steps=10, min_gpus=1, max_gpus=8,
+                                      backend="kubernetes", image="i")
+    with pytest.raises(AirflowException, match="one pod per node is not supported yet"):
+        too_big.execute({"ti": TI()})
