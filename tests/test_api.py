@@ -10,6 +10,7 @@ import time
 
 import pytest
 import schemathesis
+from hypothesis import HealthCheck, settings
 import uvicorn
 from fastapi.testclient import TestClient
 
@@ -115,6 +116,7 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(broker_url="
 
 
 @schema.parametrize()
+@settings(derandomize=True, max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 def test_schemathesis_finds_no_server_error(case):
     case.call_and_validate(checks=[schemathesis.checks.not_a_server_error])
 

@@ -42,6 +42,7 @@ from airflow_elastic_gpu.broker.types import (
 )
 
 API_PREFIX = "/api/v1"
+MAX_INT = 2**31 - 1  # ids and generations are 32-bit integers in PostgreSQL
 STATIC = Path(__file__).with_name("static")
 bearer = HTTPBearer(auto_error=False)
 
@@ -55,12 +56,12 @@ class _Strict(BaseModel):
 
 class ProgressIn(_Strict):
     step: float = Field(ge=0, allow_inf_nan=False, description="steps done so far")
-    generation: int | None = Field(default=None, ge=1, description="the generation that made them")
+    generation: int | None = Field(default=None, ge=1, le=MAX_INT, description="the generation that made them")
     time_s: float | None = Field(default=None, allow_inf_nan=False, description="epoch seconds (default: now)")
 
 
 class AckIn(_Strict):
-    generation: int = Field(ge=1, description="the generation now running")
+    generation: int = Field(ge=1, le=MAX_INT, description="the generation now running")
 
 
 class FinishIn(_Strict):
@@ -343,7 +344,7 @@ def create_app(
 
     @ui.get("/events", response_model=list[EventOut])
     def events(b: BrokerDep, pool: str | None = None, job_id: str | None = None,
-               after_id: Annotated[int, Query(ge=0)] = 0,
+               after_id: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[EventOut]:
         return [event_out(e) for e in b.events(pool, job_id=job_id, after_id=after_id, limit=limit)]
 
