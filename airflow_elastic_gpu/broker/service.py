@@ -195,6 +195,32 @@ class GpuBroker:
             self._lock(session, pool)
             yield session, self._job(session, job_id)
 
+    @contextmanager
+    def _job_row_tx(self, job_id: str) -> Iterator[tuple[Session, Job]]:
+        """A transaction holding only ``job_id``'s row lock (not its pool's).
+
+        For calls that change nothing but their own job row (progress, a heartbeat when no
+        rebalance is due): they never wait behind the pool's rebalances. They never take the
+        pool lock after this one, so they cannot deadlock with a rebalance (pool, then job rows).
+        """
+        with self._sessions.begin() as session:
+            job = session.scalar(
+                select(Job).where(Job.id == job_id).with_for_update().execution_options(populate_existing=True)
+            )
+            if job is None:
+                raise NotFound(f"unknown job {job_id!r}")
+            yield session, job
+
+    def _rebalance_due(self, job_id: str) -> bool:
+        with self._sessions() as s:
+            row = s.execute(
+                select(GpuPool.last_rebalance_s, GpuPool.rebalance_interval_s)
+                .join(Job, Job.pool == GpuPool.name).where(Job.id == job_id)
+            ).first()
+        if row is None:
+            raise NotFound(f"unknown job {job_id!r}")
+        return self.clock() - row[0] >= row[1]
+
     def _event(
         self,
         session: Session,
@@ -451,7 +477,7 @@ class GpuBroker:
         token = secrets.token_urlsafe(32)
 
         def run() -> None:
-            with self._job_tx(job_id) as (_s, job):
+            with self._job_row_tx(job_id) as (_s, job):
                 job.token_hash = _token_hash(token)
 
         self._retrying(run)
@@ -507,7 +533,7 @@ class GpuBroker:
         """Record that the backend launched the job's agent (``backend_ref``: the backend's handle)."""
 
         def run() -> JobView:
-            with self._job_tx(job_id) as (s, job):
+            with self._job_row_tx(job_id) as (s, job):
                 job.backend_ref = backend_ref
                 job.last_heartbeat_s = self.clock()
                 return self._view(s, job)
@@ -521,10 +547,15 @@ class GpuBroker:
         """
 
         def run() -> Target:
-            with self._job_tx(job_id) as (s, job):
+            if self._rebalance_due(job_id):  # pool lock first, then the job: the rebalance's order
+                with self._job_tx(job_id) as (s, job):
+                    if JobStatus(job.status) not in TERMINAL:
+                        job.last_heartbeat_s = self.clock()
+                    self._maybe_rebalance(s, job.pool)
+                    return self._target(s, job)
+            with self._job_row_tx(job_id) as (s, job):
                 if JobStatus(job.status) not in TERMINAL:
                     job.last_heartbeat_s = self.clock()
-                self._maybe_rebalance(s, job.pool)
                 return self._target(s, job)
 
         return self._retrying(run)
@@ -567,7 +598,7 @@ class GpuBroker:
             raise InvalidRequest(f"step must be a finite number >= 0, got {step!r}")
 
         def run() -> None:
-            with self._job_tx(job_id) as (s, job):
+            with self._job_row_tx(job_id) as (s, job):
                 if JobStatus(job.status) in TERMINAL:
                     return
                 gen = job.acked_generation if generation is None else generation
