@@ -92,9 +92,16 @@ def in_place_resize(work: Path, from_gpus: int, to_gpus: int, kill: bool = False
     proc, _ = _launch(work, from_gpus, steps=100_000, checkpoint_every=50)
     _wait(lambda: len(_steps(work)) >= 75)
     if kill:  # eviction, then re-creation: no SIGTERM checkpoint, a fresh launcher
-        pid = protocol.read_json(work / protocol.STATUS)["pid"]
-        os.killpg(pid, 9)
+        status = protocol.read_json(work / protocol.STATUS)
+        # an eviction kills the whole pod: torchrun and its workers (each in its own session)
+        protocol.signal_processes([status["pid"], *protocol.descendants(status["pid"])], 9)
         proc.wait(60)
+        # torchrun's workers can outlive their killed parent for a moment: wait until the log is quiet
+        quiet_since, seen = time.monotonic(), len(_steps(work))
+        while time.monotonic() - quiet_since < 2.0:
+            time.sleep(0.1)
+            if len(_steps(work)) != seen:
+                quiet_since, seen = time.monotonic(), len(_steps(work))
         for name in (protocol.DESIRED, protocol.STATUS):
             (work / name).unlink()
         proc = subprocess.Popen([sys.executable, "-m", "airflow_elastic_gpu.sidecar.launcher", "--shared-dir",
@@ -104,15 +111,23 @@ def in_place_resize(work: Path, from_gpus: int, to_gpus: int, kill: bool = False
     t0 = time.monotonic()
     protocol.write_json(work / protocol.DESIRED, {"generation": 2, "gpus": list(range(to_gpus)), "stop": False})
 
+    def new_start(lines: list[str]) -> int | None:
+        """Index of the new generation's trainer start line (after the launcher's marker)."""
+        marks = [i for i, line in enumerate(lines) if "generation 2: starting" in line]
+        if not marks:
+            return None
+        return next((i for i in range(marks[-1], len(lines)) if _START.match(lines[i])), None)
+
     def after_restart() -> list[str] | None:
         lines = (work / protocol.LOG).read_text().splitlines()
-        marks = [i for i, line in enumerate(lines) if "generation 2: starting" in line]
-        if marks and any(_STEP.match(line) for line in lines[marks[-1]:]):
+        start = new_start(lines)
+        if start is not None and any(_STEP.match(line) for line in lines[start:]):
             return lines
         return None
     lines = _wait(after_restart)
     elapsed = time.monotonic() - t0
-    mark = max(i for i, line in enumerate(lines) if "generation 2: starting" in line)
+    mark = new_start(lines)
+    assert mark is not None
     done_before = max([before] + [int(m.group(1)) for line in lines[:mark] if (m := _STEP.match(line))])
     stopped = [json.loads(line)["step"] for line in lines[:mark] if line.startswith('{"event": "stopped"')]
     starts = [int(m.group(1)) for line in lines[mark:] if (m := _START.match(line))]

@@ -114,6 +114,8 @@ def test_launcher_killed_mid_resize_fails_the_job_and_frees_its_gpus(setup):
     assert done.status is JobStatus.FAILED
     assert "launcher" in done.reason and "died" in done.reason
     assert held_by(broker, a.id) == []
+    trainer = (protocol.read_json(handle.job_dir / protocol.STATUS) or {}).get("pid")
+    assert trainer and not protocol.pid_alive(trainer)  # no orphan left training on released GPUs
     assert len(broker.job(b.id).target_gpus) == 1  # the newcomer got its GPU
     broker.cancel(b.id)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -176,3 +177,29 @@ def test_a_crashing_trainer_fails_the_job_with_its_last_log_lines(tmp_path, real
     done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
     assert done.status is JobStatus.FAILED and done.exit_code == 3
     assert "trainer exited with code 3" in done.reason and "out of memory" in done.reason
+
+
+def test_stopping_reaches_workers_that_run_in_their_own_session(tmp_path):
+    """torchrun starts each worker in its own session: a group signal misses them. The launcher
+    tracks the trainer's descendants and stops them too, so no worker outlives a resize or a stop."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import subprocess, sys, time, signal\n"
+        f"subprocess.Popen([sys.executable, {str(worker)!r}], start_new_session=True)\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+        "while True:\n    time.sleep(0.1)\n")
+    shared = tmp_path / "shared"
+    proc = start_launcher(shared, f"{sys.executable} {parent}", grace_s=2.0)
+    try:
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+        status = wait_for(lambda: (protocol.read_json(shared / protocol.STATUS) or {}).get("workers")
+                          and protocol.read_json(shared / protocol.STATUS), 30, "the worker to be tracked")
+        (child,) = status["workers"]
+        assert protocol.pid_alive(child) and os.getsid(child) != os.getsid(status["pid"])
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": True})
+        assert proc.wait(30) == 0
+        wait_for(lambda: not protocol.pid_alive(child), 10, "the worker in its own session to be stopped")
+    finally:
+        proc.kill()

@@ -212,13 +212,17 @@ class LocalBackend:
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and protocol.pid_alive(h.launcher_pid):
             time.sleep(0.2)
-        trainer = (protocol.read_json(h.job_dir / protocol.STATUS) or {}).get("pid")
+        status = protocol.read_json(h.job_dir / protocol.STATUS) or {}
+        trainer = status.get("pid")
         for pid in (h.launcher_pid, h.agent_pid, trainer):
             if pid and protocol.pid_alive(pid):
                 try:
                     os.killpg(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+        # workers that run in their own sessions (torchrun's), recorded by the launcher
+        protocol.signal_processes([int(p) for p in status.get("workers") or [] if protocol.pid_alive(int(p))],
+                                  signal.SIGKILL)
 
     def log_tail(self, job_id: str, lines: int = 20) -> list[str]:
         """The last ``lines`` lines of the trainer's log."""

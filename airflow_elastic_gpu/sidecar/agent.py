@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from collections import deque
@@ -177,8 +178,13 @@ class Agent:
                 status = protocol.read_json(self.dir / protocol.STATUS) or {}
                 if status.get("state") == protocol.EXITED:
                     return self._report_exit(int(status.get("exit_code") or 0))
+                # no launcher to stop it: kill the orphaned trainer and its workers before the GPUs
+                # are released, so nothing runs on GPUs the broker hands to another job
+                orphans = [p for p in [status.get("pid"), *(status.get("workers") or [])] if p]
+                protocol.signal_processes([int(p) for p in orphans], signal.SIGKILL)
                 self.broker.fail(self.job_id, self._with_tail(
-                    f"the launcher (pid {self.launcher_pid}) died without reporting an exit"))
+                    f"the launcher (pid {self.launcher_pid}) died without reporting an exit; "
+                    "its trainer was killed"))
                 return 1
             time.sleep(self.poll_s)
 

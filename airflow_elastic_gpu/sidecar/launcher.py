@@ -57,6 +57,7 @@ class Launcher:
         self.proc: subprocess.Popen[bytes] | None = None
         self.generation = 0
         self.restarts = 0
+        self.tree: list[int] = []  # the trainer's descendants, refreshed every poll
         self._terminated = threading.Event()
 
     # -- files
@@ -69,6 +70,7 @@ class Launcher:
                 "pid": self.proc.pid if self.proc else None,
                 "exit_code": exit_code,
                 "restarts": self.restarts,
+                "workers": self.tree,
                 "time_s": time.time(),
             },
         )
@@ -107,14 +109,22 @@ class Launcher:
             return None if proc is None else proc.returncode
         self._status(protocol.STOPPING)
         self._note(f"stopping trainer (pid {proc.pid}): SIGTERM, {self.grace_s:.0f}s grace")
+        tree = sorted(set(self.tree) | set(protocol.descendants(proc.pid)))  # workers in their own sessions
         _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
         try:
             proc.wait(self.grace_s)
         except subprocess.TimeoutExpired:
             self._note("grace period over: SIGKILL")
             _signal_group(proc.pid, signal.SIGKILL)
+            protocol.signal_processes(tree, signal.SIGKILL)
             proc.wait()
+        # workers may still be writing their checkpoint: give them the rest of the grace period
+        while any(protocol.pid_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
         _signal_group(proc.pid, signal.SIGKILL)  # stray workers of the group
+        protocol.signal_processes([p for p in tree if protocol.pid_alive(p)], signal.SIGKILL)
+        self.tree = []
         return proc.returncode
 
     def run(self) -> int:
@@ -147,7 +157,13 @@ class Launcher:
                     self._status(protocol.EXITED, EXIT_NOT_FOUND)
                     return EXIT_NOT_FOUND
                 self._status(protocol.RUNNING)
+            if self.proc is not None and self.proc.poll() is None:
+                tree = protocol.descendants(self.proc.pid)
+                if tree and tree != self.tree:  # kept in status.json so a stop from outside finds them
+                    self.tree = tree
+                    self._status(protocol.RUNNING)
             if self.proc is not None and self.proc.poll() is not None:
+                protocol.signal_processes([p for p in self.tree if protocol.pid_alive(p)], signal.SIGKILL)
                 code = self.proc.returncode
                 self._note(f"trainer exited with code {code}")
                 self._status(protocol.EXITED, code)

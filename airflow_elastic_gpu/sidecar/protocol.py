@@ -81,3 +81,42 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children...), from ``/proc``; empty where there is none.
+
+    Needed because launchers such as ``torchrun`` start each worker in its own session: signalling
+    the trainer's process group does not reach them, and once their parent dies they are
+    re-parented and can no longer be found this way. Call it while the parent lives.
+    """
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def signal_processes(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to each pid's process group and to the pid itself; gone ones are skipped."""
+    for pid in pids:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, sig)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
