@@ -20,6 +20,7 @@ from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
 from airflow_elastic_gpu.scheduling.baselines import StaticPolicy
+from airflow_elastic_gpu.scheduling.policy import get_policy
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 
@@ -144,3 +145,25 @@ def test_every_decision_respects_capacity_bounds_and_minimums(cluster, policy):
             assert n >= j.min_gpus, f"running job {j.job_id} cut below its minimum"
         if not policy.elastic and j.allocation:
             assert d.allocations[j.job_id] == j.allocation
+
+
+PEERS = [get_policy(name) for name in ("termination", "optimus", "tiresias", "afs_l")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(cluster=clusters(), policy=st.sampled_from(PEERS))
+def test_peer_policies_never_double_book_or_exceed_capacity(cluster, policy):
+    d = policy.decide(cluster)
+    assert set(d.allocations) == {j.job_id for j in cluster.jobs}
+    given_out = [g for a in d.allocations.values() for g in a]
+    assert len(given_out) == len(set(given_out)) <= cluster.capacity
+    assert set(given_out) <= {g for n in cluster.nodes for g in n.gpus()}
+    for j in cluster.jobs:
+        n = len(d.allocations[j.job_id])
+        assert n == 0 or j.min_gpus <= n
+        if j.allocation and not policy.preemptive:
+            assert n >= j.min_gpus, f"{policy.name} cut running job {j.job_id} below its minimum"
+        if not policy.elastic:  # Tiresias: its request or nothing (preempted / waiting)
+            assert n in (0, j.request)
+            if n and len(j.allocation) == j.request:
+                assert d.allocations[j.job_id] == j.allocation  # a running job keeps its GPUs

@@ -47,8 +47,8 @@ from airflow_elastic_gpu.simulator.trace import TraceJob
 # measured by benchmarks/resize_overhead.py (docs/benchmarks.md). Re-creation:
 # the measured cold start plus a pod's delete/schedule/start cycle, which
 # cannot be measured here (no cluster) and is an assumption: 30 s.
-DEFAULT_INPLACE_RESTART_S = 11.4
-DEFAULT_COLD_START_S = 9.8
+DEFAULT_INPLACE_RESTART_S = 6.5
+DEFAULT_COLD_START_S = 5.0
 ASSUMED_POD_RECREATE_S = 30.0
 DEFAULT_RECREATE_RESTART_S = DEFAULT_COLD_START_S + ASSUMED_POD_RECREATE_S
 MECHANISMS = ("inplace", "recreate", "none")
