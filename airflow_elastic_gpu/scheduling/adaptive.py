@@ -143,17 +143,25 @@ class AdaptivePolicy:
             if j.job_id not in frozen and 0 < counts[j.job_id] < j.max_gpus
         ]
         heapq.heapify(heap)
-        while free > 0 and heap:
-            neg, rem, job_id, j = heapq.heappop(heap)
-            if -neg <= 0:
-                break
-            k = step(j, counts[job_id])
-            if k > free:
-                continue  # a whole node is not free; smaller growths of others may still fit
-            counts[job_id] += k
-            free -= k
-            if counts[job_id] < j.max_gpus:
-                heapq.heappush(heap, (-score(j, counts[job_id]), rem, job_id, j))
+        exhausted = False
+        while free > 0 and heap and not exhausted:
+            entry = heapq.heappop(heap)
+            while True:  # keep granting to this job while it stays the best (saves heap traffic)
+                neg, rem, job_id, j = entry
+                if -neg <= 0:
+                    exhausted = True  # nobody gains from another GPU
+                    break
+                k = step(j, counts[job_id])
+                if k > free:
+                    break  # a whole node is not free; smaller growths of others may still fit
+                counts[job_id] += k
+                free -= k
+                if counts[job_id] >= j.max_gpus or free <= 0:
+                    break
+                entry = (-score(j, counts[job_id]), rem, job_id, j)
+                if heap and heap[0] < entry:
+                    heapq.heappush(heap, entry)
+                    break
         if free > 0 and self.explore:  # step 4a: idle GPUs try a count no job has been measured on
             for j in sorted(order, key=lambda j: -j.remaining_time_s(max(1, j.num_gpus))):
                 if free <= 0:

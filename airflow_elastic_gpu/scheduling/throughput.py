@@ -82,15 +82,21 @@ class ThroughputModel:
             return my / mx, 0.0
         return a, b
 
+    @cached_property
+    def _memo(self) -> dict[int, float]:
+        return dict(self.observed)
+
     def steps_per_s(self, num_gpus: int) -> float:
         """Predicted steps/s on ``num_gpus`` (>= 1) GPUs; a measured count returns its measurement."""
+        memo = self._memo
+        hit = memo.get(num_gpus)
+        if hit is not None:
+            return hit
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
-        for n, t in self.observed:
-            if n == num_gpus:
-                return t
         a, b = self._line
-        return 1.0 / (a / num_gpus + b)
+        value = memo[num_gpus] = 1.0 / (a / num_gpus + b)
+        return value
 
     def speedup(self, num_gpus: int) -> float:
         """``steps_per_s(num_gpus) / steps_per_s(1)``."""
