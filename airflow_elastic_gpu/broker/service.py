@@ -67,6 +67,7 @@ from airflow_elastic_gpu.broker.types import (
     compile_progress_pattern,
 )
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
+from airflow_elastic_gpu.scheduling.publish import publishable
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
 from airflow_elastic_gpu.scheduling.throughput import (
     ThroughputModel,
@@ -815,34 +816,19 @@ class GpuBroker:
         decision = policy.decide(ClusterState(tuple(node_states), states, now))
         by_id = {j.id: j for j in active}
         published: dict[str, tuple[GpuId, ...]] = {}
-        changed = [
-            (j, {id_by_gpu[g] for g in decision.allocations.get(j.id, ())})
-            for j in active
-            if {id_by_gpu[g] for g in decision.allocations.get(j.id, ())} != targets[j.id]
-        ]
-        # shrinks first: their GPUs leave the target set at once (in-use until the ack)
-        changed.sort(key=lambda item: not item[1] <= targets[item[0].id])
-        for job, new in changed:
-            blocked = sorted(
-                gpu_by_id[g]
-                for g in new
-                if in_use_holder.get(g, job.id) != job.id or target_holder.get(g, job.id) != job.id
-            )
-            if blocked:
-                continue  # published by a later rebalance, once the holders ack
-            if not new and job.target_generation > 0:
-                continue  # policies never take a running job to zero GPUs; keep it
+        wanted = {j.id: {id_by_gpu[g] for g in decision.allocations.get(j.id, ())} for j in active}
+        for job_id, new in publishable(
+            [j.id for j in active], targets, wanted, in_use_holder, target_holder,
+            {j.id for j in active if j.target_generation > 0},
+        ):
+            job = by_id[job_id]
             s.execute(delete(GpuTarget).where(GpuTarget.job_id == job.id))
             s.flush()
-            for g in targets[job.id]:
-                target_holder.pop(g, None)
             job.target_generation += 1
             for g in sorted(new):
                 s.add(GpuTarget(gpu_id=g, job_id=job.id, generation=job.target_generation))
-                target_holder[g] = job.id
             s.flush()
             was = len(targets[job.id])
-            targets[job.id] = new
             if was:
                 job.last_resize_s = now
             job.published_s = now
@@ -850,7 +836,6 @@ class GpuBroker:
             gpus = tuple(sorted(gpu_by_id[g] for g in new))
             published[job.id] = gpus
             reason = decision.reasons.get(job.id, "policy decision")
-            m = by_id[job.id]
             self._event(
                 s, pool, "resize" if was else "start",
                 f"generation {job.target_generation}: {reason}",
@@ -859,7 +844,7 @@ class GpuBroker:
                 from_gpus=was,
                 to_gpus=len(new),
                 gpus=[str(g) for g in gpus],
-                restart_overhead_s=m.restart_overhead_s or self.default_restart_overhead_s,
+                restart_overhead_s=job.restart_overhead_s or self.default_restart_overhead_s,
             )
         return published
 

@@ -73,11 +73,7 @@ class AdaptivePolicy:
         )
 
     def _frozen(self, job: JobState, now_s: float) -> bool:
-        return bool(
-            job.allocation
-            and job.last_resize_s is not None
-            and now_s - job.last_resize_s < self.min_resize_interval_s
-        )
+        return job.resized_within(now_s, self.min_resize_interval_s)
 
     def counts(self, cluster: ClusterState) -> tuple[dict[str, int], list[JobState]]:
         """Target GPU count per job (steps 1-5), and the rank order used."""

@@ -71,12 +71,7 @@ class AfsLPolicy:
         free = cluster.capacity
         open_jobs = []
         for j in jobs:
-            frozen = (
-                j.allocation
-                and j.last_resize_s is not None
-                and cluster.now_s - j.last_resize_s < self.min_resize_interval_s
-            )
-            if frozen:
+            if j.resized_within(cluster.now_s, self.min_resize_interval_s):
                 counts[j.job_id] = j.num_gpus
                 free -= j.num_gpus
             else:

@@ -37,16 +37,9 @@ class OptimusPolicy:
         if self.min_resize_interval_s < 0:
             raise ValueError(f"min_resize_interval_s must be >= 0, got {self.min_resize_interval_s}")
 
-    def _frozen(self, j: JobState, now_s: float) -> bool:
-        return bool(
-            j.allocation
-            and j.last_resize_s is not None
-            and now_s - j.last_resize_s < self.min_resize_interval_s
-        )
-
     def decide(self, cluster: ClusterState) -> Decision:
         order = sorted(cluster.jobs, key=lambda j: (-j.priority, j.submit_time_s, j.job_id))
-        frozen = {j.job_id for j in order if self._frozen(j, cluster.now_s)}
+        frozen = {j.job_id for j in order if j.resized_within(cluster.now_s, self.min_resize_interval_s)}
         counts: dict[str, int] = {}
         free = cluster.capacity
         for j in order:

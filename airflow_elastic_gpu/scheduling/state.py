@@ -126,6 +126,12 @@ class JobState:
     def remaining_steps(self) -> float:
         return max(0.0, self.total_steps - self.steps_done)
 
+    def resized_within(self, now_s: float, interval_s: float) -> bool:
+        """True if the job holds GPUs and its allocation changed less than ``interval_s`` seconds
+        before ``now_s`` (policies keep such a job's count: their minimum interval between resizes)."""
+        return bool(self.allocation and self.last_resize_s is not None
+                    and now_s - self.last_resize_s < interval_s)
+
     def remaining_time_s(self, num_gpus: int) -> float:
         """Predicted seconds to finish on ``num_gpus`` GPUs (``inf`` for 0 GPUs)."""
         if num_gpus <= 0:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
+from airflow_elastic_gpu.scheduling.publish import publishable
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
 from airflow_elastic_gpu.scheduling.throughput import (
     ThroughputModel,
@@ -170,6 +171,27 @@ class _Entry:
     start_s: float | None = None
 
 
+class _TimedPolicy:
+    """Wraps a policy to count its decisions and their wall time."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.elastic = policy.elastic
+        self.preemptive = getattr(policy, "preemptive", False)
+        self.resize_mechanism = getattr(policy, "resize_mechanism", "inplace")
+        self.decisions = 0
+        self.decision_s = 0.0
+
+    def decide(self, cluster: ClusterState) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.policy.decide(cluster)
+        finally:
+            self.decisions += 1
+            self.decision_s += time.perf_counter() - t0
+
+
 class PolicyScheduler:
     """The broker's scheduling loop in memory (mirrors ``GpuBroker``: submit, progress, ack, finish, rebalance).
 
@@ -179,13 +201,18 @@ class PolicyScheduler:
     """
 
     def __init__(self, policy: Policy, nodes: Sequence[NodeState], default_restart_overhead_s: float) -> None:
-        self.policy = policy
+        self.policy = _TimedPolicy(policy)
         self.nodes = tuple(nodes)
         self.default_restart_overhead_s = default_restart_overhead_s
         self.jobs: dict[str, _Entry] = {}
-        self.decisions = 0
-        self.decision_s = 0.0
-        self.max_decision_s = 0.0
+
+    @property
+    def decisions(self) -> int:
+        return self.policy.decisions
+
+    @property
+    def decision_s(self) -> float:
+        return self.policy.decision_s
 
     def submit(self, job_id: str, min_gpus: int, max_gpus: int, requested_gpus: int,
                total_steps: int, now: float) -> str:
@@ -258,57 +285,20 @@ class PolicyScheduler:
             )
             for e in active
         )
-        t0 = time.perf_counter()
         decision = self.policy.decide(ClusterState(self.nodes, states, now))
-        spent = time.perf_counter() - t0
-        self.decisions += 1
-        self.decision_s += spent
-        self.max_decision_s = max(self.max_decision_s, spent)
-        in_use_holder = {g: e.sid for e in active for g in e.in_use}
-        target_holder = {g: e.sid for e in active for g in e.target}
-        changed = [
-            (e, tuple(sorted(decision.allocations.get(e.sid, ()))))
-            for e in active
-            if set(decision.allocations.get(e.sid, ())) != set(e.target)
-        ]
-        changed.sort(key=lambda item: not set(item[1]) <= set(item[0].target))  # shrinks first
-        preemptive = getattr(self.policy, "preemptive", False)
-        for e, new in changed:
-            if any(in_use_holder.get(g, e.sid) != e.sid or target_holder.get(g, e.sid) != e.sid for g in new):
-                continue
-            if not new and e.target_gen > 0 and not preemptive:
-                continue
-            for g in e.target:
-                target_holder.pop(g, None)
-            was = len(e.target)
-            e.target = new
-            e.target_gen += 1
-            for g in new:
-                target_holder[g] = e.sid
-            if was:
+        by_id = {e.sid: e for e in active}
+        for sid, new in publishable(
+            [e.sid for e in active], {e.sid: e.target for e in active},
+            {e.sid: decision.allocations.get(e.sid, ()) for e in active},
+            {g: e.sid for e in active for g in e.in_use}, {g: e.sid for e in active for g in e.target},
+            {e.sid for e in active if e.target_gen > 0}, preemptive=self.policy.preemptive,
+        ):
+            e = by_id[sid]
+            if e.target:
                 e.last_resize_s = now
+            e.target = tuple(sorted(new))
+            e.target_gen += 1
             e.published_s = now
-
-
-class _TimedPolicy:
-    """Wraps a policy to count its decisions and their wall time."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
-        self.name = policy.name
-        self.elastic = policy.elastic
-        self.preemptive = getattr(policy, "preemptive", False)
-        self.resize_mechanism = getattr(policy, "resize_mechanism", "inplace")
-        self.decisions = 0
-        self.decision_s = 0.0
-
-    def decide(self, cluster: ClusterState) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.policy.decide(cluster)
-        finally:
-            self.decisions += 1
-            self.decision_s += time.perf_counter() - t0
 
 
 class BrokerScheduler:

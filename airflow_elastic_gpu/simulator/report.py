@@ -60,6 +60,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str | Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_jct_cdf(results: Sequence[SimulationResult], path: str | Path, title: str = "") -> Path:
     """CDF of JCT (hours, log x) per policy."""
     plt = _pyplot()
@@ -73,10 +80,7 @@ def plot_jct_cdf(results: Sequence[SimulationResult], path: str | Path, title: s
     ax.set_title(title or "JCT CDF")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_gpus_in_use(results: Sequence[SimulationResult], path: str | Path, title: str = "") -> Path:
@@ -93,10 +97,7 @@ def plot_gpus_in_use(results: Sequence[SimulationResult], path: str | Path, titl
     ax.set_title(title or "GPUs in use")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_allocation_timeline(result: SimulationResult, path: str | Path, max_jobs: int = 40) -> Path:
@@ -134,7 +135,4 @@ def plot_allocation_timeline(result: SimulationResult, path: str | Path, max_job
     ax.set_title(f"{result.policy}: GPUs per job over time")
     sm = cm.ScalarMappable(norm=norm, cmap=cmap)
     fig.colorbar(sm, ax=ax, label="GPUs held")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
