@@ -111,7 +111,7 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
                 if op == "submit":
                     lo = rng.randint(1, 4)
                     job = broker.submit(JobSpec(f"load-{n}-{len(mine)}", "train", lo, rng.randint(lo, 12),
-                                                total_steps=10_000, pool=pool, backend="kubernetes"))
+                                                total_steps=10_000, pool=pool, backend="simulated"))
                     mine.append(job.id)
                 elif op == "rebalance":
                     broker.rebalance(pool)

@@ -39,12 +39,13 @@ HOSTILE_NAME = "x'); DROP TABLE job; --"
     (dict(min_gpus="2"), "min_gpus must be an integer >= 1, got '2'"),
     (dict(min_gpus=True), "min_gpus must be an integer >= 1, got True"),
     (dict(max_gpus=1.5), "max_gpus must be an integer >= 1, got 1.5"),
-    (dict(min_gpus=10**12, max_gpus=10**12), "more than GPU pool 'default' has"),
+    (dict(min_gpus=10**12, max_gpus=10**12), "min_gpus must be at most 2147483647"),
+    (dict(min_gpus=3, max_gpus=3), "more than GPU pool 'default' has"),
     (dict(total_steps=None), "total_steps must be an integer >= 1, got None"),
     (dict(command="   "), "command must not be empty"),
     (dict(name=""), "name must not be empty"),
     (dict(progress_pattern="(?P<step>"), "not a valid regex"),
-    (dict(backend="../../bin/sh"), "backend must be 'local' or 'kubernetes'"),
+    (dict(backend="../../bin/sh"), "backend must be one of local, kubernetes, simulated"),
 ])
 def test_submit_rejects_bad_fields_and_changes_nothing(broker, spec, message):
     before = state(broker)

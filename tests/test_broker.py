@@ -154,7 +154,7 @@ def test_drained_node_gets_no_new_jobs(broker):
     broker.register_node("n0", 2)
     broker.register_node("n1", 2)
     broker.set_node_schedulable("n1", False)
-    a = broker.submit(spec("a", max_gpus=4))
+    a = broker.submit(spec("a", max_gpus=2))
     assert {g.node for g in a.target_gpus} == {"n0"}
 
 

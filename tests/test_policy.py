@@ -3,7 +3,7 @@
 import pytest
 
 from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
-from airflow_elastic_gpu.scheduling.baselines import StaticPolicy
+from airflow_elastic_gpu.scheduling.static import StaticPolicy
 from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place
 from airflow_elastic_gpu.scheduling.policy import get_policy
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
-from airflow_elastic_gpu.scheduling.baselines import StaticPolicy
+from airflow_elastic_gpu.scheduling.static import StaticPolicy
 from airflow_elastic_gpu.scheduling.policy import get_policy
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
@@ -46,7 +46,8 @@ class BrokerMachine(RuleBasedStateMachine):
         self.count += 1
         job = self.broker.submit(JobSpec(name=f"j{self.count}", command="train", min_gpus=min_gpus,
                                          max_gpus=min_gpus + extra, total_steps=steps,
-                                         priority=priority, key=f"k{self.count}"))
+                                         priority=priority, key=f"k{self.count}",
+                                         backend="simulated"))  # may span nodes
         self.job_ids.append(job.id)
 
     @precondition(lambda self: self.job_ids)

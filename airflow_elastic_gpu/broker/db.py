@@ -8,7 +8,6 @@ a read-then-write; PostgreSQL writers lock their GPU pool's row instead
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from alembic import command
@@ -20,17 +19,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 
-ENV_BROKER_URL = "AIRFLOW_ELASTIC_GPU_BROKER_URL"
+from airflow_elastic_gpu.config import ENV_BROKER_URL, default_broker_url  # noqa: F401 - re-exported
+
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
-
-
-def default_broker_url() -> str:
-    """``$AIRFLOW_ELASTIC_GPU_BROKER_URL``, else a SQLite file under ``$AIRFLOW_HOME`` (default ``~/airflow``)."""
-    url = os.environ.get(ENV_BROKER_URL)
-    if url:
-        return url
-    home = Path(os.environ.get("AIRFLOW_HOME", Path.home() / "airflow"))
-    return f"sqlite:///{home / 'elastic_gpu_broker.db'}"
 
 
 def create_broker_engine(url: str) -> Engine:

@@ -10,35 +10,19 @@ also never *published* to two jobs at once.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from airflow_elastic_gpu.states import TERMINAL, JobStatus
+
+__all__ = ["TERMINAL", "Base", "Event", "Gpu", "GpuInUse", "GpuPool", "GpuTarget", "Job", "JobStatus", "Node",
+           "ProgressSample"]
+
 
 class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON}
-
-
-class JobStatus(StrEnum):
-    """A job's life: QUEUED -> RUNNING -> one of the terminal states."""
-
-    QUEUED = "queued"  # submitted, no GPUs published yet
-    RUNNING = "running"  # has a target allocation (generation >= 1)
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    LOST = "lost"  # its agent stopped heart-beating; GPUs reclaimed
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
-
-
-TERMINAL = frozenset(
-    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.LOST}
-)
 
 
 class GpuPool(Base):

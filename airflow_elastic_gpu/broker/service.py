@@ -62,7 +62,6 @@ from airflow_elastic_gpu.broker.types import (
     NodeView,
     NotFound,
     PoolSnapshot,
-    StaleGeneration,
     Target,
     compile_progress_pattern,
 )
@@ -79,7 +78,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BrokerError", "EventView", "GpuBroker", "GpuView", "InvalidRequest", "JobSpec", "JobView",
-    "NodeView", "NotFound", "PoolSnapshot", "StaleGeneration", "Target", "compile_progress_pattern",
+    "NodeView", "NotFound", "PoolSnapshot", "Target", "compile_progress_pattern",
 ]
 
 def _token_hash(token: str) -> str:
@@ -409,7 +408,8 @@ class GpuBroker:
         :raises InvalidRequest: a bad field (the message names it).
         :raises NotFound: unknown pool.
         """
-        self._validate(spec)
+        if not isinstance(spec, JobSpec):
+            raise InvalidRequest(f"submit takes a JobSpec, got {type(spec).__name__}")
         key = spec.key or str(uuid.uuid4())
 
         def run() -> JobView:
@@ -419,10 +419,10 @@ class GpuBroker:
                     raise InvalidRequest(
                         f"min_gpus={spec.min_gpus} is more than GPU pool {spec.pool!r} has ({capacity})"
                     )
-                if spec.backend == "local" and spec.min_gpus > largest:
+                if spec.backend != "simulated" and spec.max_gpus > largest:
                     raise InvalidRequest(
-                        f"min_gpus={spec.min_gpus} is larger than any node of pool {spec.pool!r} "
-                        f"(largest has {largest} GPUs); the local backend cannot span nodes"
+                        f"max_gpus={spec.max_gpus} is larger than any node of pool {spec.pool!r} "
+                        f"(the largest has {largest} GPUs): a job runs on one node"
                     )
                 existing = s.scalar(select(Job).where(Job.key == key))
                 if existing is not None:
@@ -493,34 +493,6 @@ class GpuBroker:
                 return stored is not None and hmac.compare_digest(stored, _token_hash(token))
 
         return self._retrying(read)
-
-    @staticmethod
-    def _validate(spec: JobSpec) -> None:
-        def positive_int(name: str, value: Any) -> None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidRequest(f"{name} must be an integer >= 1, got {value!r}")
-
-        positive_int("min_gpus", spec.min_gpus)
-        positive_int("max_gpus", spec.max_gpus)
-        positive_int("total_steps", spec.total_steps)
-        if spec.min_gpus > spec.max_gpus:
-            raise InvalidRequest(
-                f"min_gpus ({spec.min_gpus}) must not be larger than max_gpus ({spec.max_gpus})"
-            )
-        if spec.requested_gpus is not None:
-            positive_int("requested_gpus", spec.requested_gpus)
-            if not spec.min_gpus <= spec.requested_gpus <= spec.max_gpus:
-                raise InvalidRequest(
-                    f"requested_gpus ({spec.requested_gpus}) must lie between min_gpus "
-                    f"({spec.min_gpus}) and max_gpus ({spec.max_gpus})"
-                )
-        if not spec.command or not spec.command.strip():
-            raise InvalidRequest("command must not be empty")
-        if not spec.name or not spec.name.strip():
-            raise InvalidRequest("name must not be empty")
-        if spec.backend not in ("local", "kubernetes"):
-            raise InvalidRequest(f"backend must be 'local' or 'kubernetes', got {spec.backend!r}")
-        compile_progress_pattern(spec.progress_pattern)
 
     def _pool_size(self, s: Session, pool: str) -> tuple[int, int]:
         """(schedulable GPUs in all, GPUs of the largest schedulable node) of ``pool``."""

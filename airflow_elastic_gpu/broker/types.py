@@ -6,10 +6,22 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.states import JobStatus, Target
+
+__all__ = [
+    "BACKENDS", "DEFAULT_POOL", "BrokerError", "EventView", "GpuView", "InvalidRequest", "JobSpec", "JobStatus",
+    "JobView", "NodeView", "NotFound", "PoolSnapshot", "Target", "check_int", "check_text", "compile_progress_pattern",
+]
 
 DEFAULT_POOL = "default"
+BACKENDS = ("local", "kubernetes", "simulated")
+"""Where a job's processes run; ``simulated``: none (the simulator's broker mode)."""
+MAX_INT32 = 2**31 - 1
+"""Largest count, step or priority the database stores (a 32-bit integer column)."""
+MAX_NAME_CHARS = 256
+MAX_KEY_CHARS = 512
+MAX_POOL_CHARS = 128
 
 
 class BrokerError(Exception):
@@ -24,34 +36,54 @@ class NotFound(BrokerError, LookupError):
     """No such job, node or pool."""
 
 
-class StaleGeneration(BrokerError):
-    """An ack or report names a generation that is no longer the job's target."""
+def check_text(name: str, value: Any, max_chars: int, *, empty_ok: bool = False) -> None:
+    """Raise :class:`InvalidRequest` unless ``value`` is a string of at most ``max_chars`` characters,
+    without NUL characters, and (unless ``empty_ok``) not blank."""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name} must be a string, got {type(value).__name__} {value!r}")
+    if not empty_ok and not value.strip():
+        raise InvalidRequest(f"{name} must not be empty")
+    if len(value) > max_chars:
+        raise InvalidRequest(f"{name} must be at most {max_chars} characters, got {len(value)}")
+    if "\x00" in value:
+        raise InvalidRequest(f"{name} must not contain NUL characters")
+
+
+def check_int(name: str, value: Any, low: int, high: int = MAX_INT32) -> None:
+    """Raise :class:`InvalidRequest` unless ``value`` is an integer (not a bool) in ``[low, high]``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InvalidRequest(f"{name} must be an integer >= {low}, got {value!r}")
+    if value > high:
+        raise InvalidRequest(f"{name} must be at most {high}, got {value}")
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What a caller submits.
+    """What a caller submits; validated when built (the one validation of a job's fields, used at
+    DAG parse time by the operator, by the CLI and by the broker).
 
-    :param name: display name (e.g. ``dag.task``).
+    :param name: display name (e.g. ``dag.task``), at most 256 characters.
     :param command: the training command (a shell-style string, ``{num_gpus}`` expanded at launch).
     :param min_gpus: fewest GPUs it runs on (>= 1).
-    :param max_gpus: most GPUs it can use (>= ``min_gpus``).
+    :param max_gpus: most GPUs it can use (>= ``min_gpus``); default ``min_gpus`` (not elastic).
     :param total_steps: steps in the whole training (>= 1), to predict remaining time.
-    :param requested_gpus: fixed request for non-elastic policies; default ``max_gpus``.
-    :param key: idempotency key; submitting the same key again returns the same job
-        while it is unfinished. Default: a fresh UUID.
-    :param pool: GPU pool name.
-    :param priority: larger is served first.
+    :param requested_gpus: fixed request for non-elastic policies, in ``[min_gpus, max_gpus]``;
+        default ``max_gpus``.
+    :param key: idempotency key (1-512 characters); submitting the same key again returns the same
+        job while it is unfinished. Default: a fresh UUID.
+    :param pool: GPU pool name (1-128 characters).
+    :param priority: larger is served first (a 32-bit integer).
     :param progress_pattern: regex with a ``step`` group (or one group) parsed from the log;
         default: JSON lines with a ``"step"`` key.
     :param checkpoint_dir: where the trainer checkpoints (the backend checks it).
-    :param backend: ``"local"`` or ``"kubernetes"``.
+    :param backend: one of :data:`BACKENDS`.
+    :raises InvalidRequest: a bad field; the message names it.
     """
 
     name: str
     command: str
     min_gpus: int = 1
-    max_gpus: int = 1
+    max_gpus: int | None = None
     total_steps: int = 1
     requested_gpus: int | None = None
     key: str | None = None
@@ -60,6 +92,37 @@ class JobSpec:
     progress_pattern: str | None = None
     checkpoint_dir: str | None = None
     backend: str = "local"
+
+    def __post_init__(self) -> None:
+        check_text("name", self.name, MAX_NAME_CHARS)
+        check_text("command", self.command, 64 * 1024)
+        check_int("min_gpus", self.min_gpus, 1)
+        if self.max_gpus is None:
+            object.__setattr__(self, "max_gpus", self.min_gpus)
+        check_int("max_gpus", self.max_gpus, 1)
+        check_int("total_steps", self.total_steps, 1)
+        if self.min_gpus > self.max_gpus:
+            raise InvalidRequest(
+                f"min_gpus ({self.min_gpus}) must not be larger than max_gpus ({self.max_gpus})"
+            )
+        if self.requested_gpus is not None:
+            check_int("requested_gpus", self.requested_gpus, 1)
+            if not self.min_gpus <= self.requested_gpus <= self.max_gpus:
+                raise InvalidRequest(
+                    f"requested_gpus ({self.requested_gpus}) must lie between min_gpus "
+                    f"({self.min_gpus}) and max_gpus ({self.max_gpus})"
+                )
+        if self.key is not None:
+            check_text("key", self.key, MAX_KEY_CHARS)
+        check_text("pool", self.pool, MAX_POOL_CHARS)
+        check_int("priority", self.priority, -MAX_INT32, MAX_INT32)
+        if self.checkpoint_dir is not None:
+            check_text("checkpoint_dir", self.checkpoint_dir, 4096)
+        if self.backend not in BACKENDS:
+            raise InvalidRequest(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.progress_pattern is not None:
+            check_text("progress_pattern", self.progress_pattern, 4096)
+        compile_progress_pattern(self.progress_pattern)
 
 
 @dataclass(frozen=True)
@@ -107,19 +170,6 @@ class JobView:
     @property
     def queueing_delay_s(self) -> float | None:
         return None if self.start_s is None else self.start_s - self.submit_s
-
-
-@dataclass(frozen=True)
-class Target:
-    """What the agent should run: ``gpus`` in generation ``generation`` (0: none yet)."""
-
-    job_id: str
-    status: JobStatus
-    generation: int
-    gpus: tuple[GpuId, ...]
-
-    def device_indices(self) -> list[int]:
-        return [g.index for g in self.gpus]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import NamedTuple
 
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
@@ -49,13 +48,6 @@ class NodeState:
 
     def gpus(self) -> tuple[GpuId, ...]:
         return tuple(GpuId(self.name, i) for i in self.gpu_indices)
-
-
-class JobPhase(StrEnum):
-    """Where a job is in its life, as the policy sees it."""
-
-    WAITING = "waiting"  # submitted, holds no GPU
-    RUNNING = "running"  # holds a target allocation
 
 
 @dataclass(frozen=True)
@@ -108,10 +100,6 @@ class JobState:
                 f"job {self.job_id}: requested_gpus ({self.requested_gpus}) must lie in "
                 f"[min_gpus, max_gpus] = [{self.min_gpus}, {self.max_gpus}]"
             )
-
-    @property
-    def phase(self) -> JobPhase:
-        return JobPhase.RUNNING if self.allocation else JobPhase.WAITING
 
     @property
     def num_gpus(self) -> int:

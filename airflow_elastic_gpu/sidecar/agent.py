@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from airflow_elastic_gpu.broker.types import Target, compile_progress_pattern
 from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.states import Target
 
 log = logging.getLogger(__name__)
 
-_GENERATION_MARK = re.compile(r"^\[launcher [^\]]*\] generation (\d+): starting")
 TAIL_LINES = 20
 
 
@@ -76,9 +75,9 @@ class LogParser:
             line = line.rstrip("\r")
             if line:
                 self.tail.append(line)
-            mark = _GENERATION_MARK.match(line)
-            if mark:
-                self.generation = int(mark.group(1))
+            mark = protocol.parse_generation_line(line)
+            if mark is not None:
+                self.generation = mark
                 continue
             step = self._step(line)
             if step is not None:
@@ -130,7 +129,7 @@ class Agent:
         self.broker = broker
         self.job_id = job_id
         self.dir = shared_dir
-        self.parser = LogParser(compile_progress_pattern(progress_pattern))
+        self.parser = LogParser(re.compile(progress_pattern) if progress_pattern else None)
         self.poll_s = poll_s
         self.stop_timeout_s = stop_timeout_s
         self.launcher_pid = launcher_pid
@@ -227,8 +226,6 @@ class Agent:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from airflow_elastic_gpu.broker.service import GpuBroker
-
     parser = argparse.ArgumentParser(description="elastic-GPU sidecar agent")
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--shared-dir", required=True, type=Path)
@@ -249,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         token = (args.token_file.read_text().strip() if args.token_file
                  else os.environ.get("AIRFLOW_ELASTIC_GPU_JOB_TOKEN", ""))
         broker = HttpBrokerTransport(args.broker_api, token)
-    else:
+    else:  # direct DB access (the local backend): the broker's code is needed only here
+        from airflow_elastic_gpu.broker.service import GpuBroker
+
         broker = GpuBroker(args.broker_url, migrate=False)
     return Agent(
         broker, args.job_id, args.shared_dir, progress_pattern=args.progress_pattern,

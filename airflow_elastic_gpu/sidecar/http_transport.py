@@ -1,6 +1,6 @@
 """The agent's HTTP transport: the broker API with the job's bearer token, instead of a DB connection.
 
-Standard library only (``urllib``), so a sidecar container needs no database driver and never sees
+Standard library only (``urllib``) and the package's pure modules, so a sidecar container needs no database driver and never sees
 the broker's database password. Transient failures (connection refused, 5xx) raise
 :class:`BrokerUnavailable`; the agent keeps the trainer running and retries.
 """
@@ -12,12 +12,15 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from airflow_elastic_gpu.broker.models import JobStatus
-from airflow_elastic_gpu.broker.types import BrokerError, Target
 from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.states import JobStatus, Target
 
 
-class BrokerUnavailable(BrokerError):
+class BrokerRejected(Exception):
+    """The broker API refused a request (4xx): bad token, unknown job, invalid report."""
+
+
+class BrokerUnavailable(Exception):
     """The broker API did not answer, or answered with a server error; worth retrying."""
 
 
@@ -51,7 +54,7 @@ class HttpBrokerTransport:
             detail = exc.read().decode(errors="replace")[:2000]
             if exc.code >= 500:
                 raise BrokerUnavailable(f"broker API {path}: HTTP {exc.code}: {detail}") from None
-            raise BrokerError(f"broker API {path}: HTTP {exc.code}: {detail}") from None
+            raise BrokerRejected(f"broker API {path}: HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
             raise BrokerUnavailable(f"broker API {self.base_url} unreachable: {exc}") from None
         return json.loads(raw) if raw else None

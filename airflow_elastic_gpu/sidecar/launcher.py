@@ -77,7 +77,7 @@ class Launcher:
 
     def _note(self, message: str) -> None:
         with open(self.dir / protocol.LOG, "a") as f:
-            f.write(f"[launcher {time.strftime('%H:%M:%S')}] {message}\n")
+            f.write(protocol.launcher_line(message))
 
     # -- trainer
     def _start(self, gpus: list[int]) -> None:
@@ -92,7 +92,8 @@ class Launcher:
         )
         env.setdefault("OMP_NUM_THREADS", "1")
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        self._note(f"generation {self.generation}: starting on GPUs {gpus}: {shlex.join(argv)}")
+        with open(self.dir / protocol.LOG, "a") as f:
+            f.write(protocol.generation_line(self.generation, f"on GPUs {gpus}: {shlex.join(argv)}"))
         log = open(self.dir / protocol.LOG, "ab")
         try:
             self.proc = subprocess.Popen(

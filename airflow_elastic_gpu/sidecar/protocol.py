@@ -11,7 +11,9 @@ file, fsync, ``os.replace``) so a reader never sees half a file:
     ``{"generation": int, "state": str, "pid": int|null, "exit_code": int|null,
     "restarts": int, "time_s": float}``; ``state`` is one of :data:`STATES`.
 ``train.log``
-    the trainer's stdout and stderr, appended across restarts.
+    the trainer's stdout and stderr, appended across restarts, with the launcher's own lines
+    (:func:`launcher_line`); a line from :func:`generation_line` marks where a generation's
+    trainer starts, so the agent can tag each progress line with its generation.
 
 This module is copied next to ``launcher.py`` into images that lack the
 package, so it imports nothing but the standard library.
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,24 @@ LOG = "train.log"
 STARTING, RUNNING, STOPPING, EXITED, STOPPED = "starting", "running", "stopping", "exited", "stopped"
 STATES = (STARTING, RUNNING, STOPPING, EXITED, STOPPED)
 # EXITED: the trainer ended by itself (exit_code says how); STOPPED: stopped on request.
+
+_GENERATION_LINE = re.compile(r"^\[launcher [^\]]*\] generation (\d+): starting")
+
+
+def launcher_line(message: str, now: float | None = None) -> str:
+    """A line the launcher writes into ``train.log``: ``[launcher HH:MM:SS] message``."""
+    return f"[launcher {time.strftime('%H:%M:%S', time.localtime(now))}] {message}\n"
+
+
+def generation_line(generation: int, detail: str, now: float | None = None) -> str:
+    """The ``train.log`` line that marks the start of ``generation``'s trainer."""
+    return launcher_line(f"generation {generation}: starting {detail}", now)
+
+
+def parse_generation_line(line: str) -> int | None:
+    """The generation a :func:`generation_line` marks, or ``None`` for any other line."""
+    m = _GENERATION_LINE.match(line)
+    return int(m.group(1)) if m else None
 
 
 def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:

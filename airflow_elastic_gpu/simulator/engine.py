@@ -332,7 +332,7 @@ class BrokerScheduler:
         self.now = now
         view = self.broker.submit(JobSpec(
             name=job_id, command="simulated", min_gpus=min_gpus, max_gpus=max_gpus,
-            requested_gpus=requested_gpus, total_steps=total_steps, key=job_id, backend="kubernetes",
+            requested_gpus=requested_gpus, total_steps=total_steps, key=job_id, backend="simulated",
         ))
         return view.id
 

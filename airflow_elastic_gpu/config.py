@@ -1,0 +1,37 @@
+"""Where things live by default: the one place that computes the broker URL and the job directory.
+
+Every entry point (CLI, operator, trigger, hook, API server, demo) asks these functions, so a job
+started by one is found by the others.
+
+========================  ==============================================  ===========================
+setting                   environment variable                            default
+========================  ==============================================  ===========================
+Airflow home              ``AIRFLOW_HOME``                                ``~/airflow``
+broker database URL       ``AIRFLOW_ELASTIC_GPU_BROKER_URL``              ``sqlite:///<home>/elastic_gpu_broker.db``
+local job directories     ``AIRFLOW_ELASTIC_GPU_WORK_DIR``                ``<home>/elastic_gpu_jobs``
+========================  ==============================================  ===========================
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_BROKER_URL = "AIRFLOW_ELASTIC_GPU_BROKER_URL"
+ENV_WORK_DIR = "AIRFLOW_ELASTIC_GPU_WORK_DIR"
+
+
+def airflow_home() -> Path:
+    """``$AIRFLOW_HOME``, else ``~/airflow`` (Airflow's own default)."""
+    return Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow").expanduser()
+
+
+def default_broker_url() -> str:
+    """``$AIRFLOW_ELASTIC_GPU_BROKER_URL``, else a SQLite file ``elastic_gpu_broker.db`` in :func:`airflow_home`."""
+    return os.environ.get(ENV_BROKER_URL) or f"sqlite:///{airflow_home() / 'elastic_gpu_broker.db'}"
+
+
+def default_work_dir() -> Path:
+    """Parent of the local backend's job directories: ``$AIRFLOW_ELASTIC_GPU_WORK_DIR``, else
+    ``elastic_gpu_jobs`` in :func:`airflow_home`."""
+    return Path(os.environ.get(ENV_WORK_DIR) or airflow_home() / "elastic_gpu_jobs").expanduser()

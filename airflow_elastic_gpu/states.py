@@ -1,0 +1,71 @@
+"""The words the broker, its API, the sidecar and the UI share: job statuses, event kinds, a target.
+
+Nothing here does I/O or imports the broker's database layer, so the sidecar agent (which must run
+with only its transport) and the broker use the same definitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from airflow_elastic_gpu.scheduling.state import GpuId
+
+
+class JobStatus(StrEnum):
+    """A job's life: QUEUED -> RUNNING -> one of the terminal states."""
+
+    QUEUED = "queued"  # submitted, no GPUs published yet
+    RUNNING = "running"  # has a target allocation (generation >= 1)
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"  # its agent stopped heart-beating; GPUs reclaimed
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.LOST})
+ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class EventKind(StrEnum):
+    """What a broker event records (the ``kind`` column of the event table and of the API)."""
+
+    NODE = "node"  # a node registered, drained or made schedulable
+    CONFIG = "config"  # a pool's policy, lease or rebalance period changed
+    SUBMIT = "submit"
+    START = "start"  # first generation published (QUEUED -> RUNNING)
+    RESIZE = "resize"  # a later generation published with another GPU set
+    ACK = "ack"  # the agent runs the trainer on a generation's GPUs
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+    @classmethod
+    def ended(cls, status: JobStatus) -> EventKind:
+        """The event kind that records a job ending with ``status`` (a terminal status)."""
+        return cls(status.value)
+
+
+ENDED_KINDS = frozenset({EventKind.SUCCEEDED, EventKind.FAILED, EventKind.CANCELLED, EventKind.LOST})
+"""Event kinds that end a job."""
+
+PUBLISH_KINDS = frozenset({EventKind.START, EventKind.RESIZE})
+"""Event kinds that publish a new generation."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the agent should run: ``gpus`` in generation ``generation`` (0: none yet)."""
+
+    job_id: str
+    status: JobStatus
+    generation: int
+    gpus: tuple[GpuId, ...]
+
+    def device_indices(self) -> list[int]:
+        return [g.index for g in self.gpus]
