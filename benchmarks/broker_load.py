@@ -1,7 +1,8 @@
 """Benchmark: many concurrent clients against one broker pool on PostgreSQL, with an invariant checker.
 
-``--clients`` threads (default 64), each with its own ``GpuBroker`` (own
-connection pool, as separate agents and triggerers have), issue a randomized
+``--clients`` clients (default 64, threads spread over ``--processes`` processes, default 4, as
+agents and triggerers are separate processes), each with its own ``GpuBroker`` (own connection
+pool), issue a randomized
 mix of submit / progress / heartbeat / ack / finish / fail / cancel /
 rebalance against one pool until ``--ops`` operations (default 10,000) are
 done. An independent checker thread reads the database throughout (and once
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -31,6 +33,7 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
@@ -73,73 +76,91 @@ def check(engine) -> dict[str, int]:
         return {name: int(conn.execute(text(sql)).scalar_one()) for name, sql in CHECKS.items()}
 
 
+def _client(n: int, url: str, pool: str, seed: int, remaining: Any, results: Any) -> None:
+    """One client: its own broker (own connection pool), a random mix of calls until the shared
+    operation budget ``remaining`` is spent; its latencies go to ``results``."""
+    rng = random.Random(seed * 1000 + n)
+    broker = GpuBroker(create_broker_engine(url), migrate=False)  # its own pool, as a separate process has
+    mine: list[str] = []
+    latencies: dict[str, list[float]] = defaultdict(list)
+    errors: dict[str, int] = defaultdict(int)
+
+    def take() -> bool:
+        with remaining.get_lock():
+            if remaining.value <= 0:
+                return False
+            remaining.value -= 1
+            return True
+
+    while take():
+        op = rng.choices(OPS, WEIGHTS)[0]
+        if op != "submit" and op != "rebalance" and not mine:
+            op = "submit"
+        t0 = time.perf_counter()
+        try:
+            if op == "submit":
+                lo = rng.randint(1, 4)
+                job = broker.submit(JobSpec(f"load-{n}-{len(mine)}", "train", lo, rng.randint(lo, 12),
+                                            total_steps=10_000, pool=pool, backend="simulated"))
+                mine.append(job.id)
+            elif op == "rebalance":
+                broker.rebalance(pool)
+            else:
+                job_id = rng.choice(mine)
+                if op == "progress":
+                    broker.progress(job_id, rng.uniform(0, 10_000))
+                elif op == "heartbeat":
+                    broker.heartbeat(job_id)
+                elif op == "ack":
+                    target = broker.target(job_id)
+                    broker.ack(job_id, target.generation)
+                elif op == "finish":
+                    broker.finish(job_id)
+                    mine.remove(job_id)
+                elif op == "fail":
+                    broker.fail(job_id, "load test failure")
+                    mine.remove(job_id)
+                elif op == "cancel":
+                    broker.cancel(job_id, "load test cancel")
+                    mine.remove(job_id)
+        except BrokerError as exc:  # e.g. a job too large for the pool: counted, not fatal
+            errors[f"{op}: {type(exc).__name__}"] += 1
+        latencies[op].append(time.perf_counter() - t0)
+    broker.engine.dispose()
+    results.put((dict(latencies), dict(errors), broker.retries, broker.rebalances))
+
+
+def _process(first: int, count: int, url: str, pool: str, seed: int, remaining: Any, results: Any) -> None:
+    """A client process: ``count`` client threads (numbers ``first`` ...)."""
+    threads = [threading.Thread(target=_client, args=(first + i, url, pool, seed, remaining, results))
+               for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool: str = "load",
-             nodes: int = 4, gpus_per_node: int = 8) -> dict:
-    """Run the load and return the figures (see the module docstring)."""
+             nodes: int = 4, gpus_per_node: int = 8, processes: int = 4) -> dict:
+    """Run the load and return the figures (see the module docstring).
+
+    :param processes: the clients are spread over this many processes (threads within each), as
+        agents and triggerers are separate processes; 1 runs every client in this one.
+    """
     engine = create_broker_engine(url)
     migrate(engine)
     setup = GpuBroker(engine, migrate=False)
     for i in range(nodes):
         setup.register_node(f"load-node-{i}", gpus_per_node, pool=pool)
     setup.configure_pool(pool, lease_s=3600, rebalance_interval_s=0.5)
-    remaining = [ops]
-    lock = threading.Lock()
-    latencies: dict[str, list[float]] = defaultdict(list)
-    errors: dict[str, int] = defaultdict(int)
+    engine.dispose()
+    processes = max(1, min(processes, clients))
+    ctx = multiprocessing.get_context("spawn")
+    remaining = ctx.Value("l", ops)
+    results = ctx.Queue()
     violations: dict[str, int] = defaultdict(int)
     checks = [0]
     stop = threading.Event()
-    retries = [0]
-
-    def take() -> bool:
-        with lock:
-            if remaining[0] <= 0:
-                return False
-            remaining[0] -= 1
-            return True
-
-    def client(n: int) -> None:
-        rng = random.Random(seed * 1000 + n)
-        broker = GpuBroker(url, migrate=False)
-        mine: list[str] = []
-        while take():
-            op = rng.choices(OPS, WEIGHTS)[0]
-            if op != "submit" and op != "rebalance" and not mine:
-                op = "submit"
-            t0 = time.perf_counter()
-            try:
-                if op == "submit":
-                    lo = rng.randint(1, 4)
-                    job = broker.submit(JobSpec(f"load-{n}-{len(mine)}", "train", lo, rng.randint(lo, 12),
-                                                total_steps=10_000, pool=pool, backend="simulated"))
-                    mine.append(job.id)
-                elif op == "rebalance":
-                    broker.rebalance(pool)
-                else:
-                    job_id = rng.choice(mine)
-                    if op == "progress":
-                        broker.progress(job_id, rng.uniform(0, 10_000))
-                    elif op == "heartbeat":
-                        broker.heartbeat(job_id)
-                    elif op == "ack":
-                        target = broker.target(job_id)
-                        broker.ack(job_id, target.generation)
-                    elif op == "finish":
-                        broker.finish(job_id)
-                        mine.remove(job_id)
-                    elif op == "fail":
-                        broker.fail(job_id, "load test failure")
-                        mine.remove(job_id)
-                    elif op == "cancel":
-                        broker.cancel(job_id, "load test cancel")
-                        mine.remove(job_id)
-            except BrokerError as exc:  # e.g. a job too large for the pool: counted, not fatal
-                errors[f"{op}: {type(exc).__name__}"] += 1
-            with lock:
-                latencies[op].append(time.perf_counter() - t0)
-        with lock:
-            retries[0] += broker.retries
-        broker.engine.dispose()
 
     def checker() -> None:
         while not stop.is_set():
@@ -153,15 +174,31 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
             checks[0] += 1
             time.sleep(0.05)
 
-    threads = [threading.Thread(target=client, args=(i,), name=f"client-{i}") for i in range(clients)]
+    shares = [clients // processes + (i < clients % processes) for i in range(processes)]
+    starts = [sum(shares[:i]) for i in range(processes)]
+    workers = [ctx.Process(target=_process, args=(starts[i], shares[i], url, pool, seed, remaining, results))
+               for i in range(processes)]
     watch = threading.Thread(target=checker, name="checker")
     t0 = time.perf_counter()
+    for w in workers:
+        w.start()
     watch.start()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    latencies: dict[str, list[float]] = defaultdict(list)
+    errors: dict[str, int] = defaultdict(int)
+    retries = rebalances = 0
+    for _ in range(clients):
+        lat, err, redone, rebalanced = results.get(timeout=3600)
+        rebalances += rebalanced
+        for op, values in lat.items():
+            latencies[op].extend(values)
+        for name, count in err.items():
+            errors[name] += count
+        retries += redone
     elapsed = time.perf_counter() - t0
+    for w in workers:
+        w.join()
+        if w.exitcode != 0:
+            raise RuntimeError(f"a client process exited with {w.exitcode}")
     stop.set()
     watch.join()
     for name, count in check(engine).items():
@@ -171,6 +208,7 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
     result = {
         "url": engine.url.render_as_string(hide_password=True),
         "clients": clients,
+        "processes": processes,
         "operations": done,
         "elapsed_s": elapsed,
         "ops_per_s": done / elapsed,
@@ -182,7 +220,8 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
         "invariant_checks": checks[0],
         "invariant_violations": sum(violations.values()),
         "violations_by_kind": dict(violations),
-        "retried_transactions": retries[0],
+        "retried_transactions": retries,
+        "rebalances": rebalances,
         "rejected_requests": dict(errors),
     }
     engine.dispose()
@@ -198,12 +237,16 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--ops", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--processes", type=int, default=4,
+                    help="client processes the clients are spread over (threads in each)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     console = Console()
     with console.status(f"{args.clients} clients, {args.ops} operations against {args.url} ..."):
-        result = run_load(args.url, args.clients, args.ops, args.seed, pool=f"load-{int(time.time())}")
-    table = Table(title=f"{result['operations']} operations, {result['clients']} clients: "
+        result = run_load(args.url, args.clients, args.ops, args.seed, pool=f"load-{int(time.time())}",
+                          processes=args.processes)
+    table = Table(title=f"{result['operations']} operations, {result['clients']} clients "
+                        f"in {result['processes']} processes: "
                         f"{result['ops_per_s']:.0f} ops/s, {result['invariant_violations']} invariant violations "
                         f"in {result['invariant_checks']} checks, {result['retried_transactions']} retried transactions")
     for col in ("operation", "count", "p50 ms", "p99 ms"):

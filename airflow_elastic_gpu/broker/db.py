@@ -8,6 +8,7 @@ a read-then-write; PostgreSQL writers lock their GPU pool's row instead
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from alembic import command
@@ -78,10 +79,44 @@ def create_broker_engine(url: str) -> Engine:
     )
 
 
+def broker_engine(url: str) -> Engine:
+    """The engine for ``url``, shared by every broker client of this process that names it (one
+    connection pool per database, like a hook's cached client); an in-memory SQLite URL gets a new
+    database each time.
+
+    :raises ValueError: as :func:`create_broker_engine`.
+    """
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return create_broker_engine(url)  # raises the explanatory error
+    if parsed.get_backend_name() == "sqlite" and (parsed.database or ":memory:") == ":memory:":
+        return create_broker_engine(url)
+    return _cached_engine(url)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_engine(url: str) -> Engine:
+    return create_broker_engine(url)
+
+
 def _alembic_config() -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     return cfg
+
+
+def schema_is_current(engine: Engine) -> bool:
+    """True if the database's schema is at the latest revision (one query)."""
+    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision() == head
+
+
+def ensure_schema(engine: Engine) -> None:
+    """Migrate the broker schema if it is behind: a version check, and the migrations only when needed."""
+    if not schema_is_current(engine):
+        migrate(engine)
 
 
 def migrate(engine: Engine) -> None:

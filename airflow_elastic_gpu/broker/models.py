@@ -18,7 +18,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from airflow_elastic_gpu.states import TERMINAL, JobStatus
 
 __all__ = ["TERMINAL", "Base", "Event", "Gpu", "GpuInUse", "GpuPool", "GpuTarget", "Job", "JobStatus", "Node",
-           "ProgressSample"]
+           "ProgressSample", "RebalanceRequest"]
 
 
 class Base(DeclarativeBase):
@@ -121,6 +121,20 @@ class GpuInUse(Base):
     gpu_id: Mapped[int] = mapped_column(ForeignKey("gpu.id"), primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("job.id"), index=True)
     generation: Mapped[int] = mapped_column(Integer)
+
+
+class RebalanceRequest(Base):
+    """A change that may move allocations (submit, ack, a job's end, ...) asks its pool for a rebalance.
+
+    Insert-only for the callers, so they never wait on a running rebalance; the next rebalance
+    deletes the requests it serves (see :mod:`airflow_elastic_gpu.broker.rebalance`).
+    """
+
+    __tablename__ = "rebalance_request"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    pool: Mapped[str] = mapped_column(ForeignKey("gpu_pool.name"), index=True)
+    time_s: Mapped[float] = mapped_column(Float)
 
 
 class ProgressSample(Base):

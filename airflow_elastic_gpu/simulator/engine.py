@@ -6,11 +6,11 @@ work is its recorded duration times its measured speed on its requested GPUs,
 and a job advances at the measured speed of the GPUs it holds (node spread
 included). The scheduler side is the real one:
 
-* **policy mode** (default): :class:`PolicyScheduler`, an in-memory copy of the
-  broker's scheduling loop (two-phase publish/ack with generations, rebalance
-  on submit/ack/finish and on a period, throughput learnt online from progress
-  samples, pool-median prior, restart overhead measured from the first
-  progress after a resize) calling the same policy objects as the broker;
+* **policy mode** (default): :class:`PolicyScheduler` runs the broker's scheduling core
+  (:mod:`airflow_elastic_gpu.scheduling.core`: two-phase publish/ack with generations,
+  throughput learnt online from progress samples, pool-median prior, restart overhead measured
+  from the first progress after a resize) in memory, rebalancing on submit/ack/finish and on a
+  period;
 * **broker mode**: :class:`BrokerScheduler` drives a real
   :class:`~airflow_elastic_gpu.broker.service.GpuBroker` (SQLite in memory)
   whose clock is the simulated one.
@@ -29,18 +29,13 @@ import random
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore, apply_ack, record_progress
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
-from airflow_elastic_gpu.scheduling.publish import publishable
-from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
-from airflow_elastic_gpu.scheduling.throughput import (
-    ThroughputModel,
-    update_restart_overhead,
-    with_pool_prior,
-)
+from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, NodeState
 from airflow_elastic_gpu.simulator.profiles import Profile, ProfileSet, load_profiles
 from airflow_elastic_gpu.simulator.trace import TraceJob
 
@@ -148,29 +143,6 @@ class Scheduler(Protocol):
     def rebalance(self, now: float) -> None: ...
 
 
-@dataclass(eq=False)
-class _Entry:
-    sid: str
-    min_gpus: int
-    max_gpus: int
-    requested_gpus: int
-    total_steps: int
-    submit_s: float
-    steps_done: float = 0.0
-    target: tuple[GpuId, ...] = ()
-    target_gen: int = 0
-    in_use: tuple[GpuId, ...] = ()
-    acked_gen: int = 0
-    last_resize_s: float | None = None
-    published_s: float | None = None
-    restart_overhead_s: float | None = None
-    model: ThroughputModel = field(default_factory=ThroughputModel)
-    last_sample: tuple[int, float, float] | None = None  # generation, time, step
-    gpu_seconds: float = 0.0
-    in_use_since_s: float | None = None
-    start_s: float | None = None
-
-
 class _TimedPolicy:
     """Wraps a policy to count its decisions and their wall time."""
 
@@ -193,7 +165,10 @@ class _TimedPolicy:
 
 
 class PolicyScheduler:
-    """The broker's scheduling loop in memory (mirrors ``GpuBroker``: submit, progress, ack, finish, rebalance).
+    """The scheduling core in memory, with the broker's calls (submit, progress, ack, finish, rebalance).
+
+    The same :class:`~airflow_elastic_gpu.scheduling.core.SchedulingCore` as the broker's, over
+    :class:`~airflow_elastic_gpu.scheduling.core.JobBook` values kept in a dict instead of rows.
 
     :param policy: any policy; a preemptive one may take all GPUs of a running job.
     :param nodes: the pool's nodes.
@@ -202,9 +177,10 @@ class PolicyScheduler:
 
     def __init__(self, policy: Policy, nodes: Sequence[NodeState], default_restart_overhead_s: float) -> None:
         self.policy = _TimedPolicy(policy)
+        self.core = SchedulingCore(self.policy, default_restart_overhead_s)
         self.nodes = tuple(nodes)
-        self.default_restart_overhead_s = default_restart_overhead_s
-        self.jobs: dict[str, _Entry] = {}
+        self.jobs: dict[str, JobBook] = {}
+        self._last_sample: dict[str, tuple[int, float, float]] = {}  # job -> (generation, time_s, step)
 
     @property
     def decisions(self) -> int:
@@ -216,89 +192,36 @@ class PolicyScheduler:
 
     def submit(self, job_id: str, min_gpus: int, max_gpus: int, requested_gpus: int,
                total_steps: int, now: float) -> str:
-        self.jobs[job_id] = _Entry(job_id, min_gpus, max_gpus, requested_gpus, total_steps, now)
+        self.jobs[job_id] = JobBook(job_id, min_gpus, max_gpus, total_steps, now, requested_gpus=requested_gpus)
         self.rebalance(now)
         return job_id
 
     def current(self, sid: str) -> tuple[int, tuple[GpuId, ...]]:
-        e = self.jobs[sid]
-        return e.target_gen, e.target
+        book = self.jobs[sid]
+        return book.target_generation, book.target
 
     def progress(self, sid: str, step: float, generation: int, now: float) -> None:
-        e = self.jobs.get(sid)
-        if e is None or generation < e.acked_gen or generation < 1:
+        book = self.jobs.get(sid)
+        if book is None:
             return
-        num_gpus = len(e.target if generation == e.target_gen else e.in_use)
-        prev = e.last_sample if e.last_sample and e.last_sample[0] == generation else None
-        if prev is None and e.published_s is not None and generation == e.target_gen and generation > 1:
-            e.restart_overhead_s = update_restart_overhead(e.restart_overhead_s, now - e.published_s)
-        if prev is not None and now > prev[1] and step > prev[2] and num_gpus > 0:
-            e.model = e.model.with_sample(num_gpus, (step - prev[2]) / (now - prev[1]))
-        e.last_sample = (generation, now, step)
-        e.steps_done = step
-
-    def _account(self, e: _Entry, now: float) -> None:
-        if e.in_use_since_s is not None:
-            e.gpu_seconds += len(e.in_use) * max(0.0, now - e.in_use_since_s)
-        e.in_use_since_s = now
+        last = self._last_sample.get(sid)
+        previous = (last[1], last[2]) if last is not None and last[0] == generation else None
+        if record_progress(book, generation=generation, step=step, now_s=now, previous=previous):
+            self._last_sample[sid] = (generation, now, step)
 
     def ack(self, sid: str, generation: int, now: float) -> None:
-        e = self.jobs.get(sid)
-        if e is None or generation != e.target_gen or generation <= e.acked_gen:
-            return
-        self._account(e, now)
-        e.in_use = e.target
-        e.acked_gen = generation
-        if e.start_s is None and e.in_use:
-            e.start_s = now
-        self.rebalance(now)
+        book = self.jobs.get(sid)
+        if book is not None and apply_ack(book, generation, now):
+            self.rebalance(now)
 
     def finish(self, sid: str, now: float) -> None:
-        e = self.jobs.pop(sid, None)
-        if e is not None:
+        if self.jobs.pop(sid, None) is not None:
+            self._last_sample.pop(sid, None)
             self.rebalance(now)
 
     def rebalance(self, now: float) -> None:
-        active = sorted(self.jobs.values(), key=lambda e: (e.submit_s, e.sid))
-        if not active:
-            return
-        models = with_pool_prior({e.sid: e.model for e in active})
-        states = tuple(
-            JobState(
-                job_id=e.sid,
-                min_gpus=e.min_gpus,
-                max_gpus=e.max_gpus,
-                requested_gpus=e.requested_gpus,
-                total_steps=e.total_steps,
-                steps_done=e.steps_done,
-                submit_time_s=e.submit_s,
-                allocation=e.target,
-                last_resize_s=e.last_resize_s,
-                restart_overhead_s=(
-                    e.restart_overhead_s if e.restart_overhead_s is not None
-                    else self.default_restart_overhead_s
-                ),
-                throughput=models[e.sid],
-                attained_gpu_s=e.gpu_seconds
-                + len(e.in_use) * max(0.0, now - (e.in_use_since_s if e.in_use_since_s is not None else now)),
-                first_start_s=e.start_s,
-            )
-            for e in active
-        )
-        decision = self.policy.decide(ClusterState(self.nodes, states, now))
-        by_id = {e.sid: e for e in active}
-        for sid, new in publishable(
-            [e.sid for e in active], {e.sid: e.target for e in active},
-            {e.sid: decision.allocations.get(e.sid, ()) for e in active},
-            {g: e.sid for e in active for g in e.in_use}, {g: e.sid for e in active for g in e.target},
-            {e.sid for e in active if e.target_gen > 0}, preemptive=self.policy.preemptive,
-        ):
-            e = by_id[sid]
-            if e.target:
-                e.last_resize_s = now
-            e.target = tuple(sorted(new))
-            e.target_gen += 1
-            e.published_s = now
+        books = sorted(self.jobs.values(), key=lambda b: (b.submit_s, b.job_id))
+        self.core.rebalance(self.nodes, books, now)
 
 
 class BrokerScheduler:
@@ -314,8 +237,10 @@ class BrokerScheduler:
                                 default_restart_overhead_s=default_restart_overhead_s)
         for n in nodes:
             self.broker.register_node(n.name, gpu_type=n.gpu_type, gpu_indices=n.gpu_indices)
-        never = 1e15  # the simulator calls rebalance itself, and agents never go silent
-        self.broker.configure_pool(lease_s=never, rebalance_interval_s=never)
+        from airflow_elastic_gpu.broker.inventory import MAX_PERIOD_S
+
+        # the simulator calls rebalance itself, and agents never go silent
+        self.broker.configure_pool(lease_s=MAX_PERIOD_S, rebalance_interval_s=MAX_PERIOD_S)
 
     @property
     def decisions(self) -> int:

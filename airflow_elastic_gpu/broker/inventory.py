@@ -1,0 +1,162 @@
+"""The broker's inventory: GPU pools, their nodes and GPUs, and each pool's scheduling settings."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import select
+
+from airflow_elastic_gpu.broker.lifecycle import Lifecycle
+from airflow_elastic_gpu.broker.models import Gpu, GpuPool, Node
+from airflow_elastic_gpu.broker.types import (
+    DEFAULT_POOL,
+    MAX_POOL_CHARS,
+    InvalidRequest,
+    NodeView,
+    NotFound,
+    check_int,
+    check_text,
+)
+from airflow_elastic_gpu.scheduling.policy import get_policy
+from airflow_elastic_gpu.states import EventKind
+
+MAX_NODE_CHARS = 253  # a DNS name, as Kubernetes node names are
+MAX_GPUS_PER_NODE = 1024
+MAX_PERIOD_S = 10 * 365 * 24 * 3600.0  # ten years: "never", as the simulator uses it
+
+
+class Inventory(Lifecycle):
+    """Node and pool calls of :class:`~airflow_elastic_gpu.broker.service.GpuBroker`."""
+
+    def register_node(
+        self,
+        name: str,
+        num_gpus: int | None = None,
+        *,
+        pool: str = DEFAULT_POOL,
+        gpu_type: str = "virtual",
+        gpu_indices: Sequence[int] | None = None,
+    ) -> NodeView:
+        """Add a node with its GPUs to ``pool`` (created if new); idempotent.
+
+        Registering again adds missing GPUs and updates their type; it never removes a GPU (mark a
+        node unschedulable to drain it). New GPUs are offered to waiting jobs at once.
+
+        :param num_gpus: GPUs on the node (1-1024), indices ``0..num_gpus-1``; or give ``gpu_indices``.
+        :raises InvalidRequest: empty or too long name, pool or type; no GPUs; negative, duplicate or
+            too large indices.
+        """
+        check_text("node name", name, MAX_NODE_CHARS)
+        check_text("GPU pool name", pool, MAX_POOL_CHARS)
+        check_text("gpu_type", gpu_type, 128)
+        if gpu_indices is None:
+            if num_gpus is None or isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+                raise InvalidRequest(f"node {name!r}: num_gpus must be an integer >= 1, got {num_gpus!r}")
+            if num_gpus > MAX_GPUS_PER_NODE:
+                raise InvalidRequest(f"node {name!r}: num_gpus must be at most {MAX_GPUS_PER_NODE}, got {num_gpus}")
+            gpu_indices = range(num_gpus)
+        indices = list(gpu_indices)
+        if not indices or len(set(indices)) != len(indices):
+            raise InvalidRequest(f"node {name!r}: bad GPU indices {indices[:20]}")
+        for i in indices:
+            check_int(f"node {name!r}: GPU index", i, 0, MAX_GPUS_PER_NODE - 1)
+
+        def run() -> NodeView:
+            with self._tx(pool, create_pool=True) as s:
+                node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
+                if node is None:
+                    node = Node(pool=pool, name=name, schedulable=True)
+                    s.add(node)
+                    s.flush()
+                    self._event(s, pool, EventKind.NODE, f"registered node {name} with {len(indices)} GPU(s)")
+                have = {g.index: g for g in node.gpus}
+                added = False
+                for i in indices:
+                    if i in have:
+                        have[i].gpu_type = gpu_type
+                    else:
+                        s.add(Gpu(node_id=node.id, index=i, gpu_type=gpu_type, healthy=True))
+                        added = True
+                s.flush()
+                s.refresh(node)
+                if added:
+                    self._request_rebalance(s, pool)
+                return self._node_views(s, [node])[0]
+
+        view = self._retrying(run)
+        self._serve_rebalance(pool)
+        return view
+
+    def set_node_schedulable(self, name: str, schedulable: bool, *, pool: str = DEFAULT_POOL) -> None:
+        """Mark a node (un)schedulable; an unschedulable node's GPUs are drained by the rebalance.
+
+        :raises NotFound: unknown node or pool.
+        """
+
+        def run() -> None:
+            with self._tx(pool) as s:
+                node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
+                if node is None:
+                    raise NotFound(f"unknown node {name!r} in pool {pool!r}")
+                node.schedulable = schedulable
+                self._event(s, pool, EventKind.NODE, f"node {name} {'schedulable' if schedulable else 'drained'}")
+                self._request_rebalance(s, pool)
+
+        self._retrying(run)
+        self._serve_rebalance(pool)
+
+    def configure_pool(
+        self,
+        pool: str = DEFAULT_POOL,
+        *,
+        policy: str | None = None,
+        policy_params: dict[str, Any] | None = None,
+        lease_s: float | None = None,
+        rebalance_interval_s: float | None = None,
+    ) -> None:
+        """Set a pool's scheduling policy (by name, with parameters), heartbeat lease and rebalance
+        period (seconds, finite, > 0).
+
+        :raises InvalidRequest: unknown or preemptive policy, bad parameters, or a bad period.
+        :raises NotFound: unknown pool.
+        """
+        if policy is not None or policy_params is not None:
+            if policy_params is not None and not isinstance(policy_params, dict):
+                raise InvalidRequest(f"policy_params must be a dict, got {type(policy_params).__name__}")
+            try:
+                chosen = get_policy(policy or "adaptive", **(policy_params or {}))
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
+            if getattr(chosen, "preemptive", False):
+                raise InvalidRequest(
+                    f"policy {chosen.name!r} preempts running jobs (takes all their GPUs), which the "
+                    "broker never does; it is available in the simulator only"
+                )
+        for name, value in (("lease_s", lease_s), ("rebalance_interval_s", rebalance_interval_s)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and 0 < value <= MAX_PERIOD_S
+            ):
+                raise InvalidRequest(f"{name} must be a number of seconds in (0, {MAX_PERIOD_S:.0f}], got {value!r}")
+
+        def run() -> None:
+            with self._tx(pool) as s:
+                row = s.get(GpuPool, pool)
+                if policy is not None:
+                    row.policy = policy
+                    row.policy_params = policy_params
+                elif policy_params is not None:
+                    row.policy_params = policy_params
+                if lease_s is not None:
+                    row.lease_s = float(lease_s)
+                if rebalance_interval_s is not None:
+                    row.rebalance_interval_s = float(rebalance_interval_s)
+                self._event(s, pool, EventKind.CONFIG, f"policy {row.policy} {row.policy_params or {}}, "
+                            f"lease {row.lease_s:g}s, rebalance every {row.rebalance_interval_s:g}s")
+                self._request_rebalance(s, pool)
+
+        self._retrying(run)
+        self._serve_rebalance(pool)

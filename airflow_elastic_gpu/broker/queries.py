@@ -1,0 +1,179 @@
+"""Read queries of the broker: jobs, nodes, events, samples and whole-pool snapshots.
+
+Each reads in one session with a fixed number of queries, whatever the number of jobs or nodes:
+the GPUs of every job and node shown are loaded in one query per table, not one per row.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from airflow_elastic_gpu.broker.models import (
+    Event,
+    Gpu,
+    GpuInUse,
+    GpuPool,
+    GpuTarget,
+    Job,
+    Node,
+    ProgressSample,
+)
+from airflow_elastic_gpu.broker.rebalance import Rebalancing, throughput_of
+from airflow_elastic_gpu.broker.types import (
+    DEFAULT_POOL,
+    EventView,
+    GpuView,
+    JobView,
+    NodeView,
+    NotFound,
+    PoolSnapshot,
+)
+from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
+from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.states import ACTIVE, JobStatus
+
+
+def event_view(e: Event) -> EventView:
+    return EventView(e.id, e.time_s, e.pool, e.job_id, e.kind, e.message, e.data)
+
+
+class Queries(Rebalancing):
+    """Read-only calls of :class:`~airflow_elastic_gpu.broker.service.GpuBroker`."""
+
+    # ------------------------------------------------------------------ jobs
+
+    def job(self, job_id: str) -> JobView:
+        """:raises NotFound: unknown job."""
+        return self._read(lambda s: self._views(s, [self._job(s, job_id)])[0])
+
+    def job_by_key(self, key: str) -> JobView | None:
+        def read(s: Session) -> JobView | None:
+            job = s.scalar(select(Job).where(Job.key == key))
+            return None if job is None else self._views(s, [job])[0]
+
+        return self._read(read)
+
+    def jobs(self, pool: str | None = None, *, active_only: bool = False) -> list[JobView]:
+        """Jobs (of ``pool``, or all), in submit order."""
+        def read(s: Session) -> list[JobView]:
+            q = select(Job).order_by(Job.submit_s, Job.id)
+            if pool is not None:
+                q = q.where(Job.pool == pool)
+            if active_only:
+                q = q.where(Job.status.in_(ACTIVE))
+            return self._views(s, list(s.scalars(q)))
+
+        return self._read(read)
+
+    def _gpus_by_job(self, s: Session, table: type[GpuTarget | GpuInUse],
+                     job_ids: Sequence[str]) -> dict[str, tuple[GpuId, ...]]:
+        found: dict[str, list[GpuId]] = defaultdict(list)
+        if job_ids:
+            for job_id, node, index in s.execute(
+                select(table.job_id, Node.name, Gpu.index).join(Gpu, Gpu.id == table.gpu_id)
+                .join(Node, Node.id == Gpu.node_id).where(table.job_id.in_(job_ids))
+            ):
+                found[job_id].append(GpuId(node, index))
+        return {k: tuple(sorted(v)) for k, v in found.items()}
+
+    def _views(self, s: Session, jobs: Sequence[Job]) -> list[JobView]:
+        ids = [j.id for j in jobs if JobStatus(j.status) in ACTIVE]  # ended jobs hold no GPU
+        targets = self._gpus_by_job(s, GpuTarget, ids)
+        in_use = self._gpus_by_job(s, GpuInUse, ids)
+        return [
+            JobView(
+                id=job.id, key=job.key, name=job.name, pool=job.pool, command=job.command,
+                status=JobStatus(job.status), min_gpus=job.min_gpus, max_gpus=job.max_gpus,
+                requested_gpus=job.requested_gpus, total_steps=job.total_steps, priority=job.priority,
+                steps_done=job.steps_done, target_generation=job.target_generation,
+                acked_generation=job.acked_generation, target_gpus=targets.get(job.id, ()),
+                in_use_gpus=in_use.get(job.id, ()), num_resizes=job.num_resizes,
+                gpu_seconds=job.gpu_seconds, restart_overhead_s=job.restart_overhead_s,
+                throughput=throughput_of(job).observed, submit_s=job.submit_s, start_s=job.start_s,
+                end_s=job.end_s, last_heartbeat_s=job.last_heartbeat_s, exit_code=job.exit_code,
+                reason=job.reason, metrics=job.metrics, progress_pattern=job.progress_pattern,
+                checkpoint_dir=job.checkpoint_dir, backend=job.backend, backend_ref=job.backend_ref,
+            )
+            for job in jobs
+        ]
+
+    def samples(self, job_id: str) -> list[tuple[float, float, int, int]]:
+        """``(time_s, step, num_gpus, generation)`` of every progress sample of a job, in order."""
+        return self._read(lambda s: [
+            tuple(r) for r in s.execute(
+                select(ProgressSample.time_s, ProgressSample.step, ProgressSample.num_gpus, ProgressSample.generation)
+                .where(ProgressSample.job_id == job_id).order_by(ProgressSample.id)
+            )
+        ])
+
+    def events(self, pool: str | None = None, *, job_id: str | None = None, after_id: int = 0,
+               limit: int = 1000) -> list[EventView]:
+        """Events after ``after_id``, oldest first, at most ``limit``."""
+        def read(s: Session) -> list[EventView]:
+            q = select(Event).where(Event.id > after_id).order_by(Event.id).limit(limit)
+            if pool is not None:
+                q = q.where(Event.pool == pool)
+            if job_id is not None:
+                q = q.where(Event.job_id == job_id)
+            return [event_view(e) for e in s.scalars(q)]
+
+        return self._read(read)
+
+    # ------------------------------------------------------------------ pools and nodes
+
+    def pool_policy(self, pool: str = DEFAULT_POOL) -> Policy:
+        """The policy that rebalances ``pool``.
+
+        :raises NotFound: unknown pool.
+        """
+        if self.policy_override is not None:
+            return self.policy_override
+
+        def read(s: Session) -> Policy:
+            row = s.get(GpuPool, pool)
+            if row is None:
+                raise NotFound(f"unknown GPU pool {pool!r}")
+            return get_policy(row.policy, **(row.policy_params or {}))
+
+        return self._read(read)
+
+    def pools(self) -> list[str]:
+        return self._read(lambda s: list(s.scalars(select(GpuPool.name).order_by(GpuPool.name))))
+
+    def nodes(self, pool: str | None = None) -> list[NodeView]:
+        def read(s: Session) -> list[NodeView]:
+            q = select(Node).options(selectinload(Node.gpus)).order_by(Node.pool, Node.name)
+            if pool is not None:
+                q = q.where(Node.pool == pool)
+            return self._node_views(s, list(s.scalars(q)))
+
+        return self._read(read)
+
+    def _node_views(self, s: Session, nodes: Sequence[Node]) -> list[NodeView]:
+        gpu_ids = [g.id for n in nodes for g in n.gpus]
+        in_use = dict(s.execute(select(GpuInUse.gpu_id, GpuInUse.job_id).where(GpuInUse.gpu_id.in_(gpu_ids))).all())
+        target = dict(s.execute(select(GpuTarget.gpu_id, GpuTarget.job_id).where(GpuTarget.gpu_id.in_(gpu_ids))).all())
+        return [
+            NodeView(
+                pool=node.pool, name=node.name, schedulable=node.schedulable,
+                gpus=tuple(GpuView(GpuId(node.name, g.index), g.gpu_type, g.healthy, in_use.get(g.id),
+                                   target.get(g.id)) for g in node.gpus),
+            )
+            for node in nodes
+        ]
+
+    def snapshot(self, pool: str = DEFAULT_POOL, *, events: int = 50) -> PoolSnapshot:
+        """Nodes, GPUs and their holders, jobs and the latest ``events`` of one pool, read in one session."""
+        def read(s: Session) -> PoolSnapshot:
+            nodes = self._node_views(s, list(s.scalars(
+                select(Node).options(selectinload(Node.gpus)).where(Node.pool == pool).order_by(Node.name))))
+            jobs = self._views(s, list(s.scalars(select(Job).where(Job.pool == pool).order_by(Job.submit_s))))
+            evs = s.scalars(select(Event).where(Event.pool == pool).order_by(Event.id.desc()).limit(events)).all()
+            return PoolSnapshot(pool, self.clock(), tuple(nodes), tuple(jobs),
+                                tuple(event_view(e) for e in reversed(evs)))
+
+        return self._read(read)

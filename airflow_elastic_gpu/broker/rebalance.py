@@ -1,0 +1,293 @@
+"""The broker's adapter to the scheduling core: load a pool's rows, call the core, write back what changed.
+
+Rebalances are **coalesced**, and job calls never wait for one:
+
+* A call that may change allocations (submit, ack, a job's end, a node or pool change) inserts a
+  :class:`~airflow_elastic_gpu.broker.models.RebalanceRequest` row in its own transaction (an
+  insert, so it never waits on a running rebalance) and, once committed, tries to take the pool's
+  lock without waiting (``FOR UPDATE SKIP LOCKED``; SQLite serializes writers anyway). If it gets
+  the lock and requests are pending, it runs one rebalance that serves all of them; if another
+  rebalance holds the lock, that one, or the next, serves it: a rebalance deletes the requests it
+  saw *before* it reads the pool, so a request committed later is left for the next one.
+* Job calls lock only their job row. A rebalance holds the pool lock, reads the pool without row
+  locks, decides, then locks just the job rows it writes (publications, reaped jobs) and re-checks
+  them: a job that ended meanwhile is left alone. A stale read is only ever conservative: a GPU
+  is published to a job only if no other job's target names it (targets change only under the
+  pool lock or when a job ends) and no acked generation uses it.
+* A periodic rebalance (heartbeats, triggers) also serves any request left. Concurrent explicit
+  :meth:`Rebalancing.rebalance` calls are served by one run, not one each.
+
+The two-phase resize protocol and the "no GPU in two jobs" invariant are the core's and the
+schema's (primary keys of ``gpu_in_use`` and ``gpu_target``); coalescing changes when a decision is
+taken, never what may be published.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import Row, delete, literal, select, union_all
+from sqlalchemy.orm import Session, selectinload
+
+from airflow_elastic_gpu.broker.models import (
+    Gpu,
+    GpuInUse,
+    GpuPool,
+    GpuTarget,
+    Job,
+    Node,
+    RebalanceRequest,
+)
+from airflow_elastic_gpu.broker.transactions import BrokerBase
+from airflow_elastic_gpu.broker.types import DEFAULT_POOL
+from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore, account_gpu_time
+from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
+from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
+from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+from airflow_elastic_gpu.states import ACTIVE, EventKind, JobStatus
+
+_BOOK_FIELDS = (
+    "steps_done", "target_generation", "acked_generation", "num_resizes", "last_resize_s", "published_s",
+    "restart_overhead_s", "gpu_seconds", "in_use_since_s", "start_s",
+)
+
+
+_BOOK_COLUMNS = (
+    Job.id, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus, Job.priority,
+    Job.throughput, Job.last_heartbeat_s, *(getattr(Job, name) for name in _BOOK_FIELDS),
+)
+"""The job columns a rebalance reads (plain rows, not ORM objects: a pool's jobs load several times
+faster)."""
+
+
+def throughput_of(job: Job) -> ThroughputModel:
+    """The throughput model stored in a job row (``{"observed": [[num_gpus, steps_per_s], ...]}``)."""
+    observed = (job.throughput or {}).get("observed", [])
+    return ThroughputModel(tuple((int(n), float(t)) for n, t in observed))
+
+
+def book_of(job: Job | Row[Any], target: Iterable[GpuId] = (), in_use: Iterable[GpuId] = ()) -> JobBook:
+    """A job (ORM object, or a row of :data:`_BOOK_COLUMNS`) and its GPUs as the core's :class:`JobBook`."""
+    return JobBook(
+        job_id=job.id, min_gpus=job.min_gpus, max_gpus=job.max_gpus, total_steps=job.total_steps,
+        submit_s=job.submit_s, requested_gpus=job.requested_gpus, priority=job.priority,
+        steps_done=job.steps_done, target=tuple(sorted(target)), target_generation=job.target_generation,
+        in_use=tuple(sorted(in_use)), acked_generation=job.acked_generation, num_resizes=job.num_resizes,
+        last_resize_s=job.last_resize_s, published_s=job.published_s,
+        restart_overhead_s=job.restart_overhead_s, throughput=throughput_of(job),
+        gpu_seconds=job.gpu_seconds, in_use_since_s=job.in_use_since_s, start_s=job.start_s,
+    )
+
+
+def store_book(job: Job, book: JobBook) -> None:
+    """Write the fields the core may have changed back to the job row (only those that differ)."""
+    for name in _BOOK_FIELDS:
+        value = getattr(book, name)
+        if getattr(job, name) != value:
+            setattr(job, name, value)
+    if throughput_of(job).observed != book.throughput.observed:
+        job.throughput = {"observed": [list(p) for p in book.throughput.observed]}
+
+
+class Rebalancing(BrokerBase):
+    """Rebalances of a pool (coalesced) and the helpers that free a job's GPUs."""
+
+    # ------------------------------------------------------------------ rows <-> books
+
+    def _job_gpus(self, s: Session, job_id: str) -> tuple[tuple[GpuId, ...], tuple[GpuId, ...]]:
+        """``(target, in_use)`` GPUs of one job, sorted (one query)."""
+        parts = [
+            select(literal(name).label("kind"), Node.name, Gpu.index).join(Gpu, Gpu.node_id == Node.id)
+            .join(table, table.gpu_id == Gpu.id).where(table.job_id == job_id)
+            for name, table in (("target", GpuTarget), ("in_use", GpuInUse))
+        ]
+        found: dict[str, list[GpuId]] = {"target": [], "in_use": []}
+        for kind, node, index in s.execute(union_all(*parts)):
+            found[kind].append(GpuId(node, index))
+        return tuple(sorted(found["target"])), tuple(sorted(found["in_use"]))
+
+    def _book(self, s: Session, job: Job) -> JobBook:
+        return book_of(job, *self._job_gpus(s, job.id))
+
+    def _release(self, s: Session, job: Job, status: JobStatus, reason: str | None, exit_code: int | None) -> None:
+        """End ``job`` with ``status``: account its GPU time, free its in-use and target GPUs."""
+        now = self.clock()
+        book = self._book(s, job)
+        account_gpu_time(book, now)
+        store_book(job, book)
+        s.execute(delete(GpuInUse).where(GpuInUse.job_id == job.id))
+        s.execute(delete(GpuTarget).where(GpuTarget.job_id == job.id))
+        job.status = status
+        job.reason = reason
+        job.exit_code = exit_code
+        job.end_s = now
+        self._event(s, job.pool, EventKind.ended(status), reason or status.value, job.id, exit_code=exit_code)
+
+    # ------------------------------------------------------------------ requests and coalescing
+
+    def _request_rebalance(self, s: Session, pool: str) -> None:
+        """Ask for a rebalance of ``pool`` (served once this transaction has committed)."""
+        s.add(RebalanceRequest(pool=pool, time_s=self.clock()))
+
+    def _pending(self, s: Session, pool: str) -> int:
+        """Rebalance requests of ``pool`` not served yet, counted up to 2 (0, 1, or 2 for several)."""
+        return len(s.scalars(select(RebalanceRequest.id).where(RebalanceRequest.pool == pool).limit(2)).all())
+
+    def _due(self, s: Session, row: GpuPool) -> bool:
+        """Whether to rebalance now, in the pool's lock: the last rebalance is older than
+        ``rebalance_interval_s``; or requests are pending and either the last rebalance is older
+        than :attr:`coalesce_s` or this is the only request (nobody else is busy with the pool, so
+        waiting would gather nothing). Several requests within ``coalesce_s`` of a rebalance wait for
+        the next call, heartbeat or trigger poll after it: one rebalance serves them all."""
+        since = self.clock() - row.last_rebalance_s
+        if since >= row.rebalance_interval_s:
+            return True
+        pending = self._pending(s, row.name)
+        return pending > 0 and (since >= self.coalesce_s or pending == 1)
+
+    def _serve_rebalance(self, pool: str) -> None:
+        """Run the pending rebalance of ``pool`` if one is due and its lock is free now; else the
+        lock's holder, or a later call, serves it."""
+
+        def run() -> None:
+            with self._sessions.begin() as s:
+                row = self._lock(s, pool, skip_locked=True)
+                if row is not None and self._due(s, row):
+                    self._rebalance(s, pool)
+
+        self._retrying(run)
+
+    def rebalance(self, pool: str = DEFAULT_POOL) -> dict[str, tuple[GpuId, ...]]:
+        """Ask the policy for new targets now and publish them; returns job id -> newly published GPUs.
+
+        Coalesced: if a rebalance of the pool starts after this call began (this one, or another
+        client's), that one serves this call; callers never queue behind one rebalance each. When
+        another client's served it, ``{}`` is returned.
+
+        :raises NotFound: unknown pool.
+        """
+        asked_s = self.clock()
+
+        def attempt() -> dict[str, tuple[GpuId, ...]] | None:
+            with self._sessions.begin() as s:
+                row = self._lock(s, pool, skip_locked=True)
+                if row is None:
+                    return None  # someone else holds the pool: wait for their rebalance, or our turn
+                if row.last_rebalance_s > asked_s:
+                    return {}
+                return self._rebalance(s, pool)
+
+        delay_s = 0.005
+        while True:
+            done = self._retrying(attempt)
+            if done is not None:
+                return done
+            time.sleep(delay_s)
+            delay_s = min(0.1, delay_s * 2)
+            last = self._read(lambda s: s.scalar(select(GpuPool.last_rebalance_s).where(GpuPool.name == pool)))
+            if last is not None and last > asked_s:
+                return {}
+
+    def maybe_rebalance(self, pool: str = DEFAULT_POOL) -> bool:
+        """Rebalance if one is due (asked for, or the last is older than ``rebalance_interval_s``: a
+        lease in the DB) and no other transaction holds the pool's lock; True if it ran.
+
+        :raises NotFound: unknown pool.
+        """
+
+        def run() -> bool:
+            with self._sessions.begin() as s:
+                row = self._lock(s, pool, skip_locked=True)
+                if row is None or not self._due(s, row):
+                    return False
+                self._rebalance(s, pool)
+                return True
+
+        return self._retrying(run)
+
+    def _locked_active(self, s: Session, job_ids: Iterable[str]) -> dict[str, Job]:
+        """Lock the rows of ``job_ids`` (re-read) and return those still unfinished."""
+        ids = sorted(set(job_ids))
+        if not ids:
+            return {}
+        rows = s.scalars(select(Job).where(Job.id.in_(ids)).order_by(Job.id).with_for_update(key_share=True)
+                         .execution_options(populate_existing=True))
+        return {j.id: j for j in rows if j.status in ACTIVE}
+
+    def _policy_of(self, row: GpuPool) -> Policy:
+        return self.policy_override or get_policy(row.policy, **(row.policy_params or {}))
+
+    # ------------------------------------------------------------------ the rebalance itself
+
+    def _rebalance(self, s: Session, pool: str) -> dict[str, tuple[GpuId, ...]]:
+        """Serve the pool's requests: reap silent jobs, run the scheduling core over the pool's
+        jobs and publish its decisions (the caller holds the pool lock)."""
+        now = self.clock()
+        self.rebalances += 1
+        s.execute(delete(RebalanceRequest).where(RebalanceRequest.pool == pool))
+        row = s.get(GpuPool, pool)
+        row.last_rebalance_s = now
+        jobs = s.execute(
+            select(*_BOOK_COLUMNS).where(Job.pool == pool, Job.status.in_(ACTIVE)).order_by(Job.submit_s, Job.id)
+        ).all()
+        silent = [j.id for j in jobs if now - j.last_heartbeat_s > row.lease_s]
+        reaped = set()
+        for job in self._locked_active(s, silent).values():  # reap jobs whose agent went silent
+            if now - job.last_heartbeat_s > row.lease_s:
+                self._release(
+                    s, job, JobStatus.LOST,
+                    f"no heartbeat from the job's agent for {now - job.last_heartbeat_s:.0f}s "
+                    f"(lease {row.lease_s:.0f}s); its GPUs were reclaimed",
+                    None,
+                )
+                reaped.add(job.id)
+        jobs = [j for j in jobs if j.id not in reaped]
+        if not jobs:
+            return {}
+        gpu_by_id: dict[int, GpuId] = {}
+        nodes: list[NodeState] = []
+        for node in s.scalars(select(Node).options(selectinload(Node.gpus)).where(Node.pool == pool)
+                              .order_by(Node.name)):
+            for g in node.gpus:
+                gpu_by_id[g.id] = GpuId(node.name, g.index)
+            if node.schedulable:
+                nodes.append(NodeState(node.name, tuple(g.index for g in node.gpus if g.healthy),
+                                       node.gpus[0].gpu_type if node.gpus else "virtual"))
+        id_by_gpu = {g: i for i, g in gpu_by_id.items()}
+        held: dict[type, dict[str, list[GpuId]]] = {}
+        for table in (GpuTarget, GpuInUse):
+            held[table] = defaultdict(list)
+            for job_id, gpu_id in s.execute(
+                select(table.job_id, table.gpu_id).join(Job, Job.id == table.job_id).where(Job.pool == pool)
+            ):
+                held[table][job_id].append(gpu_by_id[gpu_id])
+        books = [book_of(j, held[GpuTarget][j.id], held[GpuInUse][j.id]) for j in jobs]
+        publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
+            nodes, books, now)
+        locked = self._locked_active(s, [p.job_id for p in publications])
+        published: dict[str, tuple[GpuId, ...]] = {}
+        for pub in publications:
+            job = locked.get(pub.job_id)
+            if job is None:
+                continue  # it ended while we decided; its GPUs are free already
+            s.execute(delete(GpuTarget).where(GpuTarget.job_id == job.id))
+            s.flush()
+            s.add_all(GpuTarget(gpu_id=id_by_gpu[g], job_id=job.id, generation=pub.generation) for g in pub.gpus)
+            job.target_generation = pub.generation
+            job.published_s = now
+            if pub.previous_gpus:
+                job.last_resize_s = now
+            job.status = JobStatus.RUNNING
+            s.flush()
+            published[job.id] = pub.gpus
+            self._event(
+                s, pool, EventKind.RESIZE if pub.previous_gpus else EventKind.START,
+                f"generation {pub.generation}: {pub.reason}", job.id,
+                generation=pub.generation, from_gpus=pub.previous_gpus, to_gpus=len(pub.gpus),
+                gpus=[str(g) for g in pub.gpus],
+                restart_overhead_s=job.restart_overhead_s or self.default_restart_overhead_s,
+            )
+        return published

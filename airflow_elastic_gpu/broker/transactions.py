@@ -1,0 +1,193 @@
+"""The broker's plumbing: one short transaction per call, the pool and job locks, retries, events.
+
+Every state change runs in one transaction. A rebalance, and a change to a pool's nodes or
+settings, holds the pool's lock (PostgreSQL: ``SELECT ... FOR NO KEY UPDATE`` on the pool row, which
+leaves rows that reference the pool free to be inserted); a job call locks only its job row the
+same way. In SQLite every writer takes the database lock up front (``BEGIN IMMEDIATE``, see
+:mod:`.db`). A lock order is kept everywhere (pool, then job rows), so two calls never deadlock;
+serialization failures, deadlocks and lost connections are retried with back-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from airflow_elastic_gpu.broker import db
+from airflow_elastic_gpu.broker.models import Event, GpuPool, Job
+from airflow_elastic_gpu.broker.types import InvalidRequest, NotFound
+from airflow_elastic_gpu.scheduling.policy import Policy
+from airflow_elastic_gpu.states import EventKind
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_RETRYABLE_PG_CODES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
+# the server went away (restart, failover): the transaction was rolled back, so it is safe to redo
+_RECONNECT_PG_CODES = {"57P01", "57P02", "57P03", "08000", "08001", "08003", "08006"}
+
+
+class BrokerBase:
+    """Engine, sessions, locks and retries shared by the broker's parts (see :class:`GpuBroker`).
+
+    :param url_or_engine: broker database URL or an engine (see :func:`db.create_broker_engine`);
+        default :func:`airflow_elastic_gpu.config.default_broker_url`.
+    :param policy: a policy object that overrides every pool's configured one
+        (the simulator and tests use this); default: each pool's own setting.
+    :param clock: returns the time in seconds (epoch); injected for tests and the simulator.
+    :param default_restart_overhead_s: assumed until a job's first resize is measured (seconds, >= 0).
+    :param migrate: bring the schema to the latest revision if a version check finds it behind.
+    :param coalesce_s: under concurrent changes, at most one rebalance per this many seconds (on
+        ``clock``) serves them (see :mod:`.rebalance`); a lone change is served at once.
+    :raises InvalidRequest: a negative ``default_restart_overhead_s``.
+    :raises ValueError: a malformed or unsupported URL.
+    """
+
+    def __init__(
+        self,
+        url_or_engine: str | Engine | None = None,
+        *,
+        policy: Policy | None = None,
+        clock: Callable[[], float] = time.time,
+        default_restart_overhead_s: float = 10.0,
+        migrate: bool = True,
+        coalesce_s: float = 0.25,
+    ) -> None:
+        if not coalesce_s >= 0:
+            raise InvalidRequest(f"coalesce_s must be >= 0 seconds, got {coalesce_s}")
+        if not default_restart_overhead_s >= 0:
+            raise InvalidRequest(
+                f"default_restart_overhead_s must be >= 0, got {default_restart_overhead_s}"
+            )
+        if isinstance(url_or_engine, Engine):
+            self.engine = url_or_engine
+        else:
+            self.engine = db.broker_engine(url_or_engine or db.default_broker_url())
+        if migrate:
+            db.ensure_schema(self.engine)
+        self.policy_override = policy
+        self.clock = clock
+        self.default_restart_overhead_s = default_restart_overhead_s
+        self.coalesce_s = coalesce_s
+        self.rebalances = 0  # rebalances this client ran
+        self.retries = 0  # transactions redone after a serialization failure, deadlock or lost connection
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def url(self) -> str:
+        """The database URL, password included (for processes this broker starts); never log it."""
+        return self.engine.url.render_as_string(hide_password=False)
+
+    # ------------------------------------------------------------------ transactions
+
+    @contextmanager
+    def _tx(self, pool: str | None = None, *, create_pool: bool = False) -> Iterator[Session]:
+        """One transaction holding ``pool``'s lock (none when ``pool`` is None)."""
+        with self._sessions.begin() as session:
+            if pool is not None:
+                self._lock(session, pool, create=create_pool)
+            yield session
+
+    def _lock(self, session: Session, pool: str, *, create: bool = False, skip_locked: bool = False) -> GpuPool | None:
+        """Lock ``pool``'s row and return it; with ``skip_locked``, None when another holds it."""
+        row = session.execute(
+            select(GpuPool).where(GpuPool.name == pool)
+            .with_for_update(skip_locked=skip_locked, key_share=True).execution_options(populate_existing=True)
+        ).scalar_one_or_none()
+        if row is None and skip_locked:
+            if session.get(GpuPool, pool) is not None:
+                return None  # it exists: another transaction holds it
+        if row is None:
+            if not create:
+                known = session.scalars(select(GpuPool.name).order_by(GpuPool.name)).all()
+                raise NotFound(
+                    f"unknown GPU pool {pool!r}; known pools: {', '.join(known) or 'none'} "
+                    "(register a node in it first: airflow-elastic-gpu nodes add)"
+                )
+            row = GpuPool(
+                name=pool, created_s=self.clock(), last_rebalance_s=0.0, policy="adaptive",
+                lease_s=60.0, rebalance_interval_s=10.0,
+            )
+            session.add(row)
+            session.flush()
+        return row
+
+    def _retrying(self, fn: Callable[[], T], attempts: int = 8) -> T:
+        """Run ``fn`` (one whole transaction), retrying serialization failures, deadlocks, a locked
+        SQLite database and lost connections (the transaction was rolled back, so it is redone)."""
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except (OperationalError, DBAPIError) as exc:
+                code = getattr(getattr(exc, "orig", None), "sqlstate", None) or getattr(
+                    getattr(exc, "orig", None), "pgcode", None
+                )
+                locked = "database is locked" in str(exc)
+                lost = bool(getattr(exc, "connection_invalidated", False)) or code in _RECONNECT_PG_CODES
+                if isinstance(exc, IntegrityError) or not (
+                    code in _RETRYABLE_PG_CODES or locked or lost
+                ):
+                    raise
+                if attempt == attempts - 1:
+                    raise
+                self.retries += 1
+                log.info("retrying broker transaction after %s",
+                         code or ("a lost connection" if lost else "locked database"))
+                time.sleep(min(1.0, 0.01 * 2**attempt) * (1 + random.random()))
+        raise AssertionError("unreachable")
+
+    def _read(self, fn: Callable[[Session], T]) -> T:
+        """Run ``fn`` in a read-only session, retried like a transaction."""
+        def run() -> T:
+            with self._sessions() as s:
+                return fn(s)
+
+        return self._retrying(run)
+
+    def _job(self, session: Session, job_id: str) -> Job:
+        job = session.get(Job, job_id, populate_existing=True)
+        if job is None:
+            raise NotFound(f"unknown job {job_id!r}")
+        return job
+
+    @contextmanager
+    def _job_tx(self, job_id: str) -> Iterator[tuple[Session, Job]]:
+        """A transaction holding the lock of ``job_id``'s pool, with the job re-read under it."""
+        with self._sessions.begin() as session:
+            pool = session.scalar(select(Job.pool).where(Job.id == job_id))
+            if pool is None:
+                raise NotFound(f"unknown job {job_id!r}")
+            self._lock(session, pool)
+            yield session, self._job(session, job_id)
+
+    @contextmanager
+    def _job_row_tx(self, job_id: str) -> Iterator[tuple[Session, Job]]:
+        """A transaction holding only ``job_id``'s row lock (not its pool's).
+
+        For calls that change nothing but their own job row (progress, a heartbeat): they never
+        wait behind the pool's rebalances. They never take the pool lock after this one, so they
+        cannot deadlock with a rebalance (pool, then job rows).
+        """
+        with self._sessions.begin() as session:
+            job = session.scalar(
+                select(Job).where(Job.id == job_id).with_for_update(key_share=True)
+                .execution_options(populate_existing=True)
+            )
+            if job is None:
+                raise NotFound(f"unknown job {job_id!r}")
+            yield session, job
+
+    def _event(self, session: Session, pool: str, kind: EventKind, message: str, job_id: str | None = None,
+               **data: Any) -> None:
+        session.add(Event(time_s=self.clock(), pool=pool, job_id=job_id, kind=kind.value, message=message,
+                          data=data or None))
+        log.info("[%s] %s%s", kind.value, f"job {job_id}: " if job_id else "", message)

@@ -1,0 +1,236 @@
+"""The scheduling loop shared by the broker and the simulator: one copy of snapshot, decide, publish.
+
+Kueue's split (``pkg/cache`` -> ``pkg/scheduler``) and AdaptDL's (a scheduler core that knows
+nothing of Kubernetes) applied here: everything that turns a pool's jobs into new target
+allocations lives in this module, as pure code over :class:`JobBook` values. Two adapters use it:
+
+* the broker (:mod:`airflow_elastic_gpu.broker`) loads job rows into books inside its transaction,
+  calls the core, and writes back the fields that changed;
+* the simulator (:mod:`airflow_elastic_gpu.simulator.engine`) keeps the books in memory.
+
+What the core owns:
+
+* a job's book -> the :class:`~airflow_elastic_gpu.scheduling.state.JobState` a policy reads
+  (:meth:`JobBook.job_state`), with the pool-median prior for jobs not yet measured;
+* progress samples -> the job's throughput model and measured restart overhead
+  (:func:`record_progress`);
+* GPU-time accounting (:func:`account_gpu_time`) and the ack that moves a job's in-use set
+  (:func:`apply_ack`);
+* the policy call and the two-phase publish rule (:meth:`SchedulingCore.rebalance`, which uses
+  :func:`~airflow_elastic_gpu.scheduling.publish.publishable`).
+
+No I/O, no clock: the time is passed in (seconds on the caller's clock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from airflow_elastic_gpu.scheduling.policy import Policy
+from airflow_elastic_gpu.scheduling.publish import publishable
+from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
+from airflow_elastic_gpu.scheduling.throughput import (
+    ThroughputModel,
+    update_restart_overhead,
+    with_pool_prior,
+)
+
+
+@dataclass(eq=False)
+class JobBook:
+    """What the scheduling loop keeps of one unfinished job (mutable: the loop updates it in place).
+
+    Field names follow the broker's job table, so the broker copies a row in and the changed
+    fields back out. Times are seconds on the caller's clock.
+
+    :param target: GPUs of the latest published generation, sorted.
+    :param in_use: GPUs of the latest acked generation (the trainer runs on them), sorted.
+    :param throughput: steps/s per GPU count, learnt from progress samples.
+    :param restart_overhead_s: measured seconds from a resize's publish to its first progress
+        (a moving average), ``None`` until the job's first resize.
+    :param gpu_seconds: GPU-seconds held up to ``in_use_since_s``.
+    """
+
+    job_id: str
+    min_gpus: int
+    max_gpus: int
+    total_steps: int
+    submit_s: float
+    requested_gpus: int | None = None
+    priority: int = 0
+    steps_done: float = 0.0
+    target: tuple[GpuId, ...] = ()
+    target_generation: int = 0
+    in_use: tuple[GpuId, ...] = ()
+    acked_generation: int = 0
+    num_resizes: int = 0
+    last_resize_s: float | None = None
+    published_s: float | None = None
+    restart_overhead_s: float | None = None
+    throughput: ThroughputModel = field(default_factory=ThroughputModel)
+    gpu_seconds: float = 0.0
+    in_use_since_s: float | None = None
+    start_s: float | None = None
+
+    def attained_gpu_s(self, now_s: float) -> float:
+        """GPU-seconds the job has held up to ``now_s`` (Tiresias' attained service)."""
+        since = self.in_use_since_s if self.in_use_since_s is not None else now_s
+        return self.gpu_seconds + len(self.in_use) * max(0.0, now_s - since)
+
+    def num_gpus_of(self, generation: int) -> int:
+        """GPUs the trainer of ``generation`` runs on: the target's if it is the latest, else the
+        acked in-use set (a sample of an older generation arriving late)."""
+        return len(self.target if generation == self.target_generation else self.in_use)
+
+    def job_state(self, now_s: float, default_restart_overhead_s: float,
+                  throughput: ThroughputModel | None = None) -> JobState:
+        """What a policy sees of this job at ``now_s``.
+
+        :param default_restart_overhead_s: assumed until the job's first resize is measured.
+        :param throughput: the model to show (default the job's own; the core passes one with the
+            pool prior applied).
+        """
+        return JobState(
+            job_id=self.job_id,
+            min_gpus=self.min_gpus,
+            max_gpus=self.max_gpus,
+            requested_gpus=self.requested_gpus,
+            total_steps=self.total_steps,
+            steps_done=self.steps_done,
+            submit_time_s=self.submit_s,
+            allocation=self.target,
+            last_resize_s=self.last_resize_s,
+            restart_overhead_s=(
+                self.restart_overhead_s if self.restart_overhead_s is not None
+                else default_restart_overhead_s
+            ),
+            throughput=throughput if throughput is not None else self.throughput,
+            priority=self.priority,
+            attained_gpu_s=self.attained_gpu_s(now_s),
+            first_start_s=self.start_s,
+        )
+
+
+def record_progress(book: JobBook, *, generation: int, step: float, now_s: float,
+                    previous: tuple[float, float] | None) -> bool:
+    """Learn from one progress report: the trainer of ``generation`` reached ``step`` at ``now_s``.
+
+    Two samples of one generation give a throughput sample (steps/s on that generation's GPU
+    count, folded into the job's model); the first sample of a resized generation gives a measured
+    restart overhead (seconds from publish to first progress). Reports of an older generation than
+    the acked one, or of generation 0, are ignored.
+
+    :param previous: ``(time_s, step)`` of the latest earlier sample of the same generation, or None.
+    :returns: True if the sample counts (the caller stores it as the generation's latest).
+    """
+    if generation < book.acked_generation or generation < 1:
+        return False
+    num_gpus = book.num_gpus_of(generation)
+    if (previous is None and book.published_s is not None and generation == book.target_generation
+            and generation > 1):
+        book.restart_overhead_s = update_restart_overhead(book.restart_overhead_s, now_s - book.published_s)
+    if previous is not None and now_s > previous[0] and step > previous[1] and num_gpus > 0:
+        book.throughput = book.throughput.with_sample(num_gpus, (step - previous[1]) / (now_s - previous[0]))
+    book.steps_done = step
+    return True
+
+
+def account_gpu_time(book: JobBook, now_s: float) -> None:
+    """Add the GPU-seconds the job's in-use set held since the last accounting, up to ``now_s``."""
+    book.gpu_seconds = book.attained_gpu_s(now_s)
+    book.in_use_since_s = now_s
+
+
+def apply_ack(book: JobBook, generation: int, now_s: float) -> bool:
+    """The trainer runs on ``generation``'s GPUs: its in-use set becomes the target.
+
+    :returns: False (nothing changed) for an older generation, or one already acked.
+    """
+    if generation != book.target_generation or generation <= book.acked_generation:
+        return False
+    account_gpu_time(book, now_s)
+    if book.acked_generation >= 1:
+        book.num_resizes += 1
+    book.in_use = book.target
+    book.acked_generation = generation
+    if book.start_s is None and book.in_use:
+        book.start_s = now_s
+    return True
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A new generation published to one job by :meth:`SchedulingCore.rebalance`.
+
+    :param gpus: the new target, sorted (empty: the job was suspended, preemptive policies only).
+    :param previous_gpus: how many GPUs its previous target had (0: the job's first start).
+    :param reason: the policy's one-line reason.
+    """
+
+    job_id: str
+    generation: int
+    gpus: tuple[GpuId, ...]
+    previous_gpus: int
+    reason: str
+
+
+class SchedulingCore:
+    """One pool's policy call and publish rule, over the books of its unfinished jobs.
+
+    :param policy: any :class:`~airflow_elastic_gpu.scheduling.policy.Policy`.
+    :param default_restart_overhead_s: what the policy assumes before a job's first measured resize
+        (seconds, >= 0).
+    """
+
+    def __init__(self, policy: Policy, default_restart_overhead_s: float) -> None:
+        if not default_restart_overhead_s >= 0:
+            raise ValueError(f"default_restart_overhead_s must be >= 0, got {default_restart_overhead_s!r}")
+        self.policy = policy
+        self.default_restart_overhead_s = default_restart_overhead_s
+
+    def cluster_state(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float) -> ClusterState:
+        """The policy's input: every job's state, unmeasured jobs with the pool-median prior."""
+        models = with_pool_prior({b.job_id: b.throughput for b in books})
+        return ClusterState(
+            tuple(nodes),
+            tuple(b.job_state(now_s, self.default_restart_overhead_s, models[b.job_id]) for b in books),
+            now_s,
+        )
+
+    def rebalance(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float) -> list[Publication]:
+        """Decide new targets and publish what the two-phase protocol allows now.
+
+        A published job's book gets its new target and generation (``published_s`` and, for a
+        resize, ``last_resize_s`` set to ``now_s``). A growth that needs GPUs another job has not
+        given back yet waits for a later rebalance; a running job is taken to zero GPUs only by a
+        preemptive policy.
+
+        :param nodes: the pool's schedulable nodes (healthy GPUs only).
+        :param books: the pool's unfinished jobs, in the order ties are served (submit time, id).
+        :returns: the publications, in publishing order (shrinks first).
+        """
+        if not books:
+            return []
+        decision = self.policy.decide(self.cluster_state(nodes, books, now_s))
+        by_id = {b.job_id: b for b in books}
+        out = []
+        for job_id, new in publishable(
+            [b.job_id for b in books],
+            {b.job_id: b.target for b in books},
+            {b.job_id: decision.allocations.get(b.job_id, ()) for b in books},
+            {g: b.job_id for b in books for g in b.in_use},
+            {g: b.job_id for b in books for g in b.target},
+            {b.job_id for b in books if b.target_generation > 0},
+            preemptive=getattr(self.policy, "preemptive", False),
+        ):
+            book = by_id[job_id]
+            previous = len(book.target)
+            if previous:
+                book.last_resize_s = now_s
+            book.target = tuple(sorted(new))
+            book.target_generation += 1
+            book.published_s = now_s
+            out.append(Publication(job_id, book.target_generation, book.target, previous,
+                                   decision.reasons.get(job_id, "policy decision")))
+        return out
