@@ -29,6 +29,7 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     compile_progress_pattern,
 )
+from airflow_elastic_gpu.config import default_work_dir
 from airflow_elastic_gpu.links.job import ElasticJobLink
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
@@ -147,7 +148,7 @@ class ElasticTrainingOperator(BaseOperator):
             from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, KubernetesJobConfig
 
             return KubernetesBackend(KubernetesJobConfig.from_dict(self.kubernetes or {}), GpuBroker(url, migrate=False))
-        return get_backend(self.backend, broker_url=url, work_dir=GpuBrokerHook.work_dir())
+        return get_backend(self.backend, broker_url=url, work_dir=default_work_dir())
 
     def _ensure_local_pool(self, broker: GpuBroker) -> None:
         if self.backend == "local" and self.gpu_pool not in broker.pools():
@@ -207,7 +208,7 @@ class ElasticTrainingOperator(BaseOperator):
             raise AirflowException(f"{self.task_id}: {exc}") from None
         ti.xcom_push(key="job_id", value=job.id)
         trigger = ElasticTrainingTrigger(job.id, self.broker_conn_id, self.poll_interval, self.backend,
-                                         str(GpuBrokerHook.work_dir()), kubernetes=self.kubernetes,
+                                         str(default_work_dir()), kubernetes=self.kubernetes,
                                          env=self.env or None)
         if self.deferrable:
             self.defer(trigger=trigger, method_name="execute_complete")

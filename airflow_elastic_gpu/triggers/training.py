@@ -66,9 +66,9 @@ class ElasticTrainingTrigger(BaseTrigger):
 
     def _local_backend(self):
         from airflow_elastic_gpu.backends import get_backend
-        from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+        from airflow_elastic_gpu.config import default_work_dir
 
-        return get_backend("local", broker_url=self._url or "", work_dir=self.work_dir or GpuBrokerHook.work_dir())
+        return get_backend("local", broker_url=self._url or "", work_dir=self.work_dir or default_work_dir())
 
     def _poll(self, gone: int) -> tuple[Any, list[Any], int]:
         try:
