@@ -24,6 +24,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
+from airflow_elastic_gpu.backends.base import BackendError
+from airflow_elastic_gpu.backends.local import LOCAL_NODE
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
@@ -34,7 +36,6 @@ from airflow_elastic_gpu.broker.types import (
 )
 from airflow_elastic_gpu.config import default_broker_url, default_work_dir
 
-LOCAL_NODE = "localhost"
 console = Console()
 notes = Console(stderr=True)
 
@@ -190,34 +191,29 @@ def follow(broker: GpuBroker, job_ids: list[str], poll_s: float = 1.0) -> list[J
 
 
 def cmd_run_local(args: argparse.Namespace) -> int:
-    from airflow_elastic_gpu.backends.local import LocalBackend, detect_gpus
+    import shlex
+
+    from airflow_elastic_gpu.backends import make_backend
 
     work_dir = Path(args.work_dir) if args.work_dir else default_work_dir()
     _say_where(args, work_dir)
-    url = args.broker_url or default_broker_url()
-    broker = GpuBroker(url)
-    if args.pool not in broker.pools():
-        found = detect_gpus(args.virtual_gpus)
-        broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
-        console.print(f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) "
-                      f"of this host in pool {args.pool!r}")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise BrokerError("no command given: airflow-elastic-gpu run-local [options] -- CMD ...")
-    import shlex
-
     cmd = command[0] if len(command) == 1 else shlex.join(command)
-    backend = LocalBackend(work_dir, url)
-    backend.check_command(cmd)
+    broker = _broker(args)
+    backend = make_backend("local", broker=broker, work_dir=work_dir, virtual_gpus=args.virtual_gpus)
+    registered = backend.ensure_pool(args.pool)
+    if registered:
+        console.print(registered)
+    backend.check(cmd, args.checkpoint_dir)
     job = broker.submit(JobSpec(
         name=args.name or Path(shlex.split(cmd)[0]).name, command=cmd, min_gpus=args.min_gpus,
-        max_gpus=args.max_gpus or args.min_gpus, total_steps=args.total_steps, pool=args.pool,
+        max_gpus=args.max_gpus, total_steps=args.total_steps, pool=args.pool,
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
-    handle = backend.start(job.id, cmd, progress_pattern=args.progress_pattern,
-                           checkpoint_dir=args.checkpoint_dir)
-    broker.start(job.id, handle.to_ref())
-    console.print(f"job {job.id} started; files in {handle.job_dir}")
+    broker.start(job.id, backend.start(job))
+    console.print(f"job {job.id} started; files in {work_dir / job.id}")
     if args.detach:
         return 0
     [view] = follow(broker, [job.id])
@@ -424,10 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (BrokerError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 2
-    except RuntimeError as exc:  # backend errors
+    except (BrokerError, BackendError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
 
