@@ -5,14 +5,14 @@ Commands: ``nodes`` (list, ``add``, ``detect``), ``pool`` (policy settings),
 ``run-local`` (submit a command as a job on this host and follow it),
 ``workload`` (cut a paper-scale workload from a trace) and ``simulate``
 (replay a trace under several policies and compare them).
-The broker URL comes from ``--broker-url``, else ``$AIRFLOW_ELASTIC_GPU_BROKER_URL``,
-else a SQLite file under ``$AIRFLOW_HOME``.
+The broker URL comes from ``--broker-url``, else :func:`~airflow_elastic_gpu.config.default_broker_url`
+(``$AIRFLOW_ELASTIC_GPU_BROKER_URL``, else a SQLite file in ``$AIRFLOW_HOME``); ``run-local``, ``jobs``
+and ``status`` say on stderr which broker and job directory they use.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,8 +22,10 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from sqlalchemy.engine import make_url
 
-from airflow_elastic_gpu.broker.db import default_broker_url
+from airflow_elastic_gpu.backends.base import BackendError
+from airflow_elastic_gpu.backends.local import LOCAL_NODE
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
@@ -32,9 +34,10 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     PoolSnapshot,
 )
+from airflow_elastic_gpu.config import default_broker_url, default_work_dir
 
-LOCAL_NODE = "localhost"
 console = Console()
+notes = Console(stderr=True)
 
 
 def _fmt_s(seconds: float | None) -> str:
@@ -89,6 +92,13 @@ def _broker(args: argparse.Namespace) -> GpuBroker:
     return GpuBroker(args.broker_url or default_broker_url())
 
 
+def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
+    """One dim line on stderr: the broker (password hidden) and the local job directories used."""
+    url = make_url(args.broker_url or default_broker_url()).render_as_string(hide_password=True)
+    notes.print(f"broker {url} · job files in {work_dir or default_work_dir()}", style="dim",
+                highlight=False, markup=False, soft_wrap=True)
+
+
 def cmd_nodes(args: argparse.Namespace) -> int:
     broker = _broker(args)
     if args.action == "add":
@@ -135,11 +145,13 @@ def cmd_pool(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    _say_where(args)
     console.print(jobs_table(_broker(args).jobs(args.pool, active_only=args.active)))
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    _say_where(args)
     broker = _broker(args)
     if not args.watch:
         console.print(snapshot_view(broker.snapshot(args.pool)))
@@ -179,32 +191,29 @@ def follow(broker: GpuBroker, job_ids: list[str], poll_s: float = 1.0) -> list[J
 
 
 def cmd_run_local(args: argparse.Namespace) -> int:
-    from airflow_elastic_gpu.backends.local import LocalBackend, detect_gpus
+    import shlex
 
-    url = args.broker_url or default_broker_url()
-    broker = GpuBroker(url)
-    if args.pool not in broker.pools():
-        found = detect_gpus(args.virtual_gpus)
-        broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
-        console.print(f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) "
-                      f"of this host in pool {args.pool!r}")
+    from airflow_elastic_gpu.backends import make_backend
+
+    work_dir = Path(args.work_dir) if args.work_dir else default_work_dir()
+    _say_where(args, work_dir)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise BrokerError("no command given: airflow-elastic-gpu run-local [options] -- CMD ...")
-    import shlex
-
     cmd = command[0] if len(command) == 1 else shlex.join(command)
-    backend = LocalBackend(args.work_dir, url)
-    backend.check_command(cmd)
+    broker = _broker(args)
+    backend = make_backend("local", broker=broker, work_dir=work_dir, virtual_gpus=args.virtual_gpus)
+    registered = backend.ensure_pool(args.pool)
+    if registered:
+        console.print(registered)
+    backend.check(cmd, args.checkpoint_dir)
     job = broker.submit(JobSpec(
         name=args.name or Path(shlex.split(cmd)[0]).name, command=cmd, min_gpus=args.min_gpus,
-        max_gpus=args.max_gpus or args.min_gpus, total_steps=args.total_steps, pool=args.pool,
+        max_gpus=args.max_gpus, total_steps=args.total_steps, pool=args.pool,
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
-    handle = backend.start(job.id, cmd, progress_pattern=args.progress_pattern,
-                           checkpoint_dir=args.checkpoint_dir)
-    broker.start(job.id, handle.to_ref())
-    console.print(f"job {job.id} started; files in {handle.job_dir}")
+    broker.start(job.id, backend.start(job))
+    console.print(f"job {job.id} started; files in {work_dir / job.id}")
     if args.detach:
         return 0
     [view] = follow(broker, [job.id])
@@ -301,7 +310,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from airflow_elastic_gpu.broker.api import create_app
 
     url = args.broker_url or default_broker_url()
-    console.print(f"broker API on http://{args.host}:{args.port} (page: /ui, OpenAPI: /docs) for {url}")
+    shown = make_url(url).render_as_string(hide_password=True)
+    console.print(f"broker API on http://{args.host}:{args.port} (page: /ui, OpenAPI: /docs) for {shown}")
     uvicorn.run(create_app(broker_url=url), host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -359,7 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--key", default=None, help="idempotency key")
     p.add_argument("--virtual-gpus", type=int, default=None)
-    p.add_argument("--work-dir", default=os.path.join(os.environ.get("AIRFLOW_HOME", "."), "elastic_gpu_jobs"))
+    p.add_argument("--work-dir", default=None,
+                   help="parent of the job directories (default: $AIRFLOW_ELASTIC_GPU_WORK_DIR, else "
+                        "elastic_gpu_jobs in $AIRFLOW_HOME or ~/airflow)")
     p.add_argument("--detach", action="store_true", help="start and return")
     p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_run_local)
@@ -408,10 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (BrokerError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 2
-    except RuntimeError as exc:  # backend errors
+    except (BrokerError, BackendError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
 

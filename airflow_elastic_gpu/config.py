@@ -15,23 +15,28 @@ local job directories     ``AIRFLOW_ELASTIC_GPU_WORK_DIR``                ``<hom
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 ENV_BROKER_URL = "AIRFLOW_ELASTIC_GPU_BROKER_URL"
 ENV_WORK_DIR = "AIRFLOW_ELASTIC_GPU_WORK_DIR"
 
 
-def airflow_home() -> Path:
-    """``$AIRFLOW_HOME``, else ``~/airflow`` (Airflow's own default)."""
-    return Path(os.environ.get("AIRFLOW_HOME") or Path.home() / "airflow").expanduser()
+def airflow_home(environ: Mapping[str, str] = os.environ) -> Path:
+    """``$AIRFLOW_HOME``, else ``~/airflow`` (Airflow's own default).
+
+    :param environ: the environment to read (default this process's; the demo passes the one it
+        gives Airflow).
+    """
+    return Path(environ.get("AIRFLOW_HOME") or Path.home() / "airflow").expanduser()
 
 
-def default_broker_url() -> str:
+def default_broker_url(environ: Mapping[str, str] = os.environ) -> str:
     """``$AIRFLOW_ELASTIC_GPU_BROKER_URL``, else a SQLite file ``elastic_gpu_broker.db`` in :func:`airflow_home`."""
-    return os.environ.get(ENV_BROKER_URL) or f"sqlite:///{airflow_home() / 'elastic_gpu_broker.db'}"
+    return environ.get(ENV_BROKER_URL) or f"sqlite:///{airflow_home(environ) / 'elastic_gpu_broker.db'}"
 
 
-def default_work_dir() -> Path:
+def default_work_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """Parent of the local backend's job directories: ``$AIRFLOW_ELASTIC_GPU_WORK_DIR``, else
     ``elastic_gpu_jobs`` in :func:`airflow_home`."""
-    return Path(os.environ.get(ENV_WORK_DIR) or airflow_home() / "elastic_gpu_jobs").expanduser()
+    return Path(environ.get(ENV_WORK_DIR) or airflow_home(environ) / "elastic_gpu_jobs").expanduser()

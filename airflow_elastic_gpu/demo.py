@@ -1,8 +1,9 @@
 """``make demo``: start Airflow (SQLite, LocalExecutor), run the demo DAG, show live progress and a summary.
 
-Everything lives under ``.demo/`` in the repository: ``AIRFLOW_HOME``, the
-broker's SQLite file, the jobs' directories and ``standalone.log``. Airflow
-keeps running afterwards so the UI can be browsed; ``make demo-stop`` stops it.
+Everything lives under ``.demo/`` in the repository: ``AIRFLOW_HOME`` (``.demo/airflow``, which
+holds the broker's SQLite file and the jobs' directories at their default places, see
+:mod:`airflow_elastic_gpu.config`) and ``standalone.log``. Airflow keeps running afterwards so the
+UI can be browsed; ``make demo-stop`` stops it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from sqlalchemy.engine import make_url
 
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.cli import snapshot_view
+from airflow_elastic_gpu.config import ENV_BROKER_URL, ENV_WORK_DIR, default_broker_url
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / ".demo"
@@ -35,9 +38,11 @@ console = Console(width=max(Console().width, 120))
 
 
 def demo_env() -> dict[str, str]:
+    """This process's environment with ``AIRFLOW_HOME`` in ``.demo/`` and the broker URL and job
+    directory at their defaults there (never a broker of the caller's)."""
     home = DEMO / "airflow"
     return {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in (ENV_BROKER_URL, ENV_WORK_DIR)},
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
@@ -48,8 +53,6 @@ def demo_env() -> dict[str, str]:
         "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__TRIGGERER__CAPACITY": "100",
-        "AIRFLOW_ELASTIC_GPU_BROKER_URL": f"sqlite:///{DEMO / 'broker.db'}",
-        "AIRFLOW_ELASTIC_GPU_WORK_DIR": str(DEMO / "jobs"),
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
         "OMP_NUM_THREADS": "1",
     }
@@ -132,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     env = demo_env()
     DEMO.mkdir(exist_ok=True)
-    (DEMO / "broker.db").unlink(missing_ok=True)
-    broker = GpuBroker(env["AIRFLOW_ELASTIC_GPU_BROKER_URL"])
+    url = default_broker_url(env)
+    Path(make_url(url).database).unlink(missing_ok=True)
+    broker = GpuBroker(url)
     broker.register_node("localhost", VIRTUAL_GPUS, gpu_type="virtual")
     broker.configure_pool(policy_params={"hysteresis": 1.0, "min_resize_interval_s": 10.0},
                           lease_s=60, rebalance_interval_s=5)
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     table, grew, shrank = summary_table(broker, jobs, title=f"{DAG_ID} run {run_id}: {state}")
     console.print(table)
     console.print(f"resizes: {grew} up, {shrank} down; every decision and its reason: "
-                  f"airflow-elastic-gpu --broker-url {env['AIRFLOW_ELASTIC_GPU_BROKER_URL']} status")
+                  f"AIRFLOW_HOME={env['AIRFLOW_HOME']} airflow-elastic-gpu status")
     console.print(f"Airflow UI: http://localhost:{PORT} (no login: every user is admin in this demo); "
                   "stop it with [bold]make demo-stop[/bold]")
     ok = state == "success" and all(j.status.value == "succeeded" for j in jobs)

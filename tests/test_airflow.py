@@ -5,20 +5,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from airflow.exceptions import AirflowException
 from conftest import REPO
+from test_sidecar import TRAINER, wait_for
 
 from airflow_elastic_gpu.backends.local import LocalBackend
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
+from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
 
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
@@ -93,10 +98,9 @@ def test_trigger_fires_on_the_brokers_terminal_state_and_on_kill_releases_gpus(t
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text("import time, json\nfor i in range(10000):\n    print(json.dumps({'step': i}), flush=True)\n"
                        "    time.sleep(0.1)\n")
-    backend = LocalBackend(tmp_path / "jobs", url, poll_s=0.2, grace_s=5)
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=5)
     job = broker.submit(JobSpec("sleeper", f"{sys.executable} {sleeper}", 1, 2, total_steps=10000))
-    backend.start(job.id, job.command)
-    broker.start(job.id, "local")
+    broker.start(job.id, backend.start(job))
     deadline = time.monotonic() + 60
     while broker.job(job.id).steps_done < 3:
         assert time.monotonic() < deadline
@@ -144,7 +148,7 @@ def test_a_retried_task_reattaches_to_its_running_job_then_a_later_retry_replace
             op.execute(context)
         job_ids.append(context["ti"].xcom["job_id"])
     broker = GpuBroker(url)
-    backend = LocalBackend(tmp_path / "jobs", url)
+    backend = LocalBackend(tmp_path / "jobs", broker)
     try:
         assert job_ids[0] == job_ids[1]  # reattached, not a second job
         assert len(broker.jobs()) == 1
@@ -170,6 +174,67 @@ def test_a_retried_task_reattaches_to_its_running_job_then_a_later_retry_replace
             if not job.status.terminal:
                 broker.cancel(job.id, "test cleanup")
             backend.stop(job.id, timeout_s=30)
+
+
+@pytest.fixture
+def worker_env(tmp_path, monkeypatch) -> Iterator[tuple[GpuBroker, LocalBackend, Path]]:
+    """A broker and job directory for operators run in this process (as a worker runs them), and a
+    stand-in trainer that prints JSON progress lines (``trainer.py x STEPS``, 20 steps/s)."""
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_WORK_DIR", str(tmp_path / "jobs"))
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    broker = GpuBroker(url)
+    backend = LocalBackend(tmp_path / "jobs", broker)
+    yield broker, backend, trainer
+    for job in broker.jobs():
+        backend.stop(job.id, timeout_s=10)
+    broker.engine.dispose()
+
+
+def test_a_non_deferrable_task_runs_its_job_to_success_in_the_worker(worker_env):
+    broker, backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 30", total_steps=30,
+                                 min_gpus=1, max_gpus=2, virtual_gpus=2, poll_interval=0.2, deferrable=False)
+    ti = _FakeTI()
+    result = op.execute({"ti": ti})  # returns only once the job has ended: no TaskDeferred
+    job = broker.job(ti.xcom["job_id"])
+    assert job.status is JobStatus.SUCCEEDED and job.in_use_gpus == ()
+    assert result["job_id"] == job.id and result["final_step"] == 30 and result["accuracy"] == 0.95
+    assert result["exit_code"] == 0 and result["jct_s"] > 0
+    wait_for(lambda: not backend.is_running(job.id), 10, "the job's processes to be gone")
+
+
+def test_a_non_deferrable_task_fails_with_the_reason_when_the_jobs_processes_are_killed(worker_env):
+    broker, backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
+                                 total_steps=100_000, virtual_gpus=2, poll_interval=0.2, deferrable=False)
+    ti = _FakeTI()
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            op.execute({"ti": ti})
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    job_id = wait_for(lambda: ti.xcom.get("job_id"), 30, "the job to be submitted")
+    wait_for(lambda: broker.job(job_id).steps_done >= 3, 60, "the job to make progress")
+    handle = backend.handle(job_id)
+    trainer_pid = protocol.read_json(handle.job_dir / protocol.STATUS)["pid"]
+    for pid in (handle.agent_pid, handle.launcher_pid, trainer_pid):  # what a host's OOM killer might do
+        os.kill(pid, signal.SIGKILL)
+    worker.join(30)
+    assert not worker.is_alive(), "the task never noticed that its job's processes were gone"
+    error = outcome["error"]
+    assert isinstance(error, AirflowException)
+    assert f"train: training job {job_id} failed" in str(error) and "processes are gone" in str(error)
+    job = broker.job(job_id)
+    assert job.status is JobStatus.FAILED and "processes are gone" in job.reason
+    assert job.in_use_gpus == () and job.target_gpus == ()
 
 
 def _gpus(broker: GpuBroker):

@@ -146,8 +146,10 @@ def test_a_real_agent_runs_a_job_over_http_without_the_database(tmp_path, broker
     monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_API", api_server)
     monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_JOB_TOKEN", job.token)
     # a DB URL the agent cannot use: the job can only succeed through the API
-    backend = LocalBackend(tmp_path / "jobs", "sqlite:////nonexistent/dir/broker.db", poll_s=0.2)
-    handle = backend.start(job.id, job.command)
+    backend = LocalBackend(tmp_path / "jobs", broker, broker_url="sqlite:////nonexistent/dir/broker.db",
+                           poll_s=0.2)
+    backend.start(job)
+    handle = backend.handle(job.id)
     done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
     assert done.status is JobStatus.SUCCEEDED, done.reason + (handle.job_dir / "agent.log").read_text()[-2000:]
     assert done.steps_done == 30 and done.metrics["accuracy"] == 0.95

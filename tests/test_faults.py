@@ -42,16 +42,15 @@ def setup(tmp_path):
     broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
-    backend = LocalBackend(tmp_path / "jobs", url, poll_s=0.2, grace_s=5)
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=5)
     started: list[str] = []
 
     def start(name: str, steps: int, min_gpus: int = 1, max_gpus: int = 2):
         job = broker.submit(JobSpec(name, f"{sys.executable} {trainer} x {steps}", min_gpus, max_gpus,
                                     total_steps=steps))
-        handle = backend.start(job.id, job.command)
-        broker.start(job.id, handle.to_ref())
+        broker.start(job.id, backend.start(job))
         started.append(job.id)
-        return job, handle
+        return job, backend.handle(job.id)
 
     yield broker, backend, start
     for job_id in started:
@@ -70,7 +69,8 @@ def test_killed_agent_restarted_in_time_resumes_the_job(setup):
     os.kill(handle.agent_pid, signal.SIGKILL)
     wait_for(lambda: not protocol.pid_alive(handle.agent_pid), 10, "agent to die")
     assert protocol.pid_alive(handle.launcher_pid)  # the trainer runs on without its agent
-    again = backend.start(job.id, job.command)  # e.g. the operator's retry, or a supervisor
+    backend.start(job)  # e.g. the operator's retry, or a supervisor
+    again = backend.handle(job.id)
     assert again.launcher_pid == handle.launcher_pid and again.agent_pid != handle.agent_pid
     done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 90, "job end")
     assert done.status is JobStatus.SUCCEEDED, done.reason

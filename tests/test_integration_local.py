@@ -76,7 +76,7 @@ def test_two_real_trainings_share_four_virtual_gpus_and_are_resized(tmp_path):
     broker = GpuBroker(url)
     broker.register_node("localhost", 4)
     broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 2.0}, lease_s=60)
-    backend = LocalBackend(tmp_path / "jobs", url, grace_s=20, poll_s=0.3)
+    backend = LocalBackend(tmp_path / "jobs", broker, grace_s=20, poll_s=0.3)
     command = (f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node={{num_gpus}} "
                f"{TRAIN_SCRIPT} --hidden 128 --checkpoint-every 25 --total-steps ")
     job_ids: list[str] = []
@@ -84,7 +84,7 @@ def test_two_real_trainings_share_four_virtual_gpus_and_are_resized(tmp_path):
 
     def launch(name: str, steps: int) -> str:
         job = broker.submit(JobSpec(name, command + str(steps), 1, 4, total_steps=steps, key=name))
-        backend.start(job.id, job.command)
+        broker.start(job.id, backend.start(job))
         job_ids.append(job.id)
         return job.id
 

@@ -20,7 +20,7 @@ from airflow_elastic_gpu.backends.kubernetes import (
     register_nodes_from_cluster,
     to_dict,
 )
-from airflow_elastic_gpu.backends.local import BackendError
+from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
@@ -215,7 +215,7 @@ def test_in_place_life_submit_start_resize_finish_cleanup(cluster):
     broker, api = cluster
     backend = KubernetesBackend(config(), broker, api)
     a = submit(broker, "a", 1, 4)
-    ref = backend.start(a.id, "python train.py", context=CONTEXT)
+    ref = backend.start(a, context=CONTEXT)
     assert ref.startswith("kubernetes:ml/")
     (pod_name,) = api.pods
     pod = api.pods[pod_name]
@@ -226,9 +226,9 @@ def test_in_place_life_submit_start_resize_finish_cleanup(cluster):
     broker.ack(a.id, 1)
     api.set_phase(pod_name, "Running")
     b = submit(broker, "b", 1, 4)  # a shrinks in place on its node for b (b fits on the other node)
-    assert backend.sync(a.id, "python train.py") == "keep"
+    assert backend.sync(broker.job(a.id)) == "keep"
     assert list(api.pods) == [pod_name]  # same pod: the sidecar restarts the trainer inside it
-    assert backend.problem(a.id, expected=True) is None and backend.is_running(a.id)
+    assert backend.problem(broker.job(a.id)) is None and backend.is_running(a.id)
     broker.finish(a.id)
     backend.stop(a.id, succeeded=True)
     assert api.pods == {} and f"elastic-gpu-token-{a.id}" not in api.secrets
@@ -239,17 +239,17 @@ def test_recreate_mode_deletes_the_pod_and_creates_one_per_generation(cluster):
     broker, api = cluster
     backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
     big = submit(broker, "big", 1, 4)
-    backend.start(big.id, "python train.py")
+    backend.start(big)
     broker.ack(big.id, 1)
     first = next(iter(api.pods))
     assert first.endswith("-g1")
     submit(broker, "x", 4, 4)  # takes the other node
     submit(broker, "y", 2, 2)  # big must shrink on its node to make room
     assert broker.job(big.id).target_generation == 2
-    assert backend.sync(big.id, "python train.py") == "recreate"
+    assert backend.sync(broker.job(big.id)) == "recreate"
     assert list(api.pods) == [f"elastic-gpu-{big.id}-g2"]
     assert ("delete pod", first) in api.calls
-    assert backend.sync(big.id, "python train.py") == "keep"  # idempotent
+    assert backend.sync(broker.job(big.id)) == "keep"  # idempotent
 
 
 def test_waiting_job_gets_no_pod_until_placed(cluster):
@@ -257,27 +257,28 @@ def test_waiting_job_gets_no_pod_until_placed(cluster):
     backend = KubernetesBackend(config(), broker, api)
     hogs = [submit(broker, f"hog{i}", 4, 4) for i in range(2)]
     waiting = submit(broker, "waiting", 2, 2)
-    backend.start(waiting.id, "python train.py")
+    backend.start(waiting)
     assert api.pods == {} and broker.job(waiting.id).status is JobStatus.QUEUED
-    assert backend.problem(waiting.id, expected=False) is None
+    assert backend.problem(broker.job(waiting.id)) is None  # no pod yet, and none expected
     broker.finish(hogs[0].id)
-    assert backend.sync(waiting.id, "python train.py") == "create"
+    assert backend.sync(broker.job(waiting.id)) == "create"
 
 
 def test_evicted_oom_and_deleted_pods_are_reported_with_their_reason(cluster):
     broker, api = cluster
     backend = KubernetesBackend(config(), broker, api)
     job = submit(broker, "j", 1, 1)
-    backend.start(job.id, "python train.py")
+    backend.start(job)
+    broker.ack(job.id, 1)
     (name,) = api.pods
     api.set_phase(name, "Failed", reason="Evicted", message="The node was low on resource: memory.")
-    assert "Evicted" in backend.problem(job.id, expected=True) and "low on resource" in backend.problem(
-        job.id, expected=True)
+    evicted = backend.problem(broker.job(job.id))
+    assert "Evicted" in evicted.reason and "low on resource" in evicted.reason and not evicted.gone
     api.oom(name)
-    assert "OOMKilled (exit code 137)" in backend.problem(job.id, expected=True)
+    assert "OOMKilled (exit code 137)" in backend.problem(broker.job(job.id)).reason
     assert backend.log_tail(job.id)[-1] == "CUDA error: out of memory"
     api.delete_namespaced_pod(name, "ml")  # someone ran kubectl delete
-    assert "deleted from outside" in backend.problem(job.id, expected=True)
+    assert "deleted from outside" in backend.problem(broker.job(job.id)).reason
     assert not backend.is_running(job.id)
 
 
@@ -285,15 +286,21 @@ def test_api_errors_409_404_500(cluster):
     broker, api = cluster
     backend = KubernetesBackend(config(), broker, api)
     job = submit(broker, "j", 1, 1)
-    backend.start(job.id, "python train.py")
-    backend.start(job.id, "python train.py")  # 409 on the Secret: replaced; the pod is kept
-    assert len(api.pods) == 1
+    backend.start(job)
+    secret = f"elastic-gpu-token-{job.id}"
+    token = api.secrets[secret].string_data["token"]
+    backend.start(job)  # a retried task while the pod runs: reattached, the agent's token kept
+    assert len(api.pods) == 1 and api.secrets[secret].string_data["token"] == token
+    api.delete_namespaced_pod(next(iter(api.pods)), "ml")
+    backend.start(job)  # no pod: 409 on the Secret, replaced with a fresh token; the pod re-created
+    assert len(api.pods) == 1 and api.secrets[secret].string_data["token"] != token
+    assert broker.verify_token(job.id, api.secrets[secret].string_data["token"])
     backend.stop(job.id)
     backend.stop(job.id)  # 404s: already gone, fine
     other = submit(broker, "k", 1, 1)
     api.fail["create_namespaced_pod"] = 500
     with pytest.raises(BackendError, match="cannot create pod .*500"):
-        backend.start(other.id, "python train.py")
+        backend.start(other)
     api.fail["delete_namespaced_secret"] = 500
     with pytest.raises(BackendError, match="cannot delete the job's token Secret: 500"):
         backend.stop(other.id)
@@ -306,7 +313,7 @@ def test_on_finish_action_keep_and_delete_succeeded(cluster):
         api.pods.clear()
         backend = KubernetesBackend(config(on_finish_action=action), broker, api)
         job = submit(broker, f"j-{action}-{succeeded}", 1, 1)
-        backend.start(job.id, "python train.py")
+        backend.start(job)
         broker.cancel(job.id)
         backend.stop(job.id, succeeded=succeeded)
         assert len(api.pods) == left, action
@@ -388,5 +395,5 @@ def test_operator_and_trigger_run_a_kubernetes_job_against_the_fake_api(cluster,
     assert api.pods == {} and not api.secrets  # cleaned up (on_finish_action=delete_pod)
     too_big = ElasticTrainingOperator(task_id="big", command="x", total_steps=10, min_gpus=1, max_gpus=8,
                                       backend="kubernetes", image="i")
-    with pytest.raises(AirflowException, match="one pod per node is not supported yet"):
-        too_big.execute({"ti": TI()})
+    with pytest.raises(AirflowException, match=r"big: max_gpus=8 is larger than any node"):
+        too_big.execute({"ti": TI()})  # the broker's rule for every backend: a job runs on one node

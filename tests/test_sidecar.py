@@ -118,12 +118,17 @@ def test_launcher_reports_a_command_that_is_not_found(tmp_path):
 
 
 def test_local_backend_rejects_a_missing_command_before_starting_anything(tmp_path):
-    backend = LocalBackend(tmp_path, "sqlite://")
+    broker = GpuBroker("sqlite://")
+    broker.register_node("localhost", 1)
+    backend = LocalBackend(tmp_path, broker)
+    job = broker.submit(JobSpec("missing", "no-such-trainer-binary --steps 3", total_steps=3))
     with pytest.raises(BackendError, match="command not found: 'no-such-trainer-binary'"):
-        backend.start("job", "no-such-trainer-binary --steps 3")
+        backend.start(job)
     with pytest.raises(BackendError, match="does not parse"):
-        backend.check_command("python 'unterminated")
-    assert not (tmp_path / "job").exists()
+        backend.check("python 'unterminated", None)
+    with pytest.raises(BackendError, match="checkpoint_dir .* cannot be created"):
+        backend.check("python train.py", "/proc/no/such/dir")
+    assert not (tmp_path / job.id).exists()
 
 
 def test_log_parser_reads_json_lines_generations_and_metrics(tmp_path):
@@ -152,13 +157,12 @@ def real_broker(broker_url):
     broker.engine.dispose()
 
 
-def test_agent_and_launcher_run_a_job_through_the_broker(tmp_path, trainer, real_broker, broker_url):
-    broker, url = real_broker, broker_url
+def test_agent_and_launcher_run_a_job_through_the_broker(tmp_path, trainer, real_broker):
+    broker = real_broker
     broker.register_node("localhost", 2)
-    backend = LocalBackend(tmp_path / "jobs", url, poll_s=0.2, grace_s=5)
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=5)
     job = broker.submit(JobSpec("tiny", f"{sys.executable} {trainer} x 20", 1, 2, total_steps=20))
-    handle = backend.start(job.id, job.command)
-    broker.start(job.id, handle.to_ref())
+    broker.start(job.id, backend.start(job))
     done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
     assert done.status is JobStatus.SUCCEEDED, done.reason
     assert done.steps_done == 20 and done.metrics["accuracy"] == 0.95
@@ -166,14 +170,14 @@ def test_agent_and_launcher_run_a_job_through_the_broker(tmp_path, trainer, real
     wait_for(lambda: not backend.is_running(job.id), 10, "processes to exit")
 
 
-def test_a_crashing_trainer_fails_the_job_with_its_last_log_lines(tmp_path, real_broker, broker_url):
-    broker, url = real_broker, broker_url
+def test_a_crashing_trainer_fails_the_job_with_its_last_log_lines(tmp_path, real_broker):
+    broker = real_broker
     broker.register_node("localhost", 1)
     crash = tmp_path / "crash.py"
     crash.write_text("import sys\nprint('loading data')\nprint('CUDA error: out of memory', flush=True)\nsys.exit(3)\n")
-    backend = LocalBackend(tmp_path / "jobs", url, poll_s=0.2)
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2)
     job = broker.submit(JobSpec("crash", f"{sys.executable} {crash}", 1, 1, total_steps=10))
-    backend.start(job.id, job.command)
+    broker.start(job.id, backend.start(job))
     done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
     assert done.status is JobStatus.FAILED and done.exit_code == 3
     assert "trainer exited with code 3" in done.reason and "out of memory" in done.reason

@@ -41,8 +41,8 @@ def test_pool_page_shows_the_running_job_in_grid_timeline_and_table(tmp_path, br
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
     job = broker.submit(JobSpec("resnet-demo", f"{sys.executable} {trainer} x 4000", 1, 2, total_steps=4000))
-    backend = LocalBackend(tmp_path / "jobs", str(broker.engine.url), poll_s=0.2)
-    backend.start(job.id, job.command)
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2)
+    broker.start(job.id, backend.start(job))
     try:
         wait_for(lambda: broker.job(job.id).steps_done > 5, 60, "the job to make progress")
         chrome.get(f"{api_server}/ui?pool=default&job={job.id}")

@@ -1,25 +1,14 @@
-"""Where a job's processes run: ``local`` (this host) or ``kubernetes`` (a pod per job, see
-:mod:`airflow_elastic_gpu.backends.kubernetes`, built by the operator from its pod settings)."""
+"""Where a job's processes run: ``local`` (this host) or ``kubernetes`` (a pod per job). The
+operator and the trigger see them only through :class:`~airflow_elastic_gpu.backends.base.Backend`,
+built by :func:`~airflow_elastic_gpu.backends.base.make_backend`."""
 
-from __future__ import annotations
+from airflow_elastic_gpu.backends.base import (
+    BACKENDS,
+    Backend,
+    BackendError,
+    Problem,
+    backend_settings,
+    make_backend,
+)
 
-from pathlib import Path
-
-from airflow_elastic_gpu.backends.local import BackendError, LocalBackend
-
-BACKENDS = ("local", "kubernetes")
-
-
-def get_backend(name: str, *, broker_url: str, work_dir: str | Path) -> LocalBackend:
-    """The backend called ``name``.
-
-    :raises BackendError: an unknown name, or a backend not available in this release.
-    """
-    if name == "local":
-        return LocalBackend(work_dir, broker_url)
-    if name == "kubernetes":
-        raise BackendError(
-            "backend='kubernetes' needs pod settings: use ElasticTrainingOperator(backend='kubernetes', "
-            "image=..., kubernetes={...}) or KubernetesBackend(KubernetesJobConfig(...), broker)"
-        )
-    raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+__all__ = ["BACKENDS", "Backend", "BackendError", "Problem", "backend_settings", "make_backend"]

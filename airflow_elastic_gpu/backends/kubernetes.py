@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kubernetes.client import ApiClient, models as k8s
 from kubernetes.client.exceptions import ApiException
 
-from airflow_elastic_gpu.backends.local import BackendError
+from airflow_elastic_gpu.backends.base import BackendError, Problem
 from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobView
 
 MANAGED_BY = "airflow-elastic-gpu"
 LABEL_JOB = "elastic-gpu.airflow.apache.org/job-id"
@@ -180,7 +182,7 @@ class PodBuilder:
 
     def pod(self, job_id: str, command: str, node: str, generation: int, *,
             progress_pattern: str | None = None, checkpoint_dir: str | None = None,
-            env: dict[str, str] | None = None, context: dict[str, str] | None = None) -> k8s.V1Pod:
+            env: Mapping[str, str] | None = None, context: Mapping[str, str] | None = None) -> k8s.V1Pod:
         """The pod of ``job_id``'s ``generation`` on ``node``.
 
         :param context: dag_id, task_id, run_id, map_index... (labels and annotations).
@@ -285,13 +287,14 @@ def pod_problem(pod: Any) -> str | None:
 
 
 class KubernetesBackend:
-    """Runs jobs as pods; same calls as :class:`~airflow_elastic_gpu.backends.local.LocalBackend`
-    plus :meth:`sync` (create/re-create the pod for the broker's current target) and :meth:`problem`.
+    """Runs jobs as pods (the :class:`~airflow_elastic_gpu.backends.base.Backend` protocol).
 
     :param config: how pods are built.
     :param broker: the broker (job targets, tokens).
     :param core_v1: a ``CoreV1Api`` (default: from ``KubernetesHook(config.kubernetes_conn_id)``).
     """
+
+    name = "kubernetes"
 
     def __init__(self, config: KubernetesJobConfig, broker: GpuBroker, core_v1: Any | None = None) -> None:
         self.config = config
@@ -307,39 +310,46 @@ class KubernetesBackend:
             self._core_v1 = KubernetesHook(conn_id=self.config.kubernetes_conn_id).core_v1_client
         return self._core_v1
 
-    # -- checks (the same as the local backend's, where they apply)
-    @staticmethod
-    def check_command(command: str) -> None:
+    def ensure_pool(self, pool: str) -> str | None:
+        """Nothing to do: a cluster's GPU nodes are registered with ``airflow-elastic-gpu nodes
+        kube-sync`` (:func:`register_nodes_from_cluster`)."""
+        return None
+
+    def check(self, command: str, checkpoint_dir: str | None) -> None:
+        """:raises BackendError: an empty command, or a checkpoint dir that is not an absolute path
+        (it is a path inside the container)."""
         if not command or not command.strip():
             raise BackendError("command must not be empty")
-
-    @staticmethod
-    def check_checkpoint_dir(path: str | None) -> None:
-        if path is not None and not path.startswith("/"):
-            raise BackendError(f"checkpoint_dir must be an absolute path in the container, got {path!r}")
+        if checkpoint_dir is not None and not checkpoint_dir.startswith("/"):
+            raise BackendError(
+                f"checkpoint_dir must be an absolute path in the container, got {checkpoint_dir!r}")
 
     # -- life cycle
-    def start(self, job_id: str, command: str, *, progress_pattern: str | None = None,
-              checkpoint_dir: str | None = None, env: dict[str, str] | None = None,
-              context: dict[str, str] | None = None) -> str:
+    def start(self, job: JobView, *, env: Mapping[str, str] | None = None,
+              context: Mapping[str, str] | None = None) -> str:
         """Create the job's token Secret (a fresh token) and, once the broker has placed it, its pod.
 
-        Idempotent: an existing Secret is replaced, an existing pod of the current generation kept.
-        Returns the backend reference stored in the broker.
+        Idempotent: while a pod of the job is pending or running, nothing is changed (its agent
+        keeps the token it started with); otherwise an existing Secret is replaced and the pod
+        of the current generation created if missing. Returns the backend reference stored in the
+        broker.
+
+        :raises BackendError: a bad command or checkpoint dir, or an API error.
         """
-        self.check_command(command)
-        self.check_checkpoint_dir(checkpoint_dir)
-        token = self.broker.issue_token(job_id)
-        secret = self.builder.secret(job_id, token)
+        self.check(job.command, job.checkpoint_dir)
+        ref = f"kubernetes:{self.config.namespace}/{resource_name('elastic-gpu', job.id)}"
+        if self.is_running(job.id):
+            return ref
+        token = self.broker.issue_token(job.id)
+        secret = self.builder.secret(job.id, token)
         try:
             self.core_v1.create_namespaced_secret(self.config.namespace, secret)
         except ApiException as exc:
             if exc.status != 409:
                 raise BackendError(f"cannot create the job's token Secret: {exc.status} {exc.reason}") from None
             self.core_v1.replace_namespaced_secret(secret.metadata.name, self.config.namespace, secret)
-        self.sync(job_id, command, progress_pattern=progress_pattern, checkpoint_dir=checkpoint_dir,
-                  env=env, context=context)
-        return f"kubernetes:{self.config.namespace}/{resource_name('elastic-gpu', job_id)}"
+        self.sync(job, env=env, context=context)
+        return ref
 
     def pods(self, job_id: str) -> list[Any]:
         """The job's pods (``V1Pod``), oldest generation first."""
@@ -356,9 +366,8 @@ class KubernetesBackend:
                         int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
                         (pod.status.phase if pod.status else None) or "Pending", pod_problem(pod))
 
-    def sync(self, job_id: str, command: str, *, progress_pattern: str | None = None,
-             checkpoint_dir: str | None = None, env: dict[str, str] | None = None,
-             context: dict[str, str] | None = None) -> str:
+    def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
+             context: Mapping[str, str] | None = None) -> str:
         """Make the pods match the broker's target; returns what it did (``wait``, ``keep``,
         ``create``, ``recreate``).
 
@@ -370,6 +379,7 @@ class KubernetesBackend:
 
         :raises BackendError: a target spanning nodes, or an API error other than 404/409.
         """
+        job_id = job.id
         target = self.broker.target(job_id)
         if target.status.terminal or not target.gpus:
             return "wait"
@@ -385,8 +395,9 @@ class KubernetesBackend:
         action = "create" if current is None else "recreate"
         if current is not None:
             self._delete_pod(current.name)
-        pod = self.builder.pod(job_id, command, node, target.generation, progress_pattern=progress_pattern,
-                               checkpoint_dir=checkpoint_dir, env=env, context=context)
+        pod = self.builder.pod(job_id, job.command, node, target.generation,
+                               progress_pattern=job.progress_pattern, checkpoint_dir=job.checkpoint_dir,
+                               env=env, context=context)
         try:
             self.core_v1.create_namespaced_pod(self.config.namespace, pod)
         except ApiException as exc:
@@ -394,14 +405,17 @@ class KubernetesBackend:
                 raise BackendError(f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}") from None
         return action
 
-    def problem(self, job_id: str, *, expected: bool) -> str | None:
-        """Why the job cannot go on, judged from its pods; ``expected``: a pod should exist by now."""
-        state = self.state(job_id)
+    def problem(self, job: JobView) -> Problem | None:
+        """Why the job cannot go on, judged from its pods: a broken pod (see :func:`pod_problem`), or
+        no pod although the job has GPUs and its agent has acked them (deleted from outside)."""
+        state = self.state(job.id)
         if state is None:
-            return "the job's pod was deleted from outside the broker" if expected else None
-        return state.problem
+            expected = bool(job.target_gpus) and job.acked_generation >= 1
+            return Problem("the job's pod was deleted from outside the broker") if expected else None
+        return None if state.problem is None else Problem(state.problem)
 
     def is_running(self, job_id: str) -> bool:
+        """True while the job's newest pod is pending or running."""
         state = self.state(job_id)
         return state is not None and state.phase in ("Pending", "Running")
 
@@ -412,8 +426,9 @@ class KubernetesBackend:
             if exc.status != 404:
                 raise BackendError(f"cannot delete pod {name}: {exc.status} {exc.reason}") from None
 
-    def stop(self, job_id: str, *, timeout_s: float | None = None, succeeded: bool = False) -> None:
-        """Clean up as ``on_finish_action`` says (pods), and always delete the token Secret."""
+    def stop(self, job_id: str, *, succeeded: bool = False, timeout_s: float | None = None) -> None:
+        """Clean up as ``on_finish_action`` says (pods), and always delete the token Secret.
+        ``timeout_s`` is not used: a deleted pod's containers get its termination grace period."""
         action = self.config.on_finish_action
         if action == "delete_pod" or (action == "delete_succeeded_pod" and succeeded):
             for pod in self.pods(job_id):

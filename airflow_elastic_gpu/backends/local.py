@@ -20,11 +20,20 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from airflow_elastic_gpu.backends.base import BackendError, Problem  # BackendError: also importable from here
+from airflow_elastic_gpu.broker.types import JobView
 from airflow_elastic_gpu.sidecar import protocol
 
+if TYPE_CHECKING:
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+LOCAL_NODE = "localhost"
+"""The node name under which this host's GPUs are registered."""
 DEFAULT_VIRTUAL_GPUS = 4
 ENV_VIRTUAL_GPUS = "AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS"
 _SPAWN = (
@@ -34,10 +43,6 @@ _SPAWN = (
     " start_new_session=True, close_fds=True)\n"
     "print(p.pid)\n"
 )
-
-
-class BackendError(RuntimeError):
-    """The backend could not start or find a job's processes; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +99,13 @@ class LocalHandle:
 
 
 class LocalBackend:
-    """Start, watch and stop jobs on this host.
+    """Start, watch and stop jobs on this host (the :class:`~airflow_elastic_gpu.backends.base.Backend`
+    protocol).
 
     :param work_dir: parent of the per-job directories.
-    :param broker_url: the broker DB URL the agent connects to.
+    :param broker: the broker whose jobs these are (pool registration).
+    :param broker_url: the broker DB URL the agents connect with (default: ``broker``'s own URL).
+    :param virtual_gpus: GPUs to register when this host has none (see :func:`detect_gpus`).
     :param python: interpreter for the agent and launcher (default: this one).
     :param grace_s: SIGTERM-to-SIGKILL grace for the trainer, seconds.
     :param poll_s: agent poll period, seconds.
@@ -105,10 +113,13 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, work_dir: str | Path, broker_url: str, *, python: str = sys.executable,
-                 grace_s: float = 30.0, poll_s: float = 1.0) -> None:
+    def __init__(self, work_dir: str | Path, broker: GpuBroker, *, broker_url: str | None = None,
+                 virtual_gpus: int | None = None, python: str = sys.executable, grace_s: float = 30.0,
+                 poll_s: float = 1.0) -> None:
         self.work_dir = Path(work_dir)
-        self.broker_url = broker_url
+        self.broker = broker
+        self.broker_url = broker_url or broker.engine.url.render_as_string(hide_password=False)
+        self.virtual_gpus = virtual_gpus
         self.python = python
         self.grace_s = grace_s
         self.poll_s = poll_s
@@ -116,11 +127,27 @@ class LocalBackend:
     def job_dir(self, job_id: str) -> Path:
         return self.work_dir / job_id
 
-    @staticmethod
-    def check_command(command: str) -> None:
-        """Fail fast on a command that cannot start here.
+    def ensure_pool(self, pool: str) -> str | None:
+        """Register this host's GPUs (or virtual ones, see :func:`detect_gpus`) as node
+        :data:`LOCAL_NODE` of ``pool`` when the broker has no such pool yet.
 
-        :raises BackendError: it is empty, does not parse, or its program is not found.
+        :raises BackendError: ``virtual_gpus`` < 1.
+        """
+        if pool in self.broker.pools():
+            return None
+        try:
+            found = detect_gpus(self.virtual_gpus)
+        except ValueError as exc:
+            raise BackendError(str(exc)) from None
+        self.broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
+        return (f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) of this host "
+                f"in pool {pool!r}")
+
+    def check(self, command: str, checkpoint_dir: str | None) -> None:
+        """Fail fast on a command that cannot start here or a checkpoint dir that cannot be written.
+
+        :raises BackendError: the command is empty, does not parse, or its program is not found;
+            ``checkpoint_dir`` cannot be created or written.
         """
         try:
             argv = shlex.split(command.replace("{num_gpus}", "1"))
@@ -133,18 +160,14 @@ class LocalBackend:
                 f"command not found: {argv[0]!r} (not on PATH and not an executable file); "
                 f"full command: {command!r}"
             )
-
-    @staticmethod
-    def check_checkpoint_dir(path: str | None) -> None:
-        """:raises BackendError: ``path`` cannot be created or written."""
-        if path is None:
+        if checkpoint_dir is None:
             return
         try:
-            Path(path).mkdir(parents=True, exist_ok=True)
+            Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise BackendError(f"checkpoint_dir {path!r} cannot be created: {exc}") from None
-        if not os.access(path, os.W_OK):
-            raise BackendError(f"checkpoint_dir {path!r} is not writable")
+            raise BackendError(f"checkpoint_dir {checkpoint_dir!r} cannot be created: {exc}") from None
+        if not os.access(checkpoint_dir, os.W_OK):
+            raise BackendError(f"checkpoint_dir {checkpoint_dir!r} is not writable")
 
     def _spawn(self, log_path: Path, argv: list[str], env: dict[str, str]) -> int:
         out = subprocess.run(
@@ -155,21 +178,21 @@ class LocalBackend:
             raise BackendError(f"could not start {argv[:3]}...: {out.stderr.strip()}")
         return int(out.stdout.strip())
 
-    def start(self, job_id: str, command: str, *, progress_pattern: str | None = None,
-              checkpoint_dir: str | None = None, env: dict[str, str] | None = None) -> LocalHandle:
-        """Start the job's launcher and agent (idempotent: a live handle is returned as is).
+    def start(self, job: JobView, *, env: Mapping[str, str] | None = None,
+              context: Mapping[str, str] | None = None) -> str:
+        """Start the job's launcher and agent; returns the :class:`LocalHandle` as a reference.
 
-        If only the agent died (the launcher and trainer still run), only a new
-        agent is started, attached to the running launcher, so the job goes on.
+        Idempotent: a job whose agent runs is left as it is. If only the agent died (the launcher
+        and trainer still run), only a new agent is started, attached to the running launcher, so
+        the job goes on. ``context`` is not used here.
 
         :raises BackendError: bad command or checkpoint dir, or a spawn failure.
         """
-        self.check_command(command)
-        self.check_checkpoint_dir(checkpoint_dir)
-        job_dir = self.job_dir(job_id)
-        existing = self.handle(job_id)
+        self.check(job.command, job.checkpoint_dir)
+        job_dir = self.job_dir(job.id)
+        existing = self.handle(job.id)
         if existing is not None and protocol.pid_alive(existing.agent_pid):
-            return existing
+            return existing.to_ref()
         job_dir.mkdir(parents=True, exist_ok=True)
         proc_env = {**os.environ, **(env or {})}
         proc_env.setdefault("OMP_NUM_THREADS", "1")
@@ -179,18 +202,31 @@ class LocalBackend:
         else:
             launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
                         "--shared-dir", str(job_dir), "--grace-s", str(self.grace_s)]
-            if checkpoint_dir:
-                launcher += ["--checkpoint-dir", checkpoint_dir]
-            launcher_pid = self._spawn(job_dir / "launcher.log", [*launcher, "--", command], proc_env)
-        agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job_id,
+            if job.checkpoint_dir:
+                launcher += ["--checkpoint-dir", job.checkpoint_dir]
+            launcher_pid = self._spawn(job_dir / "launcher.log", [*launcher, "--", job.command], proc_env)
+        agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job.id,
                  "--shared-dir", str(job_dir), "--broker-url", self.broker_url,
                  "--poll-s", str(self.poll_s), "--launcher-pid", str(launcher_pid)]
-        if progress_pattern:
-            agent += ["--progress-pattern", progress_pattern]
+        if job.progress_pattern:
+            agent += ["--progress-pattern", job.progress_pattern]
         agent_pid = self._spawn(job_dir / "agent.log", agent, proc_env)
         handle = LocalHandle(job_dir, agent_pid, launcher_pid)
         protocol.write_json(job_dir / "handle.json", json.loads(handle.to_ref()))
-        return handle
+        return handle.to_ref()
+
+    def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
+             context: Mapping[str, str] | None = None) -> None:
+        """Nothing to do: the job's agent applies the broker's targets itself."""
+        return None
+
+    def problem(self, job: JobView) -> Problem | None:
+        """The job was started but neither its agent nor its launcher runs any more (a host
+        restart, or processes killed by hand)."""
+        if job.backend_ref is None or self.is_running(job.id):
+            return None
+        return Problem("the job's agent and launcher processes are gone (host restart or killed by hand)",
+                       gone=True)
 
     def handle(self, job_id: str) -> LocalHandle | None:
         data = protocol.read_json(self.job_dir(job_id) / "handle.json")
@@ -201,8 +237,9 @@ class LocalBackend:
         h = self.handle(job_id)
         return h is not None and (protocol.pid_alive(h.agent_pid) or protocol.pid_alive(h.launcher_pid))
 
-    def stop(self, job_id: str, *, timeout_s: float | None = None) -> None:
-        """Ask the launcher to stop the trainer, then kill whatever is left after ``timeout_s``."""
+    def stop(self, job_id: str, *, succeeded: bool = False, timeout_s: float | None = None) -> None:
+        """Ask the launcher to stop the trainer, then kill whatever is left after ``timeout_s``
+        (default ``grace_s`` + 10 s). The job directory is kept (see :meth:`cleanup`)."""
         h = self.handle(job_id)
         if h is None:
             return

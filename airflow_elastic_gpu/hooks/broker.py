@@ -6,24 +6,22 @@ Its SQLAlchemy URL is read, in order, from:
 1. the Airflow connection ``broker_conn_id`` (default ``elastic_gpu_default``,
    type ``elastic_gpu``): its ``extra`` ``{"url": "postgresql+psycopg://..."}``,
    or its host field holding the URL;
-2. ``$AIRFLOW_ELASTIC_GPU_BROKER_URL``;
-3. a SQLite file ``$AIRFLOW_HOME/elastic_gpu_broker.db``.
+2. :func:`airflow_elastic_gpu.config.default_broker_url`: ``$AIRFLOW_ELASTIC_GPU_BROKER_URL``,
+   else a SQLite file ``elastic_gpu_broker.db`` in ``$AIRFLOW_HOME``.
 
-The schema is created or migrated (Alembic) on first use.
+The hook owns one broker client (:attr:`GpuBrokerHook.broker`, made on first use, which creates or
+migrates the schema), as ``KubernetesHook`` owns its API clients.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from functools import cached_property
 from typing import Any
 
 from airflow.sdk.bases.hook import BaseHook
 
-from airflow_elastic_gpu.broker.db import default_broker_url
 from airflow_elastic_gpu.broker.service import GpuBroker
-
-ENV_WORK_DIR = "AIRFLOW_ELASTIC_GPU_WORK_DIR"
+from airflow_elastic_gpu.config import default_broker_url
 
 
 class GpuBrokerHook(BaseHook):
@@ -63,13 +61,14 @@ class GpuBrokerHook(BaseHook):
                 return url
         return default_broker_url()
 
-    def get_conn(self) -> GpuBroker:
+    @cached_property
+    def broker(self) -> GpuBroker:
+        """This hook's broker client, made on first use (the schema is created or migrated then).
+
+        :raises ValueError: a malformed URL or a missing database driver.
+        """
         return GpuBroker(self.get_url())
 
-    get_broker = get_conn
-
-    @staticmethod
-    def work_dir() -> Path:
-        """Where the local backend keeps job directories (``$AIRFLOW_ELASTIC_GPU_WORK_DIR``)."""
-        default = Path(os.environ.get("AIRFLOW_HOME", Path.home() / "airflow")) / "elastic_gpu_jobs"
-        return Path(os.environ.get(ENV_WORK_DIR, default))
+    def get_conn(self) -> GpuBroker:
+        """:attr:`broker` (the same client on every call)."""
+        return self.broker

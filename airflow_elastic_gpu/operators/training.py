@@ -6,22 +6,22 @@ run_id and map_index, so a retry or a worker crash never creates a second job
 for the same try), starts its processes through the backend, and defers to
 :class:`ElasticTrainingTrigger`, freeing the worker slot while the broker
 resizes the job. ``execute_complete`` logs the job's resizes and returns its
-metrics to XCom, or raises with the trainer's last log lines.
+metrics to XCom, or raises with the trainer's last log lines. With
+``deferrable=False`` it waits in the worker, polling the same
+:class:`~airflow_elastic_gpu.triggers.watcher.JobWatcher` as the trigger.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 from airflow.exceptions import AirflowException
 from airflow.sdk import BaseOperator
 
-from airflow_elastic_gpu.backends import BACKENDS, BackendError, get_backend
-from airflow_elastic_gpu.backends.local import detect_gpus
-from airflow_elastic_gpu.broker.models import JobStatus
-from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.backends import Backend, BackendError, backend_settings, make_backend
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
     BrokerError,
@@ -29,11 +29,12 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     compile_progress_pattern,
 )
-from airflow_elastic_gpu.links.job import ElasticJobLink
+from airflow_elastic_gpu.config import default_work_dir
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+from airflow_elastic_gpu.links.job import ElasticJobLink
+from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
 from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
-
-LOCAL_NODE = "localhost"
+from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
 
 class ElasticTrainingOperator(BaseOperator):
@@ -60,8 +61,9 @@ class ElasticTrainingOperator(BaseOperator):
         ``volume_mounts``, ``broker_api_url``, ``agent_image``, ``kubernetes_conn_id``...).
     :param env: extra environment variables for the trainer (templated).
     :param broker_conn_id: Airflow connection of the broker.
-    :param poll_interval: seconds between the trigger's polls.
-    :param deferrable: defer to the triggerer (default); False polls in the worker.
+    :param poll_interval: seconds between polls of the job (the trigger's, or the worker's).
+    :param deferrable: defer to the triggerer (default); False waits in the worker, with the same
+        job watcher as the trigger.
     :param virtual_gpus: for the local backend on a host without GPUs, the pool size to register
         when the pool does not exist yet.
     :raises AirflowException: a bad argument (at DAG parse time), or a failed job.
@@ -102,24 +104,13 @@ class ElasticTrainingOperator(BaseOperator):
         if min_gpus > max_gpus:
             raise AirflowException(f"{self.task_id}: min_gpus ({min_gpus}) must not be larger than "
                                    f"max_gpus ({max_gpus})")
-        if backend not in BACKENDS:
-            raise AirflowException(f"{self.task_id}: backend must be one of {BACKENDS}, got {backend!r}")
         if poll_interval <= 0:
             raise AirflowException(f"{self.task_id}: poll_interval must be > 0 seconds, got {poll_interval}")
         try:
             compile_progress_pattern(progress_pattern)
-        except BrokerError as exc:
+            self.kubernetes = backend_settings(backend, image=image, kubernetes=kubernetes)
+        except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
-        self.kubernetes: dict[str, Any] | None = None
-        if backend == "kubernetes":
-            from airflow_elastic_gpu.backends.kubernetes import KubernetesJobConfig
-
-            try:
-                self.kubernetes = KubernetesJobConfig(image=image or "", **(kubernetes or {})).to_dict()
-            except (BackendError, TypeError) as exc:
-                raise AirflowException(f"{self.task_id}: {exc}") from None
-        elif image or kubernetes:
-            raise AirflowException(f"{self.task_id}: image and kubernetes apply to backend='kubernetes' only")
         self.command = command
         self.total_steps = total_steps
         self.min_gpus = min_gpus
@@ -139,46 +130,38 @@ class ElasticTrainingOperator(BaseOperator):
         self._job_id: str | None = None
 
     # -- helpers
-    def _hook(self) -> GpuBrokerHook:
+    @cached_property
+    def hook(self) -> GpuBrokerHook:
+        """The hook, and through it the one broker client, of this run of the task."""
         return GpuBrokerHook(self.broker_conn_id)
 
-    def _backend(self, url: str):
-        if self.backend == "kubernetes":
-            from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, KubernetesJobConfig
-
-            return KubernetesBackend(KubernetesJobConfig.from_dict(self.kubernetes or {}), GpuBroker(url, migrate=False))
-        return get_backend(self.backend, broker_url=url, work_dir=GpuBrokerHook.work_dir())
-
-    def _ensure_local_pool(self, broker: GpuBroker) -> None:
-        if self.backend == "local" and self.gpu_pool not in broker.pools():
-            found = detect_gpus(self.virtual_gpus)
-            broker.register_node(LOCAL_NODE, pool=self.gpu_pool, gpu_type=found.gpu_type,
-                                 gpu_indices=found.indices)
-            self.log.info("registered %d %sGPU(s) of this host in pool %r", len(found.indices),
-                          "virtual " if found.virtual else "", self.gpu_pool)
+    def _make_backend(self) -> Backend:
+        return make_backend(self.backend, broker=self.hook.broker, work_dir=default_work_dir(),
+                            kubernetes=self.kubernetes, virtual_gpus=self.virtual_gpus)
 
     @staticmethod
     def job_key(context: Any) -> str:
         ti = context["ti"]
         return f"{ti.dag_id}/{ti.task_id}/{ti.run_id}/{ti.map_index}"
 
+    @staticmethod
+    def task_labels(context: Any) -> dict[str, str]:
+        """The task instance's ``dag_id``, ``task_id``, ``run_id`` and ``map_index``, for the backend."""
+        ti = context["ti"]
+        return {"dag_id": ti.dag_id, "task_id": ti.task_id, "run_id": ti.run_id,
+                "map_index": str(ti.map_index)}
+
     # -- Airflow entry points
     def execute(self, context: Any) -> dict[str, Any] | None:
-        hook = self._hook()
-        url = hook.get_url()
-        broker = GpuBroker(url)
-        self._ensure_local_pool(broker)
-        backend = self._backend(url)
+        ti = context["ti"]
+        labels = self.task_labels(context)
         try:
-            if self.backend == "kubernetes":
-                largest = max((len(n.gpus) for n in broker.nodes(self.gpu_pool) if n.schedulable), default=0)
-                if self.max_gpus > largest:
-                    raise BackendError(
-                        f"max_gpus={self.max_gpus} is larger than any node of pool {self.gpu_pool!r} "
-                        f"({largest} GPUs): one pod per node is not supported yet")
-            backend.check_command(self.command)
-            backend.check_checkpoint_dir(self.checkpoint_dir)
-            ti = context["ti"]
+            broker = self.hook.broker
+            backend = self._make_backend()
+            registered = backend.ensure_pool(self.gpu_pool)
+            if registered:
+                self.log.info("%s", registered)
+            backend.check(self.command, self.checkpoint_dir)
             job = broker.submit(JobSpec(
                 name=self.job_name or (self.task_id if ti.map_index < 0 else f"{self.task_id}[{ti.map_index}]"),
                 command=self.command, min_gpus=self.min_gpus, max_gpus=self.max_gpus,
@@ -187,45 +170,51 @@ class ElasticTrainingOperator(BaseOperator):
                 checkpoint_dir=self.checkpoint_dir, backend=self.backend,
             ))
             self._job_id = job.id
-            if self.backend == "kubernetes":
-                ref = backend.start(job.id, self.command, progress_pattern=self.progress_pattern,
-                                    checkpoint_dir=self.checkpoint_dir, env=self.env,
-                                    context={"dag_id": ti.dag_id, "task_id": ti.task_id, "run_id": ti.run_id,
-                                             "map_index": str(ti.map_index)})
-                broker.start(job.id, ref)
-                self.log.info("job %s: token Secret and (once placed) pod in namespace %s", job.id,
-                              backend.config.namespace)
-            elif backend.is_running(job.id):
-                self.log.info("reattached to running job %s", job.id)
-            else:
-                handle = backend.start(job.id, self.command, progress_pattern=self.progress_pattern,
-                                       checkpoint_dir=self.checkpoint_dir, env=self.env)
-                broker.start(job.id, handle.to_ref())
-                self.log.info("started job %s (%d-%d GPUs, %d steps); files in %s", job.id, self.min_gpus,
-                              self.max_gpus, self.total_steps, handle.job_dir)
+            running = backend.is_running(job.id)
+            ref = backend.start(job, env=self.env, context=labels)
+            broker.start(job.id, ref)
         except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
+        self.log.info("%s job %s (%d-%d GPUs, %d steps) on the %s backend: %s",
+                      "reattached to running" if running else "started", job.id, self.min_gpus, self.max_gpus,
+                      self.total_steps, backend.name, ref)
         ti.xcom_push(key="job_id", value=job.id)
-        trigger = ElasticTrainingTrigger(job.id, self.broker_conn_id, self.poll_interval, self.backend,
-                                         str(GpuBrokerHook.work_dir()), kubernetes=self.kubernetes,
-                                         env=self.env or None)
         if self.deferrable:
-            self.defer(trigger=trigger, method_name="execute_complete")
-        while not broker.job(job.id).status.terminal:  # non-deferrable: poll here
-            trigger._poll(0)
+            self.defer(trigger=ElasticTrainingTrigger(
+                job.id, self.broker_conn_id, self.poll_interval, self.backend, str(default_work_dir()),
+                kubernetes=self.kubernetes, env=self.env or None, context=labels,
+            ), method_name="execute_complete")
+        return self._wait_in_worker(JobWatcher(broker, backend, job.id, env=self.env, context=labels,
+                                               log=self.log))
+
+    def _wait_in_worker(self, watcher: JobWatcher) -> dict[str, Any]:
+        """``deferrable=False``: poll ``watcher`` every ``poll_interval`` seconds until the job ends.
+
+        :raises AirflowException: the job did not succeed, or the broker or backend failed (the
+            task's retry reattaches to the job).
+        """
+        while True:
+            try:
+                job, _events = watcher.poll()
+            except (BrokerError, BackendError) as exc:
+                raise AirflowException(
+                    f"{self.task_id}: following job {watcher.job_id} failed: {exc}") from None
+            if job.status.terminal:
+                return self._result(job)
             time.sleep(self.poll_interval)
-        view = broker.job(job.id)
-        return self.execute_complete(context, {"job_id": view.id, "status": view.status.value})
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
-        url = self._hook().get_url()
-        broker = GpuBroker(url, migrate=False)
+        broker = self.hook.broker
         job = broker.job(event["job_id"])
         for e in broker.events(job_id=job.id):
-            if e.kind in ("start", "resize"):
+            if e.kind in PUBLISH_KINDS:
                 self.log.info("[%s] %s", e.kind, e.message)
+        return self._result(job)
+
+    def _result(self, job: JobView) -> dict[str, Any]:
+        """:raises AirflowException: ``job`` did not succeed (the message has the broker's reason)."""
         if job.status is not JobStatus.SUCCEEDED:
-            raise AirflowException(f"training job {job.id} {job.status.value}: {job.reason}")
+            raise AirflowException(f"{self.task_id}: training job {job.id} {job.status.value}: {job.reason}")
         result = self.metrics(job)
         self.log.info("job %s succeeded: %s", job.id, result)
         return result
@@ -241,6 +230,5 @@ class ElasticTrainingOperator(BaseOperator):
     def on_kill(self) -> None:
         if self._job_id is None:
             return
-        url = self._hook().get_url()
-        GpuBroker(url, migrate=False).cancel(self._job_id, "task killed")
-        self._backend(url).stop(self._job_id, timeout_s=30)
+        self.hook.broker.cancel(self._job_id, "task killed")
+        self._make_backend().stop(self._job_id, timeout_s=30)

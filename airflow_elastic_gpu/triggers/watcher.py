@@ -1,0 +1,88 @@
+"""JobWatcher: one poll of a running job, shared by the trigger (in a thread) and the operator's
+``deferrable=False`` path, so both keep the pool rebalanced, keep the backend in step with the
+broker, fail a job whose processes are gone, log its events and clean up once it has ended.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from airflow_elastic_gpu.backends.base import Backend
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import EventView, JobView
+from airflow_elastic_gpu.states import ENDED_KINDS, PUBLISH_KINDS, EventKind, JobStatus
+
+GONE_POLLS = 3
+"""Polls in a row that must find a job's processes gone before the job is failed."""
+LOGGED_KINDS = PUBLISH_KINDS | {EventKind.ACK} | ENDED_KINDS
+"""Event kinds written into the task log: generations published and acked, and the job's end."""
+
+
+class TaskLog(Protocol):
+    """What the watcher needs of a logger: a stdlib ``logging.Logger`` or Airflow's structlog one."""
+
+    def info(self, msg: str, *args: Any) -> Any: ...
+
+
+class JobWatcher:
+    """Follows job ``job_id``: call :meth:`poll` every few seconds until the job has ended.
+
+    Synchronous and blocking (database and backend calls): the trigger runs :meth:`poll` in a
+    thread. Its only state is the last event logged and a count of polls that found the job's
+    processes gone; a new watcher (after a triggerer restart) picks up where the broker is.
+
+    :param broker: the broker client.
+    :param backend: the job's backend.
+    :param job_id: the broker's job id.
+    :param after_event_id: events up to this id were logged already.
+    :param env: the trainer's extra environment, as given to ``Backend.start`` (for re-creations).
+    :param context: the task's labels, as given to ``Backend.start`` (for re-creations).
+    :param log: where events go (the task log: the operator's or the trigger's logger).
+    """
+
+    def __init__(self, broker: GpuBroker, backend: Backend, job_id: str, *, after_event_id: int = 0,
+                 env: Mapping[str, str] | None = None, context: Mapping[str, str] | None = None,
+                 log: TaskLog | None = None) -> None:
+        self.broker = broker
+        self.backend = backend
+        self.job_id = job_id
+        self.after_event_id = after_event_id
+        self.env = env
+        self.context = context
+        self.log: TaskLog = log or logging.getLogger(__name__)
+        self.gone_polls = 0
+
+    def poll(self) -> tuple[JobView, list[EventView]]:
+        """One round: the leased periodic rebalance of the job's pool, ``backend.sync``, a check of
+        ``backend.problem`` (failing the job with the reason and the trainer's last log lines: at
+        once, or after :data:`GONE_POLLS` polls in a row for processes that are gone), the new
+        events logged, and ``backend.stop`` once the broker records the job's end.
+
+        :returns: the job as the broker now records it, and the events new since the last poll.
+        :raises BrokerError: the job is unknown, or a broker call failed.
+        :raises BackendError: the backend could not sync or stop the job's processes.
+        """
+        job = self.broker.job(self.job_id)
+        self.broker.maybe_rebalance(job.pool)
+        if not job.status.terminal:
+            self.backend.sync(job, env=self.env, context=self.context)
+            self._fail_if_broken(job)
+        job = self.broker.job(self.job_id)
+        events = self.broker.events(job_id=self.job_id, after_id=self.after_event_id)
+        for event in events:
+            if event.kind in LOGGED_KINDS:
+                self.log.info("[%s] %s", event.kind, event.message)
+            self.after_event_id = event.id
+        if job.status.terminal:
+            self.backend.stop(self.job_id, succeeded=job.status is JobStatus.SUCCEEDED)
+        return job, events
+
+    def _fail_if_broken(self, job: JobView) -> None:
+        problem = self.backend.problem(job)
+        self.gone_polls = self.gone_polls + 1 if problem is not None and problem.gone else 0
+        if problem is None or (problem.gone and self.gone_polls < GONE_POLLS):
+            return
+        tail = "\n".join(self.backend.log_tail(job.id))
+        self.broker.fail(job.id, f"{problem.reason}. Last log lines:\n{tail}" if tail else problem.reason)
