@@ -1,6 +1,6 @@
 """Benchmark: many concurrent clients against one broker pool on PostgreSQL, with an invariant checker.
 
-``--clients`` clients (default 64, threads spread over ``--processes`` processes, default 4, as
+``--clients`` clients (default 64, threads spread over ``--processes`` processes, default 16, as
 agents and triggerers are separate processes), each with its own ``GpuBroker`` (own connection
 pool), issue a randomized
 mix of submit / progress / heartbeat / ack / finish / fail / cancel /
@@ -130,10 +130,13 @@ def _client(n: int, url: str, pool: str, seed: int, remaining: Any, results: Any
     results.put((dict(latencies), dict(errors), broker.retries, broker.rebalances))
 
 
-def _process(first: int, count: int, url: str, pool: str, seed: int, remaining: Any, results: Any) -> None:
-    """A client process: ``count`` client threads (numbers ``first`` ...)."""
+def _process(first: int, count: int, url: str, pool: str, seed: int, remaining: Any, results: Any,
+             ready: Any) -> None:
+    """A client process: ``count`` client threads (numbers ``first`` ...), started once every process
+    has imported what it needs (``ready``), so start-up is not timed."""
     threads = [threading.Thread(target=_client, args=(first + i, url, pool, seed, remaining, results))
                for i in range(count)]
+    ready.wait()
     for t in threads:
         t.start()
     for t in threads:
@@ -141,7 +144,7 @@ def _process(first: int, count: int, url: str, pool: str, seed: int, remaining: 
 
 
 def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool: str = "load",
-             nodes: int = 4, gpus_per_node: int = 8, processes: int = 4) -> dict:
+             nodes: int = 4, gpus_per_node: int = 8, processes: int = 16) -> dict:
     """Run the load and return the figures (see the module docstring).
 
     :param processes: the clients are spread over this many processes (threads within each), as
@@ -176,12 +179,15 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
 
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
     starts = [sum(shares[:i]) for i in range(processes)]
-    workers = [ctx.Process(target=_process, args=(starts[i], shares[i], url, pool, seed, remaining, results))
+    ready = ctx.Barrier(processes + 1)
+    workers = [ctx.Process(target=_process,
+                           args=(starts[i], shares[i], url, pool, seed, remaining, results, ready))
                for i in range(processes)]
     watch = threading.Thread(target=checker, name="checker")
-    t0 = time.perf_counter()
     for w in workers:
         w.start()
+    ready.wait()
+    t0 = time.perf_counter()
     watch.start()
     latencies: dict[str, list[float]] = defaultdict(list)
     errors: dict[str, int] = defaultdict(int)
@@ -237,7 +243,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--ops", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--processes", type=int, default=4,
+    ap.add_argument("--processes", type=int, default=16,
                     help="client processes the clients are spread over (threads in each)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()

@@ -24,7 +24,6 @@ taken, never what may be published.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -150,7 +149,10 @@ class Rebalancing(BrokerBase):
 
     def _serve_rebalance(self, pool: str) -> None:
         """Run the pending rebalance of ``pool`` if one is due and its lock is free now; else the
-        lock's holder, or a later call, serves it."""
+        lock's holder, or a later call, serves it. Whether one is due is read first without the
+        lock, so the lock stays free for the rebalance that is."""
+        if not self._read(lambda s: self._due(s, s.get(GpuPool, pool))):
+            return
 
         def run() -> None:
             with self._sessions.begin() as s:
@@ -163,33 +165,21 @@ class Rebalancing(BrokerBase):
     def rebalance(self, pool: str = DEFAULT_POOL) -> dict[str, tuple[GpuId, ...]]:
         """Ask the policy for new targets now and publish them; returns job id -> newly published GPUs.
 
-        Coalesced: if a rebalance of the pool starts after this call began (this one, or another
-        client's), that one serves this call; callers never queue behind one rebalance each. When
-        another client's served it, ``{}`` is returned.
+        Coalesced: if a rebalance of the pool started after this call began (another client's,
+        while this one waited for the pool's lock), that one served this call and ``{}`` is
+        returned; callers never run one rebalance each.
 
         :raises NotFound: unknown pool.
         """
         asked_s = self.clock()
 
-        def attempt() -> dict[str, tuple[GpuId, ...]] | None:
-            with self._sessions.begin() as s:
-                row = self._lock(s, pool, skip_locked=True)
-                if row is None:
-                    return None  # someone else holds the pool: wait for their rebalance, or our turn
-                if row.last_rebalance_s > asked_s:
+        def run() -> dict[str, tuple[GpuId, ...]]:
+            with self._tx(pool) as s:
+                if s.get(GpuPool, pool).last_rebalance_s > asked_s:
                     return {}
                 return self._rebalance(s, pool)
 
-        delay_s = 0.005
-        while True:
-            done = self._retrying(attempt)
-            if done is not None:
-                return done
-            time.sleep(delay_s)
-            delay_s = min(0.1, delay_s * 2)
-            last = self._read(lambda s: s.scalar(select(GpuPool.last_rebalance_s).where(GpuPool.name == pool)))
-            if last is not None and last > asked_s:
-                return {}
+        return self._retrying(run)
 
     def maybe_rebalance(self, pool: str = DEFAULT_POOL) -> bool:
         """Rebalance if one is due (asked for, or the last is older than ``rebalance_interval_s``: a
