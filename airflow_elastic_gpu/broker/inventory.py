@@ -10,6 +10,7 @@ from sqlalchemy import select
 
 from airflow_elastic_gpu.broker.lifecycle import Lifecycle
 from airflow_elastic_gpu.broker.models import Gpu, GpuPool, Node
+from airflow_elastic_gpu.broker.rows import request_rebalance
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
     MAX_POOL_CHARS,
@@ -82,7 +83,7 @@ class Inventory(Lifecycle):
                 s.flush()
                 s.refresh(node)
                 if added:
-                    self._request_rebalance(s, pool)
+                    request_rebalance(s, pool, self.clock())
                 return self._node_views(s, [node])[0]
 
         view = self._retrying(run)
@@ -102,7 +103,7 @@ class Inventory(Lifecycle):
                     raise NotFound(f"unknown node {name!r} in pool {pool!r}")
                 node.schedulable = schedulable
                 self._event(s, pool, EventKind.NODE, f"node {name} {'schedulable' if schedulable else 'drained'}")
-                self._request_rebalance(s, pool)
+                request_rebalance(s, pool, self.clock())
 
         self._retrying(run)
         self._serve_rebalance(pool)
@@ -156,7 +157,7 @@ class Inventory(Lifecycle):
                     row.rebalance_interval_s = float(rebalance_interval_s)
                 self._event(s, pool, EventKind.CONFIG, f"policy {row.policy} {row.policy_params or {}}, "
                             f"lease {row.lease_s:g}s, rebalance every {row.rebalance_interval_s:g}s")
-                self._request_rebalance(s, pool)
+                request_rebalance(s, pool, self.clock())
 
         self._retrying(run)
         self._serve_rebalance(pool)

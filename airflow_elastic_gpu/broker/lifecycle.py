@@ -3,6 +3,10 @@
 Resize protocol (two-phase; DESIGN.md "Resize protocol"): a rebalance publishes a job's new target
 with a new generation (:mod:`.rebalance`); the agent restarts the trainer on it and :meth:`ack`\\ s
 the generation; only then do the job's in-use GPUs become the target, freeing the rest.
+
+Each call is one short transaction on a connection with plain SQL statements (:mod:`.rows`) that
+locks only the job's row; a call that may move allocations asks for a rebalance and then serves it
+if one is due (coalesced, see :mod:`.rebalance`).
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ import secrets
 import uuid
 from typing import Any
 
-from sqlalchemy import delete, insert, literal, select
+from sqlalchemy import Connection, Integer, bindparam, delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
 
 from airflow_elastic_gpu.broker.models import (
+    Gpu,
     GpuInUse,
     GpuPool,
     GpuTarget,
@@ -27,8 +31,16 @@ from airflow_elastic_gpu.broker.models import (
     ProgressSample,
 )
 from airflow_elastic_gpu.broker.queries import Queries
-from airflow_elastic_gpu.broker.rebalance import store_book
-from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, Target
+from airflow_elastic_gpu.broker.rows import (
+    book_changes,
+    book_of,
+    job_gpus,
+    read_job,
+    read_pool,
+    request_rebalance,
+    update_job,
+)
+from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
 from airflow_elastic_gpu.scheduling.core import apply_ack, record_progress
 from airflow_elastic_gpu.states import TERMINAL, EventKind, JobStatus
 
@@ -38,8 +50,39 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+# statements of the hot calls, built once (parameters bound per call)
+_BY_KEY = select(Job.id, Job.status).where(Job.key == bindparam("key"))
+_ADD_JOB = insert(Job)
+_POOL_NAME = select(GpuPool.name).where(GpuPool.name == bindparam("pool"))
+_NODE_SIZES = (
+    select(func.count(Gpu.id)).join(Node, Node.id == Gpu.node_id)
+    .where(Node.pool == bindparam("pool"), Node.schedulable, Gpu.healthy).group_by(Node.id)
+)
+_STATUS = select(Job.status, Job.target_generation).where(Job.id == bindparam("job_id"))
+_LAST_SAMPLE = (
+    select(ProgressSample.time_s, ProgressSample.step)
+    .where(ProgressSample.job_id == bindparam("job_id"), ProgressSample.generation == bindparam("generation"))
+    .order_by(ProgressSample.id.desc()).limit(1)
+)
+_ADD_SAMPLE = insert(ProgressSample)
+_FREE_IN_USE = delete(GpuInUse).where(GpuInUse.job_id == bindparam("job_id"))
+_TARGET_TO_IN_USE = insert(GpuInUse).from_select(
+    ["gpu_id", "job_id", "generation"],
+    select(GpuTarget.gpu_id, GpuTarget.job_id, bindparam("generation", type_=Integer))
+    .where(GpuTarget.job_id == bindparam("job_id")),
+)
+
+
 class Lifecycle(Queries):
     """Job calls of :class:`~airflow_elastic_gpu.broker.service.GpuBroker`."""
+
+    def _locked_job(self, conn: Connection, job_id: str) -> Any:
+        job = read_job(conn, job_id, lock=True)
+        if job is None:
+            raise NotFound(f"unknown job {job_id!r}")
+        return job
+
+    # ------------------------------------------------------------------ submit
 
     def submit(self, spec: JobSpec) -> JobView:
         """Submit a job (idempotent on ``spec.key``) and rebalance its pool (coalesced).
@@ -58,10 +101,8 @@ class Lifecycle(Queries):
         token = secrets.token_urlsafe(32)
 
         def run() -> tuple[str, bool]:
-            with self._sessions.begin() as s:
-                if s.get(GpuPool, spec.pool) is None:
-                    self._lock(s, spec.pool)  # raises NotFound, naming the known pools
-                capacity, largest = self._pool_size(s, spec.pool)
+            with self.engine.begin() as conn:
+                capacity, largest = self._pool_size(conn, spec.pool)
                 if spec.min_gpus > capacity:
                     raise InvalidRequest(
                         f"min_gpus={spec.min_gpus} is more than GPU pool {spec.pool!r} has ({capacity})"
@@ -71,48 +112,58 @@ class Lifecycle(Queries):
                         f"max_gpus={spec.max_gpus} is larger than any node of pool {spec.pool!r} "
                         f"(the largest has {largest} GPUs): a job runs on one node"
                     )
-                existing = s.scalar(select(Job).where(Job.key == key))
+                existing = conn.execute(_BY_KEY, {"key": key}).first()
                 if existing is not None:
                     if JobStatus(existing.status) not in TERMINAL:
                         return existing.id, False
-                    existing.key = f"{key}@{existing.id}"
-                    s.flush()
+                    update_job(conn, existing.id, key=f"{key}@{existing.id}")
                 now = self.clock()
-                job = Job(
-                    id=str(uuid.uuid4()), key=key, pool=spec.pool, name=spec.name, command=spec.command,
+                job_id = str(uuid.uuid4())
+                conn.execute(_ADD_JOB, dict(
+                    id=job_id, key=key, pool=spec.pool, name=spec.name, command=spec.command,
                     min_gpus=spec.min_gpus, max_gpus=spec.max_gpus,
                     requested_gpus=spec.requested_gpus or spec.max_gpus, total_steps=spec.total_steps,
                     priority=spec.priority, progress_pattern=spec.progress_pattern,
-                    checkpoint_dir=spec.checkpoint_dir, backend=spec.backend, status=JobStatus.QUEUED,
+                    checkpoint_dir=spec.checkpoint_dir, backend=spec.backend, status=JobStatus.QUEUED.value,
                     submit_s=now, last_heartbeat_s=now, steps_done=0.0, target_generation=0,
                     acked_generation=0, num_resizes=0, gpu_seconds=0.0, token_hash=token_hash(token),
-                )
-                s.add(job)
-                s.flush()
+                ))
                 self._event(
-                    s, spec.pool, EventKind.SUBMIT,
+                    conn, spec.pool, EventKind.SUBMIT,
                     f"submitted {spec.name!r}: {spec.min_gpus}-{spec.max_gpus} GPUs, {spec.total_steps} steps",
-                    job.id,
+                    job_id,
                 )
-                self._request_rebalance(s, spec.pool)
-                return job.id, True
+                request_rebalance(conn, spec.pool, now)
+                return job_id, True
 
         try:
             job_id, created = self._retrying(run)
         except IntegrityError:  # the same key submitted concurrently: that job is the answer
             job_id, created = self._retrying(run)
-        if created:
-            self._serve_rebalance(spec.pool)
-        view = self.job(job_id)
-        return dataclasses.replace(view, token=token) if created else view
+        if not created:
+            return self.job(job_id)
+        self._serve_rebalance(spec.pool)
+        return self._with_token(self.job(job_id), token)
 
-    def _pool_size(self, s: Session, pool: str) -> tuple[int, int]:
-        """(schedulable GPUs in all, GPUs of the largest schedulable node) of ``pool``."""
-        sizes = [
-            sum(g.healthy for g in n.gpus)
-            for n in s.scalars(select(Node).where(Node.pool == pool, Node.schedulable))
-        ]
+    @staticmethod
+    def _with_token(view: JobView, token: str) -> JobView:
+        return dataclasses.replace(view, token=token)
+
+    def _pool_size(self, conn: Connection, pool: str) -> tuple[int, int]:
+        """(schedulable healthy GPUs in all, those of the largest node) of ``pool``.
+
+        :raises NotFound: unknown pool (the message names the known ones).
+        """
+        if conn.execute(_POOL_NAME, {"pool": pool}).first() is None:
+            known = conn.execute(select(GpuPool.name).order_by(GpuPool.name)).scalars().all()
+            raise NotFound(
+                f"unknown GPU pool {pool!r}; known pools: {', '.join(known) or 'none'} "
+                "(register a node in it first: airflow-elastic-gpu nodes add)"
+            )
+        sizes = conn.execute(_NODE_SIZES, {"pool": pool}).scalars().all()
         return sum(sizes), max(sizes, default=0)
+
+    # ------------------------------------------------------------------ tokens and start
 
     def issue_token(self, job_id: str) -> str:
         """A new API bearer token for ``job_id`` (the old one stops working); only its hash is stored.
@@ -122,8 +173,9 @@ class Lifecycle(Queries):
         token = secrets.token_urlsafe(32)
 
         def run() -> None:
-            with self._job_row_tx(job_id) as (_s, job):
-                job.token_hash = token_hash(token)
+            with self.engine.begin() as conn:
+                self._locked_job(conn, job_id)
+                update_job(conn, job_id, token_hash=token_hash(token))
 
         self._retrying(run)
         return token
@@ -134,15 +186,20 @@ class Lifecycle(Queries):
         return stored is not None and hmac.compare_digest(stored, token_hash(token))
 
     def start(self, job_id: str, backend_ref: str) -> JobView:
-        """Record that the backend launched the job's agent (``backend_ref``: the backend's handle)."""
+        """Record that the backend launched the job's agent (``backend_ref``: the backend's handle).
+
+        :raises NotFound: unknown job.
+        """
 
         def run() -> None:
-            with self._job_row_tx(job_id) as (_s, job):
-                job.backend_ref = backend_ref
-                job.last_heartbeat_s = self.clock()
+            with self.engine.begin() as conn:
+                self._locked_job(conn, job_id)
+                update_job(conn, job_id, backend_ref=backend_ref, last_heartbeat_s=self.clock())
 
         self._retrying(run)
         return self.job(job_id)
+
+    # ------------------------------------------------------------------ the agent's calls
 
     def heartbeat(self, job_id: str) -> Target:
         """Agent liveness; returns the job's current target (its status tells a cancelled agent to stop).
@@ -153,12 +210,14 @@ class Lifecycle(Queries):
         """
 
         def run() -> tuple[Target, str, bool]:
-            with self._job_row_tx(job_id) as (s, job):
-                if JobStatus(job.status) not in TERMINAL:
-                    job.last_heartbeat_s = self.clock()
-                row = s.get(GpuPool, job.pool)
-                due = JobStatus(job.status) not in TERMINAL and self._due(s, row)
-                return self._target(s, job), job.pool, due
+            with self.engine.begin() as conn:
+                job = self._locked_job(conn, job_id)
+                ended = JobStatus(job.status) in TERMINAL
+                if not ended:
+                    update_job(conn, job_id, last_heartbeat_s=self.clock())
+                target, _ = job_gpus(conn, job_id)
+                due = not ended and self._due(conn, read_pool(conn, job.pool))
+                return Target(job_id, JobStatus(job.status), job.target_generation, target), job.pool, due
 
         target, pool, due = self._retrying(run)
         if due and self.maybe_rebalance(pool):
@@ -166,12 +225,17 @@ class Lifecycle(Queries):
         return target
 
     def target(self, job_id: str) -> Target:
-        """The job's latest published generation and its GPUs (read-only)."""
-        return self._read(lambda s: self._target(s, self._job(s, job_id)))
+        """The job's latest published generation and its GPUs (read-only).
 
-    def _target(self, s: Session, job: Job) -> Target:
-        gpus, _ = self._job_gpus(s, job.id)
-        return Target(job.id, JobStatus(job.status), job.target_generation, gpus)
+        :raises NotFound: unknown job.
+        """
+        def read(conn: Connection) -> Target:
+            job = conn.execute(_STATUS, {"job_id": job_id}).first()
+            if job is None:
+                raise NotFound(f"unknown job {job_id!r}")
+            return Target(job_id, JobStatus(job.status), job.target_generation, job_gpus(conn, job_id)[0])
+
+        return self._read_conn(read)
 
     def progress(self, job_id: str, step: float, *, generation: int | None = None,
                  time_s: float | None = None) -> None:
@@ -182,28 +246,24 @@ class Lifecycle(Queries):
         :raises InvalidRequest: negative or non-finite step.
         :raises NotFound: unknown job.
         """
-        if not (isinstance(step, (int, float)) and step >= 0 and step != float("inf")):
+        if isinstance(step, bool) or not (isinstance(step, (int, float)) and step >= 0 and step != float("inf")):
             raise InvalidRequest(f"step must be a finite number >= 0, got {step!r}")
 
         def run() -> None:
-            with self._job_row_tx(job_id) as (s, job):
+            with self.engine.begin() as conn:
+                job = self._locked_job(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
                     return
                 gen = job.acked_generation if generation is None else generation
                 now = self.clock() if time_s is None else time_s
-                prev = s.execute(
-                    select(ProgressSample.time_s, ProgressSample.step)
-                    .where(ProgressSample.job_id == job.id, ProgressSample.generation == gen)
-                    .order_by(ProgressSample.id.desc()).limit(1)
-                ).first()
-                book = self._book(s, job)
+                prev = conn.execute(_LAST_SAMPLE, {"job_id": job_id, "generation": gen}).first()
+                book = book_of(job, *job_gpus(conn, job_id))
                 if not record_progress(book, generation=gen, step=step, now_s=now,
-                                       previous=None if prev is None else (prev[0], prev[1])):
+                                       previous=None if prev is None else (prev.time_s, prev.step)):
                     return
-                store_book(job, book)
-                s.add(ProgressSample(job_id=job.id, time_s=now, step=step, num_gpus=book.num_gpus_of(gen),
-                                     generation=gen))
-                job.last_heartbeat_s = self.clock()
+                update_job(conn, job_id, **book_changes(job, book), last_heartbeat_s=self.clock())
+                conn.execute(_ADD_SAMPLE, dict(
+                    job_id=job_id, time_s=now, step=step, num_gpus=book.num_gpus_of(gen), generation=gen))
 
         self._retrying(run)
 
@@ -218,27 +278,24 @@ class Lifecycle(Queries):
         """
 
         def run() -> tuple[bool, str]:
-            with self._job_row_tx(job_id) as (s, job):
+            with self.engine.begin() as conn:
+                job = self._locked_job(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
                     return False, job.pool
-                book = self._book(s, job)
+                book = book_of(job, *job_gpus(conn, job_id))
                 now = self.clock()
                 if not apply_ack(book, generation, now):
                     return False, job.pool
-                store_book(job, book)
-                s.execute(delete(GpuInUse).where(GpuInUse.job_id == job.id))
-                s.execute(insert(GpuInUse).from_select(
-                    ["gpu_id", "job_id", "generation"],
-                    select(GpuTarget.gpu_id, GpuTarget.job_id, literal(generation)).where(GpuTarget.job_id == job.id),
-                ))
-                job.last_heartbeat_s = now
+                conn.execute(_FREE_IN_USE, {"job_id": job_id})
+                conn.execute(_TARGET_TO_IN_USE, {"job_id": job_id, "generation": generation})
+                update_job(conn, job_id, **book_changes(job, book), last_heartbeat_s=now)
                 self._event(
-                    s, job.pool, EventKind.ACK,
+                    conn, job.pool, EventKind.ACK,
                     f"generation {generation} running on {len(book.in_use)} GPU(s): "
                     f"{', '.join(map(str, book.in_use))}",
-                    job.id, generation=generation, num_gpus=len(book.in_use),
+                    job_id, generation=generation, num_gpus=len(book.in_use),
                 )
-                self._request_rebalance(s, job.pool)
+                request_rebalance(conn, job.pool, now)
                 return True, job.pool
 
         accepted, pool = self._retrying(run)
@@ -246,16 +303,17 @@ class Lifecycle(Queries):
             self._serve_rebalance(pool)
         return accepted
 
+    # ------------------------------------------------------------------ the end
+
     def _end(self, job_id: str, status: JobStatus, reason: str | None, exit_code: int | None,
              metrics: dict[str, Any] | None) -> JobView:
         def run() -> tuple[str, bool]:
-            with self._job_row_tx(job_id) as (s, job):
+            with self.engine.begin() as conn:
+                job = self._locked_job(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
                     return job.pool, False
-                self._release(s, job, status, reason, exit_code)
-                if metrics:
-                    job.metrics = dict(metrics)
-                self._request_rebalance(s, job.pool)
+                self._release(conn, job, status, reason, exit_code, metrics)
+                request_rebalance(conn, job.pool, self.clock())
                 return job.pool, True
 
         pool, ended = self._retrying(run)
@@ -275,4 +333,3 @@ class Lifecycle(Queries):
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobView:
         """Stop the job: CANCELLED, GPUs released; its agent sees the status and stops the trainer."""
         return self._end(job_id, JobStatus.CANCELLED, reason, None, None)
-

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection, Row, select
 from sqlalchemy.orm import Session, selectinload
 
 from airflow_elastic_gpu.broker.models import (
@@ -22,7 +23,8 @@ from airflow_elastic_gpu.broker.models import (
     Node,
     ProgressSample,
 )
-from airflow_elastic_gpu.broker.rebalance import Rebalancing, throughput_of
+from airflow_elastic_gpu.broker.rebalance import Rebalancing
+from airflow_elastic_gpu.broker.rows import JOB_COLUMNS, Executor, job_gpus, read_job, throughput_of
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
     EventView,
@@ -48,28 +50,34 @@ class Queries(Rebalancing):
 
     def job(self, job_id: str) -> JobView:
         """:raises NotFound: unknown job."""
-        return self._read(lambda s: self._views(s, [self._job(s, job_id)])[0])
+        def read(conn: Connection) -> JobView:
+            job = read_job(conn, job_id)
+            if job is None:
+                raise NotFound(f"unknown job {job_id!r}")
+            return self._views(conn, [job])[0]
+
+        return self._read_conn(read)
 
     def job_by_key(self, key: str) -> JobView | None:
-        def read(s: Session) -> JobView | None:
-            job = s.scalar(select(Job).where(Job.key == key))
-            return None if job is None else self._views(s, [job])[0]
+        def read(conn: Connection) -> JobView | None:
+            job = conn.execute(select(*JOB_COLUMNS).where(Job.key == key)).first()
+            return None if job is None else self._views(conn, [job])[0]
 
-        return self._read(read)
+        return self._read_conn(read)
 
     def jobs(self, pool: str | None = None, *, active_only: bool = False) -> list[JobView]:
         """Jobs (of ``pool``, or all), in submit order."""
-        def read(s: Session) -> list[JobView]:
-            q = select(Job).order_by(Job.submit_s, Job.id)
+        def read(conn: Connection) -> list[JobView]:
+            q = select(*JOB_COLUMNS).order_by(Job.submit_s, Job.id)
             if pool is not None:
                 q = q.where(Job.pool == pool)
             if active_only:
                 q = q.where(Job.status.in_(ACTIVE))
-            return self._views(s, list(s.scalars(q)))
+            return self._views(conn, conn.execute(q).all())
 
-        return self._read(read)
+        return self._read_conn(read)
 
-    def _gpus_by_job(self, s: Session, table: type[GpuTarget | GpuInUse],
+    def _gpus_by_job(self, s: Executor, table: type[GpuTarget | GpuInUse],
                      job_ids: Sequence[str]) -> dict[str, tuple[GpuId, ...]]:
         found: dict[str, list[GpuId]] = defaultdict(list)
         if job_ids:
@@ -80,10 +88,13 @@ class Queries(Rebalancing):
                 found[job_id].append(GpuId(node, index))
         return {k: tuple(sorted(v)) for k, v in found.items()}
 
-    def _views(self, s: Session, jobs: Sequence[Job]) -> list[JobView]:
+    def _views(self, s: Executor, jobs: Sequence[Job | Row[Any]]) -> list[JobView]:
         ids = [j.id for j in jobs if JobStatus(j.status) in ACTIVE]  # ended jobs hold no GPU
-        targets = self._gpus_by_job(s, GpuTarget, ids)
-        in_use = self._gpus_by_job(s, GpuInUse, ids)
+        if len(ids) == 1:
+            targets, in_use = ({ids[0]: gpus} for gpus in job_gpus(s, ids[0]))
+        else:
+            targets = self._gpus_by_job(s, GpuTarget, ids)
+            in_use = self._gpus_by_job(s, GpuInUse, ids)
         return [
             JobView(
                 id=job.id, key=job.key, name=job.name, pool=job.pool, command=job.command,
@@ -171,7 +182,7 @@ class Queries(Rebalancing):
         def read(s: Session) -> PoolSnapshot:
             nodes = self._node_views(s, list(s.scalars(
                 select(Node).options(selectinload(Node.gpus)).where(Node.pool == pool).order_by(Node.name))))
-            jobs = self._views(s, list(s.scalars(select(Job).where(Job.pool == pool).order_by(Job.submit_s))))
+            jobs = self._views(s, s.execute(select(*JOB_COLUMNS).where(Job.pool == pool).order_by(Job.submit_s)).all())
             evs = s.scalars(select(Event).where(Event.pool == pool).order_by(Event.id.desc()).limit(events)).all()
             return PoolSnapshot(pool, self.clock(), tuple(nodes), tuple(jobs),
                                 tuple(event_view(e) for e in reversed(evs)))

@@ -28,11 +28,10 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Row, delete, literal, select, union_all
+from sqlalchemy import Row, delete, select
 from sqlalchemy.orm import Session, selectinload
 
 from airflow_elastic_gpu.broker.models import (
-    Gpu,
     GpuInUse,
     GpuPool,
     GpuTarget,
@@ -40,55 +39,29 @@ from airflow_elastic_gpu.broker.models import (
     Node,
     RebalanceRequest,
 )
+from airflow_elastic_gpu.broker.rows import (
+    BOOK_FIELDS,
+    Executor,
+    book_changes,
+    book_of,
+    free_gpus,
+    job_gpus,
+    pending_requests,
+    read_pool,
+    update_job,
+)
 from airflow_elastic_gpu.broker.transactions import BrokerBase
 from airflow_elastic_gpu.broker.types import DEFAULT_POOL
-from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore, account_gpu_time
+from airflow_elastic_gpu.scheduling.core import SchedulingCore, account_gpu_time
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
-from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 from airflow_elastic_gpu.states import ACTIVE, EventKind, JobStatus
-
-_BOOK_FIELDS = (
-    "steps_done", "target_generation", "acked_generation", "num_resizes", "last_resize_s", "published_s",
-    "restart_overhead_s", "gpu_seconds", "in_use_since_s", "start_s",
-)
-
 
 _BOOK_COLUMNS = (
     Job.id, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus, Job.priority,
-    Job.throughput, Job.last_heartbeat_s, *(getattr(Job, name) for name in _BOOK_FIELDS),
+    Job.throughput, Job.last_heartbeat_s, *(getattr(Job, name) for name in BOOK_FIELDS),
 )
-"""The job columns a rebalance reads (plain rows, not ORM objects: a pool's jobs load several times
-faster)."""
-
-
-def throughput_of(job: Job) -> ThroughputModel:
-    """The throughput model stored in a job row (``{"observed": [[num_gpus, steps_per_s], ...]}``)."""
-    observed = (job.throughput or {}).get("observed", [])
-    return ThroughputModel(tuple((int(n), float(t)) for n, t in observed))
-
-
-def book_of(job: Job | Row[Any], target: Iterable[GpuId] = (), in_use: Iterable[GpuId] = ()) -> JobBook:
-    """A job (ORM object, or a row of :data:`_BOOK_COLUMNS`) and its GPUs as the core's :class:`JobBook`."""
-    return JobBook(
-        job_id=job.id, min_gpus=job.min_gpus, max_gpus=job.max_gpus, total_steps=job.total_steps,
-        submit_s=job.submit_s, requested_gpus=job.requested_gpus, priority=job.priority,
-        steps_done=job.steps_done, target=tuple(sorted(target)), target_generation=job.target_generation,
-        in_use=tuple(sorted(in_use)), acked_generation=job.acked_generation, num_resizes=job.num_resizes,
-        last_resize_s=job.last_resize_s, published_s=job.published_s,
-        restart_overhead_s=job.restart_overhead_s, throughput=throughput_of(job),
-        gpu_seconds=job.gpu_seconds, in_use_since_s=job.in_use_since_s, start_s=job.start_s,
-    )
-
-
-def store_book(job: Job, book: JobBook) -> None:
-    """Write the fields the core may have changed back to the job row (only those that differ)."""
-    for name in _BOOK_FIELDS:
-        value = getattr(book, name)
-        if getattr(job, name) != value:
-            setattr(job, name, value)
-    if throughput_of(job).observed != book.throughput.observed:
-        job.throughput = {"observed": [list(p) for p in book.throughput.observed]}
+"""The job columns a rebalance reads."""
 
 
 class Rebalancing(BrokerBase):
@@ -96,51 +69,33 @@ class Rebalancing(BrokerBase):
 
     # ------------------------------------------------------------------ rows <-> books
 
-    def _job_gpus(self, s: Session, job_id: str) -> tuple[tuple[GpuId, ...], tuple[GpuId, ...]]:
-        """``(target, in_use)`` GPUs of one job, sorted (one query)."""
-        parts = [
-            select(literal(name).label("kind"), Node.name, Gpu.index).join(Gpu, Gpu.node_id == Node.id)
-            .join(table, table.gpu_id == Gpu.id).where(table.job_id == job_id)
-            for name, table in (("target", GpuTarget), ("in_use", GpuInUse))
-        ]
-        found: dict[str, list[GpuId]] = {"target": [], "in_use": []}
-        for kind, node, index in s.execute(union_all(*parts)):
-            found[kind].append(GpuId(node, index))
-        return tuple(sorted(found["target"])), tuple(sorted(found["in_use"]))
-
-    def _book(self, s: Session, job: Job) -> JobBook:
-        return book_of(job, *self._job_gpus(s, job.id))
-
-    def _release(self, s: Session, job: Job, status: JobStatus, reason: str | None, exit_code: int | None) -> None:
-        """End ``job`` with ``status``: account its GPU time, free its in-use and target GPUs."""
+    def _release(self, s: Executor, job: Job | Row[Any], status: JobStatus, reason: str | None,
+                 exit_code: int | None, metrics: dict[str, Any] | None = None) -> None:
+        """End ``job`` with ``status``: account its GPU time, free its in-use and target GPUs (the
+        caller holds the job's row lock)."""
         now = self.clock()
-        book = self._book(s, job)
+        book = book_of(job, *job_gpus(s, job.id))
         account_gpu_time(book, now)
-        store_book(job, book)
-        s.execute(delete(GpuInUse).where(GpuInUse.job_id == job.id))
-        s.execute(delete(GpuTarget).where(GpuTarget.job_id == job.id))
-        job.status = status
-        job.reason = reason
-        job.exit_code = exit_code
-        job.end_s = now
+        free_gpus(s, job.id)
+        extra = {"metrics": dict(metrics)} if metrics else {}
+        update_job(s, job.id, **book_changes(job, book), status=status.value, reason=reason, exit_code=exit_code,
+                   end_s=now, **extra)
         self._event(s, job.pool, EventKind.ended(status), reason or status.value, job.id, exit_code=exit_code)
 
     # ------------------------------------------------------------------ requests and coalescing
 
-    def _request_rebalance(self, s: Session, pool: str) -> None:
-        """Ask for a rebalance of ``pool`` (served once this transaction has committed)."""
-        s.add(RebalanceRequest(pool=pool, time_s=self.clock()))
-
-    def _pending(self, s: Session, pool: str) -> int:
+    def _pending(self, s: Executor, pool: str) -> int:
         """Rebalance requests of ``pool`` not served yet, counted up to 2 (0, 1, or 2 for several)."""
-        return len(s.scalars(select(RebalanceRequest.id).where(RebalanceRequest.pool == pool).limit(2)).all())
+        return pending_requests(s, pool)
 
-    def _due(self, s: Session, row: GpuPool) -> bool:
+    def _due(self, s: Executor, row: GpuPool | Row[Any] | None) -> bool:
         """Whether to rebalance now, in the pool's lock: the last rebalance is older than
         ``rebalance_interval_s``; or requests are pending and either the last rebalance is older
         than :attr:`coalesce_s` or this is the only request (nobody else is busy with the pool, so
         waiting would gather nothing). Several requests within ``coalesce_s`` of a rebalance wait for
         the next call, heartbeat or trigger poll after it: one rebalance serves them all."""
+        if row is None:
+            return False
         since = self.clock() - row.last_rebalance_s
         if since >= row.rebalance_interval_s:
             return True
@@ -151,7 +106,7 @@ class Rebalancing(BrokerBase):
         """Run the pending rebalance of ``pool`` if one is due and its lock is free now; else the
         lock's holder, or a later call, serves it. Whether one is due is read first without the
         lock, so the lock stays free for the rebalance that is."""
-        if not self._read(lambda s: self._due(s, s.get(GpuPool, pool))):
+        if not self._read_conn(lambda conn: self._due(conn, read_pool(conn, pool))):
             return
 
         def run() -> None:

@@ -17,12 +17,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Connection, Engine, select
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from airflow_elastic_gpu.broker import db
-from airflow_elastic_gpu.broker.models import Event, GpuPool, Job
+from airflow_elastic_gpu.broker.models import GpuPool, Job
+from airflow_elastic_gpu.broker.rows import Executor, add_event
 from airflow_elastic_gpu.broker.types import InvalidRequest, NotFound
 from airflow_elastic_gpu.scheduling.policy import Policy
 from airflow_elastic_gpu.states import EventKind
@@ -153,6 +154,14 @@ class BrokerBase:
 
         return self._retrying(run)
 
+    def _read_conn(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn`` on a connection (plain SQL reads), retried like a transaction."""
+        def run() -> T:
+            with self.engine.connect() as conn:
+                return fn(conn)
+
+        return self._retrying(run)
+
     def _job(self, session: Session, job_id: str) -> Job:
         job = session.get(Job, job_id, populate_existing=True)
         if job is None:
@@ -186,8 +195,7 @@ class BrokerBase:
                 raise NotFound(f"unknown job {job_id!r}")
             yield session, job
 
-    def _event(self, session: Session, pool: str, kind: EventKind, message: str, job_id: str | None = None,
+    def _event(self, s: Executor, pool: str, kind: EventKind, message: str, job_id: str | None = None,
                **data: Any) -> None:
-        session.add(Event(time_s=self.clock(), pool=pool, job_id=job_id, kind=kind.value, message=message,
-                          data=data or None))
+        add_event(s, self.clock(), pool, kind, message, job_id, **data)
         log.info("[%s] %s%s", kind.value, f"job {job_id}: " if job_id else "", message)
