@@ -1,6 +1,6 @@
 """Benchmark: many concurrent clients against one broker pool on PostgreSQL, with an invariant checker.
 
-``--clients`` clients (default 64, threads spread over ``--processes`` processes, default 16, as
+``--clients`` clients (default 64, threads spread over ``--processes`` processes, default 4, as
 agents and triggerers are separate processes), each with its own ``GpuBroker`` (own connection
 pool), issue a randomized
 mix of submit / progress / heartbeat / ack / finish / fail / cancel /
@@ -144,7 +144,7 @@ def _process(first: int, count: int, url: str, pool: str, seed: int, remaining: 
 
 
 def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool: str = "load",
-             nodes: int = 4, gpus_per_node: int = 8, processes: int = 16) -> dict:
+             nodes: int = 4, gpus_per_node: int = 8, processes: int = 4) -> dict:
     """Run the load and return the figures (see the module docstring).
 
     :param processes: the clients are spread over this many processes (threads within each), as
@@ -243,7 +243,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--ops", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--processes", type=int, default=16,
+    ap.add_argument("--processes", type=int, default=4,
                     help="client processes the clients are spread over (threads in each)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()

@@ -100,7 +100,7 @@ class Lifecycle(Queries):
         key = spec.key or str(uuid.uuid4())
         token = secrets.token_urlsafe(32)
 
-        def run() -> tuple[str, bool]:
+        def run() -> tuple[str, bool | None]:
             with self.engine.begin() as conn:
                 capacity, largest = self._pool_size(conn, spec.pool)
                 if spec.min_gpus > capacity:
@@ -115,7 +115,7 @@ class Lifecycle(Queries):
                 existing = conn.execute(_BY_KEY, {"key": key}).first()
                 if existing is not None:
                     if JobStatus(existing.status) not in TERMINAL:
-                        return existing.id, False
+                        return existing.id, None
                     update_job(conn, existing.id, key=f"{key}@{existing.id}")
                 now = self.clock()
                 job_id = str(uuid.uuid4())
@@ -134,15 +134,15 @@ class Lifecycle(Queries):
                     job_id,
                 )
                 request_rebalance(conn, spec.pool, now)
-                return job_id, True
+                return job_id, self._due(conn, read_pool(conn, spec.pool))
 
         try:
-            job_id, created = self._retrying(run)
+            job_id, due = self._retrying(run)
         except IntegrityError:  # the same key submitted concurrently: that job is the answer
-            job_id, created = self._retrying(run)
-        if not created:
+            job_id, due = self._retrying(run)
+        if due is None:
             return self.job(job_id)
-        self._serve_rebalance(spec.pool)
+        self._serve_rebalance(spec.pool, due)
         return self._with_token(self.job(job_id), token)
 
     @staticmethod
@@ -277,15 +277,15 @@ class Lifecycle(Queries):
         :raises NotFound: unknown job.
         """
 
-        def run() -> tuple[bool, str]:
+        def run() -> tuple[bool, str, bool]:
             with self.engine.begin() as conn:
                 job = self._locked_job(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
-                    return False, job.pool
+                    return False, job.pool, False
                 book = book_of(job, *job_gpus(conn, job_id))
                 now = self.clock()
                 if not apply_ack(book, generation, now):
-                    return False, job.pool
+                    return False, job.pool, False
                 conn.execute(_FREE_IN_USE, {"job_id": job_id})
                 conn.execute(_TARGET_TO_IN_USE, {"job_id": job_id, "generation": generation})
                 update_job(conn, job_id, **book_changes(job, book), last_heartbeat_s=now)
@@ -296,11 +296,11 @@ class Lifecycle(Queries):
                     job_id, generation=generation, num_gpus=len(book.in_use),
                 )
                 request_rebalance(conn, job.pool, now)
-                return True, job.pool
+                return True, job.pool, self._due(conn, read_pool(conn, job.pool))
 
-        accepted, pool = self._retrying(run)
+        accepted, pool, due = self._retrying(run)
         if accepted:
-            self._serve_rebalance(pool)
+            self._serve_rebalance(pool, due)
         return accepted
 
     # ------------------------------------------------------------------ the end
@@ -314,11 +314,10 @@ class Lifecycle(Queries):
                     return job.pool, False
                 self._release(conn, job, status, reason, exit_code, metrics)
                 request_rebalance(conn, job.pool, self.clock())
-                return job.pool, True
+                return job.pool, self._due(conn, read_pool(conn, job.pool))
 
-        pool, ended = self._retrying(run)
-        if ended:
-            self._serve_rebalance(pool)
+        pool, due = self._retrying(run)
+        self._serve_rebalance(pool, due)
         return self.job(job_id)
 
     def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None) -> JobView:

@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Row, delete, select
+from sqlalchemy import Row, bindparam, delete, select
 from sqlalchemy.orm import Session, selectinload
 
 from airflow_elastic_gpu.broker.models import (
@@ -51,7 +51,7 @@ from airflow_elastic_gpu.broker.rows import (
     update_job,
 )
 from airflow_elastic_gpu.broker.transactions import BrokerBase
-from airflow_elastic_gpu.broker.types import DEFAULT_POOL
+from airflow_elastic_gpu.broker.types import DEFAULT_POOL, NotFound
 from airflow_elastic_gpu.scheduling.core import SchedulingCore, account_gpu_time
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
@@ -62,6 +62,9 @@ _BOOK_COLUMNS = (
     Job.throughput, Job.last_heartbeat_s, *(getattr(Job, name) for name in BOOK_FIELDS),
 )
 """The job columns a rebalance reads."""
+
+
+_POOL_SHARED = select(GpuPool.last_rebalance_s).where(GpuPool.name == bindparam("pool")).with_for_update(read=True)
 
 
 class Rebalancing(BrokerBase):
@@ -102,11 +105,14 @@ class Rebalancing(BrokerBase):
         pending = self._pending(s, row.name)
         return pending > 0 and (since >= self.coalesce_s or pending == 1)
 
-    def _serve_rebalance(self, pool: str) -> None:
+    def _serve_rebalance(self, pool: str, due: bool | None = None) -> None:
         """Run the pending rebalance of ``pool`` if one is due and its lock is free now; else the
-        lock's holder, or a later call, serves it. Whether one is due is read first without the
-        lock, so the lock stays free for the rebalance that is."""
-        if not self._read_conn(lambda conn: self._due(conn, read_pool(conn, pool))):
+        lock's holder, or a later call, serves it. Whether one is due (``due``, as the caller's
+        transaction saw it, or read here) is known before the lock is taken, so the lock stays free
+        for the rebalance that is."""
+        if due is None:
+            due = self._read_conn(lambda conn: self._due(conn, read_pool(conn, pool)))
+        if not due:
             return
 
         def run() -> None:
@@ -120,21 +126,35 @@ class Rebalancing(BrokerBase):
     def rebalance(self, pool: str = DEFAULT_POOL) -> dict[str, tuple[GpuId, ...]]:
         """Ask the policy for new targets now and publish them; returns job id -> newly published GPUs.
 
-        Coalesced: if a rebalance of the pool started after this call began (another client's,
-        while this one waited for the pool's lock), that one served this call and ``{}`` is
-        returned; callers never run one rebalance each.
+        Coalesced: concurrent calls never run one rebalance each, nor queue behind each other. If
+        another transaction holds the pool, this call waits with a *shared* lock on the pool row
+        (PostgreSQL ``FOR SHARE``: every waiter is let through together when the holder commits);
+        if the holder was a rebalance (it was running when this call asked, or started later), it
+        served this call and ``{}`` is returned; otherwise this call tries again.
 
         :raises NotFound: unknown pool.
         """
-        asked_s = self.clock()
+        seen = self._read_conn(lambda conn: read_pool(conn, pool))
+        if seen is None:
+            raise NotFound(f"unknown GPU pool {pool!r}")
 
-        def run() -> dict[str, tuple[GpuId, ...]]:
-            with self._tx(pool) as s:
-                if s.get(GpuPool, pool).last_rebalance_s > asked_s:
-                    return {}
+        def attempt() -> dict[str, tuple[GpuId, ...]] | None:
+            with self._sessions.begin() as s:
+                row = self._lock(s, pool, skip_locked=True)
+                if row is None:
+                    return None
+                if row.last_rebalance_s != seen.last_rebalance_s:
+                    return {}  # one ran since this call looked
                 return self._rebalance(s, pool)
 
-        return self._retrying(run)
+        def wait_for_holder() -> float:
+            with self.engine.begin() as conn:
+                return conn.execute(_POOL_SHARED, {"pool": pool}).scalar_one()
+
+        while (done := self._retrying(attempt)) is None:
+            if self._retrying(wait_for_holder) != seen.last_rebalance_s:
+                return {}
+        return done
 
     def maybe_rebalance(self, pool: str = DEFAULT_POOL) -> bool:
         """Rebalance if one is due (asked for, or the last is older than ``rebalance_interval_s``: a
