@@ -82,7 +82,12 @@ def test_trigger_serialization_round_trips():
     ({"total_steps": -5}, "total_steps must be an integer >= 1"),
     ({"backend": "slurm"}, "backend must be one of"),
     ({"progress_pattern": "step=("}, "not a valid regex"),
-    ({"poll_interval": 0}, "poll_interval must be > 0"),
+    ({"poll_interval": 0}, "poll_interval must be a number of seconds > 0"),
+    ({"poll_interval": float("nan")}, "poll_interval must be a number of seconds > 0"),
+    ({"priority": "high"}, "priority must be an integer"),
+    ({"gpu_pool": ""}, "pool must not be empty"),
+    ({"command": ""}, "command must not be empty"),
+    ({"requested_gpus": 99, "max_gpus": 2}, "requested_gpus"),
 ])
 def test_bad_operator_arguments_fail_at_dag_parse_time(kwargs, match):
     args = {"task_id": "t", "command": "python train.py", "total_steps": 10, **kwargs}

@@ -27,7 +27,6 @@ from airflow_elastic_gpu.broker.types import (
     BrokerError,
     JobSpec,
     JobView,
-    compile_progress_pattern,
 )
 from airflow_elastic_gpu.config import default_work_dir
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
@@ -97,20 +96,20 @@ class ElasticTrainingOperator(BaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        max_gpus = min_gpus if max_gpus is None else max_gpus
-        for name, value in (("min_gpus", min_gpus), ("max_gpus", max_gpus), ("total_steps", total_steps)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise AirflowException(f"{self.task_id}: {name} must be an integer >= 1, got {value!r}")
-        if min_gpus > max_gpus:
-            raise AirflowException(f"{self.task_id}: min_gpus ({min_gpus}) must not be larger than "
-                                   f"max_gpus ({max_gpus})")
-        if poll_interval <= 0:
-            raise AirflowException(f"{self.task_id}: poll_interval must be > 0 seconds, got {poll_interval}")
+        if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or not (
+                0 < poll_interval < float("inf")):
+            raise AirflowException(f"{self.task_id}: poll_interval must be a number of seconds > 0, "
+                                   f"got {poll_interval!r}")
         try:
-            compile_progress_pattern(progress_pattern)
+            spec = JobSpec(  # the one validation of a job's fields, also run by the broker at submit
+                name=job_name or self.task_id, command=command, min_gpus=min_gpus, max_gpus=max_gpus,
+                total_steps=total_steps, requested_gpus=requested_gpus, pool=gpu_pool, priority=priority,
+                progress_pattern=progress_pattern, checkpoint_dir=checkpoint_dir, backend=backend,
+            )
             self.kubernetes = backend_settings(backend, image=image, kubernetes=kubernetes)
         except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
+        max_gpus = spec.max_gpus
         self.command = command
         self.total_steps = total_steps
         self.min_gpus = min_gpus
