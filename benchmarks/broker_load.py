@@ -18,7 +18,8 @@ Writes ``benchmarks/results/broker_load.json`` (ops/s, p50/p99 latency per
 operation, violations, retried transactions).
 
     python benchmarks/broker_load.py [--url postgresql+psycopg://postgres@127.0.0.1:5432/test]
-                                     [--clients 64] [--ops 10000] [--seed 0]
+                                     [--clients 64] [--ops 10000] [--seed 0] [--processes 4]
+    python benchmarks/broker_load.py --restart-server --clients 16   # a private server, restarted mid-run
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from airflow_elastic_gpu.broker.types import BrokerError, JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "broker_load.json"
+RESTART_RESULTS = REPO / "benchmarks" / "results" / "broker_load_restart.json"
 DEFAULT_URL = os.environ.get("ELASTIC_GPU_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 OPS = ("submit", "progress", "heartbeat", "ack", "finish", "fail", "cancel", "rebalance")
 WEIGHTS = (10, 30, 20, 20, 6, 2, 2, 10)
@@ -92,7 +95,8 @@ def _client(n: int, url: str, pool: str, seed: int, remaining: Any, results: Any
             remaining.value -= 1
             return True
 
-    while take():
+    failure: str | None = None
+    while failure is None and take():
         op = rng.choices(OPS, WEIGHTS)[0]
         if op != "submit" and op != "rebalance" and not mine:
             op = "submit"
@@ -125,9 +129,11 @@ def _client(n: int, url: str, pool: str, seed: int, remaining: Any, results: Any
                     mine.remove(job_id)
         except BrokerError as exc:  # e.g. a job too large for the pool: counted, not fatal
             errors[f"{op}: {type(exc).__name__}"] += 1
+        except Exception as exc:  # noqa: BLE001 - a client that dies is reported, not hidden
+            failure = f"client {n}, {op}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         latencies[op].append(time.perf_counter() - t0)
     broker.engine.dispose()
-    results.put((dict(latencies), dict(errors), broker.retries, broker.rebalances))
+    results.put((dict(latencies), dict(errors), broker.retries, broker.rebalances, failure))
 
 
 def _process(first: int, count: int, url: str, pool: str, seed: int, remaining: Any, results: Any,
@@ -144,11 +150,14 @@ def _process(first: int, count: int, url: str, pool: str, seed: int, remaining: 
 
 
 def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool: str = "load",
-             nodes: int = 4, gpus_per_node: int = 8, processes: int = 4) -> dict:
+             nodes: int = 4, gpus_per_node: int = 8, processes: int = 4,
+             restart: Callable[[], float] | None = None, restart_after_s: float = 5.0) -> dict:
     """Run the load and return the figures (see the module docstring).
 
     :param processes: the clients are spread over this many processes (threads within each), as
         agents and triggerers are separate processes; 1 runs every client in this one.
+    :param restart: restarts the database server (see ``private_postgres.PrivatePostgres.restart``),
+        called once, ``restart_after_s`` seconds into the run; every client must ride it out.
     """
     engine = create_broker_engine(url)
     migrate(engine)
@@ -189,12 +198,25 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
     ready.wait()
     t0 = time.perf_counter()
     watch.start()
+    restarts: list[dict[str, float]] = []
+
+    def restarter() -> None:
+        if not stop.wait(restart_after_s):
+            took = restart()
+            restarts.append({"at_s": time.perf_counter() - t0, "took_s": took})
+
+    restart_thread = threading.Thread(target=restarter, name="restarter") if restart else None
+    if restart_thread:
+        restart_thread.start()
     latencies: dict[str, list[float]] = defaultdict(list)
     errors: dict[str, int] = defaultdict(int)
     retries = rebalances = 0
+    failures: list[str] = []
     for _ in range(clients):
-        lat, err, redone, rebalanced = results.get(timeout=3600)
+        lat, err, redone, rebalanced, failure = results.get(timeout=3600)
         rebalances += rebalanced
+        if failure:
+            failures.append(failure)
         for op, values in lat.items():
             latencies[op].extend(values)
         for name, count in err.items():
@@ -207,6 +229,8 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
             raise RuntimeError(f"a client process exited with {w.exitcode}")
     stop.set()
     watch.join()
+    if restart_thread:
+        restart_thread.join()
     for name, count in check(engine).items():
         violations[name] += count
     checks[0] += 1
@@ -228,6 +252,8 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
         "violations_by_kind": dict(violations),
         "retried_transactions": retries,
         "rebalances": rebalances,
+        "client_failures": failures,
+        "server_restarts": restarts,
         "rejected_requests": dict(errors),
     }
     engine.dispose()
@@ -245,12 +271,26 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--processes", type=int, default=4,
                     help="client processes the clients are spread over (threads in each)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--restart-server", action="store_true",
+                    help="run against a private PostgreSQL server (initdb/pg_ctl in a temporary directory, "
+                         "not --url) and restart it (pg_ctl restart -m fast) during the run")
+    ap.add_argument("--restart-after-s", type=float, default=5.0)
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"results file (default {RESULTS.name}, or {RESTART_RESULTS.name} with --restart-server)")
     args = ap.parse_args()
     console = Console()
-    with console.status(f"{args.clients} clients, {args.ops} operations against {args.url} ..."):
-        result = run_load(args.url, args.clients, args.ops, args.seed, pool=f"load-{int(time.time())}",
-                          processes=args.processes)
+    out = args.out or (RESTART_RESULTS if args.restart_server else RESULTS)
+    pool = f"load-{int(time.time())}"
+    if args.restart_server:
+        from private_postgres import PrivatePostgres
+
+        with PrivatePostgres() as pg, console.status(
+                f"{args.clients} clients, {args.ops} operations, server restarted after {args.restart_after_s:g}s"):
+            result = run_load(pg.url, args.clients, args.ops, args.seed, pool=pool, processes=args.processes,
+                              restart=pg.restart, restart_after_s=args.restart_after_s)
+    else:
+        with console.status(f"{args.clients} clients, {args.ops} operations against {args.url} ..."):
+            result = run_load(args.url, args.clients, args.ops, args.seed, pool=pool, processes=args.processes)
     table = Table(title=f"{result['operations']} operations, {result['clients']} clients "
                         f"in {result['processes']} processes: "
                         f"{result['ops_per_s']:.0f} ops/s, {result['invariant_violations']} invariant violations "
@@ -260,10 +300,14 @@ def main() -> int:
     for op, lat in result["latency_ms"].items():
         table.add_row(op, str(lat["count"]), f"{lat['p50']:.1f}", f"{lat['p99']:.1f}")
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    console.print(f"written to {args.out}")
-    return 1 if result["invariant_violations"] else 0
+    for r in result["server_restarts"]:
+        console.print(f"server restarted {r['at_s']:.1f}s into the run (took {r['took_s']:.2f}s)")
+    for failure in result["client_failures"]:
+        console.print(f"[red]client failed: {failure}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    console.print(f"written to {out}")
+    return 1 if result["invariant_violations"] or result["client_failures"] else 0
 
 
 if __name__ == "__main__":

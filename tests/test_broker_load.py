@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO, _reset_postgres
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+import private_postgres
 from broker_load import CHECKS, check, run_load
 
 
@@ -46,3 +47,18 @@ def test_the_checker_sees_a_planted_violation(tmp_path):
     assert found["ended job holds a GPU"] == 1
     assert found["gpu in two jobs' in-use sets"] == 0
     assert broker.job(b.id).in_use_gpus == ()
+
+
+@pytest.mark.skipif(not private_postgres.available(), reason="initdb/pg_ctl (PostgreSQL server) not installed")
+def test_clients_ride_out_a_real_server_restart():
+    """A private PostgreSQL server is restarted (pg_ctl restart -m fast) under load: every client
+    finishes its calls (connection refused / shutting down / starting up are retried), nothing is
+    double-booked, and the retries are counted."""
+    with private_postgres.PrivatePostgres() as pg:
+        result = run_load(pg.url, clients=8, ops=1200, seed=2, nodes=2, gpus_per_node=4, processes=2,
+                          restart=pg.restart, restart_after_s=1.5)
+    assert len(result["server_restarts"]) == 1, "the server was not restarted during the run"
+    assert result["client_failures"] == []
+    assert result["operations"] == 1200
+    assert result["violations_by_kind"] == {name: 0 for name in CHECKS}
+    assert result["retried_transactions"] > 0

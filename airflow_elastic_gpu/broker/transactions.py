@@ -34,7 +34,34 @@ T = TypeVar("T")
 
 _RETRYABLE_PG_CODES = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 # the server went away (restart, failover): the transaction was rolled back, so it is safe to redo
-_RECONNECT_PG_CODES = {"57P01", "57P02", "57P03", "08000", "08001", "08003", "08006"}
+_RECONNECT_PG_CODES = {"57P01", "57P02", "57P03", "08000", "08001", "08003", "08004", "08006"}
+# what drivers say when the server is restarting and the error carries no SQLSTATE
+_RECONNECT_MESSAGES = (
+    "connection refused", "the database system is shutting down", "the database system is starting up",
+    "the database system is in recovery mode", "server closed the connection unexpectedly",
+    "terminating connection", "connection is closed", "connection is lost", "consuming input failed",
+    "could not receive data from server", "no connection to the server", "connection timeout expired",
+    "ssl connection has been closed unexpectedly",
+)
+DEFAULT_RECONNECT_DEADLINE_S = 120.0
+
+
+def transient_kind(exc: BaseException) -> str | None:
+    """``"conflict"`` (serialization failure, deadlock, locked SQLite database: redo at once),
+    ``"connection"`` (the server is unreachable, restarting or cut the connection: redo after
+    back-off), or None (not transient: raise).
+    """
+    if isinstance(exc, IntegrityError):
+        return None
+    orig = getattr(exc, "orig", None)
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if code in _RETRYABLE_PG_CODES or "database is locked" in str(exc):
+        return "conflict"
+    text = str(exc).lower()
+    if (getattr(exc, "connection_invalidated", False) or code in _RECONNECT_PG_CODES
+            or any(m in text for m in _RECONNECT_MESSAGES)):
+        return "connection"
+    return None
 
 
 class BrokerBase:
@@ -47,6 +74,8 @@ class BrokerBase:
     :param clock: returns the time in seconds (epoch); injected for tests and the simulator.
     :param default_restart_overhead_s: assumed until a job's first resize is measured (seconds, >= 0).
     :param migrate: bring the schema to the latest revision if a version check finds it behind.
+    :param reconnect_deadline_s: how long a call keeps retrying while the database is unreachable
+        or restarting (seconds), before it raises.
     :param coalesce_s: under concurrent changes, at most one rebalance per this many seconds (on
         ``clock``) serves them (see :mod:`.rebalance`); a lone change is served at once.
     :raises InvalidRequest: a negative ``default_restart_overhead_s``.
@@ -62,6 +91,7 @@ class BrokerBase:
         default_restart_overhead_s: float = 10.0,
         migrate: bool = True,
         coalesce_s: float = 0.25,
+        reconnect_deadline_s: float = DEFAULT_RECONNECT_DEADLINE_S,
     ) -> None:
         if not coalesce_s >= 0:
             raise InvalidRequest(f"coalesce_s must be >= 0 seconds, got {coalesce_s}")
@@ -73,15 +103,16 @@ class BrokerBase:
             self.engine = url_or_engine
         else:
             self.engine = db.broker_engine(url_or_engine or db.default_broker_url())
-        if migrate:
-            db.ensure_schema(self.engine)
         self.policy_override = policy
         self.clock = clock
         self.default_restart_overhead_s = default_restart_overhead_s
         self.coalesce_s = coalesce_s
+        self.reconnect_deadline_s = reconnect_deadline_s
         self.rebalances = 0  # rebalances this client ran
         self.retries = 0  # transactions redone after a serialization failure, deadlock or lost connection
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        if migrate:
+            self._retrying(lambda: db.ensure_schema(self.engine))
 
     @property
     def url(self) -> str:
@@ -123,28 +154,33 @@ class BrokerBase:
         return row
 
     def _retrying(self, fn: Callable[[], T], attempts: int = 8) -> T:
-        """Run ``fn`` (one whole transaction), retrying serialization failures, deadlocks, a locked
-        SQLite database and lost connections (the transaction was rolled back, so it is redone)."""
-        for attempt in range(attempts):
+        """Run ``fn`` (one whole transaction), redoing it after a transient failure.
+
+        * a serialization failure, a deadlock or a locked SQLite database: up to ``attempts`` times;
+        * a lost or refused connection (the server restarts, fails over, or is starting up: the
+          transaction was rolled back, so it is safe to redo): with back-off until
+          :attr:`reconnect_deadline_s` seconds have passed.
+
+        :raises OperationalError: anything else, or the same failure past those limits.
+        """
+        start = time.monotonic()
+        attempt = 0
+        while True:
             try:
                 return fn()
             except (OperationalError, DBAPIError) as exc:
-                code = getattr(getattr(exc, "orig", None), "sqlstate", None) or getattr(
-                    getattr(exc, "orig", None), "pgcode", None
-                )
-                locked = "database is locked" in str(exc)
-                lost = bool(getattr(exc, "connection_invalidated", False)) or code in _RECONNECT_PG_CODES
-                if isinstance(exc, IntegrityError) or not (
-                    code in _RETRYABLE_PG_CODES or locked or lost
-                ):
+                kind = transient_kind(exc)
+                if kind is None:
                     raise
-                if attempt == attempts - 1:
+                attempt += 1
+                if kind == "connection":
+                    if time.monotonic() - start >= self.reconnect_deadline_s:
+                        raise
+                elif attempt >= attempts:
                     raise
                 self.retries += 1
-                log.info("retrying broker transaction after %s",
-                         code or ("a lost connection" if lost else "locked database"))
-                time.sleep(min(1.0, 0.01 * 2**attempt) * (1 + random.random()))
-        raise AssertionError("unreachable")
+                log.info("retrying a broker transaction after %s (%s)", kind, str(exc).splitlines()[0][:200])
+                time.sleep(min(1.0, 0.01 * 2 ** min(attempt, 10)) * (1 + random.random()))
 
     def _read(self, fn: Callable[[Session], T]) -> T:
         """Run ``fn`` in a read-only session, retried like a transaction."""
