@@ -20,8 +20,9 @@ from airflow_elastic_gpu.cli import main as cli
 
 
 @pytest.fixture
-def broker(tmp_path):
-    b = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
+def broker(broker_url):
+    """A broker with one 2-GPU node, on SQLite and on PostgreSQL: both must answer alike."""
+    b = GpuBroker(broker_url)
     b.register_node("n0", 2)
     yield b
     b.engine.dispose()
@@ -46,6 +47,16 @@ HOSTILE_NAME = "x'); DROP TABLE job; --"
     (dict(name=""), "name must not be empty"),
     (dict(progress_pattern="(?P<step>"), "not a valid regex"),
     (dict(backend="../../bin/sh"), "backend must be one of local, kubernetes, simulated"),
+    # what the database would refuse (PostgreSQL) or store silently (SQLite): refused alike, by name
+    (dict(name="n" * 257), "name must be at most 256 characters, got 257"),
+    (dict(key="k" * 513), "key must be at most 512 characters, got 513"),
+    (dict(key=""), "key must not be empty"),
+    (dict(pool="p" * 129), "pool must be at most 128 characters, got 129"),
+    (dict(name="a\x00b"), "name must not contain NUL characters"),
+    (dict(command="python\x00 x.py"), "command must not contain NUL characters"),
+    (dict(priority=2**31), "priority must be at most 2147483647"),
+    (dict(priority="high"), "priority must be an integer"),
+    (dict(total_steps=2**31), "total_steps must be at most 2147483647"),
 ])
 def test_submit_rejects_bad_fields_and_changes_nothing(broker, spec, message):
     before = state(broker)
@@ -74,6 +85,15 @@ def test_hostile_text_is_stored_verbatim_and_harms_nothing(broker):
     (lambda b: b.configure_pool(policy_params={"warp": 9}), InvalidRequest, "bad parameters for policy"),
     (lambda b: b.configure_pool(rebalance_interval_s=-1), InvalidRequest, r"rebalance_interval_s must be a number of seconds in \(0, "),
     (lambda b: b.configure_pool("nope"), NotFound, "unknown GPU pool 'nope'"),
+    (lambda b: b.configure_pool(rebalance_interval_s="5"), InvalidRequest, "rebalance_interval_s must be a number"),
+    (lambda b: b.configure_pool(lease_s=math.inf), InvalidRequest, "lease_s must be a number of seconds"),
+    (lambda b: b.configure_pool(lease_s=math.nan), InvalidRequest, "lease_s must be a number of seconds"),
+    (lambda b: b.register_node("x" * 254, 2), InvalidRequest, "node name must be at most 253 characters"),
+    (lambda b: b.register_node("n1", 2, pool="p" * 129), InvalidRequest, "GPU pool name must be at most 128"),
+    (lambda b: b.register_node("n1", gpu_indices=[2**40]), InvalidRequest, "GPU index must be at most 1023"),
+    (lambda b: b.register_node("n1", 1_000_000), InvalidRequest, "num_gpus must be at most 1024"),
+    (lambda b: b.register_node("n\x001", 2), InvalidRequest, "node name must not contain NUL"),
+    (lambda b: b.register_node("n1", 2, gpu_type="t" * 129), InvalidRequest, "gpu_type must be at most 128"),
     (lambda b: b.progress("no-such-job", 1.0), NotFound, "unknown job"),
     (lambda b: b.ack("no-such-job", 1), NotFound, "unknown job"),
     (lambda b: b.finish("no-such-job"), NotFound, "unknown job"),
