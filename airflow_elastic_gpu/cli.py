@@ -20,6 +20,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from sqlalchemy.engine import make_url
@@ -32,6 +33,7 @@ from airflow_elastic_gpu.broker.types import (
     BrokerError,
     JobSpec,
     JobView,
+    NotFound,
     PoolSnapshot,
 )
 from airflow_elastic_gpu.config import default_broker_url, default_work_dir
@@ -137,22 +139,34 @@ def cmd_pool(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             raise BrokerError(f"--param {item!r}: expected NAME=VALUE")
-        params[key] = float(value)
+        try:
+            params[key] = float(value)
+        except ValueError:
+            raise BrokerError(f"--param {item!r}: the value of {key} must be a number, got {value!r}") from None
     broker.configure_pool(args.pool, policy=args.policy, policy_params=params or None,
                           lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
     console.print(f"pool {args.pool!r}: policy {broker.pool_policy(args.pool)}")
     return 0
 
 
+def _known_pool(broker: GpuBroker, pool: str | None) -> None:
+    """:raises NotFound: ``pool`` is given and the broker has no such pool (naming the known ones)."""
+    if pool is not None and pool not in (known := broker.pools()):
+        raise NotFound(f"unknown GPU pool {pool!r}; known pools: {', '.join(known) or 'none'}")
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     _say_where(args)
-    console.print(jobs_table(_broker(args).jobs(args.pool, active_only=args.active)))
+    broker = _broker(args)
+    _known_pool(broker, args.pool)
+    console.print(jobs_table(broker.jobs(args.pool, active_only=args.active)))
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     _say_where(args)
     broker = _broker(args)
+    _known_pool(broker, args.pool)
     if not args.watch:
         console.print(snapshot_view(broker.snapshot(args.pool)))
         return 0
@@ -421,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (BrokerError, BackendError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        notes.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
 
 
