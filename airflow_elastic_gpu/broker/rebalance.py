@@ -28,10 +28,11 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Row, bindparam, delete, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import Row, bindparam, delete, insert, literal, select, union_all
+from sqlalchemy.orm import Session
 
 from airflow_elastic_gpu.broker.models import (
+    Gpu,
     GpuInUse,
     GpuPool,
     GpuTarget,
@@ -41,6 +42,7 @@ from airflow_elastic_gpu.broker.models import (
 )
 from airflow_elastic_gpu.broker.rows import (
     BOOK_FIELDS,
+    JOB_COLUMNS,
     Executor,
     book_changes,
     book_of,
@@ -61,7 +63,21 @@ _BOOK_COLUMNS = (
     Job.id, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus, Job.priority,
     Job.throughput, Job.last_heartbeat_s, *(getattr(Job, name) for name in BOOK_FIELDS),
 )
-"""The job columns a rebalance reads."""
+# a rebalance's statements, built once (parameters bound per call)
+_SERVED = delete(RebalanceRequest).where(RebalanceRequest.pool == bindparam("pool"))
+_ACTIVE_JOBS = (select(*_BOOK_COLUMNS).where(Job.pool == bindparam("pool"), Job.status.in_(ACTIVE))
+                .order_by(Job.submit_s, Job.id))
+_POOL_GPUS = (
+    select(Node.name, Node.schedulable, Gpu.id, Gpu.index, Gpu.gpu_type, Gpu.healthy)
+    .join(Gpu, Gpu.node_id == Node.id).where(Node.pool == bindparam("pool")).order_by(Node.name, Gpu.index)
+)
+_POOL_HELD = union_all(*(
+    select(literal(kind).label("kind"), table.job_id, table.gpu_id).join(Job, Job.id == table.job_id)
+    .where(Job.pool == bindparam("pool"))
+    for kind, table in (("target", GpuTarget), ("in_use", GpuInUse))
+))
+_DROP_TARGET = delete(GpuTarget).where(GpuTarget.job_id == bindparam("job_id"))
+_ADD_TARGET = insert(GpuTarget)
 
 
 _POOL_SHARED = select(GpuPool.last_rebalance_s).where(GpuPool.name == bindparam("pool")).with_for_update(read=True)
@@ -173,13 +189,12 @@ class Rebalancing(BrokerBase):
 
         return self._retrying(run)
 
-    def _locked_active(self, s: Session, job_ids: Iterable[str]) -> dict[str, Job]:
-        """Lock the rows of ``job_ids`` (re-read) and return those still unfinished."""
+    def _locked_active(self, s: Executor, job_ids: Iterable[str]) -> dict[str, Row[Any]]:
+        """Lock the rows of ``job_ids`` (re-read, every column) and return those still unfinished."""
         ids = sorted(set(job_ids))
         if not ids:
             return {}
-        rows = s.scalars(select(Job).where(Job.id.in_(ids)).order_by(Job.id).with_for_update(key_share=True)
-                         .execution_options(populate_existing=True))
+        rows = s.execute(select(*JOB_COLUMNS).where(Job.id.in_(ids)).order_by(Job.id).with_for_update(key_share=True))
         return {j.id: j for j in rows if j.status in ACTIVE}
 
     def _policy_of(self, row: GpuPool) -> Policy:
@@ -192,12 +207,11 @@ class Rebalancing(BrokerBase):
         jobs and publish its decisions (the caller holds the pool lock)."""
         now = self.clock()
         self.rebalances += 1
-        s.execute(delete(RebalanceRequest).where(RebalanceRequest.pool == pool))
+        s.execute(_SERVED, {"pool": pool})
         row = s.get(GpuPool, pool)
         row.last_rebalance_s = now
-        jobs = s.execute(
-            select(*_BOOK_COLUMNS).where(Job.pool == pool, Job.status.in_(ACTIVE)).order_by(Job.submit_s, Job.id)
-        ).all()
+        s.flush()
+        jobs = s.execute(_ACTIVE_JOBS, {"pool": pool}).all()
         silent = [j.id for j in jobs if now - j.last_heartbeat_s > row.lease_s]
         reaped = set()
         for job in self._locked_active(s, silent).values():  # reap jobs whose agent went silent
@@ -213,23 +227,21 @@ class Rebalancing(BrokerBase):
         if not jobs:
             return {}
         gpu_by_id: dict[int, GpuId] = {}
-        nodes: list[NodeState] = []
-        for node in s.scalars(select(Node).options(selectinload(Node.gpus)).where(Node.pool == pool)
-                              .order_by(Node.name)):
-            for g in node.gpus:
-                gpu_by_id[g.id] = GpuId(node.name, g.index)
-            if node.schedulable:
-                nodes.append(NodeState(node.name, tuple(g.index for g in node.gpus if g.healthy),
-                                       node.gpus[0].gpu_type if node.gpus else "virtual"))
+        usable: dict[str, list[int]] = {}
+        gpu_types: dict[str, str] = {}
+        for node, schedulable, gpu_id, index, gpu_type, healthy in s.execute(_POOL_GPUS, {"pool": pool}):
+            gpu_by_id[gpu_id] = GpuId(node, index)
+            if schedulable:
+                gpu_types.setdefault(node, gpu_type)
+                indices = usable.setdefault(node, [])
+                if healthy:
+                    indices.append(index)
+        nodes = [NodeState(name, tuple(indices), gpu_types[name]) for name, indices in usable.items()]
         id_by_gpu = {g: i for i, g in gpu_by_id.items()}
-        held: dict[type, dict[str, list[GpuId]]] = {}
-        for table in (GpuTarget, GpuInUse):
-            held[table] = defaultdict(list)
-            for job_id, gpu_id in s.execute(
-                select(table.job_id, table.gpu_id).join(Job, Job.id == table.job_id).where(Job.pool == pool)
-            ):
-                held[table][job_id].append(gpu_by_id[gpu_id])
-        books = [book_of(j, held[GpuTarget][j.id], held[GpuInUse][j.id]) for j in jobs]
+        held: dict[str, dict[str, list[GpuId]]] = {"target": defaultdict(list), "in_use": defaultdict(list)}
+        for kind, job_id, gpu_id in s.execute(_POOL_HELD, {"pool": pool}):
+            held[kind][job_id].append(gpu_by_id[gpu_id])
+        books = [book_of(j, held["target"][j.id], held["in_use"][j.id]) for j in jobs]
         publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
             nodes, books, now)
         locked = self._locked_active(s, [p.job_id for p in publications])
@@ -238,15 +250,12 @@ class Rebalancing(BrokerBase):
             job = locked.get(pub.job_id)
             if job is None:
                 continue  # it ended while we decided; its GPUs are free already
-            s.execute(delete(GpuTarget).where(GpuTarget.job_id == job.id))
-            s.flush()
-            s.add_all(GpuTarget(gpu_id=id_by_gpu[g], job_id=job.id, generation=pub.generation) for g in pub.gpus)
-            job.target_generation = pub.generation
-            job.published_s = now
-            if pub.previous_gpus:
-                job.last_resize_s = now
-            job.status = JobStatus.RUNNING
-            s.flush()
+            s.execute(_DROP_TARGET, {"job_id": job.id})
+            if pub.gpus:
+                s.execute(_ADD_TARGET, [{"gpu_id": id_by_gpu[g], "job_id": job.id, "generation": pub.generation}
+                                        for g in pub.gpus])
+            update_job(s, job.id, target_generation=pub.generation, published_s=now, status=JobStatus.RUNNING.value,
+                       **({"last_resize_s": now} if pub.previous_gpus else {}))
             published[job.id] = pub.gpus
             self._event(
                 s, pool, EventKind.RESIZE if pub.previous_gpus else EventKind.START,
