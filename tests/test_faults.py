@@ -15,7 +15,6 @@ import asyncio
 import os
 import signal
 import sys
-import threading
 import time
 
 import pytest
@@ -143,23 +142,27 @@ def test_a_restarted_triggerer_resumes_the_deferred_task_without_a_second_job(se
 @pytest.mark.postgres
 def test_killed_database_connections_under_load_are_retried_without_breaking_an_invariant(postgres_server_url):
     _reset_postgres(postgres_server_url)
-    result: dict = {}
-    runner = threading.Thread(target=lambda: result.update(
-        run_load(postgres_server_url, clients=8, ops=600, seed=2, nodes=2, gpus_per_node=4)))
-    runner.start()
     admin = create_engine(postgres_server_url.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
     name = postgres_server_url.rsplit("/", 1)[1]
-    killed = 0
-    with admin.connect() as conn:
-        for _ in range(4):  # what a server restart does to every client: its connection is terminated
-            time.sleep(0.5)
-            killed += conn.execute(text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE datname = :n AND pid <> pg_backend_pid()"), {"n": name}).scalar_one()
-    runner.join(300)
+    killed = [0]
+
+    def terminate_every_connection() -> float:
+        """What a server restart does to every client, four times: its connection is terminated."""
+        t0 = time.monotonic()
+        with admin.connect() as conn:
+            for _ in range(4):
+                killed[0] += conn.execute(text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = :n AND pid <> pg_backend_pid()"), {"n": name}).scalar_one()
+                time.sleep(0.3)
+        return time.monotonic() - t0
+
+    result = run_load(postgres_server_url, clients=8, ops=1200, seed=2, nodes=2, gpus_per_node=4, processes=2,
+                      restart=terminate_every_connection, restart_after_s=0.5)
     admin.dispose()
-    assert killed > 0
-    assert result["operations"] == 600
+    assert killed[0] > 0 and len(result["server_restarts"]) == 1
+    assert result["client_failures"] == []
+    assert result["operations"] == 1200
     assert result["violations_by_kind"] == {name: 0 for name in CHECKS}
     assert result["retried_transactions"] > 0
 
