@@ -5,14 +5,51 @@ The models are the API's contract: the OpenAPI schema is generated from them.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import EventView, JobView, PoolSnapshot, Target
 
 MAX_INT = 2**31 - 1  # ids and generations are 32-bit integers in PostgreSQL
+MAX_STEP = 2**53  # the largest step a double counts exactly
+MAX_METRICS_BYTES = 16 * 1024  # default; the app passes its own limit in the validation context
+MAX_METRICS_DEPTH = 32
+
+
+def check_metrics(metrics: dict[str, Any] | None, max_bytes: int = MAX_METRICS_BYTES) -> dict[str, Any] | None:
+    """``metrics`` if every number in it is finite (as a double), it nests at most
+    :data:`MAX_METRICS_DEPTH` levels and it is at most ``max_bytes`` as compact UTF-8 JSON.
+
+    :raises ValueError: what was wrong, naming the place (``metrics['loss']``) or the size.
+    """
+    if metrics is None:
+        return None
+    stack: list[tuple[Any, str, int]] = [(metrics, "metrics", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_METRICS_DEPTH:
+                raise ValueError(f"{where} nests deeper than {MAX_METRICS_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((v, f"{where}[{k!r:.40}]", depth + 1) for k, v in items)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                finite = math.isfinite(value)
+            except OverflowError:  # an integer beyond a double's range
+                finite = False
+            if not finite:
+                raise ValueError(f"{where} is not a finite number (as a double): report a finite value or a string")
+        elif value is not None and not isinstance(value, (str, bool)):
+            raise ValueError(f"{where} is a {type(value).__name__}, not a JSON value")
+    size = len(json.dumps(metrics, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > max_bytes:
+        raise ValueError(f"metrics are {size} bytes as JSON, more than the {max_bytes} allowed: "
+                         "report a summary (final loss, accuracy), not a history")
+    return metrics
 
 
 class _Strict(BaseModel):
@@ -20,24 +57,37 @@ class _Strict(BaseModel):
 
 
 class ProgressIn(_Strict):
-    step: float = Field(ge=0, allow_inf_nan=False, description="steps done so far")
+    step: float = Field(ge=0, le=MAX_STEP, allow_inf_nan=False, description="steps done so far")
     generation: int | None = Field(default=None, ge=1, le=MAX_INT, description="the generation that made them")
-    time_s: float | None = Field(default=None, allow_inf_nan=False, description="epoch seconds (default: now)")
+    time_s: float | None = Field(
+        default=None, allow_inf_nan=False, json_schema_extra={"deprecated": True},
+        description="ignored: the broker times every sample by its own clock when it arrives (a client's "
+                    "clock could forge any throughput); accepted, if finite, for older agents",
+    )
 
 
 class AckIn(_Strict):
     generation: int = Field(ge=1, le=MAX_INT, description="the generation now running")
 
 
-class FinishIn(_Strict):
+class _Report(_Strict):
+    metrics: dict[str, Any] | None = Field(
+        default=None, description="the trainer's final metrics: JSON with finite numbers, at most "
+                                  f"{MAX_METRICS_DEPTH} levels deep and 16 KiB (the server's limit) as compact JSON")
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_fit(cls, metrics: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        return check_metrics(metrics, (info.context or {}).get("max_metrics_bytes", MAX_METRICS_BYTES))
+
+
+class FinishIn(_Report):
     exit_code: int = Field(default=0, ge=0, le=255)
-    metrics: dict[str, Any] | None = None
 
 
-class FailIn(_Strict):
+class FailIn(_Report):
     reason: str = Field(min_length=1, max_length=20_000, description="why the job cannot go on")
     exit_code: int | None = Field(default=None, ge=-255, le=255)
-    metrics: dict[str, Any] | None = None
 
 
 class TargetOut(BaseModel):
@@ -70,7 +120,8 @@ class JobOut(BaseModel):
     num_resizes: int
     gpu_seconds: float
     restart_overhead_s: float | None
-    throughput: list[tuple[int, float]] = Field(description="(GPUs, steps/s) measured on each count")
+    throughput: list[tuple[int, float]] = Field(
+        description="(GPUs, steps/s) measured on each count; finite (a non-finite sample is left out)")
     submit_s: float
     start_s: float | None
     end_s: float | None
@@ -136,7 +187,7 @@ def job_out(j: JobView) -> JobOut:
         steps_done=j.steps_done, target_generation=j.target_generation, acked_generation=j.acked_generation,
         target_gpus=[str(g) for g in j.target_gpus], in_use_gpus=[str(g) for g in j.in_use_gpus],
         num_resizes=j.num_resizes, gpu_seconds=j.gpu_seconds, restart_overhead_s=j.restart_overhead_s,
-        throughput=[(int(n), float(t)) for n, t in j.throughput], submit_s=j.submit_s, start_s=j.start_s,
+        throughput=[(int(n), float(t)) for n, t in j.throughput if math.isfinite(t)], submit_s=j.submit_s, start_s=j.start_s,
         end_s=j.end_s, jct_s=j.jct_s, queueing_delay_s=j.queueing_delay_s, exit_code=j.exit_code,
         reason=j.reason, metrics=j.metrics,
     )
