@@ -319,14 +319,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
     import uvicorn
 
-    from airflow_elastic_gpu.broker.api import create_app
+    from airflow_elastic_gpu.broker.api import ENV_UI_TOKEN, check_bind_address, create_app
+    from airflow_elastic_gpu.broker.api_guards import ApiLimits
 
-    url = args.broker_url or default_broker_url()
-    shown = make_url(url).render_as_string(hide_password=True)
-    console.print(f"broker API on http://{args.host}:{args.port} (page: /ui, OpenAPI: /docs) for {shown}")
-    uvicorn.run(create_app(broker_url=url), host=args.host, port=args.port, log_level="warning")
+    ui_token = os.environ.get(ENV_UI_TOKEN) or None
+    check_bind_address(args.host, ui_token)
+    overrides = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),
+                                   ("max_metrics_bytes", args.max_metrics_bytes)) if v is not None}
+    limits = dataclasses.replace(ApiLimits.from_env(), **overrides)
+    app = create_app(broker_url=args.broker_url or default_broker_url(), ui_token=ui_token, limits=limits,
+                     api_docs=args.api_docs)
+    shown = make_url(args.broker_url or default_broker_url()).render_as_string(hide_password=True)
+    docs = "; Swagger UI: /docs (assets from a CDN)" if args.api_docs else ""
+    views = "need the UI token" if ui_token else "open (loopback only)"
+    console.print(f"broker API on http://{args.host}:{args.port} (page: /ui; OpenAPI: /openapi.json{docs}) "
+                  f"for {shown}; read-only views {views}; bodies up to {limits.max_body_bytes} bytes")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -392,8 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("broker", help="serve the broker HTTP API and the GPU pool page")
     p.add_argument("action", choices=["serve"])
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; any but a loopback one needs $AIRFLOW_ELASTIC_GPU_UI_TOKEN")
     p.add_argument("--port", type=int, default=8793)
+    p.add_argument("--api-docs", action="store_true",
+                   help="also serve Swagger UI (/docs) and ReDoc (/redoc); their assets load from a CDN")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body (default $AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES or 262144)")
+    p.add_argument("--max-metrics-bytes", type=int, default=None,
+                   help="largest metrics of a finish/fail report (default "
+                        "$AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES or 16384)")
     p.set_defaults(fn=cmd_broker)
 
     from airflow_elastic_gpu.simulator.profiles import DEFAULT_SOURCE

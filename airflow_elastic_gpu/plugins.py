@@ -2,7 +2,9 @@
 
 * ``fastapi_apps``: the broker API (:mod:`airflow_elastic_gpu.broker.api`) at ``/elastic-gpu``; its
   read-only part requires Airflow's authentication (the ``PLUGINS`` view permission), the sidecar
-  part the job's own token.
+  part the job's own token. The same limits (``$AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES``, ...) and
+  page headers (Content-Security-Policy, framed by Airflow's own origin only) as stand-alone; no
+  Swagger page of its own (``/elastic-gpu/openapi.json`` is served).
 * ``external_views``: "GPU pool" in the navigation (Browse menu), the live page at ``/elastic-gpu/ui``.
 * ``operator_extra_links``: "GPU job" on each training task instance.
 

@@ -101,7 +101,7 @@ def test_read_only_views_show_holders_progress_timeline_and_reasons(broker, clie
     assert client.get("/api/v1/events", params={"limit": 0}).status_code == 422
     page = client.get("/ui")
     assert page.status_code == 200 and "plotly.min.js" in page.text
-    assert client.get("/ui/plotly.min.js").headers["content-type"].startswith("application/javascript")
+    assert client.get("/ui/plotly.min.js").headers["content-type"].startswith("text/javascript")  # RFC 9239
 
 
 def test_ui_token_guards_the_read_only_part_when_set(broker, monkeypatch):

@@ -1,4 +1,5 @@
-"""The GPU pool page in a real browser (Debian's chromium, headless) while a small job runs."""
+"""The GPU pool page in a real browser (Debian's chromium, headless): a small job running, and hostile
+text from the API shown as text under the page's Content-Security-Policy."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import shutil
 import sys
 
+import httpx
 import pytest
 
 from airflow_elastic_gpu.backends.local import LocalBackend
@@ -33,6 +35,15 @@ def chrome():
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1400"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    # before any page script: record CSP violations and uncaught errors (this script itself is
+    # exempt from the page's CSP)
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": """
+        window.__csp = []; window.__errors = [];
+        document.addEventListener('securitypolicyviolation',
+            e => window.__csp.push(e.violatedDirective + ' ' + e.blockedURI));
+        window.addEventListener('error', e => window.__errors.push(String(e.message)));
+        window.addEventListener('unhandledrejection', e => window.__errors.push(String(e.reason)));
+    """})
     yield driver
     driver.quit()
 
@@ -60,6 +71,7 @@ def test_pool_page_shows_the_running_job_in_grid_timeline_and_table(tmp_path, br
         assert "resnet-demo" in timeline_text and "2 GPUs" in timeline_text
         row = chrome.execute_script("return document.querySelector('#jobs tr.focus').textContent")
         assert "resnet-demo" in row and "running" in row
+        assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]  # plotly too
         out = tmp_path / "gpu_pool_page.png"
         chrome.save_screenshot(str(out))
         assert out.read_bytes()[:4] == b"\x89PNG"
@@ -68,3 +80,53 @@ def test_pool_page_shows_the_running_job_in_grid_timeline_and_table(tmp_path, br
     finally:
         broker.cancel(job.id)
         backend.stop(job.id, timeout_s=10)
+
+
+HOSTILE = "<img src=x onerror=document.title='XSS-'+document.domain>"
+
+
+def test_hostile_names_reasons_and_metrics_are_shown_as_text(broker, api_server, chrome):  # noqa: F811
+    # a DAG author's job name, an agent's fail reason and a trainer's metrics, the last two through
+    # the real HTTP API with the jobs' own tokens
+    name = "<b>bold</b><svg onload=document.title='XSS-name'>"
+    reason = "<script>document.title='XSS-reason'</script><a href=javascript:alert(1)>x</a>"
+    finished = broker.submit(JobSpec(name, "train", 1, 1, total_steps=100))
+    failed = broker.submit(JobSpec("plain", "train", 1, 1, total_steps=100))
+    forged = broker.submit(JobSpec("forged", "train", 1, 1, total_steps=100))
+    for job in (finished, failed, forged):
+        broker.ack(job.id, 1)
+    r = httpx.post(f"{api_server}/api/v1/jobs/{finished.id}/finish", json={"metrics": {"accuracy": HOSTILE}},
+                   headers={"Authorization": f"Bearer {finished.token}"})
+    assert r.status_code == 200 and r.json()["metrics"] == {"accuracy": HOSTILE}
+    r = httpx.post(f"{api_server}/api/v1/jobs/{failed.id}/fail", json={"reason": reason},
+                   headers={"Authorization": f"Bearer {failed.token}"})
+    assert r.status_code == 200
+    # an infinite throughput (forged through the database path, which takes the caller's times)
+    broker.progress(forged.id, 0.0, generation=1, time_s=1e-300)
+    broker.progress(forged.id, 1e308, generation=1, time_s=2e-300)
+
+    chrome.get(f"{api_server}/ui?pool=default")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    refreshed = chrome.execute_script("return document.getElementById('updated').textContent")
+    wait_for(lambda: chrome.execute_script("return document.getElementById('updated').textContent") != refreshed,
+             30, "a second refresh")
+
+    assert chrome.title == "Elastic GPU pool"
+    injected = chrome.execute_script(
+        "return document.querySelectorAll('img, svg [onload], [onerror], [onload], a[href^=javascript], "
+        "body script, #jobs b, #events b').length")
+    assert injected == 0
+    rows = dict(chrome.execute_script(
+        "return [...document.querySelectorAll('#jobs tbody tr')].map(r => [r.dataset.job, r.textContent])"))
+    assert name in rows[finished.id] and f"accuracy {HOSTILE}" in rows[finished.id]
+    assert reason in rows[failed.id]
+    throughput = chrome.execute_script(
+        f"return document.querySelector('#jobs tr[data-job=\"{forged.id}\"] td:nth-child(5)').textContent")
+    assert throughput == "-"  # an infinite throughput never reaches the page
+    events = chrome.execute_script("return document.querySelector('#events').textContent")
+    assert "succeeded" in events or "finished" in events
+    timeline = chrome.execute_script("return document.getElementById('timeline').textContent")
+    assert "<b>bold</b>" in timeline  # plotly's own markup is escaped too: the tags show as text
+    assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]
+    assert not chrome.execute_script("return document.getElementById('updated').textContent").startswith(
+        "could not load")

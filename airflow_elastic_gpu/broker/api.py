@@ -6,220 +6,101 @@ Two parts:
 * ``/api/v1/jobs/{job_id}/...`` (heartbeat, progress, target, ack, finish, fail): what a job's agent
   calls. Each request carries the job's bearer token (created at submit, only its hash is stored);
   a token for one job can never read or change another. No token: 401; a token that is not this
-  job's: 403.
+  job's: 403. The token is checked before the request's body is read. Once the job has ended its
+  token changes nothing: progress and ack get 403; heartbeat and target still say that it ended
+  (so a running agent stops its trainer) and a repeated finish or fail answers the job as it ended.
 * ``/api/v1/pools/...``, ``/api/v1/jobs``, ``/api/v1/events`` and ``/ui``: read-only views for people
   (pool snapshot with who holds which GPU, jobs with progress and throughput, allocation timeline,
   the event log with each resize's reason). Inside Airflow's api-server (the plugin) they require
-  Airflow's own authentication; stand-alone (``airflow-elastic-gpu broker serve``) they are open, or
-  need ``AIRFLOW_ELASTIC_GPU_UI_TOKEN`` as a bearer token when that is set.
+  Airflow's own authentication; stand-alone (``airflow-elastic-gpu broker serve``) they need
+  ``AIRFLOW_ELASTIC_GPU_UI_TOKEN`` as a bearer token when that is set, and the command refuses to
+  listen beyond the loopback interface without it (:func:`check_bind_address`).
 
-The page's charts use plotly.js, served from the ``plotly`` package on this server (no external
-network at view time).
+Limits (:mod:`.api_guards`): a body above 256 KiB gets 413 before it is read; bodies are strict
+JSON (finite numbers only), every malformed one a 422; a report's ``metrics`` at most 16 KiB.
+Progress samples are timed by the broker's clock, never the client's.
+
+The page renders every value as text (DOM ``textContent``, never HTML) under a Content-Security-Policy
+that allows scripts from this server only; its script and plotly.js are served from here (no
+external network at view time). ``/openapi.json`` is the contract; the Swagger and ReDoc pages, which
+load their assets from a CDN, are off unless asked for (``api_docs=True``).
 """
 
-
-
+# no ``from __future__ import annotations``: FastAPI resolves the closures' ``Annotated`` dependencies
+# from the live objects
 import hmac
+import ipaddress
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, status
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
-from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.broker.types import (
-    DEFAULT_POOL,
-    EventView,
-    InvalidRequest,
-    JobView,
-    NotFound,
-    PoolSnapshot,
-    Target,
+from airflow_elastic_gpu.broker.api_guards import (
+    ApiLimits,
+    BodySizeLimit,
+    SecurityHeaders,
+    parse_body,
 )
+from airflow_elastic_gpu.broker.api_models import (
+    MAX_INT,
+    AckIn,
+    AckOut,
+    EventOut,
+    FailIn,
+    FinishIn,
+    JobOut,
+    ProgressIn,
+    SnapshotOut,
+    TargetOut,
+    TimelineOut,
+    event_out,
+    job_out,
+    snapshot_out,
+    target_out,
+    timeline,
+)
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import DEFAULT_POOL, InvalidRequest, NotFound
 
+ENV_UI_TOKEN = "AIRFLOW_ELASTIC_GPU_UI_TOKEN"
 API_PREFIX = "/api/v1"
-MAX_INT = 2**31 - 1  # ids and generations are 32-bit integers in PostgreSQL
 STATIC = Path(__file__).with_name("static")
 bearer = HTTPBearer(auto_error=False)
 
 
-# --------------------------------------------------------------------------- models
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ProgressIn(_Strict):
-    step: float = Field(ge=0, allow_inf_nan=False, description="steps done so far")
-    generation: int | None = Field(default=None, ge=1, le=MAX_INT, description="the generation that made them")
-    time_s: float | None = Field(default=None, allow_inf_nan=False, description="epoch seconds (default: now)")
-
-
-class AckIn(_Strict):
-    generation: int = Field(ge=1, le=MAX_INT, description="the generation now running")
-
-
-class FinishIn(_Strict):
-    exit_code: int = Field(default=0, ge=0, le=255)
-    metrics: dict[str, Any] | None = None
-
-
-class FailIn(_Strict):
-    reason: str = Field(min_length=1, max_length=20_000, description="why the job cannot go on")
-    exit_code: int | None = Field(default=None, ge=-255, le=255)
-    metrics: dict[str, Any] | None = None
-
-
-class TargetOut(BaseModel):
-    job_id: str
-    status: str
-    generation: int
-    gpus: list[str] = Field(description="node:index of each GPU of the generation")
-
-
-class AckOut(BaseModel):
-    accepted: bool = Field(description="False for an older or already acked generation")
-
-
-class JobOut(BaseModel):
-    id: str
-    key: str
-    name: str
-    pool: str
-    status: str
-    min_gpus: int
-    max_gpus: int
-    requested_gpus: int
-    total_steps: int
-    priority: int
-    steps_done: float
-    target_generation: int
-    acked_generation: int
-    target_gpus: list[str]
-    in_use_gpus: list[str]
-    num_resizes: int
-    gpu_seconds: float
-    restart_overhead_s: float | None
-    throughput: list[tuple[int, float]] = Field(description="(GPUs, steps/s) measured on each count")
-    submit_s: float
-    start_s: float | None
-    end_s: float | None
-    jct_s: float | None
-    queueing_delay_s: float | None
-    exit_code: int | None
-    reason: str | None
-    metrics: dict[str, Any] | None
-
-
-class GpuOut(BaseModel):
-    gpu: str
-    gpu_type: str
-    healthy: bool
-    in_use_by: str | None
-    target_of: str | None
-
-
-class NodeOut(BaseModel):
-    name: str
-    schedulable: bool
-    gpus: list[GpuOut]
-
-
-class EventOut(BaseModel):
-    id: int
-    time_s: float
-    pool: str
-    job_id: str | None
-    kind: str
-    message: str
-    data: dict[str, Any] | None
-
-
-class SnapshotOut(BaseModel):
-    pool: str
-    time_s: float
-    nodes: list[NodeOut]
-    jobs: list[JobOut]
-    events: list[EventOut]
-
-
-class Segment(BaseModel):
-    job_id: str
-    name: str
-    start_s: float
-    end_s: float | None = Field(description="None while it lasts")
-    num_gpus: int
-    generation: int
-
-
-class TimelineOut(BaseModel):
-    pool: str
-    time_s: float
-    segments: list[Segment]
-    resizes: list[EventOut]
-
-
-def job_out(j: JobView) -> JobOut:
-    return JobOut(
-        id=j.id, key=j.key, name=j.name, pool=j.pool, status=j.status.value, min_gpus=j.min_gpus,
-        max_gpus=j.max_gpus, requested_gpus=j.requested_gpus, total_steps=j.total_steps, priority=j.priority,
-        steps_done=j.steps_done, target_generation=j.target_generation, acked_generation=j.acked_generation,
-        target_gpus=[str(g) for g in j.target_gpus], in_use_gpus=[str(g) for g in j.in_use_gpus],
-        num_resizes=j.num_resizes, gpu_seconds=j.gpu_seconds, restart_overhead_s=j.restart_overhead_s,
-        throughput=[(int(n), float(t)) for n, t in j.throughput], submit_s=j.submit_s, start_s=j.start_s,
-        end_s=j.end_s, jct_s=j.jct_s, queueing_delay_s=j.queueing_delay_s, exit_code=j.exit_code,
-        reason=j.reason, metrics=j.metrics,
-    )
-
-
-def event_out(e: EventView) -> EventOut:
-    return EventOut(id=e.id, time_s=e.time_s, pool=e.pool, job_id=e.job_id, kind=e.kind, message=e.message,
-                    data=e.data)
-
-
-def target_out(t: Target) -> TargetOut:
-    return TargetOut(job_id=t.job_id, status=t.status.value, generation=t.generation, gpus=[str(g) for g in t.gpus])
-
-
-def snapshot_out(s: PoolSnapshot) -> SnapshotOut:
-    return SnapshotOut(
-        pool=s.pool, time_s=s.time_s,
-        nodes=[NodeOut(name=n.name, schedulable=n.schedulable, gpus=[
-            GpuOut(gpu=str(g.gpu), gpu_type=g.gpu_type, healthy=g.healthy, in_use_by=g.in_use_by,
-                   target_of=g.target_of) for g in n.gpus]) for n in s.nodes],
-        jobs=[job_out(j) for j in s.jobs], events=[event_out(e) for e in s.events],
-    )
-
-
-def timeline(broker: GpuBroker, pool: str) -> TimelineOut:
-    """Each job's GPU count over time, from the broker's ack (running) and end events."""
-    jobs = {j.id: j for j in broker.jobs(pool)}
-    open_: dict[str, Segment] = {}
-    segments: list[Segment] = []
-    resizes: list[EventOut] = []
-    for e in broker.events(pool, limit=100_000):
-        if e.job_id is None or e.job_id not in jobs:
-            continue
-        if e.kind == "resize":
-            resizes.append(event_out(e))
-        if e.kind in ("ack", "succeeded", "failed", "cancelled", "lost"):
-            seg = open_.pop(e.job_id, None)
-            if seg is not None:
-                seg.end_s = e.time_s
-                segments.append(seg)
-        if e.kind == "ack" and e.data and e.data.get("num_gpus"):
-            open_[e.job_id] = Segment(job_id=e.job_id, name=jobs[e.job_id].name, start_s=e.time_s, end_s=None,
-                                      num_gpus=int(e.data["num_gpus"]), generation=int(e.data.get("generation", 0)))
-    segments.extend(open_.values())
-    return TimelineOut(pool=pool, time_s=broker.clock(), segments=segments, resizes=resizes)
-
-
 # --------------------------------------------------------------------------- app
+
+
+def check_bind_address(host: str, ui_token: str | None) -> None:
+    """Refuse to serve the read-only views without a token beyond this machine.
+
+    :param host: the address the server will listen on.
+    :param ui_token: the read-only views' token, if any.
+    :raises ValueError: ``host`` is not a loopback address (``127.0.0.0/8``, ``::1``, ``localhost``)
+        and there is no UI token.
+    """
+    if ui_token or host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass  # a host name: other machines may reach it
+    raise ValueError(
+        f"--host {host} would let anyone who reaches it read every job, pool and event: set "
+        f"${ENV_UI_TOKEN} (the read-only views then need it, as a bearer token or the page's ?token=), "
+        "or keep --host 127.0.0.1")
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI ``requestBody`` for a route that reads its JSON body itself (after its token check)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def create_app(
@@ -228,18 +109,30 @@ def create_app(
     broker_url: str | None = None,
     url_factory: Callable[[], str] | None = None,
     ui_dependencies: list[Callable[..., Any]] | None = None,
+    ui_token: str | None = None,
+    limits: ApiLimits | None = None,
+    api_docs: bool = False,
     root_path: str = "",
 ) -> FastAPI:
     """The API as a FastAPI app.
 
     :param broker: the broker to serve (default: one on ``broker_url`` or the default URL).
     :param ui_dependencies: FastAPI dependencies guarding the read-only part (Airflow's auth in the
-        plugin); default: an optional static bearer token from ``AIRFLOW_ELASTIC_GPU_UI_TOKEN``.
+        plugin); default: the bearer token ``ui_token`` if there is one.
+    :param ui_token: the read-only part's bearer token (also accepted as ``?token=``, for the page);
+        default ``$AIRFLOW_ELASTIC_GPU_UI_TOKEN``; none: the read-only part is open.
+    :param limits: request size limits (default :meth:`ApiLimits.from_env`).
+    :param api_docs: serve the Swagger (``/docs``) and ReDoc (``/redoc``) pages. Their assets come
+        from a CDN, into the browser of whoever opens them; ``/openapi.json`` is always served.
     :param url_factory: gives the broker URL at the first request (the plugin: from the Airflow
         connection, which cannot be read when the plugin is imported).
     :param root_path: where the app is mounted (the page builds its URLs from it).
+    :raises ValueError: a bad limit in the environment.
     """
     made: list[GpuBroker] = [broker] if broker is not None else []
+    limits = limits if limits is not None else ApiLimits.from_env()
+    expected_ui_token = ui_token if ui_token is not None else os.environ.get(ENV_UI_TOKEN) or None
+    body_context = {"max_metrics_bytes": limits.max_metrics_bytes}
 
     def get_broker() -> GpuBroker:
         if not made:  # created on first use: importing the app must not touch a database
@@ -259,38 +152,59 @@ def create_app(
 
     JobAuth = Annotated[str, Depends(job_auth)]
 
-    def ui_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-                 request: Request) -> None:
-        expected = os.environ.get("AIRFLOW_ELASTIC_GPU_UI_TOKEN")
-        if not expected:
+    def live_job_auth(job_id: JobAuth, b: BrokerDep) -> str:
+        job_status = b.target(job_id).status
+        if job_status.terminal:
+            raise HTTPException(status.HTTP_403_FORBIDDEN,
+                                f"job {job_id!r} has ended ({job_status.value}): its token no longer changes it")
+        return job_id
+
+    LiveJobAuth = Annotated[str, Depends(live_job_auth)]
+
+    def body_of(model: type[BaseModel], auth: Callable[..., str]) -> Callable[..., Any]:
+        """A dependency: the request's body as ``model``, read only once ``auth`` has passed."""
+
+        async def read(request: Request, _job_id: Annotated[str, Depends(auth)]) -> BaseModel:
+            return parse_body(await request.body(), model, body_context)
+
+        return read
+
+    def check_ui_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+                       request: Request) -> None:
+        if not expected_ui_token:
             return
         given = credentials.credentials if credentials else request.query_params.get("token", "")
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if not hmac.compare_digest(given.encode(), expected_ui_token.encode()):
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "this view needs the UI token",
                                 headers={"WWW-Authenticate": "Bearer"})
 
-    guards = [Depends(d) for d in (ui_dependencies if ui_dependencies is not None else [ui_token])]
+    guards = [Depends(d) for d in (ui_dependencies if ui_dependencies is not None else [check_ui_token])]
 
     app = FastAPI(
         title="airflow-elastic-gpu broker API",
         version="1",
         description=__doc__,
         root_path=root_path,
+        docs_url="/docs" if api_docs else None,
+        redoc_url="/redoc" if api_docs else None,
     )
+    # the last added runs first: the size limit answers before anything else runs
+    app.add_middleware(SecurityHeaders, page_paths=frozenset(PAGE_ASSETS) | {"/ui"})
+    app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes)
 
     @app.exception_handler(InvalidRequest)
-    async def _invalid(_request: Request, exc: InvalidRequest):
-        from fastapi.responses import JSONResponse
-
+    async def _invalid(_request: Request, exc: InvalidRequest) -> JSONResponse:
         return JSONResponse(status_code=422, content={"detail": str(exc)})
 
     @app.exception_handler(NotFound)
-    async def _not_found(_request: Request, exc: NotFound):
-        from fastapi.responses import JSONResponse
-
+    async def _not_found(_request: Request, exc: NotFound) -> JSONResponse:
         return JSONResponse(status_code=404, content={"detail": str(exc)})
 
-    sidecar = APIRouter(prefix=f"{API_PREFIX}/jobs/{{job_id}}", tags=["sidecar"])
+    sidecar = APIRouter(prefix=f"{API_PREFIX}/jobs/{{job_id}}", tags=["sidecar"], responses={
+        401: {"description": "no bearer token"},
+        403: {"description": "not this job's token; or, for progress and ack, the job has ended"},
+        413: {"description": f"the body is larger than {limits.max_body_bytes} bytes (not read)"},
+    })
 
     @sidecar.post("/heartbeat", response_model=TargetOut, summary="agent liveness; returns the target")
     def heartbeat(job_id: JobAuth, b: BrokerDep) -> TargetOut:
@@ -300,20 +214,28 @@ def create_app(
     def target(job_id: JobAuth, b: BrokerDep) -> TargetOut:
         return target_out(b.target(job_id))
 
-    @sidecar.post("/progress", status_code=204, summary="the trainer reached a step")
-    def progress(job_id: JobAuth, body: ProgressIn, b: BrokerDep) -> None:
-        b.progress(job_id, body.step, generation=body.generation, time_s=body.time_s)
+    @sidecar.post("/progress", status_code=204, summary="the trainer reached a step",
+                  openapi_extra=request_body(ProgressIn))
+    def progress(job_id: LiveJobAuth, body: Annotated[ProgressIn, Depends(body_of(ProgressIn, live_job_auth))],
+                 b: BrokerDep) -> None:
+        b.progress(job_id, body.step, generation=body.generation)  # timed by the broker's clock
 
-    @sidecar.post("/ack", response_model=AckOut, summary="the trainer runs on this generation's GPUs")
-    def ack(job_id: JobAuth, body: AckIn, b: BrokerDep) -> AckOut:
+    @sidecar.post("/ack", response_model=AckOut, summary="the trainer runs on this generation's GPUs",
+                  openapi_extra=request_body(AckIn))
+    def ack(job_id: LiveJobAuth, body: Annotated[AckIn, Depends(body_of(AckIn, live_job_auth))],
+            b: BrokerDep) -> AckOut:
         return AckOut(accepted=b.ack(job_id, body.generation))
 
-    @sidecar.post("/finish", response_model=JobOut, summary="the trainer exited with 0")
-    def finish(job_id: JobAuth, body: FinishIn, b: BrokerDep) -> JobOut:
+    @sidecar.post("/finish", response_model=JobOut, summary="the trainer exited with 0",
+                  openapi_extra=request_body(FinishIn))
+    def finish(job_id: JobAuth, body: Annotated[FinishIn, Depends(body_of(FinishIn, job_auth))],
+               b: BrokerDep) -> JobOut:
         return job_out(b.finish(job_id, body.exit_code, body.metrics))
 
-    @sidecar.post("/fail", response_model=JobOut, summary="the job cannot go on")
-    def fail(job_id: JobAuth, body: FailIn, b: BrokerDep) -> JobOut:
+    @sidecar.post("/fail", response_model=JobOut, summary="the job cannot go on",
+                  openapi_extra=request_body(FailIn))
+    def fail(job_id: JobAuth, body: Annotated[FailIn, Depends(body_of(FailIn, job_auth))],
+             b: BrokerDep) -> JobOut:
         return job_out(b.fail(job_id, body.reason, body.exit_code, body.metrics))
 
     ui = APIRouter(prefix=API_PREFIX, tags=["ui"], dependencies=guards)
@@ -354,14 +276,35 @@ def create_app(
     def ui_page(pool: str = DEFAULT_POOL) -> HTMLResponse:
         return HTMLResponse((STATIC / "pool.html").read_text())
 
-    @page.get("/ui/plotly.min.js")
-    def plotly_js() -> FileResponse:
-        import plotly
-
-        return FileResponse(Path(plotly.__file__).parent / "package_data" / "plotly.min.js",
-                            media_type="application/javascript")
+    # the page's script, style and plotly.js hold no data: served without the guard, so that the
+    # page's <script src> works with ?token= and inside Airflow alike
+    assets = APIRouter(include_in_schema=False)
+    for path, (file, media_type) in PAGE_ASSETS.items():
+        assets.add_api_route(path, _file_route(file, media_type), methods=["GET"])
 
     app.include_router(sidecar)
     app.include_router(ui)
     app.include_router(page)
+    app.include_router(assets)
     return app
+
+
+def _plotly_js() -> Path:
+    import plotly
+
+    return Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+
+
+#: the page's assets: path -> (file, or a function giving it; media type)
+PAGE_ASSETS: dict[str, tuple[Path | Callable[[], Path], str]] = {
+    "/ui/pool.js": (STATIC / "pool.js", "text/javascript"),
+    "/ui/pool.css": (STATIC / "pool.css", "text/css"),
+    "/ui/plotly.min.js": (_plotly_js, "text/javascript"),
+}
+
+
+def _file_route(file: Path | Callable[[], Path], media_type: str) -> Callable[[], FileResponse]:
+    def serve() -> FileResponse:
+        return FileResponse(file if isinstance(file, Path) else file(), media_type=media_type)
+
+    return serve

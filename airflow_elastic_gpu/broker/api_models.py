@@ -1,0 +1,235 @@
+"""The broker API's request and response models (pydantic), and the conversions from the broker's views.
+
+The models are the API's contract: the OpenAPI schema is generated from them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import EventView, JobView, PoolSnapshot, Target
+
+MAX_INT = 2**31 - 1  # ids and generations are 32-bit integers in PostgreSQL
+MAX_STEP = 2**53  # the largest step a double counts exactly
+MAX_METRICS_BYTES = 16 * 1024  # default; the app passes its own limit in the validation context
+MAX_METRICS_DEPTH = 32
+
+
+def check_metrics(metrics: dict[str, Any] | None, max_bytes: int = MAX_METRICS_BYTES) -> dict[str, Any] | None:
+    """``metrics`` if every number in it is finite (as a double), it nests at most
+    :data:`MAX_METRICS_DEPTH` levels and it is at most ``max_bytes`` as compact UTF-8 JSON.
+
+    :raises ValueError: what was wrong, naming the place (``metrics['loss']``) or the size.
+    """
+    if metrics is None:
+        return None
+    stack: list[tuple[Any, str, int]] = [(metrics, "metrics", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_METRICS_DEPTH:
+                raise ValueError(f"{where} nests deeper than {MAX_METRICS_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((v, f"{where}[{k!r:.40}]", depth + 1) for k, v in items)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                finite = math.isfinite(value)
+            except OverflowError:  # an integer beyond a double's range
+                finite = False
+            if not finite:
+                raise ValueError(f"{where} is not a finite number (as a double): report a finite value or a string")
+        elif value is not None and not isinstance(value, (str, bool)):
+            raise ValueError(f"{where} is a {type(value).__name__}, not a JSON value")
+    size = len(json.dumps(metrics, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > max_bytes:
+        raise ValueError(f"metrics are {size} bytes as JSON, more than the {max_bytes} allowed: "
+                         "report a summary (final loss, accuracy), not a history")
+    return metrics
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProgressIn(_Strict):
+    step: float = Field(ge=0, le=MAX_STEP, allow_inf_nan=False, description="steps done so far")
+    generation: int | None = Field(default=None, ge=1, le=MAX_INT, description="the generation that made them")
+    time_s: float | None = Field(
+        default=None, allow_inf_nan=False, json_schema_extra={"deprecated": True},
+        description="ignored: the broker times every sample by its own clock when it arrives (a client's "
+                    "clock could forge any throughput); accepted, if finite, for older agents",
+    )
+
+
+class AckIn(_Strict):
+    generation: int = Field(ge=1, le=MAX_INT, description="the generation now running")
+
+
+class _Report(_Strict):
+    metrics: dict[str, Any] | None = Field(
+        default=None, description="the trainer's final metrics: JSON with finite numbers, at most "
+                                  f"{MAX_METRICS_DEPTH} levels deep and 16 KiB (the server's limit) as compact JSON")
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_fit(cls, metrics: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        return check_metrics(metrics, (info.context or {}).get("max_metrics_bytes", MAX_METRICS_BYTES))
+
+
+class FinishIn(_Report):
+    exit_code: int = Field(default=0, ge=0, le=255)
+
+
+class FailIn(_Report):
+    reason: str = Field(min_length=1, max_length=20_000, description="why the job cannot go on")
+    exit_code: int | None = Field(default=None, ge=-255, le=255)
+
+
+class TargetOut(BaseModel):
+    job_id: str
+    status: str
+    generation: int
+    gpus: list[str] = Field(description="node:index of each GPU of the generation")
+
+
+class AckOut(BaseModel):
+    accepted: bool = Field(description="False for an older or already acked generation")
+
+
+class JobOut(BaseModel):
+    id: str
+    key: str
+    name: str
+    pool: str
+    status: str
+    min_gpus: int
+    max_gpus: int
+    requested_gpus: int
+    total_steps: int
+    priority: int
+    steps_done: float
+    target_generation: int
+    acked_generation: int
+    target_gpus: list[str]
+    in_use_gpus: list[str]
+    num_resizes: int
+    gpu_seconds: float
+    restart_overhead_s: float | None
+    throughput: list[tuple[int, float]] = Field(
+        description="(GPUs, steps/s) measured on each count; finite (a non-finite sample is left out)")
+    submit_s: float
+    start_s: float | None
+    end_s: float | None
+    jct_s: float | None
+    queueing_delay_s: float | None
+    exit_code: int | None
+    reason: str | None
+    metrics: dict[str, Any] | None
+
+
+class GpuOut(BaseModel):
+    gpu: str
+    gpu_type: str
+    healthy: bool
+    in_use_by: str | None
+    target_of: str | None
+
+
+class NodeOut(BaseModel):
+    name: str
+    schedulable: bool
+    gpus: list[GpuOut]
+
+
+class EventOut(BaseModel):
+    id: int
+    time_s: float
+    pool: str
+    job_id: str | None
+    kind: str
+    message: str
+    data: dict[str, Any] | None
+
+
+class SnapshotOut(BaseModel):
+    pool: str
+    time_s: float
+    nodes: list[NodeOut]
+    jobs: list[JobOut]
+    events: list[EventOut]
+
+
+class Segment(BaseModel):
+    job_id: str
+    name: str
+    start_s: float
+    end_s: float | None = Field(description="None while it lasts")
+    num_gpus: int
+    generation: int
+
+
+class TimelineOut(BaseModel):
+    pool: str
+    time_s: float
+    segments: list[Segment]
+    resizes: list[EventOut]
+
+
+def job_out(j: JobView) -> JobOut:
+    return JobOut(
+        id=j.id, key=j.key, name=j.name, pool=j.pool, status=j.status.value, min_gpus=j.min_gpus,
+        max_gpus=j.max_gpus, requested_gpus=j.requested_gpus, total_steps=j.total_steps, priority=j.priority,
+        steps_done=j.steps_done, target_generation=j.target_generation, acked_generation=j.acked_generation,
+        target_gpus=[str(g) for g in j.target_gpus], in_use_gpus=[str(g) for g in j.in_use_gpus],
+        num_resizes=j.num_resizes, gpu_seconds=j.gpu_seconds, restart_overhead_s=j.restart_overhead_s,
+        throughput=[(int(n), float(t)) for n, t in j.throughput if math.isfinite(t)], submit_s=j.submit_s, start_s=j.start_s,
+        end_s=j.end_s, jct_s=j.jct_s, queueing_delay_s=j.queueing_delay_s, exit_code=j.exit_code,
+        reason=j.reason, metrics=j.metrics,
+    )
+
+
+def event_out(e: EventView) -> EventOut:
+    return EventOut(id=e.id, time_s=e.time_s, pool=e.pool, job_id=e.job_id, kind=e.kind, message=e.message,
+                    data=e.data)
+
+
+def target_out(t: Target) -> TargetOut:
+    return TargetOut(job_id=t.job_id, status=t.status.value, generation=t.generation, gpus=[str(g) for g in t.gpus])
+
+
+def snapshot_out(s: PoolSnapshot) -> SnapshotOut:
+    return SnapshotOut(
+        pool=s.pool, time_s=s.time_s,
+        nodes=[NodeOut(name=n.name, schedulable=n.schedulable, gpus=[
+            GpuOut(gpu=str(g.gpu), gpu_type=g.gpu_type, healthy=g.healthy, in_use_by=g.in_use_by,
+                   target_of=g.target_of) for g in n.gpus]) for n in s.nodes],
+        jobs=[job_out(j) for j in s.jobs], events=[event_out(e) for e in s.events],
+    )
+
+
+def timeline(broker: GpuBroker, pool: str) -> TimelineOut:
+    """Each job's GPU count over time, from the broker's ack (running) and end events."""
+    jobs = {j.id: j for j in broker.jobs(pool)}
+    open_: dict[str, Segment] = {}
+    segments: list[Segment] = []
+    resizes: list[EventOut] = []
+    for e in broker.events(pool, limit=100_000):
+        if e.job_id is None or e.job_id not in jobs:
+            continue
+        if e.kind == "resize":
+            resizes.append(event_out(e))
+        if e.kind in ("ack", "succeeded", "failed", "cancelled", "lost"):
+            seg = open_.pop(e.job_id, None)
+            if seg is not None:
+                seg.end_s = e.time_s
+                segments.append(seg)
+        if e.kind == "ack" and e.data and e.data.get("num_gpus"):
+            open_[e.job_id] = Segment(job_id=e.job_id, name=jobs[e.job_id].name, start_s=e.time_s, end_s=None,
+                                      num_gpus=int(e.data["num_gpus"]), generation=int(e.data.get("generation", 0)))
+    segments.extend(open_.values())
+    return TimelineOut(pool=pool, time_s=broker.clock(), segments=segments, resizes=resizes)

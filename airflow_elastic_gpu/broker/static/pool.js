@@ -1,0 +1,186 @@
+// The GPU pool page: polls the broker's read-only API every 2 s and draws the GPU grid, the jobs, the
+// events and the allocation timeline (plotly.js).
+//
+// Every value from the API is untrusted: job names, reasons, metrics and event messages come from
+// DAG authors, trainers and agents. Values go into the page as text only (textContent and Text
+// nodes, never innerHTML), every number is checked with Number.isFinite before it is formatted, and
+// text handed to plotly.js is escaped for plotly's own markup (plotlyText). Lookups by a job id use
+// Maps, so that an id such as "__proto__" is just a string.
+"use strict";
+
+const params = new URLSearchParams(location.search);
+const focusJob = params.get("job");
+const token = params.get("token");
+const palette = ["#3e7bfa", "#f0b429", "#3ebd93", "#e12d39", "#9446ed", "#f7c948", "#2bb0ed", "#ef4e7b",
+                 "#8eedc7", "#fa8b3e"];
+const colourOf = new Map();
+let pool = params.get("pool") || "default";
+
+function colour(jobId) {
+  if (!colourOf.has(jobId)) colourOf.set(jobId, palette[colourOf.size % palette.length]);
+  return colourOf.get(jobId);
+}
+
+// ---------------------------------------------------------------- values from the API
+const list = x => (Array.isArray(x) ? x : []);
+const isNum = x => typeof x === "number" && Number.isFinite(x);
+const text = x => (x === null || x === undefined ? "" : String(x));
+const fixed = (x, digits, unit = "") => (isNum(x) ? x.toFixed(digits) + unit : "-");
+const fmtTime = t => (isNum(t) ? new Date(t * 1000).toLocaleTimeString() : "-");
+// plotly.js reads a little HTML in its labels (<b>, <br>, <a>): show the characters instead
+const plotlyText = s => text(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+
+function metricText(v) {
+  if (typeof v === "string") return v;
+  if (typeof v === "number") return isNum(v) ? String(v) : "-";
+  return JSON.stringify(v);
+}
+
+// An element with a class and children; strings become Text nodes (never parsed as HTML).
+function el(tag, className, ...children) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  node.append(...children.map(c => (c instanceof Node ? c : text(c))));
+  return node;
+}
+
+async function get(path) {
+  const url = new URL(path, location.href);  // relative to the page: works under Airflow's /elastic-gpu
+  if (token) url.searchParams.set("token", token);
+  const r = await fetch(url, { credentials: "same-origin" });
+  if (!r.ok) throw new Error(`${url.pathname}: HTTP ${r.status}`);
+  return r.json();
+}
+
+// ---------------------------------------------------------------- the parts of the page
+function renderGrid(snap, names) {
+  const rows = list(snap.nodes).map(node => {
+    const row = el("div", "node", el("div", "node-name", text(node.name) + (node.schedulable ? "" : " (drained)")));
+    for (const g of list(node.gpus)) {
+      const holder = g.in_use_by || g.target_of || null;
+      const moving = g.in_use_by && g.target_of !== g.in_use_by;
+      const cell = el("div", "gpu" + (holder ? "" : " free") + (moving ? " moving" : "")
+                      + (holder && holder === focusJob ? " focus" : ""),
+                      el("b", null, text(g.gpu)), el("span", null, holder ? label(holder, names) : "free"));
+      cell.dataset.job = text(holder);
+      if (holder) {
+        cell.style.background = colour(holder);
+        cell.style.color = "#fff";
+      }
+      cell.title = `${text(g.gpu)} (${text(g.gpu_type)})` + (holder ? `: ${names.get(holder) || holder}` : "");
+      row.append(cell);
+    }
+    return row;
+  });
+  document.getElementById("grid").replaceChildren(...rows);
+}
+
+function label(jobId, names) {
+  return text(names.get(jobId) || text(jobId).slice(0, 8));
+}
+
+function renderJobs(snap) {
+  const rows = list(snap.jobs).slice().reverse().map(j => {
+    const inUse = list(j.in_use_gpus).length;
+    const pct = isNum(j.steps_done) && isNum(j.total_steps) && j.total_steps > 0
+      ? Math.min(100, Math.max(0, 100 * j.steps_done / j.total_steps)) : 0;
+    const now = list(j.throughput).find(s => Array.isArray(s) && s[0] === inUse);
+    const fill = el("div");
+    fill.style.width = pct.toFixed(1) + "%";
+    const swatch = el("span", "swatch");
+    swatch.style.background = colour(j.id);
+    const metrics = j.metrics !== null && typeof j.metrics === "object" ? j.metrics : {};
+    const accuracy = Object.hasOwn(metrics, "accuracy") && metrics.accuracy !== null
+      ? " accuracy " + metricText(metrics.accuracy) : "";
+    const tr = el("tr", j.id === focusJob ? "focus" : null,
+      el("td", null, swatch, text(j.name)),
+      el("td", null, text(j.status)),
+      el("td", null, `${inUse} (${text(j.min_gpus)}-${text(j.max_gpus)})`),
+      el("td", null, el("div", "bar", fill), `${fixed(j.steps_done, 0)}/${text(j.total_steps)}`),
+      el("td", null, now && isNum(now[1]) ? now[1].toFixed(1) + " steps/s" : "-"),
+      el("td", null, text(j.num_resizes)),
+      el("td", null, fixed(j.jct_s, 0, " s")),
+      el("td", null, text(j.reason) + accuracy));
+    tr.dataset.job = text(j.id);
+    return tr;
+  });
+  document.querySelector("#jobs tbody").replaceChildren(...rows);
+}
+
+function renderEvents(snap, names) {
+  const rows = list(snap.events).slice().reverse().map(e => el(
+    "tr", e.job_id && e.job_id === focusJob ? "focus" : null,
+    el("td", null, fmtTime(e.time_s)),
+    el("td", null, e.job_id ? text(names.get(e.job_id)) : ""),
+    el("td", null, text(e.kind)),
+    el("td", null, text(e.message))));
+  document.querySelector("#events tbody").replaceChildren(...rows);
+}
+
+function renderTimeline(tl, names) {
+  const byJob = new Map();
+  for (const s of list(tl.segments)) {
+    if (!isNum(s.start_s) || !isNum(s.num_gpus)) continue;
+    if (!byJob.has(s.job_id)) byJob.set(s.job_id, []);
+    byJob.get(s.job_id).push(s);
+  }
+  const end = s => (isNum(s.end_s) ? s.end_s : isNum(tl.time_s) ? tl.time_s : s.start_s);
+  const traces = [...byJob].map(([jobId, segs]) => ({
+    type: "bar", orientation: "h", name: plotlyText(label(jobId, names)),
+    y: segs.map(() => plotlyText(label(jobId, names))),
+    base: segs.map(s => new Date(s.start_s * 1000)),
+    x: segs.map(s => (end(s) - s.start_s) * 1000),
+    text: segs.map(s => s.num_gpus + " GPU" + (s.num_gpus > 1 ? "s" : "")), textposition: "inside",
+    marker: { color: colour(jobId), opacity: segs.map(s => 0.35 + 0.65 * Math.min(1, s.num_gpus / 4)) },
+    hovertemplate: "%{text}<extra>%{y}</extra>",
+  }));
+  const resizes = list(tl.resizes).filter(e => isNum(e.time_s));
+  traces.push({
+    type: "scatter", mode: "markers", name: "resize", marker: { symbol: "diamond", size: 10, color: "#1f2933" },
+    x: resizes.map(e => new Date(e.time_s * 1000)),
+    y: resizes.map(e => (e.job_id ? plotlyText(label(e.job_id, names)) : "")),
+    text: resizes.map(e => plotlyText(e.message)), hovertemplate: "%{text}<extra></extra>",
+  });
+  Plotly.react("timeline", traces, {
+    barmode: "overlay", showlegend: false, margin: { l: 120, r: 20, t: 10, b: 40 },
+    xaxis: { type: "date" }, yaxis: { automargin: true },
+  }, { displayModeBar: false, responsive: true });
+}
+
+function renderPools(pools) {
+  const sel = document.getElementById("pool");
+  const shown = [...sel.options].map(o => o.value);
+  if (shown.length === pools.length && shown.every((p, i) => p === pools[i])) return;
+  sel.replaceChildren(...pools.map(p => {
+    const option = el("option", null, p);
+    option.value = p;
+    option.selected = p === pool;
+    return option;
+  }));
+}
+
+async function refresh() {
+  const status = document.getElementById("updated");
+  try {
+    const pools = list(await get("api/v1/pools")).map(text);
+    if (!pools.includes(pool) && pools.length) pool = pools[0];
+    renderPools(pools);
+    const where = `api/v1/pools/${encodeURIComponent(pool)}`;
+    const [snap, tl] = await Promise.all([get(`${where}/snapshot?events=100`), get(`${where}/timeline`)]);
+    const jobs = list(snap.jobs);
+    const names = new Map(jobs.map(j => [j.id, text(j.name)]));
+    renderGrid(snap, names);
+    renderJobs(snap);
+    renderEvents(snap, names);
+    renderTimeline(tl, names);
+    status.textContent = `pool ${pool}: ${jobs.filter(j => j.status === "running").length} running, `
+      + `${jobs.filter(j => j.status === "queued").length} queued; updated ${new Date().toLocaleTimeString()}`;
+    document.body.dataset.ready = "1";
+  } catch (err) {
+    status.textContent = "could not load: " + text(err && err.message);
+  }
+}
+
+document.getElementById("pool").addEventListener("change", e => { pool = e.target.value; refresh(); });
+refresh();
+setInterval(refresh, 2000);
