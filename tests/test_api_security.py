@@ -485,7 +485,8 @@ def test_broker_serve_refuses_an_open_public_address(tmp_path, monkeypatch, caps
     monkeypatch.delenv("AIRFLOW_ELASTIC_GPU_UI_TOKEN", raising=False)
     code = cli(["--broker-url", f"sqlite:///{tmp_path / 'b.db'}", "broker", "serve", "--host", "0.0.0.0"])
     assert code == 2
-    out = " ".join(capsys.readouterr().out.split())
+    captured = capsys.readouterr()
+    out = " ".join((captured.out + captured.err).split())
     assert "--host 0.0.0.0 would let anyone who reaches it read every job" in out
     assert not (tmp_path / "b.db").exists()  # refused before touching the database
 
