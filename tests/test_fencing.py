@@ -59,10 +59,10 @@ for step in range(1, 21):
     if step == 5:
         print('{"step": NaN}', flush=True)
         print('{"step": Infinity}', flush=True)
-        time.sleep(0.6)  # alone in the agent's poll: reported on its own
+        time.sleep(1.5)
     if step == 10:
         print('{"step": -1}', flush=True)  # finite, but the broker rejects it
-        time.sleep(0.6)
+        time.sleep(1.5)  # the latest line for a few agent polls: reported on its own
 print(json.dumps({"final": True, "step": 20, "accuracy": 0.9, "loss": float("nan")}), flush=True)
 """
 
@@ -214,15 +214,15 @@ def trainer_pids(shared: Path) -> list[int]:
 
 def test_a_stale_lease_fences_the_whole_tree_by_the_kill_deadline_and_blocks_new_generations(tmp_path, stubborn):
     shared = tmp_path / "job"
-    proc = start_launcher(shared, f"{sys.executable} {stubborn}", grace_s=3.0)
+    proc = start_launcher(shared, f"{sys.executable} {stubborn}", grace_s=10.0)
     try:
         protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
         pids = trainer_pids(shared)
         contact = write_lease(shared, lease_s=3.0, fence_s=1.0, kill_s=2.0)  # arms the fence
         status = wait_for(lambda: (s := protocol.read_json(shared / protocol.STATUS))["state"] == protocol.FENCED
                           and s, 10, "the fence")
-        # SIGTERM is ignored: SIGKILL at kill_s (2 s), not after the 3 s grace (4 s)
-        assert 1.0 <= status["fenced_s"] - contact <= 2.0 + 0.5
+        # SIGTERM is ignored: SIGKILL at kill_s (2 s), not after the 10 s grace (11 s)
+        assert 1.0 <= status["fenced_s"] - contact < 3.0
         assert not any(protocol.pid_alive(p) for p in pids)
         protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [1], "stop": False})
         time.sleep(1.0)
@@ -231,17 +231,20 @@ def test_a_stale_lease_fences_the_whole_tree_by_the_kill_deadline_and_blocks_new
         status = wait_for(lambda: (s := protocol.read_json(shared / protocol.STATUS))["state"] == protocol.RUNNING
                           and s, 10, "generation 2 to start")
         assert status["generation"] == 2 and status["restarts"] == 1 and status["fences"] == 1
-        protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [1], "stop": True})
-        assert proc.wait(30) == 0
     finally:
         kill_all(proc, shared)
 
 
 def kill_all(launcher: subprocess.Popen, shared: Path) -> None:
-    """Kill a test's launcher and whatever trainer processes it left."""
-    launcher.kill()
+    """Kill a test's launcher and every process below it: frozen first (SIGSTOP), so that none
+    starts a worker between the scan and the kill."""
     status = protocol.read_json(shared / protocol.STATUS) or {}
-    protocol.signal_processes([p for p in [status.get("pid"), *(status.get("workers") or [])] if p], signal.SIGKILL)
+    roots = [p for p in [*protocol.descendants(launcher.pid), status.get("pid"), *(status.get("workers") or [])] if p]
+    protocol.signal_processes(roots, signal.SIGSTOP)
+    launcher.kill()
+    launcher.wait()
+    tree = set(roots).union(*(protocol.descendants(p) for p in roots))
+    protocol.signal_processes(sorted(tree), signal.SIGKILL)
 
 
 def test_a_fenced_launcher_whose_agent_is_gone_for_a_whole_lease_exits(tmp_path, trainer):
