@@ -80,6 +80,24 @@ def detect_gpus(virtual_gpus: int | None = None, nvidia_smi: str = "nvidia-smi")
     return HostGpus(tuple(range(virtual_gpus)), "virtual", True)
 
 
+def pool_lease_s(broker: GpuBroker, pool: str) -> float:
+    """``pool``'s heartbeat lease in the broker, seconds (what the job's agent fences against).
+
+    A read of the pool's row, until the broker's heartbeat answer carries its lease.
+
+    :raises BackendError: unknown pool.
+    """
+    from sqlalchemy import select
+
+    from airflow_elastic_gpu.broker.models import GpuPool
+
+    with broker.engine.connect() as conn:
+        lease_s = conn.execute(select(GpuPool.lease_s).where(GpuPool.name == pool)).scalar()
+    if lease_s is None:
+        raise BackendError(f"unknown GPU pool {pool!r}: no lease to fence the job's trainer against")
+    return float(lease_s)
+
+
 @dataclass(frozen=True)
 class LocalHandle:
     """Where a local job runs: its directory and the pids of its agent and launcher."""
@@ -107,15 +125,19 @@ class LocalBackend:
     :param broker_url: the broker DB URL the agents connect with (default: ``broker``'s own URL).
     :param virtual_gpus: GPUs to register when this host has none (see :func:`detect_gpus`).
     :param python: interpreter for the agent and launcher (default: this one).
-    :param grace_s: SIGTERM-to-SIGKILL grace for the trainer, seconds.
+    :param grace_s: SIGTERM-to-SIGKILL grace for the trainer, seconds (a fence shortens it to fit in
+        the lease, see ``docs/fencing.md``).
     :param poll_s: agent poll period, seconds.
+    :param fence_s: the agent's fence period, seconds (default: half the pool's lease, which the
+        agent is given: the launcher stops the trainer on its own when its agent has had no
+        confirmed contact with the broker for this long).
     """
 
     name = "local"
 
     def __init__(self, work_dir: str | Path, broker: GpuBroker, *, broker_url: str | None = None,
                  virtual_gpus: int | None = None, python: str = sys.executable, grace_s: float = 30.0,
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, fence_s: float | None = None) -> None:
         self.work_dir = Path(work_dir)
         self.broker = broker
         self.broker_url = broker_url or broker.engine.url.render_as_string(hide_password=False)
@@ -123,6 +145,7 @@ class LocalBackend:
         self.python = python
         self.grace_s = grace_s
         self.poll_s = poll_s
+        self.fence_s = fence_s
 
     def job_dir(self, job_id: str) -> Path:
         return self.work_dir / job_id
@@ -186,9 +209,15 @@ class LocalBackend:
         and trainer still run), only a new agent is started, attached to the running launcher, so
         the job goes on. ``context`` is not used here.
 
-        :raises BackendError: bad command or checkpoint dir, or a spawn failure.
+        :raises BackendError: bad command or checkpoint dir, unknown pool, a ``fence_s`` that does not
+            fit in the pool's lease, or a spawn failure.
         """
         self.check(job.command, job.checkpoint_dir)
+        lease_s = pool_lease_s(self.broker, job.pool)
+        try:
+            protocol.fence_periods(lease_s, self.fence_s)
+        except ValueError as exc:
+            raise BackendError(f"fence_s: {exc}") from None
         job_dir = self.job_dir(job.id)
         existing = self.handle(job.id)
         if existing is not None and protocol.pid_alive(existing.agent_pid):
@@ -207,7 +236,10 @@ class LocalBackend:
             launcher_pid = self._spawn(job_dir / "launcher.log", [*launcher, "--", job.command], proc_env)
         agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job.id,
                  "--shared-dir", str(job_dir), "--broker-url", self.broker_url,
-                 "--poll-s", str(self.poll_s), "--launcher-pid", str(launcher_pid)]
+                 "--poll-s", str(self.poll_s), "--launcher-pid", str(launcher_pid),
+                 "--lease-s", repr(lease_s)]
+        if self.fence_s is not None:
+            agent += ["--fence-s", repr(self.fence_s)]
         if job.progress_pattern:
             agent += ["--progress-pattern", job.progress_pattern]
         agent_pid = self._spawn(job_dir / "agent.log", agent, proc_env)

@@ -1,12 +1,16 @@
 """The agent's HTTP transport: the broker API with the job's bearer token, instead of a DB connection.
 
 Standard library only (``urllib``) and the package's pure modules, so a sidecar container needs no database driver and never sees
-the broker's database password. Transient failures (connection refused, 5xx) raise
-:class:`BrokerUnavailable`; the agent keeps the trainer running and retries.
+the broker's database password. Transient failures (connection refused, 5xx, 408, 429) raise
+:class:`BrokerUnavailable`; the agent keeps the trainer running and retries. A refusal raises
+:class:`BrokerRejected` (a report the broker will never take: the agent drops it) or its subclass
+:class:`JobGone` (401, 403, 404, 410: the job ended, its token stopped working, or it is unknown:
+the agent stops the trainer).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -17,7 +21,22 @@ from airflow_elastic_gpu.states import JobStatus, Target
 
 
 class BrokerRejected(Exception):
-    """The broker API refused a request (4xx): bad token, unknown job, invalid report."""
+    """The broker API refused a request (4xx): bad token, unknown job, invalid report.
+
+    :param status: the HTTP status code.
+    """
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class JobGone(BrokerRejected):
+    """The broker API no longer serves the job (401, 403, 404, 410): it ended, or is unknown."""
+
+
+GONE_STATUSES = frozenset({401, 403, 404, 410})
+RETRY_STATUSES = frozenset({408, 429})
 
 
 class BrokerUnavailable(Exception):
@@ -52,10 +71,13 @@ class HttpBrokerTransport:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
-            if exc.code >= 500:
-                raise BrokerUnavailable(f"broker API {path}: HTTP {exc.code}: {detail}") from None
-            raise BrokerRejected(f"broker API {path}: HTTP {exc.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            message = f"broker API {path}: HTTP {exc.code}: {detail}"
+            if exc.code >= 500 or exc.code in RETRY_STATUSES:
+                raise BrokerUnavailable(message) from None
+            if exc.code in GONE_STATUSES:
+                raise JobGone(message, exc.code) from None
+            raise BrokerRejected(message, exc.code) from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
             raise BrokerUnavailable(f"broker API {self.base_url} unreachable: {exc}") from None
         return json.loads(raw) if raw else None
 

@@ -13,6 +13,16 @@ replaced by the generation's GPU count. The trainer gets
 it (SIGTERM, then SIGKILL after ``--grace-s`` seconds) reaches every worker
 ``torchrun`` started. The launcher exits with the trainer's exit code when the
 trainer ends by itself, 0 after a requested stop, 127 if the command is not found.
+
+Fencing: once the agent has written ``lease.json`` (its last confirmed contact with
+the broker, see :mod:`protocol`), the launcher stops the trainer **on its own** when
+that contact is older than the lease's ``fence_s`` (SIGTERM, then SIGKILL of the whole
+process tree no later than ``kill_s``), or when the agent's process (locally: its pid)
+has been gone that long; state ``fenced``. It starts no trainer while the lease is
+stale, restarts the fenced one only when the agent, back in contact, writes
+``resume`` (the broker still runs the job with that generation) or a newer
+generation, and exits with 75 (``EX_TEMPFAIL``) once its agent has been gone for a
+whole lease after a fence (the broker has declared the job lost by then).
 """
 
 from __future__ import annotations
@@ -33,6 +43,73 @@ except ImportError:  # copied next to protocol.py in a bare image
     import protocol  # type: ignore[no-redef]
 
 EXIT_NOT_FOUND = 127
+EXIT_FENCED = 75  # EX_TEMPFAIL: fenced, and no agent came back to resume the trainer
+
+
+class LeaseWatch:
+    """The launcher's view of ``lease.json``: how long since the agent's last confirmed contact.
+
+    The age of a contact is measured twice and the larger is used: on the wall clock from the
+    ``contact_s`` the agent wrote (the agent and the launcher share a host, so a clock offset
+    cancels out), and on this process's monotonic clock from when the launcher first saw that
+    contact (minus its wall-clock age then), so that the wall clock stepping back cannot postpone
+    a fence. A stepping forward only fences early.
+    """
+
+    def __init__(self) -> None:
+        self.periods: protocol.FencePeriods | None = None  # None: no lease yet, fencing not armed
+        self.contact_s: float | None = None
+        self._seen_mono = 0.0
+        self.agent_pid: int | None = None
+        self._agent_gone_mono: float | None = None
+
+    def update(self, data: dict | None, now_s: float, now_mono: float) -> None:
+        """Take in the current ``lease.json`` (``None``: not written yet); a malformed file
+        changes nothing (the last good contact keeps ageing)."""
+        if data is not None:
+            try:
+                contact = float(data["contact_s"])
+                periods = protocol.FencePeriods(float(data["lease_s"]), float(data["fence_s"]),
+                                                float(data["kill_s"]))
+                agent_pid = int(data["agent_pid"]) if data.get("agent_pid") else None
+            except (KeyError, TypeError, ValueError):
+                pass
+            else:
+                if contact != self.contact_s:
+                    self.contact_s = contact
+                    self._seen_mono = now_mono - max(0.0, now_s - contact)
+                self.periods = periods
+                if agent_pid != self.agent_pid:
+                    self.agent_pid, self._agent_gone_mono = agent_pid, None
+        if self.agent_pid is not None and not protocol.pid_alive(self.agent_pid):
+            if self._agent_gone_mono is None:
+                self._agent_gone_mono = now_mono
+        else:
+            self._agent_gone_mono = None
+
+    def age_s(self, now_s: float, now_mono: float) -> float:
+        """Seconds since the last confirmed contact (0 when fencing is not armed)."""
+        if self.contact_s is None:
+            return 0.0
+        return max(now_s - self.contact_s, now_mono - self._seen_mono)
+
+    def agent_gone_s(self, now_mono: float) -> float:
+        """Seconds since the launcher first saw the agent's process gone (0 while it runs, or
+        when its pid is not known: the agent runs in another pid namespace)."""
+        return 0.0 if self._agent_gone_mono is None else now_mono - self._agent_gone_mono
+
+    def fence_reason(self, now_s: float, now_mono: float) -> str | None:
+        """Why the trainer must not run now, or ``None`` while the lease is fresh (or not armed)."""
+        if self.periods is None:
+            return None
+        age = self.age_s(now_s, now_mono)
+        if age >= self.periods.fence_s:
+            return (f"no confirmed contact with the broker for {age:.1f}s "
+                    f"(fence {self.periods.fence_s:g}s, lease {self.periods.lease_s:g}s)")
+        gone = self.agent_gone_s(now_mono)
+        if gone >= self.periods.fence_s:
+            return f"the agent (pid {self.agent_pid}) has been gone for {gone:.1f}s"
+        return None
 
 
 class Launcher:
@@ -58,6 +135,10 @@ class Launcher:
         self.generation = 0
         self.restarts = 0
         self.tree: list[int] = []  # the trainer's descendants, refreshed every poll
+        self.lease = LeaseWatch()
+        self.fences = 0  # how many times the trainer was fenced
+        self.fenced = False  # the trainer was fenced and has not been restarted since
+        self.fenced_s: float | None = None
         self._terminated = threading.Event()
 
     # -- files
@@ -71,6 +152,8 @@ class Launcher:
                 "exit_code": exit_code,
                 "restarts": self.restarts,
                 "workers": self.tree,
+                "fences": self.fences,
+                "fenced_s": self.fenced_s,
                 "time_s": time.time(),
             },
         )
@@ -103,18 +186,20 @@ class Launcher:
         finally:
             log.close()
 
-    def _stop(self) -> int | None:
-        """SIGTERM the trainer's process group, SIGKILL it after the grace period; its exit code."""
+    def _stop(self, grace_s: float | None = None) -> int | None:
+        """SIGTERM the trainer's process group, SIGKILL it after ``grace_s`` (default ``--grace-s``)
+        seconds, and every worker found below it; its exit code."""
+        grace_s = self.grace_s if grace_s is None else max(0.0, grace_s)
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return None if proc is None else proc.returncode
         self._status(protocol.STOPPING)
-        self._note(f"stopping trainer (pid {proc.pid}): SIGTERM, {self.grace_s:.0f}s grace")
+        self._note(f"stopping trainer (pid {proc.pid}): SIGTERM, {grace_s:.1f}s grace")
         tree = sorted(set(self.tree) | set(protocol.descendants(proc.pid)))  # workers in their own sessions
         _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
+        deadline = time.monotonic() + grace_s
         try:
-            proc.wait(self.grace_s)
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             self._note("grace period over: SIGKILL")
             _signal_group(proc.pid, signal.SIGKILL)
@@ -125,8 +210,28 @@ class Launcher:
             time.sleep(0.05)
         _signal_group(proc.pid, signal.SIGKILL)  # stray workers of the group
         protocol.signal_processes([p for p in tree if protocol.pid_alive(p)], signal.SIGKILL)
+        killed_by = time.monotonic() + 2.0  # SIGKILLed processes vanish within milliseconds
+        while any(protocol.pid_alive(p) for p in tree) and time.monotonic() < killed_by:
+            time.sleep(0.01)
         self.tree = []
         return proc.returncode
+
+    def _fence(self, reason: str) -> None:
+        """Stop the trainer because its lease is stale: SIGTERM now, SIGKILL of every process left
+        no later than the lease's ``kill_s`` (the grace period is cut to fit)."""
+        periods = self.lease.periods
+        assert periods is not None
+        age = self.lease.age_s(time.time(), time.monotonic())
+        grace = min(self.grace_s, periods.kill_s - age)
+        self._note(f"fencing the trainer: {reason}; it must be dead within {max(0.0, grace):.1f}s, "
+                   "before the broker may give its GPUs to another job")
+        self._stop(grace)
+        self.proc = None
+        self.fences += 1
+        self.fenced = True
+        self.fenced_s = time.time()
+        self._note(f"fenced: the trainer and its workers are stopped (fence {self.fences})")
+        self._status(protocol.FENCED)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self._terminated.set())
@@ -145,11 +250,23 @@ class Launcher:
                 self._note("stopped on request")
                 self._status(protocol.STOPPED)
                 return 0
+            fence = self._check_lease()
+            if fence is not None and self.proc is not None and self.proc.poll() is None:
+                self._fence(fence)
+                continue
+            if self.fenced and self._abandoned():
+                return EXIT_FENCED
             gen = int(desired.get("generation", 0))
-            if gen > self.generation and desired.get("gpus"):
-                if self.proc is not None and self._stop() is not None:
+            resume = (self.fenced and gen == self.generation
+                      and int(desired.get("resume", 0)) >= self.fences)
+            if fence is None and (gen > self.generation or resume) and desired.get("gpus"):
+                if (self.proc is not None and self._stop() is not None) or self.fenced:
                     self.restarts += 1
+                if self.fenced:
+                    self._note(f"contact with the broker is back: restarting the fenced trainer "
+                               f"on generation {gen}")
                 self.generation = gen
+                self.fenced = False
                 try:
                     self._start([int(g) for g in desired["gpus"]])
                 except (FileNotFoundError, PermissionError) as exc:
@@ -170,6 +287,27 @@ class Launcher:
                 self._status(protocol.EXITED, code)
                 return code if code >= 0 else 128 - code
             time.sleep(self.poll_s)
+
+    def _check_lease(self) -> str | None:
+        """Read ``lease.json``; why the trainer must not run now, or ``None``."""
+        try:
+            data = protocol.read_json(self.dir / protocol.LEASE)
+        except ValueError:  # malformed: the last good contact keeps ageing
+            data = None
+        now_s, now_mono = time.time(), time.monotonic()
+        self.lease.update(data, now_s, now_mono)
+        return self.lease.fence_reason(now_s, now_mono)
+
+    def _abandoned(self) -> bool:
+        """Fenced, and the agent (its pid known) has been gone for a whole lease: by then the
+        broker has declared the job lost, so no agent will resume this trainer."""
+        periods = self.lease.periods
+        gone = self.lease.agent_gone_s(time.monotonic())
+        if periods is None or gone < periods.lease_s:
+            return False
+        self._note(f"the agent (pid {self.lease.agent_pid}) has been gone for {gone:.1f}s after the fence: "
+                   f"exiting ({EXIT_FENCED})")
+        return True
 
 
 def _signal_group(pid: int, sig: int) -> None:

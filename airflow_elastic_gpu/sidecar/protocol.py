@@ -4,12 +4,27 @@ Files in the job's shared directory, each replaced atomically (write a temp
 file, fsync, ``os.replace``) so a reader never sees half a file:
 
 ``desired.json`` (agent -> launcher)
-    ``{"generation": int, "gpus": [int, ...], "stop": bool}``: run the trainer
-    on these device indices; a higher generation means stop and restart;
-    ``stop`` means stop the trainer and exit.
+    ``{"generation": int, "gpus": [int, ...], "stop": bool, "resume": int}``: run the
+    trainer on these device indices; a higher generation means stop and restart;
+    ``stop`` means stop the trainer and exit; ``resume`` (optional) lets a fenced
+    launcher restart the trainer on the same generation once ``resume`` is at least its
+    ``fences`` count (the agent writes it only after the broker confirmed that the job
+    still runs with that generation).
 ``status.json`` (launcher -> agent)
     ``{"generation": int, "state": str, "pid": int|null, "exit_code": int|null,
-    "restarts": int, "time_s": float}``; ``state`` is one of :data:`STATES`.
+    "restarts": int, "workers": [int, ...], "fences": int, "fenced_s": float|null,
+    "time_s": float}``; ``state`` is one of :data:`STATES`; ``fenced_s``: when the
+    last fence had stopped the trainer and all its workers (epoch seconds).
+``lease.json`` (agent -> launcher)
+    the agent's last *confirmed contact* with the broker: ``{"contact_s": float,
+    "lease_s": float, "fence_s": float, "kill_s": float, "generation": int,
+    "status": str, "agent_pid": int|null}``. ``contact_s`` is when the agent *sent*
+    the last heartbeat the broker answered with a running job (epoch seconds; the
+    broker's record of it is later still). Once this file exists the launcher is
+    *fenced*: with no confirmed contact for ``fence_s`` it stops the trainer on its
+    own (SIGTERM), and SIGKILLs whatever is left at ``kill_s`` (``lease_s`` minus a
+    margin), before the broker may declare the job lost and reuse its GPUs. See
+    :func:`fence_periods` and ``docs/fencing.md``.
 ``train.log``
     the trainer's stdout and stderr, appended across restarts, with the launcher's own lines
     (:func:`launcher_line`); a line from :func:`generation_line` marks where a generation's
@@ -26,16 +41,65 @@ import os
 import re
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 DESIRED = "desired.json"
 STATUS = "status.json"
 LOG = "train.log"
+LEASE = "lease.json"
 
-STARTING, RUNNING, STOPPING, EXITED, STOPPED = "starting", "running", "stopping", "exited", "stopped"
-STATES = (STARTING, RUNNING, STOPPING, EXITED, STOPPED)
-# EXITED: the trainer ended by itself (exit_code says how); STOPPED: stopped on request.
+STARTING, RUNNING, STOPPING, EXITED, STOPPED, FENCED = (
+    "starting", "running", "stopping", "exited", "stopped", "fenced")
+STATES = (STARTING, RUNNING, STOPPING, EXITED, STOPPED, FENCED)
+# EXITED: the trainer ended by itself (exit_code says how); STOPPED: stopped on request;
+# FENCED: stopped by the launcher itself for lack of contact with the broker (the launcher waits
+# for contact to resume, see ``lease.json``).
+
+
+@dataclass(frozen=True)
+class FencePeriods:
+    """How long a trainer may run without a confirmed contact with the broker (seconds).
+
+    ``fence_s``: SIGTERM the trainer (it may checkpoint); ``kill_s``: SIGKILL whatever is left;
+    ``lease_s``: the broker's lease, after which it may declare the job lost and reuse its GPUs.
+    ``fence_s <= kill_s < lease_s``.
+    """
+
+    lease_s: float
+    fence_s: float
+    kill_s: float
+
+
+def fence_periods(lease_s: float, fence_s: float | None = None, margin_s: float | None = None) -> FencePeriods:
+    """The fence periods for a broker lease of ``lease_s`` seconds.
+
+    :param fence_s: no confirmed contact for this long stops the trainer (default ``lease_s / 2``,
+        lowered to ``kill_s`` if the margin leaves less).
+    :param margin_s: how long before the lease ends every process of the trainer must be dead:
+        covers the launcher's poll period, the kill itself and clock-rate drift (default
+        ``max(1, lease_s / 10)``, at most ``lease_s / 2``).
+    :raises ValueError: a period that is not a finite number > 0, ``margin_s >= lease_s``, or an
+        explicit ``fence_s`` later than ``lease_s - margin_s``.
+    """
+    for name, value in (("lease_s", lease_s), ("fence_s", fence_s), ("margin_s", margin_s)):
+        if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    margin = min(max(1.0, lease_s / 10), lease_s / 2) if margin_s is None else float(margin_s)
+    if margin >= lease_s:
+        raise ValueError(f"margin_s={margin:g} must be shorter than the lease ({lease_s:g}s)")
+    kill = lease_s - margin
+    if fence_s is None:
+        fence = min(lease_s / 2, kill)
+    elif fence_s > kill:
+        raise ValueError(
+            f"fence_s={fence_s:g} leaves no time to stop the trainer before the lease ({lease_s:g}s) "
+            f"ends: it must be at most lease_s - margin_s = {kill:g}s"
+        )
+    else:
+        fence = float(fence_s)
+    return FencePeriods(float(lease_s), fence, kill)
 
 _GENERATION_LINE = re.compile(r"^\[launcher [^\]]*\] generation (\d+): starting")
 

@@ -1,0 +1,464 @@
+"""Fencing with real processes: a trainer never runs on GPUs its job no longer holds.
+
+The launcher stops its trainer on its own once its agent has had no confirmed contact with the
+broker for the fence period (shorter than the broker's lease), and the agent never dies of a broker
+answer. Each real-process test asserts from timestamps (the launcher's ``status.json``, the broker's
+events) that the trainer and its workers were dead **before** the broker could hand its GPUs to
+another job, and that no process is left (``/proc``). See ``docs/fencing.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Self
+
+import pytest
+import uvicorn
+from sqlalchemy.exc import OperationalError
+from test_sidecar import TRAINER, start_launcher, wait_for
+
+from airflow_elastic_gpu.backends.local import BackendError, LocalBackend
+from airflow_elastic_gpu.broker.api import create_app
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.service import GpuBroker, InvalidRequest, NotFound
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.agent import Agent, LogParser, Outcome, classify
+from airflow_elastic_gpu.sidecar.http_transport import BrokerRejected, BrokerUnavailable, JobGone
+from airflow_elastic_gpu.sidecar.launcher import EXIT_FENCED
+from airflow_elastic_gpu.states import Target
+
+# ignores SIGTERM, like a trainer stuck in a collective; its worker runs in its own session, as
+# torchrun's do, so only the launcher's process-tree kill reaches it
+STUBBORN_TRAINER = """
+import json, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen([sys.executable, "-c",
+                  "import signal, time\\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\\nwhile True: time.sleep(0.1)"],
+                 start_new_session=True)
+step = 0
+while True:
+    step += 1
+    print(json.dumps({"step": step}), flush=True)
+    time.sleep(0.1)
+"""
+
+NAN_TRAINER = """
+import json, time
+for step in range(1, 21):
+    print(json.dumps({"step": step}), flush=True)
+    time.sleep(0.05)
+    if step == 5:
+        print('{"step": NaN}', flush=True)
+        print('{"step": Infinity}', flush=True)
+        time.sleep(1.5)
+    if step == 10:
+        print('{"step": -1}', flush=True)  # finite, but the broker rejects it
+        time.sleep(1.5)  # the latest line for a few agent polls: reported on its own
+print(json.dumps({"final": True, "step": 20, "accuracy": 0.9, "loss": float("nan")}), flush=True)
+"""
+
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def test_fence_periods_fit_in_the_lease():
+    default = protocol.fence_periods(60.0)
+    assert (default.fence_s, default.kill_s, default.lease_s) == (30.0, 54.0, 60.0)
+    short = protocol.fence_periods(3.0)
+    assert (short.fence_s, short.kill_s) == (1.5, 2.0)
+    tiny = protocol.fence_periods(1.0)
+    assert tiny.fence_s <= tiny.kill_s < tiny.lease_s
+    assert protocol.fence_periods(60.0, fence_s=10.0, margin_s=5.0) == protocol.FencePeriods(60.0, 10.0, 55.0)
+    with pytest.raises(ValueError, match="fence_s=58 leaves no time"):
+        protocol.fence_periods(60.0, fence_s=58.0)
+    with pytest.raises(ValueError, match="margin_s=60 must be shorter"):
+        protocol.fence_periods(60.0, margin_s=60.0)
+    with pytest.raises(ValueError, match="lease_s must be a finite number"):
+        protocol.fence_periods(float("inf"))
+
+
+def test_log_parser_drops_non_finite_steps(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text('{"step": 1}\n{"step": NaN}\n{"step": Infinity}\n{"step": 1e400}\n{"step": 2}\n'
+                   '{"final": true, "step": 2, "accuracy": 0.5, "loss": NaN}\n')
+    parser = LogParser()
+    assert [s for _, s in parser.read(log)] == [1.0, 2.0, 2.0]
+    assert parser.metrics == {"final": True, "step": 2, "accuracy": 0.5, "loss": None}
+    regex = tmp_path / "regex.log"
+    regex.write_text("iter nan/100\niter inf/100\niter 7/100\n")
+    assert [s for _, s in LogParser(__import__("re").compile(r"iter (\S+)/")).read(regex)] == [7.0]
+
+
+def test_broker_answers_are_classified_as_ok_transient_rejected_or_ended():
+    assert classify(NotFound("unknown job")) is Outcome.ENDED
+    assert classify(JobGone("HTTP 403", 403)) is Outcome.ENDED
+    assert classify(InvalidRequest("step must be finite")) is Outcome.REJECTED
+    assert classify(BrokerRejected("HTTP 422", 422)) is Outcome.REJECTED
+    assert classify(BrokerUnavailable("refused")) is Outcome.TRANSIENT
+    assert classify(OperationalError("select 1", {}, Exception("the database system is shutting down"))) \
+        is Outcome.TRANSIENT
+
+
+class FlakyBroker:
+    """A transport that fails the way a real broker can: unavailable at first, rejecting reports."""
+
+    def __init__(self, outages: int = 2) -> None:
+        self.outages = outages
+        self.calls: list[tuple] = []
+
+    def heartbeat(self, job_id: str) -> Target:
+        self.calls.append(("heartbeat",))
+        if self.outages:
+            self.outages -= 1
+            raise BrokerUnavailable("connection refused")
+        return Target(job_id, JobStatus.RUNNING, 1, (GpuId("localhost", 0),))
+
+    def progress(self, job_id, step, *, generation=None, time_s=None):
+        self.calls.append(("progress", step, generation))
+        if step < 0:
+            raise InvalidRequest(f"step must be a finite number >= 0, got {step!r}")
+
+    def ack(self, job_id, generation):
+        self.calls.append(("ack", generation))
+        raise BrokerRejected("HTTP 422: bad generation", 422)
+
+    def finish(self, job_id, exit_code=0, metrics=None):
+        self.calls.append(("finish", metrics))
+        if metrics is not None:
+            raise InvalidRequest("metrics too large")
+
+    def fail(self, job_id, reason, exit_code=None, metrics=None):
+        self.calls.append(("fail", reason))
+
+
+def test_the_agent_drops_rejected_reports_and_reports_the_end_without_the_rejected_metrics(tmp_path):
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    log = tmp_path / protocol.LOG
+    log.write_text(protocol.generation_line(1, "on GPUs [0]: x") + '{"step": -3}\n')
+    broker = FlakyBroker()
+    agent = Agent(broker, "job", tmp_path, poll_s=0.01, lease_s=3.0)
+
+    def trainer_ends() -> None:
+        with open(log, "a") as f:
+            f.write('{"final": true, "step": 4, "accuracy": 1}\n')
+        protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, "exit_code": 0})
+
+    threading.Timer(0.15, lambda: protocol.write_json(
+        tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.RUNNING, "pid": None})).start()
+    threading.Timer(0.4, trainer_ends).start()
+    before = time.time()
+    assert agent.run() == 0
+    kinds = [c[0] for c in broker.calls]
+    assert kinds[:3] == ["heartbeat"] * 3  # two outages ridden out
+    assert broker.calls.count(("progress", -3.0, 1)) == 1  # rejected once, dropped, not retried
+    assert broker.calls.count(("ack", 1)) == 1  # a rejected ack is not retried either
+    assert ("progress", 4.0, 1) in broker.calls
+    assert [c for c in broker.calls if c[0] == "finish"] == [("finish", {"final": True, "step": 4, "accuracy": 1}),
+                                                            ("finish", None)]
+    lease = protocol.read_json(tmp_path / protocol.LEASE)
+    assert before <= lease["contact_s"] <= time.time()
+    assert (lease["fence_s"], lease["kill_s"], lease["lease_s"]) == (1.5, 2.0, 3.0)
+
+
+def test_the_agent_stops_the_trainer_when_the_broker_no_longer_knows_the_job(tmp_path):
+    class Gone(FlakyBroker):
+        def heartbeat(self, job_id):
+            raise JobGone("HTTP 403: the token is not valid for this job", 403)
+
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    assert Agent(Gone(0), "job", tmp_path, poll_s=0.01, stop_timeout_s=0.2).run() == 0
+    assert protocol.read_json(tmp_path / protocol.DESIRED)["stop"] is True
+    assert not (tmp_path / protocol.LEASE).exists()  # no confirmed contact, ever
+
+
+# ---------------------------------------------------------------- the launcher alone
+
+
+@pytest.fixture
+def stubborn(tmp_path) -> Path:
+    path = tmp_path / "stubborn.py"
+    path.write_text(STUBBORN_TRAINER)
+    return path
+
+
+def write_lease(shared: Path, lease_s: float, fence_s: float, kill_s: float, agent_pid: int | None = None) -> float:
+    now = time.time()
+    protocol.write_json(shared / protocol.LEASE, {"contact_s": now, "lease_s": lease_s, "fence_s": fence_s,
+                                                  "kill_s": kill_s, "generation": 1, "status": "running",
+                                                  "agent_pid": agent_pid})
+    return now
+
+
+def trainer_pids(shared: Path) -> list[int]:
+    """The trainer's pid and its workers', once the launcher has seen the worker."""
+    status = wait_for(lambda: (s := protocol.read_json(shared / protocol.STATUS) or {}).get("workers") and s,
+                      20, "the trainer and its worker")
+    return [status["pid"], *status["workers"]]
+
+
+def test_a_stale_lease_fences_the_whole_tree_by_the_kill_deadline_and_blocks_new_generations(tmp_path, stubborn):
+    shared = tmp_path / "job"
+    proc = start_launcher(shared, f"{sys.executable} {stubborn}", grace_s=10.0)
+    try:
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+        pids = trainer_pids(shared)
+        contact = write_lease(shared, lease_s=3.0, fence_s=1.0, kill_s=2.0)  # arms the fence
+        status = wait_for(lambda: (s := protocol.read_json(shared / protocol.STATUS))["state"] == protocol.FENCED
+                          and s, 10, "the fence")
+        # SIGTERM is ignored: SIGKILL at kill_s (2 s), not after the 10 s grace (11 s)
+        assert 1.0 <= status["fenced_s"] - contact < 3.0
+        assert not any(protocol.pid_alive(p) for p in pids)
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [1], "stop": False})
+        time.sleep(1.0)
+        assert protocol.read_json(shared / protocol.STATUS)["state"] == protocol.FENCED  # no start while stale
+        write_lease(shared, lease_s=3.0, fence_s=1.0, kill_s=2.0)  # contact is back
+        status = wait_for(lambda: (s := protocol.read_json(shared / protocol.STATUS))["state"] == protocol.RUNNING
+                          and s, 10, "generation 2 to start")
+        assert status["generation"] == 2 and status["restarts"] == 1 and status["fences"] == 1
+    finally:
+        kill_all(proc, shared)
+
+
+def kill_all(launcher: subprocess.Popen, shared: Path) -> None:
+    """Kill a test's launcher and every process below it: frozen first (SIGSTOP), so that none
+    starts a worker between the scan and the kill."""
+    status = protocol.read_json(shared / protocol.STATUS) or {}
+    roots = [p for p in [*protocol.descendants(launcher.pid), status.get("pid"), *(status.get("workers") or [])] if p]
+    protocol.signal_processes(roots, signal.SIGSTOP)
+    launcher.kill()
+    launcher.wait()
+    tree = set(roots).union(*(protocol.descendants(p) for p in roots))
+    protocol.signal_processes(sorted(tree), signal.SIGKILL)
+
+
+def test_a_fenced_launcher_whose_agent_is_gone_for_a_whole_lease_exits(tmp_path, trainer):
+    shared = tmp_path / "job"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    proc = start_launcher(shared, f"{sys.executable} {trainer} x 100000", grace_s=30.0)
+    try:
+        write_lease(shared, lease_s=2.0, fence_s=1.0, kill_s=1.5, agent_pid=dead.pid)
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+        assert proc.wait(20) == EXIT_FENCED
+        status = protocol.read_json(shared / protocol.STATUS)
+        assert status["state"] == protocol.FENCED and status["fences"] == 1
+        assert f"the agent (pid {dead.pid}) has been gone" in (shared / protocol.LOG).read_text()
+    finally:
+        kill_all(proc, shared)
+
+
+@pytest.fixture
+def trainer(tmp_path) -> Path:
+    path = tmp_path / "trainer.py"
+    path.write_text(TRAINER)
+    return path
+
+
+# ---------------------------------------------------------------- agent, launcher and broker
+
+
+@pytest.fixture
+def one_gpu(tmp_path):
+    """A broker on a SQLite file with one GPU and a 3-second lease (fence 1.5 s, kill by 2 s)."""
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
+    broker.register_node("localhost", 1)
+    broker.configure_pool(lease_s=3.0, policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=30.0)
+    started: list[str] = []
+    yield broker, backend, started
+    for job_id in started:
+        backend.stop(job_id, timeout_s=5)
+    broker.engine.dispose()
+
+
+class EagerReaper(threading.Thread):
+    """The most eager broker possible: rebalances every 50 ms, so a silent job is declared LOST and
+    its GPUs handed to the waiting job ``waiting`` the moment its lease ends."""
+
+    def __init__(self, broker: GpuBroker, waiting: str) -> None:
+        super().__init__(daemon=True)
+        self.broker, self.waiting = broker, waiting
+        self.done = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.broker.heartbeat(self.waiting)  # the waiting job's own agent, alive
+                self.broker.rebalance()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                self.errors.append(exc)
+                return
+            time.sleep(0.05)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.join(10)
+        assert not self.errors, self.errors
+
+
+def assert_fenced_before_the_gpus_moved(broker: GpuBroker, lost_id: str, next_id: str, shared: Path,
+                                        pids: list[int]) -> float:
+    """The fenced trainer and its workers were dead before the broker declared its job LOST and
+    before it published the job's GPUs to ``next_id``; none of them is left. The fence time."""
+    status = protocol.read_json(shared / protocol.STATUS)
+    assert status["fences"] == 1 and status["fenced_s"] is not None, status
+    fenced_s = status["fenced_s"]
+    lost = broker.job(lost_id)
+    assert lost.status is JobStatus.LOST, lost.reason
+    (lost_event,) = [e for e in broker.events(job_id=lost_id) if e.kind == "lost"]
+    (handed,) = [e for e in broker.events(job_id=next_id) if e.kind == "start"]
+    assert handed.data["gpus"] == ["localhost:0"]
+    earliest_reuse = lost.last_heartbeat_s + 3.0  # the broker reaps only after its lease
+    assert fenced_s < earliest_reuse <= lost_event.time_s <= handed.time_s, (
+        fenced_s, earliest_reuse, lost_event.time_s, handed.time_s)
+    assert not [p for p in pids if protocol.pid_alive(p)], "a fenced process is still alive"
+    assert "fenced: the trainer and its workers are stopped" in (shared / protocol.LOG).read_text()
+    return fenced_s
+
+
+def test_a_killed_agent_s_trainer_is_fenced_before_its_gpus_go_to_another_job(one_gpu, stubborn):
+    broker, backend, started = one_gpu
+    job = broker.submit(JobSpec("orphan", f"{sys.executable} {stubborn}", 1, 1, total_steps=10**6))
+    broker.start(job.id, backend.start(job))
+    started.append(job.id)
+    handle = backend.handle(job.id)
+    wait_for(lambda: broker.job(job.id).acked_generation == 1, 30, "the job to run")
+    pids = trainer_pids(handle.job_dir)
+    waiting = broker.submit(JobSpec("next", "sleep 1000", 1, 1, total_steps=10))
+    assert broker.job(waiting.id).target_gpus == ()  # the only GPU is the orphan's
+    with EagerReaper(broker, waiting.id):
+        os.kill(handle.agent_pid, signal.SIGKILL)
+        wait_for(lambda: broker.job(waiting.id).target_gpus, 20, "the GPU to be handed to the next job")
+    assert_fenced_before_the_gpus_moved(broker, job.id, waiting.id, handle.job_dir, pids)
+    # nobody will resume it: the launcher exits a lease after its agent went away
+    wait_for(lambda: not protocol.pid_alive(handle.launcher_pid), 15, "the abandoned launcher to exit")
+    assert not backend.is_running(job.id)
+    broker.cancel(waiting.id)
+
+
+def test_a_restarted_agent_resumes_a_fenced_trainer_the_broker_still_runs(one_gpu, trainer):
+    broker, backend, started = one_gpu
+    broker.configure_pool(lease_s=4.0)  # fence at 2 s: room to restart the agent before the lease ends
+    job = broker.submit(JobSpec("resumed", f"{sys.executable} {trainer} x 60", 1, 1, total_steps=60))
+    broker.start(job.id, backend.start(job))
+    started.append(job.id)
+    handle = backend.handle(job.id)
+    wait_for(lambda: broker.job(job.id).steps_done >= 3, 30, "progress")
+    trainer_pid = protocol.read_json(handle.job_dir / protocol.STATUS)["pid"]
+    os.kill(handle.agent_pid, signal.SIGKILL)
+    wait_for(lambda: protocol.read_json(handle.job_dir / protocol.STATUS)["state"] == protocol.FENCED, 10, "fence")
+    assert not protocol.pid_alive(trainer_pid)
+    backend.start(job)  # a supervisor or the task's retry: a new agent for the same launcher
+    again = backend.handle(job.id)
+    assert again.launcher_pid == handle.launcher_pid and again.agent_pid != handle.agent_pid
+    done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
+    assert done.status is JobStatus.SUCCEEDED, done.reason
+    assert done.steps_done == 60
+    status = protocol.read_json(handle.job_dir / protocol.STATUS)
+    assert status["restarts"] == 1 and status["fences"] == 1
+    log = (handle.job_dir / protocol.LOG).read_text()
+    assert log.count("generation 1: starting") == 2 and "restarting the fenced trainer" in log
+
+
+def test_a_trainer_printing_a_nan_step_does_not_kill_its_agent_and_the_job_finishes(one_gpu, tmp_path):
+    broker, backend, started = one_gpu
+    script = tmp_path / "nan.py"
+    script.write_text(NAN_TRAINER)
+    job = broker.submit(JobSpec("nan", f"{sys.executable} {script}", 1, 1, total_steps=20))
+    broker.start(job.id, backend.start(job))
+    started.append(job.id)
+    handle = backend.handle(job.id)
+    done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
+    agent_log = (handle.job_dir / "agent.log").read_text()
+    assert done.status is JobStatus.SUCCEEDED, done.reason + agent_log[-3000:]
+    assert done.steps_done == 20
+    assert done.metrics == {"final": True, "step": 20, "accuracy": 0.9, "loss": None}
+    assert "dropped a progress line with a non-finite step (nan)" in agent_log
+    assert "rejected by the broker, dropped: step must be a finite number >= 0, got -1.0" in agent_log
+    assert "Traceback" not in agent_log
+    wait_for(lambda: not backend.is_running(job.id), 10, "the agent and launcher to exit")
+
+
+class ApiServer:
+    """The broker's HTTP API in a thread, stopped and started again on the same port."""
+
+    def __init__(self, broker: GpuBroker) -> None:
+        self.broker, self.port = broker, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.broker), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, 20, "API server to start")
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            self.thread.join(10)
+            self.server = None
+
+
+def test_an_unreachable_broker_fences_the_trainer_and_a_lost_job_is_not_restarted(one_gpu, stubborn, tmp_path):
+    broker, _, _ = one_gpu
+    api = ApiServer(broker)
+    api.start()
+    # the agent can reach the broker only through the API: its DB URL leads nowhere
+    backend = LocalBackend(tmp_path / "http-jobs", broker, broker_url="sqlite:////nonexistent/dir/broker.db",
+                           poll_s=0.2, grace_s=30.0)
+    try:
+        job = broker.submit(JobSpec("cut-off", f"{sys.executable} {stubborn}", 1, 1, total_steps=10**6))
+        broker.start(job.id, backend.start(job, env={"AIRFLOW_ELASTIC_GPU_BROKER_API": api.url,
+                                                     "AIRFLOW_ELASTIC_GPU_JOB_TOKEN": job.token}))
+        handle = backend.handle(job.id)
+        wait_for(lambda: broker.job(job.id).acked_generation == 1, 30, "the job to run")
+        pids = trainer_pids(handle.job_dir)
+        waiting = broker.submit(JobSpec("next", "sleep 1000", 1, 1, total_steps=10))
+        with EagerReaper(broker, waiting.id):
+            api.stop()  # the broker is unreachable for the agent, longer than the lease
+            wait_for(lambda: broker.job(waiting.id).target_gpus, 20, "the GPU to be handed to the next job")
+        assert protocol.pid_alive(handle.agent_pid)  # the agent rode out the outage
+        assert_fenced_before_the_gpus_moved(broker, job.id, waiting.id, handle.job_dir, pids)
+        api.start()  # contact returns: the agent learns the job is LOST and stops, never restarts it
+        wait_for(lambda: not backend.is_running(job.id), 20, "the agent and launcher to exit")
+        status = protocol.read_json(handle.job_dir / protocol.STATUS)
+        assert status["state"] == protocol.STOPPED and status["restarts"] == 0
+        assert (handle.job_dir / protocol.LOG).read_text().count("generation 1: starting") == 1
+        assert "job is lost in the broker" in (handle.job_dir / "agent.log").read_text()
+        broker.cancel(waiting.id)
+    finally:
+        backend.stop(job.id, timeout_s=5)
+        api.stop()
+
+
+def test_local_backend_refuses_a_fence_longer_than_the_pool_s_lease(one_gpu, trainer, tmp_path):
+    broker, _, _ = one_gpu
+    backend = LocalBackend(tmp_path / "jobs2", broker, fence_s=5.0)
+    job = broker.submit(JobSpec("too-long", f"{sys.executable} {trainer} x 3", 1, 1, total_steps=3))
+    with pytest.raises(BackendError, match="fence_s: fence_s=5 leaves no time"):
+        backend.start(job)
+    assert backend.handle(job.id) is None  # nothing was started
