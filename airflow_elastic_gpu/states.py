@@ -60,12 +60,18 @@ PUBLISH_KINDS = frozenset({EventKind.START, EventKind.RESIZE})
 
 @dataclass(frozen=True)
 class Target:
-    """What the agent should run: ``gpus`` in generation ``generation`` (0: none yet)."""
+    """What the agent should run: ``gpus`` in generation ``generation`` (0: none yet).
+
+    :param lease_s: the job's pool's heartbeat lease (seconds): the broker declares the job LOST,
+        and hands its GPUs on, after this long without a heartbeat; the sidecar fences its trainer
+        well before (see ``docs/fencing.md``). None where unknown.
+    """
 
     job_id: str
     status: JobStatus
     generation: int
     gpus: tuple[GpuId, ...]
+    lease_s: float | None = None
 
     def device_indices(self) -> list[int]:
         return [g.index for g in self.gpus]

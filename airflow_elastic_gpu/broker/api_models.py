@@ -95,6 +95,7 @@ class TargetOut(BaseModel):
     status: str
     generation: int
     gpus: list[str] = Field(description="node:index of each GPU of the generation")
+    lease_s: float | None = Field(default=None, description="the pool's heartbeat lease, seconds")
 
 
 class AckOut(BaseModel):
@@ -199,7 +200,8 @@ def event_out(e: EventView) -> EventOut:
 
 
 def target_out(t: Target) -> TargetOut:
-    return TargetOut(job_id=t.job_id, status=t.status.value, generation=t.generation, gpus=[str(g) for g in t.gpus])
+    return TargetOut(job_id=t.job_id, status=t.status.value, generation=t.generation, gpus=[str(g) for g in t.gpus],
+                     lease_s=t.lease_s)
 
 
 def snapshot_out(s: PoolSnapshot) -> SnapshotOut:

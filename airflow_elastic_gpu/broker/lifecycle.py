@@ -58,7 +58,8 @@ _NODE_SIZES = (
     select(func.count(Gpu.id)).join(Node, Node.id == Gpu.node_id)
     .where(Node.pool == bindparam("pool"), Node.schedulable, Gpu.healthy).group_by(Node.id)
 )
-_STATUS = select(Job.status, Job.target_generation).where(Job.id == bindparam("job_id"))
+_STATUS = (select(Job.status, Job.target_generation, GpuPool.lease_s).join(GpuPool, GpuPool.name == Job.pool)
+           .where(Job.id == bindparam("job_id")))
 _LAST_SAMPLE = (
     select(ProgressSample.time_s, ProgressSample.step)
     .where(ProgressSample.job_id == bindparam("job_id"), ProgressSample.generation == bindparam("generation"))
@@ -216,8 +217,10 @@ class Lifecycle(Queries):
                 if not ended:
                     update_job(conn, job_id, last_heartbeat_s=self.clock())
                 target, _ = job_gpus(conn, job_id)
-                due = not ended and self._due(conn, read_pool(conn, job.pool))
-                return Target(job_id, JobStatus(job.status), job.target_generation, target), job.pool, due
+                pool = read_pool(conn, job.pool)
+                due = not ended and self._due(conn, pool)
+                return (Target(job_id, JobStatus(job.status), job.target_generation, target, pool.lease_s),
+                        job.pool, due)
 
         target, pool, due = self._retrying(run)
         if due and self.maybe_rebalance(pool):
@@ -233,7 +236,8 @@ class Lifecycle(Queries):
             job = conn.execute(_STATUS, {"job_id": job_id}).first()
             if job is None:
                 raise NotFound(f"unknown job {job_id!r}")
-            return Target(job_id, JobStatus(job.status), job.target_generation, job_gpus(conn, job_id)[0])
+            return Target(job_id, JobStatus(job.status), job.target_generation, job_gpus(conn, job_id)[0],
+                          job.lease_s)
 
         return self._read_conn(read)
 

@@ -84,7 +84,9 @@ class HttpBrokerTransport:
     @staticmethod
     def _target(data: dict[str, Any]) -> Target:
         gpus = tuple(sorted(GpuId(n, int(i)) for n, i in (g.rsplit(":", 1) for g in data["gpus"])))
-        return Target(data["job_id"], JobStatus(data["status"]), int(data["generation"]), gpus)
+        lease = data.get("lease_s")
+        return Target(data["job_id"], JobStatus(data["status"]), int(data["generation"]), gpus,
+                      float(lease) if isinstance(lease, (int, float)) and lease > 0 else None)
 
     def heartbeat(self, job_id: str) -> Target:
         return self._target(self._call("POST", job_id, "heartbeat"))
