@@ -225,6 +225,6 @@ def test_heartbeat_and_target_tell_the_agent_the_pool_lease(broker):
     """The sidecar fences its trainer within the pool's lease: the broker says what the lease is."""
     broker.register_node("n0", 1)
     broker.configure_pool(lease_s=42)
-    job = broker.submit(spec("a"))
+    job = broker.submit(spec("a", max_gpus=1))
     assert broker.heartbeat(job.id).lease_s == 42
     assert broker.target(job.id).lease_s == 42
