@@ -23,7 +23,6 @@ from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from sqlalchemy.engine import make_url
 
 from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.backends.local import LOCAL_NODE
@@ -36,7 +35,7 @@ from airflow_elastic_gpu.broker.types import (
     NotFound,
     PoolSnapshot,
 )
-from airflow_elastic_gpu.config import default_broker_url, default_work_dir
+from airflow_elastic_gpu.config import default_broker_url, default_work_dir, mask_url
 
 console = Console()
 notes = Console(stderr=True)
@@ -96,7 +95,7 @@ def _broker(args: argparse.Namespace) -> GpuBroker:
 
 def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
     """One dim line on stderr: the broker (password hidden) and the local job directories used."""
-    url = make_url(args.broker_url or default_broker_url()).render_as_string(hide_password=True)
+    url = mask_url(args.broker_url or default_broker_url())
     notes.print(f"broker {url} · job files in {work_dir or default_work_dir()}", style="dim",
                 highlight=False, markup=False, soft_wrap=True)
 
@@ -324,7 +323,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from airflow_elastic_gpu.broker.api import create_app
 
     url = args.broker_url or default_broker_url()
-    shown = make_url(url).render_as_string(hide_password=True)
+    shown = mask_url(url)
     console.print(f"broker API on http://{args.host}:{args.port} (page: /ui, OpenAPI: /docs) for {shown}")
     uvicorn.run(create_app(broker_url=url), host=args.host, port=args.port, log_level="warning")
     return 0

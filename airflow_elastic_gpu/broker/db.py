@@ -20,7 +20,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 
-from airflow_elastic_gpu.config import ENV_BROKER_URL, default_broker_url  # noqa: F401 - re-exported
+from airflow_elastic_gpu.config import ENV_BROKER_URL, default_broker_url, mask_url  # noqa: F401 - re-exported
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -35,7 +35,7 @@ def create_broker_engine(url: str) -> Engine:
         parsed = make_url(url)
     except ArgumentError as exc:
         raise ValueError(
-            f"invalid broker URL {url!r}: {exc}. Expected e.g. sqlite:////path/broker.db "
+            f"invalid broker URL {mask_url(url)!r}: {exc}. Expected e.g. sqlite:////path/broker.db "
             "or postgresql+psycopg://user:password@host:5432/dbname"
         ) from None
     backend = parsed.get_backend_name()
