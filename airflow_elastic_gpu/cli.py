@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from airflow_elastic_gpu.backends.base import BackendError
+from airflow_elastic_gpu.backends.base import BackendError, start_job
 from airflow_elastic_gpu.backends.local import LOCAL_NODE
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import (
@@ -219,13 +219,13 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     registered = backend.ensure_pool(args.pool)
     if registered:
         console.print(registered)
-    backend.check(cmd, args.checkpoint_dir)
+    backend.check(cmd, args.checkpoint_dir)  # before submit: a job that cannot start never takes a GPU
     job = broker.submit(JobSpec(
         name=args.name or Path(shlex.split(cmd)[0]).name, command=cmd, min_gpus=args.min_gpus,
         max_gpus=args.max_gpus, total_steps=args.total_steps, pool=args.pool,
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
-    broker.start(job.id, backend.start(job))
+    start_job(broker, backend, job)  # a start that fails after all fails the job, freeing its GPUs
     console.print(f"job {job.id} started; files in {work_dir / job.id}")
     if args.detach:
         return 0
