@@ -23,9 +23,8 @@ from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from sqlalchemy.engine import make_url
 
-from airflow_elastic_gpu.backends.base import BackendError
+from airflow_elastic_gpu.backends.base import BackendError, start_job
 from airflow_elastic_gpu.backends.local import LOCAL_NODE
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import (
@@ -36,7 +35,7 @@ from airflow_elastic_gpu.broker.types import (
     NotFound,
     PoolSnapshot,
 )
-from airflow_elastic_gpu.config import default_broker_url, default_work_dir
+from airflow_elastic_gpu.config import default_broker_url, default_work_dir, mask_url
 
 console = Console()
 notes = Console(stderr=True)
@@ -96,7 +95,7 @@ def _broker(args: argparse.Namespace) -> GpuBroker:
 
 def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
     """One dim line on stderr: the broker (password hidden) and the local job directories used."""
-    url = make_url(args.broker_url or default_broker_url()).render_as_string(hide_password=True)
+    url = mask_url(args.broker_url or default_broker_url())
     notes.print(f"broker {url} · job files in {work_dir or default_work_dir()}", style="dim",
                 highlight=False, markup=False, soft_wrap=True)
 
@@ -220,13 +219,13 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     registered = backend.ensure_pool(args.pool)
     if registered:
         console.print(registered)
-    backend.check(cmd, args.checkpoint_dir)
+    backend.check(cmd, args.checkpoint_dir)  # before submit: a job that cannot start never takes a GPU
     job = broker.submit(JobSpec(
         name=args.name or Path(shlex.split(cmd)[0]).name, command=cmd, min_gpus=args.min_gpus,
         max_gpus=args.max_gpus, total_steps=args.total_steps, pool=args.pool,
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
-    broker.start(job.id, backend.start(job))
+    start_job(broker, backend, job)  # a start that fails after all fails the job, freeing its GPUs
     console.print(f"job {job.id} started; files in {work_dir / job.id}")
     if args.detach:
         return 0
@@ -334,7 +333,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     limits = dataclasses.replace(ApiLimits.from_env(), **overrides)
     app = create_app(broker_url=args.broker_url or default_broker_url(), ui_token=ui_token, limits=limits,
                      api_docs=args.api_docs)
-    shown = make_url(args.broker_url or default_broker_url()).render_as_string(hide_password=True)
+    shown = mask_url(args.broker_url or default_broker_url())
     docs = "; Swagger UI: /docs (assets from a CDN)" if args.api_docs else ""
     views = "need the UI token" if ui_token else "open (loopback only)"
     console.print(f"broker API on http://{args.host}:{args.port} (page: /ui; OpenAPI: /openapi.json{docs}) "

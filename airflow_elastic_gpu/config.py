@@ -15,6 +15,7 @@ local job directories     ``AIRFLOW_ELASTIC_GPU_WORK_DIR``                ``<hom
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,3 +41,16 @@ def default_work_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """Parent of the local backend's job directories: ``$AIRFLOW_ELASTIC_GPU_WORK_DIR``, else
     ``elastic_gpu_jobs`` in :func:`airflow_home`."""
     return Path(environ.get(ENV_WORK_DIR) or airflow_home(environ) / "elastic_gpu_jobs").expanduser()
+
+
+def mask_url(url: str) -> str:
+    """``url`` fit to print or log: its password replaced by ``***`` (SQLAlchemy's
+    ``render_as_string(hide_password=True)``; a URL SQLAlchemy cannot parse loses everything between
+    ``://`` and the last ``@``)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError, TypeError):
+        return re.sub(r"(?<=://).*@", "***@", str(url), flags=re.DOTALL)

@@ -43,6 +43,7 @@ from sqlalchemy.exc import OperationalError
 from airflow_elastic_gpu.broker.db import create_broker_engine, migrate
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import BrokerError, JobSpec
+from airflow_elastic_gpu.config import mask_url
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "broker_load.json"
@@ -289,7 +290,7 @@ def main() -> int:
             result = run_load(pg.url, args.clients, args.ops, args.seed, pool=pool, processes=args.processes,
                               restart=pg.restart, restart_after_s=args.restart_after_s)
     else:
-        with console.status(f"{args.clients} clients, {args.ops} operations against {args.url} ..."):
+        with console.status(f"{args.clients} clients, {args.ops} operations against {mask_url(args.url)} ..."):
             result = run_load(args.url, args.clients, args.ops, args.seed, pool=pool, processes=args.processes)
     table = Table(title=f"{result['operations']} operations, {result['clients']} clients "
                         f"in {result['processes']} processes: "

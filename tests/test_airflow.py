@@ -88,6 +88,17 @@ def test_trigger_serialization_round_trips():
     ({"gpu_pool": ""}, "pool must not be empty"),
     ({"command": ""}, "command must not be empty"),
     ({"requested_gpus": 99, "max_gpus": 2}, "requested_gpus"),
+    ({"virtual_gpus": 0}, "virtual_gpus must be an integer >= 1"),
+    ({"virtual_gpus": "4"}, "virtual_gpus must be an integer >= 1"),
+    ({"env": "A=1"}, "env must be a dict of environment variable names to string values"),
+    ({"env": {"A": 1}}, r"env\['A'\] must be a string"),
+    ({"backend": "kubernetes", "image": "i", "kubernetes": {"namespace": "Bad_NS!"}},
+     "namespace must be a DNS-1123 label"),
+    ({"backend": "kubernetes", "image": "i", "kubernetes": {"startup_grace_s": -1}},
+     "startup_grace_s must be a number of seconds >= 0"),
+    ({"backend": "kubernetes", "image": "i", "kubernetes": {"volumes": "abc"}}, "volumes must be a list of dicts"),
+    ({"backend": "kubernetes", "image": "i", "kubernetes": {"labels": {"elastic-gpu.airflow.apache.org/job-id": "x"}}},
+     "is set by airflow-elastic-gpu"),
 ])
 def test_bad_operator_arguments_fail_at_dag_parse_time(kwargs, match):
     args = {"task_id": "t", "command": "python train.py", "total_steps": 10, **kwargs}
@@ -264,3 +275,29 @@ def test_extra_link_points_at_the_job_on_the_pool_page(monkeypatch):
     op = ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10, gpu_pool="a100")
     assert link_module.ElasticJobLink().get_link(op, ti_key=None) == "/elastic-gpu/ui?pool=a100&job=job-123"
     assert any(isinstance(l, link_module.ElasticJobLink) for l in op.operator_extra_links)
+
+
+def test_an_env_rendered_to_a_non_string_is_refused_before_the_job_is_submitted(worker_env):
+    broker, _, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 3", total_steps=3,
+                                 virtual_gpus=2, env={"EPOCHS": "{{ params.epochs }}"})
+    op.env = {"EPOCHS": 3}  # what render_template_as_native_obj=True makes of the template
+    with pytest.raises(AirflowException, match=r"train: env\['EPOCHS'\] must be a string"):
+        op.execute({"ti": _FakeTI()})
+    assert broker.jobs() == []
+
+
+def test_a_job_the_backend_cannot_start_is_failed_with_the_reason_and_frees_its_gpus(worker_env, monkeypatch):
+    broker, _, trainer = worker_env
+
+    def broken_start(self, job, *, env=None, context=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LocalBackend, "start", broken_start)
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 3", total_steps=3,
+                                 virtual_gpus=2)
+    with pytest.raises(OSError, match="No space left on device"):  # not a BackendError: raised as it is
+        op.execute({"ti": _FakeTI()})
+    (job,) = broker.jobs()
+    assert job.status is JobStatus.FAILED and job.reason.endswith("No space left on device")
+    assert job.in_use_gpus == () and job.target_gpus == ()

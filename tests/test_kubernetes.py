@@ -4,6 +4,11 @@ and a job's whole life against a fake of the CoreV1 API (no cluster here)."""
 from __future__ import annotations
 
 import copy
+import http.server
+import json
+import subprocess
+import sys
+import threading
 
 import kubernetes_validate
 import pytest
@@ -14,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 from airflow_elastic_gpu.backends.kubernetes import (
     LABEL_GENERATION,
     LABEL_JOB,
+    LABEL_MANAGED_BY,
     KubernetesBackend,
     KubernetesJobConfig,
     PodBuilder,
@@ -24,6 +30,7 @@ from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.sidecar.http_transport import BrokerRejected, HttpBrokerTransport
 
 K8S_VERSION = "1.33.0"
 CONTEXT = {"dag_id": "nightly_retraining", "task_id": "train", "run_id": "scheduled__2026-11-23T00:00:00+00:00",
@@ -47,7 +54,7 @@ TEMPLATE = {
 }
 
 
-@pytest.mark.parametrize("kind", ["inplace", "recreate", "template_file", "full_pod_spec", "knobs"])
+@pytest.mark.parametrize("kind", ["inplace", "recreate", "template_file", "full_pod_spec", "knobs", "own_users"])
 def test_every_manifest_validates_strictly_against_the_kubernetes_schema(tmp_path, kind):
     extra: dict = {}
     if kind == "recreate":
@@ -64,7 +71,12 @@ def test_every_manifest_validates_strictly_against_the_kubernetes_schema(tmp_pat
                  "volumes": ({"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}},),
                  "volume_mounts": ({"name": "ckpt", "mountPath": "/ckpt"},),
                  "container_resources": {"requests": {"cpu": "4", "memory": "16Gi"}},
-                 "service_account_name": "trainer", "labels": {"team": "nlp"}}
+                 "service_account_name": "trainer", "labels": {"team": "nlp"},
+                 "automount_service_account_token": True}
+    elif kind == "own_users":  # the images' own users, and a profiler's capability for the trainer
+        extra = {"run_as_user": None, "run_as_group": None,
+                 "trainer_security_context": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                                              "capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE"]}}}
     builder = PodBuilder(config(**extra))
     pod = to_dict(builder.pod("3f1c-job", "python train.py --gpus {num_gpus}", "gpu-node-7", 2,
                               progress_pattern=r"step (?P<step>\d+)", checkpoint_dir="/ckpt/run1",
@@ -96,8 +108,13 @@ def test_pod_semantics_the_schema_cannot_check():
     for c in (copy_init, agent, trainer):  # the shared volume is in every container
         assert {"name": "elastic", "mountPath": "/elastic"} in c["volumeMounts"]
     assert {"name": "elastic", "emptyDir": {}} in spec["volumes"]
-    (token,) = agent["env"]
-    assert token["valueFrom"]["secretKeyRef"] == {"name": "elastic-gpu-token-job-1", "key": "token"}
+    assert "env" not in agent  # the token is a file of the job's Secret, mounted into the agent only
+    assert {"name": "elastic-token", "mountPath": "/var/run/secrets/elastic-gpu", "readOnly": True} \
+        in agent["volumeMounts"]
+    (token_volume,) = [v for v in spec["volumes"] if v["name"] == "elastic-token"]
+    assert token_volume["secret"] == {"secretName": "elastic-gpu-token-job-1", "defaultMode": 0o440}
+    assert agent["args"][agent["args"].index("--token-file") + 1] == "/var/run/secrets/elastic-gpu/token"
+    assert all(m["name"] != "elastic-token" for c in (copy_init, trainer) for m in c["volumeMounts"])
     assert "--broker-api" in agent["args"] and "--broker-url" not in agent["args"]  # no DB password in pods
     assert trainer["command"] == ["python3", "/elastic/launcher.py"]
     assert trainer["args"][-2:] == ["--", "python train.py"]
@@ -108,12 +125,104 @@ def test_pod_semantics_the_schema_cannot_check():
     assert pod["metadata"]["name"] == "elastic-gpu-job-1-g3"
 
 
+RESTRICTED = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+              "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def test_every_container_is_hardened_and_no_service_account_token_is_mounted():
+    pod = to_dict(PodBuilder(config()).pod("job-1", "python train.py", "gpu-node-7", 1))
+    spec = pod["spec"]
+    copy_init, agent = spec["initContainers"]
+    (trainer,) = spec["containers"]
+    for sidecar in (copy_init, agent):  # the backend's own images: read-only root as well
+        assert sidecar["securityContext"] == {**RESTRICTED, "readOnlyRootFilesystem": True}
+    assert trainer["securityContext"] == RESTRICTED  # the user's image may write to its filesystem
+    assert spec["automountServiceAccountToken"] is False
+    # one non-root user in every container: the agent and the launcher share files of mode 0600
+    assert spec["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                       "fsGroupChangePolicy": "OnRootMismatch",
+                                       "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def test_the_trainers_security_context_and_user_can_be_overridden():
+    custom = {"runAsNonRoot": True, "capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE"]}}
+    pod = to_dict(PodBuilder(config(trainer_security_context=custom, run_as_user=None, run_as_group=None,
+                                    automount_service_account_token=True)).pod("j", "x", "n", 1))
+    (trainer,) = pod["spec"]["containers"]
+    assert trainer["securityContext"] == custom  # replaces the default, is not merged with it
+    assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["spec"]["automountServiceAccountToken"] is True
+    token_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "elastic-token")
+    assert token_volume["secret"]["defaultMode"] == 0o444  # no fsGroup: readable by the agent's own user
+    assert pod["spec"]["initContainers"][1]["securityContext"]["runAsNonRoot"] is True  # the agent stays hardened
+    bare = to_dict(PodBuilder(config(trainer_security_context={})).pod("j", "x", "n", 1))
+    assert "securityContext" not in bare["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("key", [LABEL_JOB, LABEL_GENERATION, LABEL_MANAGED_BY,
+                                 "elastic-gpu.airflow.apache.org/dag_id"])
+@pytest.mark.parametrize("field", ["labels", "annotations"])
+def test_the_backends_own_labels_cannot_be_set_by_the_user(key, field):
+    with pytest.raises(BackendError, match=rf"{field}: '{key}' is set by airflow-elastic-gpu"):
+        config(**{field: {key: "other-job"}})
+
+
+@pytest.mark.parametrize("source", ["pod_template_file", "full_pod_spec"])
+def test_a_pod_template_cannot_overwrite_the_backends_own_labels(tmp_path, source):
+    template = copy.deepcopy(TEMPLATE)
+    template["metadata"]["labels"].update({LABEL_JOB: "other-job", LABEL_GENERATION: "99",
+                                           LABEL_MANAGED_BY: "someone-else"})
+    template["metadata"]["annotations"] = {LABEL_JOB: "other-job"}
+    if source == "pod_template_file":
+        path = tmp_path / "pod.yaml"
+        path.write_text(yaml.safe_dump(template))
+        extra = {"pod_template_file": str(path)}
+    else:
+        extra = {"full_pod_spec": template}
+    pod = to_dict(PodBuilder(config(**extra)).pod("job-1", "python train.py", "gpu-node-7", 3))
+    labels = pod["metadata"]["labels"]
+    assert labels[LABEL_JOB] == "job-1" and labels[LABEL_GENERATION] == "3"
+    assert labels[LABEL_MANAGED_BY] == "airflow-elastic-gpu" and labels["team"] == "vision"
+    assert pod["metadata"]["annotations"][LABEL_JOB] == "job-1"
+
+
+def test_building_a_pod_without_a_template_does_not_import_airflow():
+    code = (
+        "import sys\n"
+        "sys.modules['airflow'] = None  # any import of Airflow now fails\n"
+        "from airflow_elastic_gpu.backends.kubernetes import KubernetesJobConfig, PodBuilder\n"
+        "pod = PodBuilder(KubernetesJobConfig(image='i')).pod('job-1', 'python train.py', 'node', 1)\n"
+        "assert pod.spec.node_name == 'node'\n"
+        "assert not [m for m in sys.modules if m.startswith('airflow.')]\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.parametrize(("kw", "message"), [
     ({"image": ""}, "needs an image"),
     ({"resize_mechanism": "migrate"}, "resize_mechanism must be one of"),
     ({"on_finish_action": "explode"}, "on_finish_action must be one of"),
     ({"broker_api_url": "broker:8793"}, "must start with http"),
     ({"container_resources": {"limits": {"nvidia.com/gpu": 1}}}, "do not request nvidia.com/gpu"),
+    ({"namespace": "Bad_NS!"}, "namespace must be a DNS-1123 label"),
+    ({"namespace": "a" * 64}, "namespace must be a DNS-1123 label"),
+    ({"startup_grace_s": -1}, "startup_grace_s must be a number of seconds >= 0"),
+    ({"startup_grace_s": float("nan")}, "startup_grace_s must be a number of seconds >= 0"),
+    ({"startup_grace_s": "120"}, "startup_grace_s must be a number of seconds >= 0"),
+    ({"volumes": "abc"}, "volumes must be a list of dicts"),
+    ({"volumes": ["abc"]}, "volumes must be a list of dicts"),
+    ({"volume_mounts": {"name": "x"}}, "volume_mounts must be a list of dicts"),
+    ({"tolerations": "gpu"}, "tolerations must be a list of dicts"),
+    ({"volumes": [{"name": "elastic", "emptyDir": {}}]}, "'elastic' is the backend's own"),
+    ({"image_pull_secrets": "regcred"}, "image_pull_secrets must be a list of Secret names"),
+    ({"labels": "team=nlp"}, "labels must be a dict of strings"),
+    ({"labels": {"team": "NLP team!"}}, r"labels\['team'\]: 'NLP team!' is not a valid label value"),
+    ({"labels": {"bad key": "x"}}, "labels: 'bad key' is not a valid key"),
+    ({"annotations": {"note": 3}}, "annotations must be a dict of strings"),
+    ({"run_as_user": 0}, "run_as_user must be an integer >= 1"),
+    ({"trainer_security_context": "restricted"}, "trainer_security_context must be a dict"),
+    ({"automount_service_account_token": "no"}, "automount_service_account_token must be True or False"),
 ])
 def test_bad_kubernetes_settings_are_rejected(kw, message):
     args = {"image": "train:1", **kw}
@@ -304,6 +413,124 @@ def test_api_errors_409_404_500(cluster):
     api.fail["delete_namespaced_secret"] = 500
     with pytest.raises(BackendError, match="cannot delete the job's token Secret: 500"):
         backend.stop(other.id)
+
+
+def _mounted_token(api, job_id):
+    """What the kubelet writes into the agent's token file: the Secret's current token."""
+    return api.secrets[f"elastic-gpu-token-{job_id}"].string_data["token"]
+
+
+def test_a_retried_start_while_the_pod_runs_keeps_the_running_agents_token_valid(cluster):
+    broker, api = cluster
+    job = submit(broker, "j", 1, 1)
+    KubernetesBackend(config(), broker, api).start(job, context=CONTEXT)
+    broker.start(job.id, "kubernetes:ml/elastic-gpu-" + job.id)
+    (pod_name,) = api.pods
+    mounted = _mounted_token(api, job.id)
+    for phase in ("Pending", "Running"):
+        api.set_phase(pod_name, phase)
+        retry = KubernetesBackend(config(), broker, api)  # the retried task: another worker, another backend
+        retry.start(broker.job(job.id), context=CONTEXT)
+        assert broker.verify_token(job.id, mounted), f"the agent of a {phase} pod was locked out"
+        assert _mounted_token(api, job.id) == mounted
+    assert list(api.pods) == [pod_name]
+
+
+@pytest.fixture
+def token_checking_api(cluster):
+    """An HTTP server standing in for the broker API's authentication: 200 when the bearer token is
+    the job's current one (``GpuBroker.verify_token``), 403 otherwise."""
+    broker, _ = cluster
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # http.server's name for it
+            job_id = self.path.split("/")[4]
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+            ok = broker.verify_token(job_id, token)
+            self.send_response(200 if ok else 403)
+            self.end_headers()
+            self.wfile.write(b"null" if ok else json.dumps({"detail": "bad token"}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_rotated_token_reaches_the_running_agent_through_its_mounted_file(cluster, token_checking_api,
+                                                                              tmp_path):
+    """A pod whose phase is Unknown (its node lost contact) does not count as running, so a retried
+    start rotates the token; its agent, if still alive, re-reads the mounted file on each request
+    and follows the rotation as soon as the kubelet refreshes the file, without a restart."""
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit(broker, "j", 1, 1)
+    backend.start(job)
+    token_file = tmp_path / "token"
+    token_file.write_text(_mounted_token(api, job.id) + "\n")
+    agent = HttpBrokerTransport(token_checking_api, token_file=token_file)
+    agent.progress(job.id, 1.0)
+    api.set_phase(next(iter(api.pods)), "Unknown")
+    backend.start(broker.job(job.id))  # not running: a fresh token in the Secret, the pod kept
+    assert len(api.pods) == 1 and not broker.verify_token(job.id, token_file.read_text().strip())
+    with pytest.raises(BrokerRejected, match="403"):
+        agent.progress(job.id, 2.0)  # until the kubelet refreshes the file (the agent retries)
+    token_file.write_text(_mounted_token(api, job.id))
+    agent.progress(job.id, 3.0)  # the same agent, the new token
+
+
+def test_the_agent_reads_a_missing_or_empty_token_file_as_a_transient_failure(tmp_path):
+    from airflow_elastic_gpu.sidecar.http_transport import BrokerUnavailable
+
+    agent = HttpBrokerTransport("http://127.0.0.1:9", token_file=tmp_path / "token")
+    with pytest.raises(BrokerUnavailable, match="cannot read the job's token file"):
+        agent.progress("j", 1.0)
+    (tmp_path / "token").write_text("\n")
+    with pytest.raises(BrokerUnavailable, match="is empty"):
+        agent.progress("j", 1.0)
+
+
+def test_a_job_whose_pod_cannot_be_created_is_failed_at_once_and_cleaned_up(cluster, monkeypatch):
+    from airflow.exceptions import AirflowException
+
+    from airflow_elastic_gpu.backends import kubernetes as kmod
+    from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
+
+    broker, api = cluster
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", broker.url)
+    monkeypatch.setattr(kmod.KubernetesBackend, "core_v1", property(lambda self: api))
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, backend="kubernetes",
+                                 image="train:1", kubernetes={"namespace": "ml"})
+    api.fail["create_namespaced_pod"] = 403  # e.g. a namespace policy refuses the pod
+    with pytest.raises(AirflowException, match="cannot create pod .*403"):
+        op.execute({"ti": _TI()})
+    (job,) = broker.jobs()
+    assert job.status is JobStatus.FAILED and "could not start the job: cannot create pod" in job.reason
+    assert job.in_use_gpus == () and job.target_gpus == ()
+    assert api.pods == {} and api.secrets == {}  # the token Secret it had created is deleted
+
+
+def test_bad_env_is_refused_before_anything_is_created(cluster):
+    broker, api = cluster
+    job = submit(broker, "j", 1, 1)
+    with pytest.raises(BackendError, match=r"env\['A'\] must be a string"):
+        KubernetesBackend(config(), broker, api).start(job, env={"A": 1})
+    assert api.secrets == {} and api.pods == {}
+
+
+class _TI:
+    dag_id, task_id, run_id, map_index = "dag", "train", "manual__1", -1
+
+    def __init__(self):
+        self.xcom = {}
+
+    def xcom_push(self, key, value):
+        self.xcom[key] = value
 
 
 def test_on_finish_action_keep_and_delete_succeeded(cluster):

@@ -9,6 +9,7 @@ backend only starts, watches and stops the processes that use them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from airflow_elastic_gpu.broker.service import GpuBroker
 
 BACKENDS = ("local", "kubernetes")
+
+log = logging.getLogger(__name__)
 
 
 class BackendError(RuntimeError):
@@ -103,6 +106,69 @@ class Backend(Protocol):
     def log_tail(self, job_id: str, lines: int = 20) -> list[str]:
         """The last ``lines`` lines of the trainer's log (empty when there is none)."""
         ...
+
+
+def check_env(env: object, what: str = "env") -> dict[str, str]:
+    """``env`` as the trainer's extra environment variables, checked before any job is submitted.
+
+    :param env: ``None`` or a mapping of names to values, both strings.
+    :param what: the argument's name, for the message.
+    :returns: a copy of ``env`` (empty for ``None``).
+    :raises BackendError: ``env`` is not a mapping, or a name is empty or holds ``=`` or a NUL
+        character, or a value is not a string or holds a NUL character (the message names it).
+    """
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise BackendError(f"{what} must be a dict of environment variable names to string values, "
+                           f"got {type(env).__name__} {env!r}")
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise BackendError(f"{what}: {key!r} is not a valid environment variable name "
+                               "(a non-empty string without '=' or NUL)")
+        if not isinstance(value, str) or "\0" in value:
+            raise BackendError(f"{what}[{key!r}] must be a string without NUL characters, "
+                               f"got {type(value).__name__} {value!r}")
+    return dict(env)
+
+
+def start_job(broker: GpuBroker, backend: Backend, job: JobView, *, env: Mapping[str, str] | None = None,
+              context: Mapping[str, str] | None = None) -> JobView:
+    """Start ``job``'s processes through ``backend`` and record them in ``broker``, so that a job is
+    either started or failed, never left holding GPUs with nothing running.
+
+    A job never started before (no backend reference yet) whose start fails is failed at once in the
+    broker, with the error as its reason (its GPUs are released), and whatever the backend had
+    started of it is stopped; the error is then raised. A job that was started before (a retried
+    task reattaching) is left as it is: its processes may well be running.
+
+    :param env: extra environment variables for the trainer (see :func:`check_env`).
+    :param context: as for :meth:`Backend.start`.
+    :returns: the job as the broker records it after the start.
+    :raises BackendError: the backend could not start the job (any other error is raised as it is,
+        after the job was failed all the same).
+    """
+    fresh = job.backend_ref is None
+    try:
+        ref = backend.start(job, env=check_env(env), context=context)
+    except Exception as exc:
+        if fresh:
+            _abandon(broker, backend, job.id, exc)
+        raise
+    return broker.start(job.id, ref)
+
+
+def _abandon(broker: GpuBroker, backend: Backend, job_id: str, error: Exception) -> None:
+    """Fail a job that could not be started and stop what was started of it; a failure of either
+    step is logged and noted on ``error`` (which the caller raises), never hidden."""
+    reason = f"the {backend.name} backend could not start the job: {error}"
+    for step, call in (("fail the job in the broker", lambda: broker.fail(job_id, reason)),
+                       ("stop what was started", lambda: backend.stop(job_id, timeout_s=10))):
+        try:
+            call()
+        except Exception as cleanup_exc:  # reported on the error being raised, never hidden
+            log.exception("job %s: could not %s after a failed start", job_id, step)
+            error.add_note(f"then could not {step}: {cleanup_exc}")
 
 
 def backend_settings(name: str, *, image: str | None = None,

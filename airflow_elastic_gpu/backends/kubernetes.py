@@ -6,15 +6,20 @@ Pod layout (see ``docs/kubernetes.md``):
 * an init container (the agent image) copies the standard-library launcher (``launcher.py`` and
   ``protocol.py``) into a shared ``emptyDir`` mounted at ``/elastic``;
 * the **agent** runs as a native sidecar (an init container with ``restartPolicy: Always``,
-  Kubernetes >= 1.29): it talks to the broker's HTTP API with the job's bearer token, read from a
-  Secret created for the job (and deleted with it), and relays through ``/elastic/job``;
+  Kubernetes >= 1.29): it talks to the broker's HTTP API with the job's bearer token, read on each
+  request from a Secret created for the job (and deleted with it) and mounted into the agent only,
+  and relays through ``/elastic/job``;
 * the **trainer** container runs the user's image with the launcher as entry point:
   ``python /elastic/launcher.py --shared-dir /elastic/job -- COMMAND``. The launcher sets
   ``CUDA_VISIBLE_DEVICES`` to the broker's GPUs for each generation and restarts the trainer in
   place on a resize;
 * the pod is pinned to the broker's node (``nodeName``) and sees all the node's GPUs through the
   NVIDIA container runtime (``runtimeClassName``, ``NVIDIA_VISIBLE_DEVICES=all``) without requesting
-  ``nvidia.com/gpu``: the broker, not the kube-scheduler, owns GPU assignment on its nodes.
+  ``nvidia.com/gpu``: the broker, not the kube-scheduler, owns GPU assignment on its nodes;
+* hardened: every container runs as the same non-root user (``run_as_user``: the agent and the
+  launcher share files), without privilege escalation or capabilities, under the runtime's seccomp
+  profile; the agent and the init container with a read-only root filesystem; no service-account
+  token is mounted. The trainer's ``securityContext`` can be replaced (``trainer_security_context``).
 
 ``resize_mechanism="recreate"`` is the termination-based baseline: a new generation deletes the pod
 and creates a new one with the new GPU set. A job whose GPUs move to another node is re-created in
@@ -28,6 +33,7 @@ The Kubernetes API is reached through ``apache-airflow-providers-cncf-kubernetes
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -36,22 +42,41 @@ from typing import Any
 from kubernetes.client import ApiClient, models as k8s
 from kubernetes.client.exceptions import ApiException
 
-from airflow_elastic_gpu.backends.base import BackendError, Problem
+from airflow_elastic_gpu.backends.base import BackendError, Problem, check_env
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobView
 
 MANAGED_BY = "airflow-elastic-gpu"
-LABEL_JOB = "elastic-gpu.airflow.apache.org/job-id"
-LABEL_GENERATION = "elastic-gpu.airflow.apache.org/generation"
+LABEL_PREFIX = "elastic-gpu.airflow.apache.org/"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_JOB = f"{LABEL_PREFIX}job-id"
+LABEL_GENERATION = f"{LABEL_PREFIX}generation"
 SHARED = "/elastic"
 JOB_DIR = f"{SHARED}/job"
 TOKEN_KEY = "token"
+TOKEN_DIR = "/var/run/secrets/elastic-gpu"
+RESERVED_VOLUMES = ("elastic", "elastic-token")
 RESIZE_MECHANISMS = ("inplace", "recreate")
 ON_FINISH = ("delete_pod", "delete_succeeded_pod", "keep_pod")
 _COPY_LAUNCHER = (
     "import os, shutil, airflow_elastic_gpu.sidecar as s; d = os.path.dirname(s.__file__); "
-    f"[shutil.copy(os.path.join(d, f), '{SHARED}') for f in ('launcher.py', 'protocol.py')]"
+    f"[shutil.copy(os.path.join(d, f), '{SHARED}') for f in ('launcher.py', 'protocol.py')]; "
+    f"os.makedirs('{JOB_DIR}', exist_ok=True)"
 )
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_LABEL_NAME = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def hardened_security_context(*, read_only_root: bool) -> dict[str, Any]:
+    """A container ``securityContext`` (Kubernetes' JSON form) that meets the "restricted" Pod
+    Security Standard: non-root, no privilege escalation, every capability dropped, the runtime's
+    default seccomp profile; ``read_only_root``: a read-only root filesystem."""
+    context: dict[str, Any] = {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                               "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    if read_only_root:
+        context["readOnlyRootFilesystem"] = True
+    return context
 
 
 @dataclass(frozen=True)
@@ -71,9 +96,21 @@ class KubernetesJobConfig:
     :param image_pull_secrets: secret names.
     :param container_resources: the trainer's ``resources`` (cpu/memory; never ``nvidia.com/gpu``).
     :param tolerations, volumes, volume_mounts: as in the pod spec (dicts in Kubernetes' JSON form).
-    :param labels, annotations: extra metadata.
+    :param labels, annotations: extra metadata; keys under ``elastic-gpu.airflow.apache.org/`` and
+        ``app.kubernetes.io/managed-by`` are the backend's own (it finds a job's pods by them) and
+        are refused.
     :param service_account_name: the pod's service account.
-    :param startup_grace_s: seconds a pod may take to appear before it counts as missing.
+    :param automount_service_account_token: mount the service account's API token into the pod
+        (off: neither the trainer nor the agent needs the Kubernetes API).
+    :param run_as_user, run_as_group: the uid and gid every container of the pod runs as (the
+        agent and the launcher share files of mode 0600, so they must be the same user), also the
+        pod's ``fsGroup``; >= 1 (not root). ``None``: the images' own users.
+    :param trainer_security_context: the trainer container's ``securityContext`` in Kubernetes' JSON
+        form, replacing the default (:func:`hardened_security_context` without a read-only root),
+        e.g. to add ``SYS_PTRACE`` for a profiler; ``{}``: none. The trainer must still run as the
+        agent's user (a root trainer's files are not readable by the agent).
+    :param startup_grace_s: seconds a pod may take to appear before it counts as missing (>= 0).
+    :raises BackendError: a bad setting; the message names it.
     """
 
     image: str
@@ -94,11 +131,51 @@ class KubernetesJobConfig:
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
     service_account_name: str | None = None
+    automount_service_account_token: bool = False
+    run_as_user: int | None = 1000
+    run_as_group: int | None = 1000
+    trainer_security_context: dict[str, Any] | None = None
     startup_grace_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.image:
             raise BackendError("backend='kubernetes' needs an image for the trainer")
+        if not isinstance(self.image, str):
+            raise BackendError(f"image must be a string, got {self.image!r}")
+        if not isinstance(self.namespace, str) or len(self.namespace) > 63 or not _DNS_LABEL.fullmatch(
+                self.namespace):
+            raise BackendError(
+                f"namespace must be a DNS-1123 label (at most 63 lowercase letters, digits and '-', "
+                f"starting and ending with a letter or digit), got {self.namespace!r}")
+        grace = self.startup_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (0 <= grace < math.inf):
+            raise BackendError(f"startup_grace_s must be a number of seconds >= 0, got {grace!r}")
+        for name in ("tolerations", "volumes", "volume_mounts"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, dict) for v in value):
+                raise BackendError(f"{name} must be a list of dicts (Kubernetes objects in their JSON form), "
+                                   f"got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        pulls = self.image_pull_secrets
+        if not isinstance(pulls, (list, tuple)) or not all(isinstance(n, str) and n for n in pulls):
+            raise BackendError(f"image_pull_secrets must be a list of Secret names, got {pulls!r}")
+        object.__setattr__(self, "image_pull_secrets", tuple(pulls))
+        for name in ("container_resources", "full_pod_spec", "trainer_security_context"):
+            if not isinstance(getattr(self, name), (dict, type(None))):
+                raise BackendError(f"{name} must be a dict (Kubernetes' JSON form) or None, "
+                                   f"got {getattr(self, name)!r}")
+        taken = [v.get("name") for v in self.volumes if v.get("name") in RESERVED_VOLUMES]
+        if taken:
+            raise BackendError(f"volumes: the name {taken[0]!r} is the backend's own; choose another")
+        _check_metadata("labels", self.labels, values_are_labels=True)
+        _check_metadata("annotations", self.annotations, values_are_labels=False)
+        for name in ("run_as_user", "run_as_group"):
+            uid = getattr(self, name)
+            if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or not 1 <= uid < 2**31):
+                raise BackendError(f"{name} must be an integer >= 1 (not root) or None, got {uid!r}")
+        if not isinstance(self.automount_service_account_token, bool):
+            raise BackendError("automount_service_account_token must be True or False, "
+                               f"got {self.automount_service_account_token!r}")
         if self.resize_mechanism not in RESIZE_MECHANISMS:
             raise BackendError(f"resize_mechanism must be one of {', '.join(RESIZE_MECHANISMS)}, "
                                f"got {self.resize_mechanism!r}")
@@ -117,10 +194,29 @@ class KubernetesJobConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KubernetesJobConfig:
-        data = dict(data)
-        for key in ("image_pull_secrets", "tolerations", "volumes", "volume_mounts"):
-            data[key] = tuple(data.get(key) or ())
+        """The config :meth:`to_dict` gave (lists where it had tuples)."""
         return cls(**data)
+
+
+def _check_metadata(what: str, items: Any, *, values_are_labels: bool) -> None:
+    """:raises BackendError: ``items`` is not a dict of strings, a key is not a valid (prefixed)
+    name or is one of the backend's own, or (labels) a value is not a valid label value."""
+    if not isinstance(items, dict):
+        raise BackendError(f"{what} must be a dict of strings, got {items!r}")
+    for key, value in items.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise BackendError(f"{what} must be a dict of strings, got {key!r}: {value!r}")
+        if key.startswith(LABEL_PREFIX) or key == LABEL_MANAGED_BY:
+            raise BackendError(f"{what}: {key!r} is set by airflow-elastic-gpu (it finds and tells apart "
+                               "a job's pods by it) and cannot be overridden; choose another key")
+        prefix, _, name = key.rpartition("/")
+        if not name or len(name) > 63 or not _LABEL_NAME.fullmatch(name) or (
+                prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix))):
+            raise BackendError(f"{what}: {key!r} is not a valid key ([prefix/]name, name at most 63 "
+                               "characters of [A-Za-z0-9._-])")
+        if values_are_labels and (len(value) > 63 or not _LABEL_NAME.fullmatch(value)):
+            raise BackendError(f"{what}[{key!r}]: {value!r} is not a valid label value (at most 63 "
+                               "characters of [A-Za-z0-9._-], starting and ending with a letter or digit)")
 
 
 def label_value(text: str) -> str:
@@ -173,9 +269,10 @@ class PodBuilder:
         )
 
     def _labels(self, job_id: str, generation: int | None, context: dict[str, str]) -> dict[str, str]:
-        labels = {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_JOB: label_value(job_id),
-                  **{f"elastic-gpu.airflow.apache.org/{k}": label_value(v) for k, v in context.items()},
-                  **self.config.labels}
+        """The user's labels, then the backend's own (last, so that nothing overrides them)."""
+        labels = {**self.config.labels,
+                  **{f"{LABEL_PREFIX}{k}": label_value(v) for k, v in context.items()},
+                  LABEL_MANAGED_BY: MANAGED_BY, LABEL_JOB: label_value(job_id)}
         if generation is not None:
             labels[LABEL_GENERATION] = str(generation)
         return labels
@@ -186,27 +283,32 @@ class PodBuilder:
         """The pod of ``job_id``'s ``generation`` on ``node``.
 
         :param context: dag_id, task_id, run_id, map_index... (labels and annotations).
+
+        The job's token is a Secret volume mounted into the agent only, which reads the file on
+        each request: a token rotated in the Secret reaches a running agent (the kubelet refreshes
+        the file within its sync period) and the trainer never sees it.
         """
         c = self.config
         context = dict(context or {})
         shared_mount = k8s.V1VolumeMount(name="elastic", mount_path=SHARED)
         user_mounts = [_model("V1VolumeMount", m) for m in c.volume_mounts]
-        token_env = k8s.V1EnvVar(
-            name="AIRFLOW_ELASTIC_GPU_JOB_TOKEN",
-            value_from=k8s.V1EnvVarSource(secret_key_ref=k8s.V1SecretKeySelector(
-                name=resource_name("elastic-gpu-token", job_id), key=TOKEN_KEY)))
         agent_args = ["--job-id", job_id, "--shared-dir", JOB_DIR, "--broker-api", c.broker_api_url,
-                      "--poll-s", "2"]
+                      "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}", "--poll-s", "2"]
         if progress_pattern:
             agent_args += ["--progress-pattern", progress_pattern]
+        sidecar_context = _model("V1SecurityContext", hardened_security_context(read_only_root=True))
         copy_launcher = k8s.V1Container(
             name="copy-launcher", image=c.agent_image, command=["python", "-c", _COPY_LAUNCHER],
-            volume_mounts=[shared_mount])
+            volume_mounts=[shared_mount], security_context=sidecar_context)
         agent = k8s.V1Container(
             name="elastic-agent", image=c.agent_image, restart_policy="Always",
             command=["python", "-m", "airflow_elastic_gpu.sidecar.agent"], args=agent_args,
-            env=[token_env], volume_mounts=[shared_mount],
+            volume_mounts=[shared_mount, k8s.V1VolumeMount(name="elastic-token", mount_path=TOKEN_DIR,
+                                                           read_only=True)],
+            security_context=sidecar_context,
             resources=k8s.V1ResourceRequirements(requests={"cpu": "50m", "memory": "128Mi"}))
+        trainer_context = (hardened_security_context(read_only_root=False) if c.trainer_security_context is None
+                           else c.trainer_security_context)
         launcher_args = ["--shared-dir", JOB_DIR]
         if checkpoint_dir:
             launcher_args += ["--checkpoint-dir", checkpoint_dir]
@@ -216,41 +318,48 @@ class PodBuilder:
             env=[k8s.V1EnvVar(name="NVIDIA_VISIBLE_DEVICES", value="all"),
                  *(k8s.V1EnvVar(name=k, value=v) for k, v in sorted((env or {}).items()))],
             volume_mounts=[shared_mount, *user_mounts],
+            security_context=_model("V1SecurityContext", trainer_context) if trainer_context else None,
             resources=_model("V1ResourceRequirements", c.container_resources) if c.container_resources else None)
+        token_volume = k8s.V1Volume(name="elastic-token", secret=k8s.V1SecretVolumeSource(
+            secret_name=resource_name("elastic-gpu-token", job_id),
+            default_mode=0o440 if c.run_as_group is not None else 0o444))  # fsGroup: readable by the agent
         pod = k8s.V1Pod(
             api_version="v1", kind="Pod",
             metadata=k8s.V1ObjectMeta(
                 name=resource_name("elastic-gpu", job_id, generation), namespace=c.namespace,
                 labels=self._labels(job_id, generation, {k: v for k, v in context.items() if k != "run_id"}),
-                annotations={**{f"elastic-gpu.airflow.apache.org/{k}": v for k, v in context.items()},
-                             "elastic-gpu.airflow.apache.org/job-id": job_id, **c.annotations}),
+                annotations={**c.annotations, **{f"{LABEL_PREFIX}{k}": v for k, v in context.items()},
+                             LABEL_JOB: job_id}),
             spec=k8s.V1PodSpec(
                 node_name=node, restart_policy="Never", runtime_class_name=c.runtime_class_name,
                 init_containers=[copy_launcher, agent], containers=[trainer],
-                volumes=[k8s.V1Volume(name="elastic", empty_dir=k8s.V1EmptyDirVolumeSource()),
+                volumes=[k8s.V1Volume(name="elastic", empty_dir=k8s.V1EmptyDirVolumeSource()), token_volume,
                          *(_model("V1Volume", v) for v in c.volumes)],
                 tolerations=[_model("V1Toleration", t) for t in c.tolerations] or None,
                 image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in c.image_pull_secrets] or None,
                 service_account_name=c.service_account_name,
+                automount_service_account_token=c.automount_service_account_token,
+                security_context=k8s.V1PodSecurityContext(
+                    run_as_user=c.run_as_user, run_as_group=c.run_as_group, fs_group=c.run_as_group,
+                    fs_group_change_policy="OnRootMismatch" if c.run_as_group is not None else None,
+                    seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault")),
                 termination_grace_period_seconds=120,
             ),
         )
-        base = self._template()
-        if base is not None:
+        if c.pod_template_file or c.full_pod_spec:  # Airflow's pod generator, only when it is needed
             from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
 
-            pod = PodGenerator.reconcile_pods(base, pod)
+            pod = PodGenerator.reconcile_pods(self._template(), pod)
         return pod
 
-    def _template(self) -> k8s.V1Pod | None:
+    def _template(self) -> k8s.V1Pod:
+        """The base pod of ``pod_template_file`` or ``full_pod_spec`` (one of them is set)."""
         from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
 
         c = self.config
         if c.pod_template_file:
             return PodGenerator.deserialize_model_file(c.pod_template_file)
-        if c.full_pod_spec:
-            return PodGenerator.deserialize_model_dict(c.full_pod_spec)
-        return None
+        return PodGenerator.deserialize_model_dict(c.full_pod_spec)
 
 
 @dataclass(frozen=True)
@@ -329,13 +438,16 @@ class KubernetesBackend:
               context: Mapping[str, str] | None = None) -> str:
         """Create the job's token Secret (a fresh token) and, once the broker has placed it, its pod.
 
-        Idempotent: while a pod of the job is pending or running, nothing is changed (its agent
-        keeps the token it started with); otherwise an existing Secret is replaced and the pod
-        of the current generation created if missing. Returns the backend reference stored in the
-        broker.
+        Idempotent: while a pod of the job is pending or running (a retried task), nothing is
+        changed: no new token is issued, so its agent keeps working with the one in the Secret.
+        Otherwise an existing Secret is replaced with a fresh token (any agent still alive, say on
+        a node that lost contact, re-reads its mounted token file on each request and follows) and
+        the pod of the current generation is created if missing. Returns the backend reference
+        stored in the broker.
 
-        :raises BackendError: a bad command or checkpoint dir, or an API error.
+        :raises BackendError: a bad command, env or checkpoint dir, or an API error.
         """
+        check_env(env)
         self.check(job.command, job.checkpoint_dir)
         ref = f"kubernetes:{self.config.namespace}/{resource_name('elastic-gpu', job.id)}"
         if self.is_running(job.id):

@@ -3,11 +3,17 @@
 The GPUs are the host's (``nvidia-smi``) or, where there is none, ``N``
 *virtual* GPUs: each virtual GPU is one training process (``torchrun
 --nproc_per_node={num_gpus}`` with gloo on the CPU), so everything runs on a
-laptop. Each job gets a directory ``<work_dir>/<job_id>/`` holding the shared
+laptop. Each job gets a directory ``<work_dir>/<job_id>/`` (mode 0700) holding the shared
 files of :mod:`airflow_elastic_gpu.sidecar.protocol`, ``agent.log``,
-``launcher.log`` and ``handle.json`` (the pids). Both processes start in their
+``launcher.log`` and ``handle.json`` (the pids); the logs are 0600. Both processes start in their
 own session through a short-lived spawner, so they outlive the caller (an
 Airflow worker slot is freed while the task is deferred) and leave no zombie.
+
+Secrets: the agent gets the broker's database URL in its environment
+(``$AIRFLOW_ELASTIC_GPU_BROKER_URL``, readable by this user only), never on its command line
+(which ``ps`` shows to every user). The launcher, and through it the trainer, gets this process's
+environment without the variables that hold credentials (:func:`trainer_environment`), so a
+trainer cannot reach the broker, nor Airflow's database, connections or variables.
 """
 
 from __future__ import annotations
@@ -25,8 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from airflow_elastic_gpu.backends.base import BackendError, Problem  # BackendError: also importable from here
+from airflow_elastic_gpu.backends.base import (  # BackendError: also from here
+    BackendError,
+    Problem,
+    check_env,
+)
 from airflow_elastic_gpu.broker.types import JobView
+from airflow_elastic_gpu.config import ENV_BROKER_URL
 from airflow_elastic_gpu.sidecar import protocol
 
 if TYPE_CHECKING:
@@ -36,6 +47,12 @@ LOCAL_NODE = "localhost"
 """The node name under which this host's GPUs are registered."""
 DEFAULT_VIRTUAL_GPUS = 4
 ENV_VIRTUAL_GPUS = "AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS"
+TRAINER_ENV_DROPPED = ("AIRFLOW_ELASTIC_GPU_", "AIRFLOW_CONN_", "AIRFLOW_VAR_", "AIRFLOW__")
+"""Prefixes of the variables a trainer does not inherit: this provider's (the broker URL, job
+tokens), Airflow's connections and variables, and Airflow's configuration (its database URL,
+Fernet key, secret keys)."""
+JOB_DIR_MODE = 0o700
+LOG_MODE = 0o600
 _SPAWN = (
     "import subprocess, sys\n"
     "out = open(sys.argv[1], 'ab')\n"
@@ -45,6 +62,29 @@ _SPAWN = (
 )
 
 
+def trainer_environment(environ: Mapping[str, str], env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a job's launcher and trainer: ``environ`` without the variables named by
+    :data:`TRAINER_ENV_DROPPED`, plus ``env`` (the job's own variables, which may set any name),
+    and ``OMP_NUM_THREADS=1`` unless set.
+
+    :param environ: the caller's environment (``os.environ``).
+    :param env: the job's extra variables (checked with :func:`~airflow_elastic_gpu.backends.base.check_env`).
+    """
+    out = {k: v for k, v in environ.items() if not k.startswith(TRAINER_ENV_DROPPED)}
+    out.update(env or {})
+    out.setdefault("OMP_NUM_THREADS", "1")
+    return out
+
+
+def _private_file(path: Path) -> None:
+    """Create ``path`` (or keep it) with mode 0600: appenders keep the mode of an existing file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE)
+    try:
+        os.fchmod(fd, LOG_MODE)
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class HostGpus:
     """GPUs found on this host: device indices, product name, and whether they are virtual."""
@@ -52,6 +92,27 @@ class HostGpus:
     indices: tuple[int, ...]
     gpu_type: str
     virtual: bool
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group led by ``pid`` (the agent, launcher and trainer each lead one)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _writable_dir(path: Path, what: str, mode: int = 0o777) -> None:
+    """Create ``path`` (the last part with ``mode``, less the umask) if missing.
+
+    :raises BackendError: it cannot be created, or is not a writable directory.
+    """
+    try:
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BackendError(f"{what} {str(path)!r} cannot be created: {exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise BackendError(f"{what} {str(path)!r} is not writable")
 
 
 def detect_gpus(virtual_gpus: int | None = None, nvidia_smi: str = "nvidia-smi") -> HostGpus:
@@ -122,7 +183,8 @@ class LocalBackend:
 
     :param work_dir: parent of the per-job directories.
     :param broker: the broker whose jobs these are (pool registration).
-    :param broker_url: the broker DB URL the agents connect with (default: ``broker``'s own URL).
+    :param broker_url: the broker DB URL the agents connect with (default: ``broker``'s own URL);
+        handed to them in their environment, never on their command line.
     :param virtual_gpus: GPUs to register when this host has none (see :func:`detect_gpus`).
     :param python: interpreter for the agent and launcher (default: this one).
     :param grace_s: SIGTERM-to-SIGKILL grace for the trainer, seconds (a fence shortens it to fit in
@@ -140,7 +202,7 @@ class LocalBackend:
                  poll_s: float = 1.0, fence_s: float | None = None) -> None:
         self.work_dir = Path(work_dir)
         self.broker = broker
-        self.broker_url = broker_url or broker.engine.url.render_as_string(hide_password=False)
+        self.broker_url = broker_url or broker.url
         self.virtual_gpus = virtual_gpus
         self.python = python
         self.grace_s = grace_s
@@ -167,10 +229,11 @@ class LocalBackend:
                 f"in pool {pool!r}")
 
     def check(self, command: str, checkpoint_dir: str | None) -> None:
-        """Fail fast on a command that cannot start here or a checkpoint dir that cannot be written.
+        """Fail fast on a command that cannot start here, or a work dir or checkpoint dir that
+        cannot be written (the work dir is created, mode 0700, if missing).
 
         :raises BackendError: the command is empty, does not parse, or its program is not found;
-            ``checkpoint_dir`` cannot be created or written.
+            the work dir or ``checkpoint_dir`` cannot be created or written.
         """
         try:
             argv = shlex.split(command.replace("{num_gpus}", "1"))
@@ -183,20 +246,19 @@ class LocalBackend:
                 f"command not found: {argv[0]!r} (not on PATH and not an executable file); "
                 f"full command: {command!r}"
             )
-        if checkpoint_dir is None:
-            return
-        try:
-            Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise BackendError(f"checkpoint_dir {checkpoint_dir!r} cannot be created: {exc}") from None
-        if not os.access(checkpoint_dir, os.W_OK):
-            raise BackendError(f"checkpoint_dir {checkpoint_dir!r} is not writable")
+        _writable_dir(self.work_dir, "work dir (the parent of the job directories)", JOB_DIR_MODE)
+        if checkpoint_dir is not None:
+            _writable_dir(Path(checkpoint_dir), "checkpoint_dir")
 
     def _spawn(self, log_path: Path, argv: list[str], env: dict[str, str]) -> int:
-        out = subprocess.run(
-            [self.python, "-c", _SPAWN, str(log_path), *argv],
-            capture_output=True, text=True, env=env, check=False, timeout=60,
-        )
+        _private_file(log_path)
+        try:
+            out = subprocess.run(
+                [self.python, "-c", _SPAWN, str(log_path), *argv],
+                capture_output=True, text=True, env=env, check=False, timeout=60,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise BackendError(f"could not start {argv[:3]}...: {exc}") from None
         if out.returncode != 0:
             raise BackendError(f"could not start {argv[:3]}...: {out.stderr.strip()}")
         return int(out.stdout.strip())
@@ -209,9 +271,13 @@ class LocalBackend:
         and trainer still run), only a new agent is started, attached to the running launcher, so
         the job goes on. ``context`` is not used here.
 
-        :raises BackendError: bad command or checkpoint dir, unknown pool, a ``fence_s`` that does not
-            fit in the pool's lease, or a spawn failure.
+        The launcher and trainer get :func:`trainer_environment` (no broker URL, no Airflow
+        secrets) plus ``env``; the agent gets the broker URL in its environment only.
+
+        :raises BackendError: bad command, env, work dir or checkpoint dir, unknown pool, a
+            ``fence_s`` that does not fit in the pool's lease, or a spawn failure.
         """
+        env = check_env(env)
         self.check(job.command, job.checkpoint_dir)
         lease_s = pool_lease_s(self.broker, job.pool)
         try:
@@ -222,10 +288,14 @@ class LocalBackend:
         existing = self.handle(job.id)
         if existing is not None and protocol.pid_alive(existing.agent_pid):
             return existing.to_ref()
-        job_dir.mkdir(parents=True, exist_ok=True)
-        proc_env = {**os.environ, **(env or {})}
-        proc_env.setdefault("OMP_NUM_THREADS", "1")
-        if existing is not None and protocol.pid_alive(existing.launcher_pid):
+        try:
+            job_dir.mkdir(mode=JOB_DIR_MODE, exist_ok=True)
+            job_dir.chmod(JOB_DIR_MODE)
+            _private_file(job_dir / protocol.LOG)
+        except OSError as exc:
+            raise BackendError(f"job directory {job_dir} cannot be created: {exc}") from None
+        new_launcher = existing is None or not protocol.pid_alive(existing.launcher_pid)
+        if not new_launcher:
             # the agent died but the trainer runs on: start a new agent for the same launcher
             launcher_pid = existing.launcher_pid
         else:
@@ -233,16 +303,24 @@ class LocalBackend:
                         "--shared-dir", str(job_dir), "--grace-s", str(self.grace_s)]
             if job.checkpoint_dir:
                 launcher += ["--checkpoint-dir", job.checkpoint_dir]
-            launcher_pid = self._spawn(job_dir / "launcher.log", [*launcher, "--", job.command], proc_env)
+            launcher_pid = self._spawn(job_dir / "launcher.log", [*launcher, "--", job.command],
+                                       trainer_environment(os.environ, env))
         agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job.id,
-                 "--shared-dir", str(job_dir), "--broker-url", self.broker_url,
-                 "--poll-s", str(self.poll_s), "--launcher-pid", str(launcher_pid),
+                 "--shared-dir", str(job_dir), "--poll-s", str(self.poll_s), "--launcher-pid", str(launcher_pid),
                  "--lease-s", repr(lease_s)]
         if self.fence_s is not None:
             agent += ["--fence-s", repr(self.fence_s)]
         if job.progress_pattern:
             agent += ["--progress-pattern", job.progress_pattern]
-        agent_pid = self._spawn(job_dir / "agent.log", agent, proc_env)
+        # the broker URL in the environment (readable by this user only), not in argv (which ps shows)
+        agent_env = {**os.environ, ENV_BROKER_URL: self.broker_url}
+        agent_env.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            agent_pid = self._spawn(job_dir / "agent.log", agent, agent_env)
+        except BackendError:
+            if new_launcher:  # no agent will ever tell it what to run: leave no idle launcher behind
+                _kill_group(launcher_pid)
+            raise
         handle = LocalHandle(job_dir, agent_pid, launcher_pid)
         protocol.write_json(job_dir / "handle.json", json.loads(handle.to_ref()))
         return handle.to_ref()
@@ -285,10 +363,7 @@ class LocalBackend:
         trainer = status.get("pid")
         for pid in (h.launcher_pid, h.agent_pid, trainer):
             if pid and protocol.pid_alive(pid):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                _kill_group(pid)
         # workers that run in their own sessions (torchrun's), recorded by the launcher
         protocol.signal_processes([int(p) for p in status.get("workers") or [] if protocol.pid_alive(int(p))],
                                   signal.SIGKILL)

@@ -9,6 +9,7 @@ a read-then-write; PostgreSQL writers lock their GPU pool's row instead
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 from alembic import command
@@ -20,7 +21,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 
-from airflow_elastic_gpu.config import ENV_BROKER_URL, default_broker_url  # noqa: F401 - re-exported
+from airflow_elastic_gpu.config import ENV_BROKER_URL, default_broker_url, mask_url  # noqa: F401 - re-exported
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
@@ -35,7 +36,7 @@ def create_broker_engine(url: str) -> Engine:
         parsed = make_url(url)
     except ArgumentError as exc:
         raise ValueError(
-            f"invalid broker URL {url!r}: {exc}. Expected e.g. sqlite:////path/broker.db "
+            f"invalid broker URL {mask_url(url)!r}: {exc}. Expected e.g. sqlite:////path/broker.db "
             "or postgresql+psycopg://user:password@host:5432/dbname"
         ) from None
     backend = parsed.get_backend_name()
@@ -44,6 +45,8 @@ def create_broker_engine(url: str) -> Engine:
         in_memory = database in ("", ":memory:")
         if not in_memory:
             Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            if not database.startswith("file:"):
+                _create_private(Path(database).expanduser())
         engine = create_engine(
             parsed,
             connect_args={"timeout": 60, "check_same_thread": False},
@@ -77,6 +80,16 @@ def create_broker_engine(url: str) -> Engine:
         f"broker URL {parsed.render_as_string(hide_password=True)!r}: database "
         f"{backend!r} is not supported; use sqlite or postgresql"
     )
+
+
+def _create_private(path: Path) -> None:
+    """Create ``path`` empty with mode 0600 when it does not exist, so that a new SQLite database is
+    readable by its owner only (SQLite gives its journal and WAL files the database file's mode)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)
 
 
 def broker_engine(url: str) -> Engine:

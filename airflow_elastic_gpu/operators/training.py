@@ -22,11 +22,13 @@ from airflow.exceptions import AirflowException
 from airflow.sdk import BaseOperator
 
 from airflow_elastic_gpu.backends import Backend, BackendError, backend_settings, make_backend
+from airflow_elastic_gpu.backends.base import check_env, start_job
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
     BrokerError,
     JobSpec,
     JobView,
+    check_int,
 )
 from airflow_elastic_gpu.config import default_work_dir
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
@@ -58,13 +60,15 @@ class ElasticTrainingOperator(BaseOperator):
         ``resize_mechanism`` ("inplace" or "recreate"), ``on_finish_action``, ``pod_template_file``,
         ``full_pod_spec``, ``image_pull_secrets``, ``container_resources``, ``tolerations``, ``volumes``,
         ``volume_mounts``, ``broker_api_url``, ``agent_image``, ``kubernetes_conn_id``...).
-    :param env: extra environment variables for the trainer (templated).
+    :param env: extra environment variables for the trainer (templated): a dict of strings. The
+        trainer does not inherit the worker's Airflow configuration, connections, variables or
+        broker URL; pass what it needs here.
     :param broker_conn_id: Airflow connection of the broker.
     :param poll_interval: seconds between polls of the job (the trigger's, or the worker's).
     :param deferrable: defer to the triggerer (default); False waits in the worker, with the same
         job watcher as the trigger.
     :param virtual_gpus: for the local backend on a host without GPUs, the pool size to register
-        when the pool does not exist yet.
+        when the pool does not exist yet (>= 1).
     :raises AirflowException: a bad argument (at DAG parse time), or a failed job.
     """
 
@@ -107,6 +111,9 @@ class ElasticTrainingOperator(BaseOperator):
                 progress_pattern=progress_pattern, checkpoint_dir=checkpoint_dir, backend=backend,
             )
             self.kubernetes = backend_settings(backend, image=image, kubernetes=kubernetes)
+            if virtual_gpus is not None:
+                check_int("virtual_gpus", virtual_gpus, 1)
+            env = check_env(env)
         except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
         max_gpus = spec.max_gpus
@@ -160,6 +167,7 @@ class ElasticTrainingOperator(BaseOperator):
             registered = backend.ensure_pool(self.gpu_pool)
             if registered:
                 self.log.info("%s", registered)
+            env = check_env(self.env)  # as rendered: a template may have made a value a non-string
             backend.check(self.command, self.checkpoint_dir)
             job = broker.submit(JobSpec(
                 name=self.job_name or (self.task_id if ti.map_index < 0 else f"{self.task_id}[{ti.map_index}]"),
@@ -170,8 +178,7 @@ class ElasticTrainingOperator(BaseOperator):
             ))
             self._job_id = job.id
             running = backend.is_running(job.id)
-            ref = backend.start(job, env=self.env, context=labels)
-            broker.start(job.id, ref)
+            ref = start_job(broker, backend, job, env=env, context=labels).backend_ref
         except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
         self.log.info("%s job %s (%d-%d GPUs, %d steps) on the %s backend: %s",

@@ -427,9 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.broker_api:
         from airflow_elastic_gpu.sidecar.http_transport import HttpBrokerTransport
 
-        token = (args.token_file.read_text().strip() if args.token_file
-                 else os.environ.get("AIRFLOW_ELASTIC_GPU_JOB_TOKEN", ""))
-        broker = HttpBrokerTransport(args.broker_api, token)
+        token = "" if args.token_file else os.environ.get("AIRFLOW_ELASTIC_GPU_JOB_TOKEN", "")
+        broker = HttpBrokerTransport(args.broker_api, token, token_file=args.token_file)  # re-read per request
     else:  # direct DB access (the local backend): the broker's code is needed only here
         from airflow_elastic_gpu.broker.service import GpuBroker
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from airflow_elastic_gpu.scheduling.state import GpuId
@@ -47,24 +49,41 @@ class HttpBrokerTransport:
     """Calls ``{base_url}/api/v1/jobs/{job_id}/...`` with ``Authorization: Bearer {token}``.
 
     :param base_url: the API root, e.g. ``http://broker:8793`` or ``http://airflow:8080/elastic-gpu``.
-    :param token: the job's API token.
+    :param token: the job's API token (ignored when ``token_file`` is given).
+    :param token_file: a file holding the token (a mounted Kubernetes Secret), read on each request
+        so that a token rotated in the Secret reaches a running agent; a missing or empty file is a
+        transient failure (:class:`BrokerUnavailable`).
     :param timeout_s: per-request timeout.
+    :raises ValueError: a URL that is not http(s), or neither a token nor a token file.
     """
 
-    def __init__(self, base_url: str, token: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, base_url: str, token: str = "", *, token_file: str | os.PathLike[str] | None = None,
+                 timeout_s: float = 10.0) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"broker API URL must start with http:// or https://, got {base_url!r}")
-        if not token:
+        if not token and token_file is None:
             raise ValueError("the job's API token is empty")
         self.base_url = base_url.rstrip("/")
         self.token = token
+        self.token_file = None if token_file is None else Path(token_file)
         self.timeout_s = timeout_s
+
+    def _token(self) -> str:
+        if self.token_file is None:
+            return self.token
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise BrokerUnavailable(f"cannot read the job's token file: {exc}") from None
+        if not token:
+            raise BrokerUnavailable(f"the job's token file {self.token_file} is empty")
+        return token
 
     def _call(self, method: str, job_id: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
             f"{self.base_url}/api/v1/jobs/{job_id}/{path}", data=data, method=method,
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+            headers={"Authorization": f"Bearer {self._token()}", "Content-Type": "application/json"},
         )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:

@@ -1,0 +1,226 @@
+"""The local backend keeps its secrets and never half-starts a job, with real processes.
+
+Secrets: the broker URL is not on any process's command line (``ps`` shows those to every user),
+trainers inherit neither the broker URL nor Airflow's secrets, job files are private, printed URLs
+are masked. Starts: a job that cannot be started is refused before it is submitted, or failed at
+once with the reason, its GPUs freed and nothing left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+from test_sidecar import wait_for
+
+from airflow_elastic_gpu import cli
+from airflow_elastic_gpu.backends.base import BackendError, start_job
+from airflow_elastic_gpu.backends.local import LocalBackend, trainer_environment
+from airflow_elastic_gpu.broker.db import create_broker_engine
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.config import mask_url
+from airflow_elastic_gpu.sidecar import protocol
+
+PRINT_ENV = "import json, os\nprint(json.dumps({'environ': dict(os.environ)}), flush=True)\n"
+SECRET = "hunter2-not-for-trainers"
+
+
+@pytest.fixture
+def local(tmp_path):
+    """A broker (SQLite) with 2 GPUs, and a local backend whose job directories are under ``jobs/``."""
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
+    broker.register_node("localhost", 2)
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=5)
+    yield broker, backend
+    for job in broker.jobs():
+        backend.stop(job.id, timeout_s=10)
+    broker.engine.dispose()
+
+
+def run_job(broker: GpuBroker, backend: LocalBackend, command: str, **env: str):
+    job = broker.submit(JobSpec("j", command, 1, 1, total_steps=1))
+    start_job(broker, backend, job, env=env)
+    return job, backend.handle(job.id)
+
+
+def ended(broker: GpuBroker, job_id: str):
+    return wait_for(lambda: broker.job(job_id).status.terminal and broker.job(job_id), 60, "the job to end")
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_the_broker_url_is_on_no_command_line_of_the_job(local, tmp_path):
+    broker, backend = local
+    job, handle = run_job(broker, backend, "sleep 600")
+    trainer = wait_for(lambda: (protocol.read_json(handle.job_dir / protocol.STATUS) or {}).get("pid"), 30,
+                       "the trainer to start")
+    for pid in (handle.agent_pid, handle.launcher_pid, trainer):  # what `ps -ef` shows to every user
+        shown = cmdline(pid)
+        assert broker.url not in shown and "broker.db" not in shown and "--broker-url" not in shown, shown
+    agent_environ = Path(f"/proc/{handle.agent_pid}/environ").read_bytes().split(b"\0")
+    assert f"AIRFLOW_ELASTIC_GPU_BROKER_URL={broker.url}".encode() in agent_environ  # how it gets it
+    assert stat.S_IMODE(os.stat(f"/proc/{handle.agent_pid}/environ").st_mode) == 0o400  # its owner's only
+    broker.cancel(job.id)
+    assert ended(broker, job.id).status is JobStatus.CANCELLED
+
+
+def test_a_trainer_inherits_neither_the_broker_url_nor_airflows_secrets(local, tmp_path, monkeypatch):
+    broker, backend = local
+    for name in ("AIRFLOW_ELASTIC_GPU_BROKER_URL", "AIRFLOW_ELASTIC_GPU_JOB_TOKEN", "AIRFLOW_CONN_WAREHOUSE",
+                 "AIRFLOW_VAR_API_KEY", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__CORE__FERNET_KEY"):
+        monkeypatch.setenv(name, f"postgresql://airflow:{SECRET}@db/{name}")
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", broker.url)
+    script = tmp_path / "print_env.py"
+    script.write_text(PRINT_ENV)
+    job, handle = run_job(broker, backend, f"{sys.executable} {script}", WANTED="by the job",
+                          AIRFLOW_CONN_PASSED="explicitly")
+    assert ended(broker, job.id).status is JobStatus.SUCCEEDED
+    log = (handle.job_dir / protocol.LOG).read_text()
+    environ = next(json.loads(line)["environ"] for line in log.splitlines() if line.startswith('{"environ"'))
+    assert SECRET not in log and broker.url not in log and "broker.db" not in log
+    leaked = [k for k in environ if k.startswith(("AIRFLOW_ELASTIC_GPU_", "AIRFLOW_VAR_", "AIRFLOW__"))]
+    assert leaked == []
+    assert environ["WANTED"] == "by the job" and environ["AIRFLOW_CONN_PASSED"] == "explicitly"  # env= is kept
+    assert environ["PATH"] == os.environ["PATH"] and environ["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_trainer_environment_drops_credentials_and_keeps_the_rest():
+    environ = {"PATH": "/bin", "HOME": "/home/u", "AIRFLOW_HOME": "/opt/airflow", "AIRFLOW_CONN_X": "s",
+               "AIRFLOW_VAR_Y": "s", "AIRFLOW__CORE__FERNET_KEY": "s", "AIRFLOW_ELASTIC_GPU_BROKER_URL": "s"}
+    assert trainer_environment(environ, {"A": "1"}) == {"PATH": "/bin", "HOME": "/home/u",
+                                                        "AIRFLOW_HOME": "/opt/airflow", "A": "1",
+                                                        "OMP_NUM_THREADS": "1"}
+
+
+def test_job_directories_are_0700_and_logs_and_files_0600(local, tmp_path):
+    broker, backend = local
+    job, handle = run_job(broker, backend, "true")
+    assert ended(broker, job.id).status is JobStatus.SUCCEEDED
+
+    def mode(path):
+        return stat.S_IMODE(os.stat(path).st_mode)
+
+    assert mode(tmp_path / "jobs") == 0o700  # created by the backend
+    assert mode(handle.job_dir) == 0o700
+    for name in ("agent.log", "launcher.log", protocol.LOG, "handle.json", protocol.STATUS, protocol.DESIRED):
+        assert mode(handle.job_dir / name) == 0o600, name
+
+
+def test_an_existing_job_directory_is_made_private_again(local):
+    broker, backend = local
+    job = broker.submit(JobSpec("j", "true", 1, 1, total_steps=1))
+    backend.job_dir(job.id).mkdir(parents=True, mode=0o755)
+    (backend.job_dir(job.id) / protocol.LOG).write_text("an old log\n")
+    os.chmod(backend.job_dir(job.id), 0o755)
+    os.chmod(backend.job_dir(job.id) / protocol.LOG, 0o644)
+    start_job(broker, backend, job)
+    assert stat.S_IMODE(os.stat(backend.job_dir(job.id)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(backend.job_dir(job.id) / protocol.LOG).st_mode) == 0o600
+    ended(broker, job.id)
+
+
+def test_a_new_sqlite_broker_file_is_readable_by_its_owner_only(tmp_path):
+    path = tmp_path / "new" / "broker.db"
+    broker = GpuBroker(f"sqlite:///{path}")
+    broker.register_node("n", 1)  # a write: the WAL file exists now
+    for p in (path, Path(f"{path}-wal")):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+    broker.engine.dispose()
+
+
+@pytest.mark.parametrize("url", ["postgresql+psycopg://airflow:hunter2@db:5432/broker",
+                                 "postgresql://airflow:hunter2@db:not-a-port/broker",
+                                 "not a url ://airflow:hunter2@db"])
+def test_urls_are_masked_wherever_they_are_shown(url, capsys, monkeypatch):
+    assert "hunter2" not in mask_url(url) and "***" in mask_url(url)
+    try:
+        create_broker_engine(url)
+    except Exception as exc:  # noqa: BLE001 - only its message matters here
+        assert "hunter2" not in str(exc)
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)  # `broker serve` prints, then serves
+    assert cli.main(["--broker-url", url, "broker", "serve"]) == 0
+    out = capsys.readouterr()
+    assert "hunter2" not in out.out + out.err and "broker API on http://127.0.0.1:8793" in out.out
+
+
+# --------------------------------------------------------------------------- atomic starts
+
+
+def run_local(broker: GpuBroker, tmp_path: Path, *extra: str) -> int:
+    return cli.main(["--broker-url", broker.url, "run-local", "--total-steps", "5", "--detach",
+                     "--work-dir", str(tmp_path / "jobs"), *extra, "--", "true"])
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--work-dir", "/proc/forbidden"], r"work dir \(the parent of the job directories\) '/proc/forbidden' cannot be created"),
+    (["--checkpoint-dir", "/proc/forbidden/ckpt"], "checkpoint_dir '/proc/forbidden/ckpt' cannot be created"),
+    (["--checkpoint-dir", "{file}/ckpt"], "checkpoint_dir .* cannot be created: .*Not a directory"),
+])
+def test_run_local_refuses_an_unusable_directory_before_submitting(local, tmp_path, capsys, flags, message):
+    broker, _ = local
+    (tmp_path / "file").write_text("")
+    flags = [f.replace("{file}", str(tmp_path / "file")) for f in flags]
+    assert run_local(broker, tmp_path, *flags) == 2
+    assert re.search(message, " ".join(capsys.readouterr().err.split()))
+    assert broker.jobs() == []  # no job, so no GPU held
+
+
+def test_a_start_that_fails_after_submit_fails_the_job_frees_its_gpus_and_leaves_no_process(local, tmp_path,
+                                                                                          capsys, monkeypatch):
+    broker, _ = local
+    spawned: list[int] = []
+    real_spawn = LocalBackend._spawn
+
+    def spawn_launcher_then_fail(self, log_path, argv, env):
+        if "airflow_elastic_gpu.sidecar.agent" in argv:
+            raise BackendError("could not start the agent: out of process slots")
+        spawned.append(real_spawn(self, log_path, argv, env))
+        return spawned[-1]
+
+    monkeypatch.setattr(LocalBackend, "_spawn", spawn_launcher_then_fail)
+    assert run_local(broker, tmp_path) == 2
+    assert "out of process slots" in capsys.readouterr().err
+    (job,) = broker.jobs()
+    assert job.status is JobStatus.FAILED
+    assert job.reason == "the local backend could not start the job: could not start the agent: out of process slots"
+    assert job.in_use_gpus == () and job.target_gpus == ()
+    (launcher,) = spawned
+    wait_for(lambda: not protocol.pid_alive(launcher), 10, "the launcher it had started to be killed")
+
+
+def test_a_reattaching_start_that_fails_leaves_the_running_job_alone(local, monkeypatch):
+    broker, backend = local
+    job, handle = run_job(broker, backend, "sleep 600")
+    os.kill(handle.agent_pid, 9)
+    wait_for(lambda: not protocol.pid_alive(handle.agent_pid), 10, "the agent to die")
+    monkeypatch.setattr(LocalBackend, "_spawn", lambda *a: (_ for _ in ()).throw(BackendError("no agent")))
+    with pytest.raises(BackendError, match="no agent"):
+        start_job(broker, backend, broker.job(job.id))  # a retried task: the job was started before
+    assert broker.job(job.id).status is JobStatus.RUNNING  # its trainer runs on; a later retry reattaches
+    assert protocol.pid_alive(handle.launcher_pid)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"A": 1}, r"env\['A'\] must be a string without NUL characters, got int 1"),
+    ({"A": "x\0y"}, r"env\['A'\] must be a string without NUL"),
+    ({"A=B": "1"}, "env: 'A=B' is not a valid environment variable name"),
+    ({"": "1"}, "env: '' is not a valid environment variable name"),
+    ("A=1", "env must be a dict of environment variable names to string values, got str 'A=1'"),
+])
+def test_bad_env_is_refused_before_anything_starts(local, env, message):
+    broker, backend = local
+    job = broker.submit(JobSpec("j", "true", 1, 1, total_steps=1))
+    with pytest.raises(BackendError, match=message):
+        backend.start(job, env=env)
+    assert not backend.job_dir(job.id).exists()
