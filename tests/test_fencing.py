@@ -423,7 +423,8 @@ class ApiServer:
             self.server = None
 
 
-def test_an_unreachable_broker_fences_the_trainer_and_a_lost_job_is_not_restarted(one_gpu, stubborn, tmp_path):
+def test_an_unreachable_broker_fences_the_trainer_and_a_lost_job_is_not_restarted(one_gpu, stubborn, tmp_path,
+                                                                                 monkeypatch):
     broker, _, _ = one_gpu
     api = ApiServer(broker)
     api.start()
@@ -432,8 +433,10 @@ def test_an_unreachable_broker_fences_the_trainer_and_a_lost_job_is_not_restarte
                            poll_s=0.2, grace_s=30.0)
     try:
         job = broker.submit(JobSpec("cut-off", f"{sys.executable} {stubborn}", 1, 1, total_steps=10**6))
-        broker.start(job.id, backend.start(job, env={"AIRFLOW_ELASTIC_GPU_BROKER_API": api.url,
-                                                     "AIRFLOW_ELASTIC_GPU_JOB_TOKEN": job.token}))
+        # the agent inherits these (the trainer does not: its environment is scrubbed)
+        monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_API", api.url)
+        monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_JOB_TOKEN", job.token)
+        broker.start(job.id, backend.start(job))
         handle = backend.handle(job.id)
         wait_for(lambda: broker.job(job.id).acked_generation == 1, 30, "the job to run")
         pids = trainer_pids(handle.job_dir)
