@@ -37,7 +37,7 @@ import heapq
 from dataclasses import dataclass
 from typing import ClassVar
 
-from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place
+from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place_with_leftover
 from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState
 
 
@@ -67,25 +67,48 @@ class AdaptivePolicy:
 
     def rank(self, cluster: ClusterState) -> list[JobState]:
         """Jobs in service order: priority (high first), then least remaining work, then submit time."""
-        return sorted(
-            cluster.jobs,
-            key=lambda j: (-j.priority, j.remaining_time_s(1), j.submit_time_s, j.job_id),
-        )
+        return self._ranked(cluster)[0]
+
+    @staticmethod
+    def _ranked(cluster: ClusterState) -> tuple[list[JobState], list[float]]:
+        """:meth:`rank`'s order, and each ranked job's ``remaining_time_s(1)`` (seconds), computed once."""
+        jobs = cluster.jobs
+        keys = [(-j.priority, j.remaining_time_s(1), j.submit_time_s, j.job_id) for j in jobs]
+        ranked = sorted(range(len(jobs)), key=keys.__getitem__)  # stable, as sorting the jobs by key
+        return [jobs[i] for i in ranked], [keys[i][1] for i in ranked]
 
     def _frozen(self, job: JobState, now_s: float) -> bool:
         return job.resized_within(now_s, self.min_resize_interval_s)
 
     def counts(self, cluster: ClusterState) -> tuple[dict[str, int], list[JobState]]:
         """Target GPU count per job (steps 1-5), and the rank order used."""
-        order = self.rank(cluster)
-        weight = {j.job_id: len(order) - r for r, j in enumerate(order)}
-        frozen = {j.job_id for j in order if self._frozen(j, cluster.now_s)}
+        order, _, counts, _ = self._counts(cluster)
+        return {j.job_id: c for j, c in zip(order, counts)}, order
+
+    def _counts(
+        self, cluster: ClusterState
+    ) -> tuple[list[JobState], list[float], list[int], list[bool]]:
+        """Steps 1-5 over the ranked jobs.
+
+        :returns: ``(order, remaining_1_s, counts, resized)``, lists indexed by rank:
+            the jobs, their ``remaining_time_s(1)``, their target GPU counts, and
+            whether each was resized too recently to be resized now (step 1).
+        """
+        order, remaining_1_s = self._ranked(cluster)
+        now_s, interval_s = cluster.now_s, self.min_resize_interval_s
+        resized = [j.resized_within(now_s, interval_s) for j in order]
+        frozen = list(resized)
         while True:
-            counts = self._hand_out(cluster, order, weight, frozen)
-            unpaid = [j for j in order if j.job_id not in frozen and self._unpaid(j, counts[j.job_id])]
+            counts = self._hand_out(cluster, order, remaining_1_s, frozen)
+            unpaid = [
+                r for r, j in enumerate(order)
+                if not frozen[r] and j.allocation and counts[r] != len(j.allocation)
+                and self._unpaid(j, counts[r])
+            ]
             if not unpaid:
-                return counts, order
-            frozen.update(j.job_id for j in unpaid)
+                return order, remaining_1_s, counts, resized
+            for r in unpaid:
+                frozen[r] = True
 
     def _unpaid(self, job: JobState, count: int) -> bool:
         """True if resizing running ``job`` to ``count`` is for its own sake but saves too little.
@@ -94,166 +117,227 @@ class AdaptivePolicy:
         more GPUs), must save more than ``hysteresis`` restart overheads. A
         shrink that slows the job down serves other jobs and is not judged here.
         """
-        if not job.allocation or count == job.num_gpus:
+        num_gpus = len(job.allocation)
+        if not num_gpus or count == num_gpus:
             return False
-        gain = job.remaining_time_s(job.num_gpus) - job.remaining_time_s(count)
-        return (count > job.num_gpus or gain > 0) and gain <= self.hysteresis * job.restart_overhead_s
+        gain = job.remaining_time_s(num_gpus) - job.remaining_time_s(count)
+        return (count > num_gpus or gain > 0) and gain <= self.hysteresis * job.restart_overhead_s
 
     def _hand_out(
         self,
         cluster: ClusterState,
         order: list[JobState],
-        weight: dict[str, int],
-        frozen: set[str],
-    ) -> dict[str, int]:
-        counts: dict[str, int] = {}
+        remaining_1_s: list[float],
+        frozen: list[bool],
+    ) -> list[int]:
+        """Steps 2-4: GPU count per ranked job (a list indexed by rank), frozen jobs kept at theirs.
+
+        Hot path (thousands of grants per decision on a large pool): a heap entry
+        is ``(-score, remaining_time_s(1), job_id, rank, step)``, ordered as the
+        first three fields; ``step`` is the GPUs the job's next growth takes, so
+        the grant reuses what scoring worked out.
+        """
+        num_jobs = len(order)
+        counts = [0] * num_jobs
         free = cluster.capacity
-        for j in order:  # frozen jobs keep their count, running jobs their minimum
-            if j.job_id in frozen:
-                counts[j.job_id] = j.num_gpus
+        for r, j in enumerate(order):  # frozen jobs keep their count, running jobs their minimum
+            if frozen[r]:
+                counts[r] = len(j.allocation)
             elif j.allocation:
-                counts[j.job_id] = min(j.min_gpus, j.num_gpus) if j.num_gpus else j.min_gpus
+                counts[r] = min(j.min_gpus, len(j.allocation))
             else:
                 continue
-            free -= counts[j.job_id]
-        for j in order:  # admit waiting jobs at their minimum
+            free -= counts[r]
+        for r, j in enumerate(order):  # admit waiting jobs at their minimum
             if not j.allocation:
-                counts[j.job_id] = j.min_gpus if free >= j.min_gpus else 0
-                free -= counts[j.job_id]
+                counts[r] = j.min_gpus if free >= j.min_gpus else 0
+                free -= counts[r]
 
         node = cluster.max_node_gpus
-
-        def step(j: JobState, n: int) -> int:
-            """GPUs the job's next growth takes: one while it fits a node, then a whole node."""
-            if n < node or node == 0:
-                return min(1, j.max_gpus - n)
-            return min(node - n % node, j.max_gpus - n)
-
-        def score(j: JobState, n: int) -> float:
-            t, k = j.throughput, step(j, n)
-            return weight[j.job_id] * (t.steps_per_s(n + k) - t.steps_per_s(n)) / t.steps_per_s(1) / k
-
-        heap = [
-            (-score(j, counts[j.job_id]), j.remaining_time_s(1), j.job_id, j)
-            for j in order
-            if j.job_id not in frozen and 0 < counts[j.job_id] < j.max_gpus
-        ]
-        heapq.heapify(heap)
-        exhausted = False
-        while free > 0 and heap and not exhausted:
-            entry = heapq.heappop(heap)
-            while True:  # keep granting to this job while it stays the best (saves heap traffic)
-                neg, rem, job_id, j = entry
-                if -neg <= 0:
-                    exhausted = True  # nobody gains from another GPU
-                    break
-                k = step(j, counts[job_id])
-                if k > free:
-                    break  # a whole node is not free; smaller growths of others may still fit
-                counts[job_id] += k
-                free -= k
-                if counts[job_id] >= j.max_gpus or free <= 0:
-                    break
-                entry = (-score(j, counts[job_id]), rem, job_id, j)
-                if heap and heap[0] < entry:
-                    heapq.heappush(heap, entry)
-                    break
+        if free > 0:  # step 3 (free > 0 implies node > 0)
+            free = self._grant(order, remaining_1_s, frozen, counts, free, node)
         if free > 0 and self.explore:  # step 4a: idle GPUs try a count no job has been measured on
-            for j in sorted(order, key=lambda j: -j.remaining_time_s(max(1, j.num_gpus))):
+            by_need = sorted(
+                range(num_jobs), key=lambda r: -order[r].remaining_time_s(max(1, order[r].num_gpus))
+            )
+            for r in by_need:
                 if free <= 0:
                     break
-                n = counts.get(j.job_id, 0)
-                if j.job_id in frozen or not j.allocation or n != j.num_gpus or node == 0:
+                j, n = order[r], counts[r]
+                if frozen[r] or not j.allocation or n != len(j.allocation) or node == 0:
                     continue
                 seen = max((c for c, _ in j.throughput.observed), default=0)
                 m = (max(n, seen) // node + 1) * node
                 if m <= j.max_gpus and m - n <= free and seen >= n:
-                    counts[j.job_id] = m
+                    counts[r] = m
                     free -= m - n
-        for j in order:  # step 4: nobody wanted them, give them back (unless that slows the job)
+        for r, j in enumerate(order):  # step 4: nobody wanted them, give them back (unless that slows the job)
             if free <= 0:
                 break
-            back = min(free, j.num_gpus - counts[j.job_id]) if j.allocation else 0
-            t = j.throughput
-            if back > 0 and t.steps_per_s(counts[j.job_id] + back) >= t.steps_per_s(counts[j.job_id]):
-                counts[j.job_id] += back
-                free -= back
+            back = min(free, len(j.allocation) - counts[r]) if j.allocation else 0
+            if back > 0:
+                speed = j.throughput.steps_per_s
+                if speed(counts[r] + back) >= speed(counts[r]):
+                    counts[r] += back
+                    free -= back
         return counts
 
+    @staticmethod
+    def _grant(
+        order: list[JobState],
+        remaining_1_s: list[float],
+        frozen: list[bool],
+        counts: list[int],
+        free: int,
+        node: int,
+    ) -> int:
+        """Step 3: hand ``free`` GPUs (> 0) out by weighted marginal speed-up, updating ``counts``.
+
+        ``node`` is the largest node's GPU count (> 0). A job's score at ``n``
+        GPUs is ``weight * (throughput(n + k) - throughput(n)) / throughput(1) / k``
+        for its next growth of ``k`` GPUs (one while it fits a node, then up to
+        the next whole node); ``weight`` is the number of jobs ranked at or after it.
+
+        Hot path (thousands of grants per decision on a large pool): a heap entry is
+        ``(-score, remaining_time_s(1), job_id, k, throughput(n + k), job)``, ordered
+        by its first three fields (job ids are unique); ``k`` and ``throughput(n + k)``
+        save the grant and the job's next score from working them out again, and
+        ``job`` is ``(rank, throughput.steps_per_s, throughput(1), max_gpus)``.
+
+        :returns: the GPUs still free.
+        """
+        num_jobs = len(order)
+
+        def entry(job: tuple, n: int, speed_n: float) -> tuple:
+            """The heap entry of ``job`` at ``n`` GPUs, where it runs ``speed_n`` steps/s."""
+            r, speed, speed_1, max_gpus = job
+            k = 1 if n < node else min(node - n % node, max_gpus - n)
+            speed_next = speed(n + k)
+            score = (num_jobs - r) * (speed_next - speed_n) / speed_1 / k
+            return -score, remaining_1_s[r], order[r].job_id, k, speed_next, job
+
+        heap = []
+        for r, j in enumerate(order):
+            n = counts[r]
+            if not frozen[r] and 0 < n < j.max_gpus:
+                speed = j.throughput.steps_per_s
+                heap.append(entry((r, speed, speed(1), j.max_gpus), n, speed(n)))
+        if not heap:
+            return free
+        heapq.heapify(heap)
+        best = heapq.heappop(heap)
+        while True:
+            neg_score, _, _, k, speed_next, job = best
+            if neg_score >= 0:
+                return free  # nobody gains from another GPU
+            if k <= free:  # else a whole node is not free; smaller growths of others may still fit
+                r = job[0]
+                n = counts[r] = counts[r] + k
+                free -= k
+                if free <= 0:
+                    return free
+                if n < job[3]:  # keep granting to this job while it stays the best
+                    best = heapq.heappushpop(heap, entry(job, n, speed_next))
+                    continue
+            if not heap:
+                return free
+            best = heapq.heappop(heap)
+
     def _fill(
-        self, cluster: ClusterState, order: list[JobState], allocations: dict[str, tuple[GpuId, ...]]
+        self,
+        order: list[JobState],
+        resized: list[bool],
+        allocations: dict[str, tuple[GpuId, ...]],
+        leftover: dict[str, list[int]],
     ) -> dict[str, tuple[GpuId, ...]]:
         """Step 7: GPUs that placement could not use (free GPUs split over nodes) go to jobs on their node.
 
         A single-node job on a node with free GPUs grows there, one GPU at a
         time, to the job with the best marginal speed-up, while that is
         positive and pays its restart overhead.
+
+        :param resized: per ranked job, whether it was resized too recently to grow now.
+        :param leftover: node name -> free device indices (nodes with none left out),
+            as :func:`~airflow_elastic_gpu.scheduling.placement.place_with_leftover` returns them.
         """
-        free: dict[str, list[int]] = {n.name: list(n.gpu_indices) for n in cluster.nodes}
-        for gpus in allocations.values():
-            for g in gpus:
-                free[g.node].remove(g.index)
-        if not any(free.values()):
+        if not leftover:
             return allocations
-        out = {k: list(v) for k, v in allocations.items()}
         on_node: dict[str, list[JobState]] = {}
-        for j in order:
-            nodes = {g.node for g in out[j.job_id]}
-            if len(nodes) == 1 and not self._frozen(j, cluster.now_s):
-                node = next(iter(nodes))
-                if free[node]:
-                    on_node.setdefault(node, []).append(j)
+        for r, j in enumerate(order):
+            gpus = allocations[j.job_id]
+            if not gpus or resized[r]:
+                continue
+            node = gpus[0].node
+            if node in leftover and all(g.node == node for g in gpus):
+                on_node.setdefault(node, []).append(j)
 
         def gain(j: JobState, n: int) -> float:
             t = j.throughput
             return (t.steps_per_s(n + 1) - t.steps_per_s(n)) / t.steps_per_s(1)
 
+        out = dict(allocations)
         for node, jobs in on_node.items():  # nodes are independent: each node's GPUs go to its jobs
-            heap = [(-gain(j, len(out[j.job_id])), i, j) for i, j in enumerate(jobs)]
+            free = list(leftover[node])
+            grown = {j.job_id: list(allocations[j.job_id]) for j in jobs}
+            heap = [(-gain(j, len(grown[j.job_id])), i, j) for i, j in enumerate(jobs)]
             heapq.heapify(heap)
-            while free[node] and heap:
+            while free and heap:
                 neg, i, j = heapq.heappop(heap)
-                n = len(out[j.job_id])
+                n = len(grown[j.job_id])
                 if -neg <= 0 or n >= j.max_gpus or (j.allocation and self._unpaid(j, n + 1)):
                     continue
-                out[j.job_id].append(GpuId(node, free[node].pop(0)))
+                grown[j.job_id].append(GpuId(node, free.pop(0)))
                 heapq.heappush(heap, (-gain(j, n + 1), i, j))
-        return {k: tuple(sorted(v)) for k, v in out.items()}
+            for job_id, gpus in grown.items():
+                if len(gpus) > len(allocations[job_id]):
+                    out[job_id] = tuple(sorted(gpus))
+        return out
 
     def decide(self, cluster: ClusterState) -> Decision:
-        counts, order = self.counts(cluster)
-        allocations = place(
+        order, _, counts, resized = self._counts(cluster)
+        allocations, leftover = place_with_leftover(
             cluster.nodes,
-            [PlacementRequest(j.job_id, counts[j.job_id], j.min_gpus, j.allocation) for j in order],
+            [PlacementRequest(j.job_id, c, j.min_gpus, j.allocation) for j, c in zip(order, counts)],
         )
-        allocations = self._fill(cluster, order, allocations)
+        allocations = self._fill(order, resized, allocations, leftover)
+        return Decision(allocations, self._reasons(order, allocations))
+
+    def _reasons(
+        self, order: list[JobState], allocations: dict[str, tuple[GpuId, ...]]
+    ) -> dict[str, str]:
+        """One line per ranked job whose GPUs change, saying why.
+
+        A job's GPUs are a set: no job lists a GPU twice, so equal sets have equal sizes.
+        """
         reasons: dict[str, str] = {}
-        rank = {j.job_id: r for r, j in enumerate(order)}
-        for j in order:
-            new = allocations[j.job_id]
-            if set(new) == set(j.allocation):
+        hysteresis = f"{self.hysteresis:g}"
+        for r, j in enumerate(order):
+            current, new = j.allocation, allocations[j.job_id]
+            num_gpus, size = len(current), len(new)
+            if size == num_gpus and (new == current or set(new) == set(current)):
                 continue
-            if not j.allocation:
-                reasons[j.job_id] = f"start on {len(new)} GPU(s)"
-            elif len(new) > j.num_gpus:
-                saved = j.remaining_time_s(j.num_gpus) - j.remaining_time_s(len(new))
+            if not num_gpus:
+                reasons[j.job_id] = f"start on {size} GPU(s)"
+                continue
+            if size == num_gpus:
+                reasons[j.job_id] = f"move to {', '.join(map(str, new))} (placement)"
+                continue
+            before_s, after_s = j.remaining_time_s(num_gpus), j.remaining_time_s(size)
+            if size > num_gpus:
                 reasons[j.job_id] = (
-                    f"grow {j.num_gpus}->{len(new)} GPUs: predicted remaining time "
-                    f"{j.remaining_time_s(j.num_gpus):.0f}s->{j.remaining_time_s(len(new)):.0f}s, "
-                    f"gain {saved:.0f}s > {self.hysteresis:g} x restart overhead "
+                    f"grow {num_gpus}->{size} GPUs: predicted remaining time "
+                    f"{before_s:.0f}s->{after_s:.0f}s, "
+                    f"gain {before_s - after_s:.0f}s > {hysteresis} x restart overhead "
                     f"{j.restart_overhead_s:.0f}s"
                 )
-            elif len(new) < j.num_gpus and j.remaining_time_s(len(new)) < j.remaining_time_s(j.num_gpus):
+            elif after_s < before_s:
                 reasons[j.job_id] = (
-                    f"shrink {j.num_gpus}->{len(new)} GPUs: measured faster on fewer GPUs, predicted "
-                    f"remaining time {j.remaining_time_s(j.num_gpus):.0f}s->"
-                    f"{j.remaining_time_s(len(new)):.0f}s"
-                )
-            elif len(new) < j.num_gpus:
-                reasons[j.job_id] = (
-                    f"shrink {j.num_gpus}->{len(new)} GPUs: the GPUs gain more elsewhere "
-                    f"(rank {rank[j.job_id] + 1} of {len(order)} by remaining work)"
+                    f"shrink {num_gpus}->{size} GPUs: measured faster on fewer GPUs, predicted "
+                    f"remaining time {before_s:.0f}s->{after_s:.0f}s"
                 )
             else:
-                reasons[j.job_id] = f"move to {', '.join(map(str, new))} (placement)"
-        return Decision(allocations, reasons)
+                reasons[j.job_id] = (
+                    f"shrink {num_gpus}->{size} GPUs: the GPUs gain more elsewhere "
+                    f"(rank {r + 1} of {len(order)} by remaining work)"
+                )
+        return reasons

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
 
 
-@dataclass(frozen=True)
-class PlacementRequest:
-    """One job's ask: ``target`` GPUs (0 = none), at least ``min_gpus`` if any, from ``current``."""
+class PlacementRequest(NamedTuple):
+    """One job's ask: ``target`` GPUs (0 = none), at least ``min_gpus`` if any, from ``current``.
+
+    A named tuple (immutable, like a frozen dataclass, and cheaper to build)
+    because a policy builds one per job per decision: 2,000 on a large pool.
+    """
 
     job_id: str
     target: int
@@ -33,105 +36,141 @@ class PlacementRequest:
     current: tuple[GpuId, ...] = ()
 
 
-def _kept(current: tuple[GpuId, ...], target: int) -> list[GpuId]:
-    """The ``target`` GPUs of ``current`` to keep: those on the job's fullest nodes first."""
+def _kept_spread(ordered: list[GpuId], target: int, free: dict[str, set[int]]) -> list[GpuId]:
+    """The ``target`` GPUs to keep of a job's current GPUs on several nodes, ``ordered`` (sorted).
+
+    Those still in ``free`` (node name -> free device indices), on the job's fullest nodes first.
+    """
     per_node: dict[str, list[GpuId]] = {}
-    for gpu in sorted(current):
-        per_node.setdefault(gpu.node, []).append(gpu)
-    ordered = sorted(per_node.values(), key=lambda gs: (-len(gs), gs[0].node))
-    return [g for gs in ordered for g in gs][:target]
+    for gpu in ordered:
+        if gpu.index in free.get(gpu.node, ()):
+            per_node.setdefault(gpu.node, []).append(gpu)
+    by_size = sorted(per_node.values(), key=lambda gs: (-len(gs), gs[0].node))
+    return [g for gs in by_size for g in gs][:target]
 
 
 def place(
     nodes: Sequence[NodeState], requests: Sequence[PlacementRequest]
 ) -> dict[str, tuple[GpuId, ...]]:
-    """Place ``requests`` (served in the given order) on ``nodes``.
+    """Place ``requests`` (served in the given order; one per job id) on ``nodes``.
 
     :returns: job id -> sorted GPUs; a job gets its target, or fewer (never fewer
         than its ``min_gpus``, else nothing) when free GPUs are fragmented.
         No GPU is given to two jobs, and only GPUs listed in ``nodes`` are given.
     """
+    return place_with_leftover(nodes, requests)[0]
+
+
+def place_with_leftover(
+    nodes: Sequence[NodeState], requests: Sequence[PlacementRequest]
+) -> tuple[dict[str, tuple[GpuId, ...]], dict[str, list[int]]]:
+    """:func:`place`, and the GPUs it left free (so a caller need not work them out again).
+
+    :returns: ``(allocations, leftover)``: ``allocations`` as :func:`place` returns
+        them; ``leftover`` maps the name of each node with GPUs nobody got to
+        those device indices, in the node's ``gpu_indices`` order.
+    """
     free: dict[str, set[int]] = {n.name: set(n.gpu_indices) for n in nodes}
-    node_size = {n.name: n.num_gpus for n in nodes}
-    max_node = max(node_size.values(), default=0)
-    result: dict[str, list[GpuId]] = {}
+    max_node = max((n.num_gpus for n in nodes), default=0)
+    new_gpu_id = tuple.__new__  # new_gpu_id(GpuId, (node, index)): GpuId(node, index) at half the cost
+
+    # 1. keep current GPUs (only those still schedulable, i.e. in ``free``); result[i]: the
+    # GPUs of requests[i], homes[i]: the one node they are on (None: on none, or on several)
+    result: list[list[GpuId]] = []
+    homes: list[str | None] = []
+    for _, target, _, current in requests:
+        kept: list[GpuId] = []
+        home = None
+        if target > 0 and current:
+            ordered = sorted(current)
+            node = ordered[0].node
+            if ordered[-1].node == node:  # the common case, a job on one node: keep its lowest indices
+                indices = free.get(node, ())
+                kept = [g for g in ordered if g.index in indices][:target]
+                if kept:
+                    home = node
+                    indices.difference_update([g.index for g in kept])
+            else:
+                kept = _kept_spread(ordered, target, free)
+                for g in kept:
+                    free[g.node].discard(g.index)
+                if len({g.node for g in kept}) == 1:
+                    home = kept[0].node
+        result.append(kept)
+        homes.append(home)
+
     # nodes by free-GPU count, each list sorted by name: best fit without scanning every node
     by_free: list[list[str]] = [[] for _ in range(max_node + 1)]
-
-    def _unindex(node: str) -> None:
-        bucket = by_free[len(free[node])]
-        del bucket[bisect.bisect_left(bucket, node)]
-
-    def _index(node: str) -> None:
-        bisect.insort(by_free[len(free[node])], node)
-
-    # 1. keep current GPUs (only those still schedulable)
-    for req in requests:
-        usable = tuple(g for g in req.current if g.index in free.get(g.node, ()))
-        kept = _kept(usable, req.target) if req.target > 0 else []
-        for g in kept:
-            free[g.node].discard(g.index)
-        result[req.job_id] = kept
     for name in sorted(free):
-        _index(name)
+        by_free[len(free[name])].append(name)
+    num_free = sum(len(indices) for indices in free.values())  # GPUs free on all nodes
+    bisect_left, insort = bisect.bisect_left, bisect.insort
 
     def take(node: str, count: int) -> list[GpuId]:
-        _unindex(node)
-        picked = sorted(free[node])[:count]
-        free[node].difference_update(picked)
-        _index(node)
-        return [GpuId(node, i) for i in picked]
+        """The ``count`` lowest free GPUs of ``node``, taken."""
+        nonlocal num_free
+        indices = free[node]
+        bucket = by_free[len(indices)]
+        del bucket[bisect_left(bucket, node)]
+        picked = sorted(indices)[:count]
+        indices.difference_update(picked)
+        insort(by_free[len(indices)], node)
+        num_free -= len(picked)
+        return [new_gpu_id(GpuId, (node, i)) for i in picked]
 
     def release(gpus: list[GpuId]) -> None:
+        nonlocal num_free
+        if not gpus:
+            return
         for node in {g.node for g in gpus}:
-            _unindex(node)
-            free[node].update(g.index for g in gpus if g.node == node)
-            _index(node)
+            indices = free[node]
+            bucket = by_free[len(indices)]
+            del bucket[bisect_left(bucket, node)]
+            indices.update(g.index for g in gpus if g.node == node)
+            insort(by_free[len(indices)], node)
+        num_free += len(gpus)
 
-    def best_fit(target: int, home: str | None) -> str | None:
-        """The node with the fewest free GPUs that still has ``target`` (ties: ``home``, then name)."""
+    def best_fit(target: int) -> str | None:
+        """The node with the fewest free GPUs that still has ``target`` (ties: the first by name)."""
         for count in range(target, max_node + 1):
             bucket = by_free[count]
             if bucket:
-                return home if home in bucket else bucket[0]
+                return bucket[0]
         return None
 
     # 2. grow, in the caller's order
-    for req in requests:
-        kept = result[req.job_id]
-        need = req.target - len(kept)
+    for i, (_, target, min_gpus, _) in enumerate(requests):
+        kept = result[i]
+        need = target - len(kept)
         if need <= 0:
             continue
-        kept_nodes = {g.node for g in kept}
-        if req.target <= max_node:
-            home = next(iter(kept_nodes)) if len(kept_nodes) == 1 else None
+        home = homes[i]
+        if target <= max_node:
             if home is not None and len(free[home]) >= need:
                 kept.extend(take(home, need))
                 continue
             # move whole to the tightest node that fits (counting GPUs we would give back)
-            if len(kept_nodes) > 1:
-                fits = [
-                    n for n in free if len(free[n]) + sum(g.node == n for g in kept) >= req.target
-                ]
+            if kept and home is None:  # on several nodes
+                fits = [n for n in free if len(free[n]) + sum(g.node == n for g in kept) >= target]
                 best = min(fits, key=lambda n: (len(free[n]), n)) if fits else None
             else:
-                best = best_fit(req.target, None)
+                best = best_fit(target)
             if best is not None:
                 release(kept)
-                result[req.job_id] = take(best, req.target)
+                result[i] = take(best, target)
                 continue
             if home is not None:  # partial growth on its own node
                 kept.extend(take(home, len(free[home])))
                 continue
             if not kept:  # waiting job: start smaller on the roomiest node, if >= min
                 roomiest = next((b[-1] for b in reversed(by_free) if b), None)
-                if roomiest is not None and len(free[roomiest]) >= req.min_gpus:
-                    result[req.job_id] = take(roomiest, min(req.target, len(free[roomiest])))
+                if roomiest is not None and len(free[roomiest]) >= min_gpus:
+                    result[i] = take(roomiest, min(target, len(free[roomiest])))
             continue
         # larger than any node: fill its nodes first, then the emptiest others
-        available = sum(count * len(bucket) for count, bucket in enumerate(by_free))
-        if len(kept) + available < req.min_gpus:
+        if len(kept) + num_free < min_gpus:
             continue
+        kept_nodes = {g.node for g in kept}
         order = sorted(kept_nodes, key=lambda n: (-len(free[n]), n))
         covered = sum(len(free[n]) for n in order)
         for count in range(max_node, 0, -1):
@@ -152,8 +191,15 @@ def place(
             kept.extend(got)
             need -= len(got)
 
-    by_job = {req.job_id: req for req in requests}
-    return {
-        job_id: tuple(sorted(gpus)) if len(gpus) >= by_job[job_id].min_gpus else ()
-        for job_id, gpus in result.items()
+    allocations: dict[str, tuple[GpuId, ...]] = {}
+    for req, gpus in zip(requests, result):
+        if len(gpus) >= req.min_gpus:
+            allocations[req.job_id] = tuple(sorted(gpus))
+        else:  # too few to run: the job waits and its GPUs stay free
+            allocations[req.job_id] = ()
+            for g in gpus:
+                free[g.node].add(g.index)
+    leftover = {
+        n.name: [i for i in n.gpu_indices if i in free[n.name]] for n in nodes if free[n.name]
     }
+    return allocations, leftover

@@ -14,6 +14,7 @@ not starved of GPUs it may well use.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -60,47 +61,74 @@ class ThroughputModel:
         )
 
     @cached_property
-    def _line(self) -> tuple[float, float]:
-        """``(a, b)`` of ``1/throughput(n) = a/n + b``, both >= 0, ``a + b > 0``."""
-        if not self.observed:
-            inv_t1 = 1.0 / self.prior_steps_per_s
-            return (1 - self.prior_alpha) * inv_t1, self.prior_alpha * inv_t1
-        if len(self.observed) == 1:
-            (n0, t0), alpha = self.observed[0], self.prior_alpha
-            # t0 = t1 * n0 / (1 + alpha (n0 - 1))  =>  1/t1 = n0 / (t0 (1 + alpha (n0 - 1)))
-            inv_t1 = n0 / (t0 * (1 + alpha * (n0 - 1)))
-            return (1 - alpha) * inv_t1, alpha * inv_t1
-        xs = [1.0 / n for n, _ in self.observed]
-        ys = [1.0 / t for _, t in self.observed]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-        b = my - a * mx
-        if a <= 0:  # more GPUs never helped: flat throughput at the best seen
-            return 0.0, min(ys)
-        if b < 0:  # super-linear samples: clamp to linear through the mean
-            return my / mx, 0.0
-        return a, b
+    def steps_per_s(self) -> Callable[[int], float]:
+        """Predicted steps/s on ``num_gpus`` (>= 1) GPUs, as ``model.steps_per_s(num_gpus)``;
+        a measured count returns its measurement.
 
-    @cached_property
-    def _memo(self) -> dict[int, float]:
-        return dict(self.observed)
+        :raises ValueError: ``num_gpus < 1``.
 
-    def steps_per_s(self, num_gpus: int) -> float:
-        """Predicted steps/s on ``num_gpus`` (>= 1) GPUs; a measured count returns its measurement."""
-        memo = self._memo
-        hit = memo.get(num_gpus)
-        if hit is not None:
-            return hit
-        if num_gpus < 1:
-            raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
-        a, b = self._line
-        value = memo[num_gpus] = 1.0 / (a / num_gpus + b)
-        return value
+        A look-up in a memo dict that predicts each count on its first look-up, so
+        a call is a C-level dict look-up: policies make tens of thousands per decision.
+        """
+        return _Predictions(self.observed, self.prior_alpha, self.prior_steps_per_s).__getitem__
 
     def speedup(self, num_gpus: int) -> float:
         """``steps_per_s(num_gpus) / steps_per_s(1)``."""
         return self.steps_per_s(num_gpus) / self.steps_per_s(1)
+
+
+class _Predictions(dict):
+    """One model's steps/s by GPU count: its measurements, and each other count predicted on its first look-up.
+
+    Holds the model's values, not the model, so that no reference cycle keeps a model alive.
+    """
+
+    __slots__ = ("_fit_args", "_line")
+
+    def __init__(
+        self, observed: tuple[tuple[int, float], ...], prior_alpha: float, prior_steps_per_s: float
+    ) -> None:
+        super().__init__(observed)
+        self._fit_args = (observed, prior_alpha, prior_steps_per_s)
+        self._line: tuple[float, float] | None = None
+
+    def __missing__(self, num_gpus: int) -> float:
+        if num_gpus < 1:
+            raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+        if self._line is None:
+            self._line = _fit_line(*self._fit_args)
+        a, b = self._line
+        value = self[num_gpus] = 1.0 / (a / num_gpus + b)
+        return value
+
+
+def _fit_line(
+    observed: tuple[tuple[int, float], ...], prior_alpha: float, prior_steps_per_s: float
+) -> tuple[float, float]:
+    """``(a, b)`` of ``1/throughput(n) = a/n + b`` (s/step), both >= 0, ``a + b > 0``.
+
+    Least squares over the samples in ``1/n``; with fewer than two GPU counts
+    seen, the slope comes from ``prior_alpha``.
+    """
+    if not observed:
+        inv_t1 = 1.0 / prior_steps_per_s
+        return (1 - prior_alpha) * inv_t1, prior_alpha * inv_t1
+    if len(observed) == 1:
+        (n0, t0), alpha = observed[0], prior_alpha
+        # t0 = t1 * n0 / (1 + alpha (n0 - 1))  =>  1/t1 = n0 / (t0 (1 + alpha (n0 - 1)))
+        inv_t1 = n0 / (t0 * (1 + alpha * (n0 - 1)))
+        return (1 - alpha) * inv_t1, alpha * inv_t1
+    xs = [1.0 / n for n, _ in observed]
+    ys = [1.0 / t for _, t in observed]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    b = my - a * mx
+    if a <= 0:  # more GPUs never helped: flat throughput at the best seen
+        return 0.0, min(ys)
+    if b < 0:  # super-linear samples: clamp to linear through the mean
+        return my / mx, 0.0
+    return a, b
 
 
 RESTART_OVERHEAD_EMA = 0.5
