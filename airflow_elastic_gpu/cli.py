@@ -23,6 +23,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from sqlalchemy.exc import OperationalError
 
 from airflow_elastic_gpu.backends.base import BackendError, start_job
 from airflow_elastic_gpu.backends.local import LOCAL_NODE
@@ -89,8 +90,23 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
     return Group(grid, jobs_table(list(snap.jobs)), events)
 
 
+CLI_RECONNECT_DEADLINE_S = 10.0
+"""A command gives up on an unreachable database after this long (agents and triggers wait longer)."""
+
+
 def _broker(args: argparse.Namespace) -> GpuBroker:
-    return GpuBroker(args.broker_url or default_broker_url())
+    return GpuBroker(args.broker_url or default_broker_url(), reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S)
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number, 1-65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 65535, got {port}")
+    return port
 
 
 def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
@@ -406,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["serve"])
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; any but a loopback one needs $AIRFLOW_ELASTIC_GPU_UI_TOKEN")
-    p.add_argument("--port", type=int, default=8793)
+    p.add_argument("--port", type=_port, default=8793)
     p.add_argument("--api-docs", action="store_true",
                    help="also serve Swagger UI (/docs) and ReDoc (/redoc); their assets load from a CDN")
     p.add_argument("--max-body-bytes", type=int, default=None,
@@ -456,6 +472,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except (BrokerError, BackendError, ValueError) as exc:
         notes.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+    except OperationalError as exc:  # the database cannot be reached: one line, not a traceback
+        url = mask_url(getattr(args, "broker_url", None) or default_broker_url())
+        first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
+        notes.print(f"[red]error:[/red] cannot reach the broker database {escape(url)}: {escape(first)}. "
+                    "Check that the server runs and the URL (--broker-url or $AIRFLOW_ELASTIC_GPU_BROKER_URL) "
+                    "is right.", soft_wrap=True, highlight=False)
         return 2
 
 

@@ -137,3 +137,22 @@ def test_cli_errors_name_the_problem_and_exit_2(tmp_path, monkeypatch, capsys, a
     assert code == 2
     assert message in out.out + out.err
     assert GpuBroker(url).jobs() == []
+
+
+def test_cli_names_an_unreachable_database_in_one_line_with_the_password_masked(monkeypatch, capsys):
+    import airflow_elastic_gpu.cli as cli_module
+
+    monkeypatch.setattr(cli_module, "CLI_RECONNECT_DEADLINE_S", 0.5)
+    code = cli(["--broker-url", "postgresql+psycopg://user:s3cret@127.0.0.1:1/broker", "jobs"])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 2
+    assert "cannot reach the broker database postgresql+psycopg://user:***@127.0.0.1:1/broker" in text
+    assert "s3cret" not in text and "Traceback" not in text
+
+
+def test_broker_serve_rejects_a_port_out_of_range(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["broker", "serve", "--port", "99999"])
+    assert exit_.value.code == 2
+    assert "--port: must be between 1 and 65535, got 99999" in capsys.readouterr().err
