@@ -1,4 +1,5 @@
-"""The words the broker, its API, the sidecar and the UI share: job statuses, event kinds, a target.
+"""The words the broker, its API, the sidecar and the UI share: job statuses, event kinds, a target,
+the broker's errors.
 
 Nothing here does I/O or imports the broker's database layer, so the sidecar agent (which must run
 with only its transport) and the broker use the same definitions.
@@ -10,6 +11,18 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from airflow_elastic_gpu.scheduling.state import GpuId
+
+
+class BrokerError(Exception):
+    """Base of the broker's errors."""
+
+
+class InvalidRequest(BrokerError, ValueError):
+    """A caller passed a bad value; the message names it. Nothing was changed."""
+
+
+class NotFound(BrokerError, LookupError):
+    """No such job, node or pool."""
 
 
 class JobStatus(StrEnum):

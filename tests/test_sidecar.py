@@ -207,3 +207,13 @@ def test_stopping_reaches_workers_that_run_in_their_own_session(tmp_path):
         wait_for(lambda: not protocol.pid_alive(child), 10, "the worker in its own session to be stopped")
     finally:
         proc.kill()
+
+
+def test_the_sidecar_loads_nothing_of_the_broker():
+    """The agent and launcher run with only their transport: importing them loads no broker module
+    (the database transport is imported by whoever chooses it)."""
+    code = ("import sys, airflow_elastic_gpu.sidecar.agent, airflow_elastic_gpu.sidecar.launcher, "
+            "airflow_elastic_gpu.sidecar.http_transport; "
+            "print(sorted(m for m in sys.modules if m.startswith('airflow_elastic_gpu.broker')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"

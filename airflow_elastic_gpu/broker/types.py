@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_elastic_gpu.scheduling.state import GpuId
-from airflow_elastic_gpu.states import JobStatus, Target
+from airflow_elastic_gpu.states import BrokerError, InvalidRequest, JobStatus, NotFound, Target
 
 __all__ = [
     "BACKENDS", "DEFAULT_POOL", "BrokerError", "EventView", "GpuView", "InvalidRequest", "JobSpec", "JobStatus",
@@ -22,18 +22,6 @@ MAX_INT32 = 2**31 - 1
 MAX_NAME_CHARS = 256
 MAX_KEY_CHARS = 512
 MAX_POOL_CHARS = 128
-
-
-class BrokerError(Exception):
-    """Base of the broker's errors."""
-
-
-class InvalidRequest(BrokerError, ValueError):
-    """A caller passed a bad value; the message names it. Nothing was changed."""
-
-
-class NotFound(BrokerError, LookupError):
-    """No such job, node or pool."""
 
 
 def check_text(name: str, value: Any, max_chars: int, *, empty_ok: bool = False) -> None:

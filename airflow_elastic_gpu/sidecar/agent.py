@@ -38,10 +38,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from airflow_elastic_gpu.broker.types import InvalidRequest, NotFound  # pure values, no database
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.sidecar.http_transport import BrokerRejected, JobGone
-from airflow_elastic_gpu.states import Target
+from airflow_elastic_gpu.states import InvalidRequest, NotFound, Target
 
 log = logging.getLogger(__name__)
 
