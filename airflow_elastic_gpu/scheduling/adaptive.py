@@ -33,12 +33,31 @@ Steps of one decision:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import ClassVar
 
 from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place_with_leftover
 from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState
+
+
+def _wait(waiting: dict[float, tuple | list[tuple]], neg_score: float, entry: tuple) -> None:
+    """File ``entry`` under ``neg_score`` in :meth:`AdaptivePolicy._grant`'s ``waiting``."""
+    held = waiting.get(neg_score)
+    if held is None:
+        waiting[neg_score] = entry
+    elif type(held) is list:
+        bisect.insort(held, entry)
+    else:
+        waiting[neg_score] = sorted((held, entry))
+
+
+def _untie(waiting: dict[float, tuple | list[tuple]], neg_score: float, tied: list[tuple]) -> tuple:
+    """The best of ``tied`` (popped from ``waiting[neg_score]``); the others are filed back."""
+    best = tied.pop(0)
+    waiting[neg_score] = tied if len(tied) > 1 else tied[0]
+    return best
 
 
 @dataclass(frozen=True)
@@ -76,9 +95,6 @@ class AdaptivePolicy:
         keys = [(-j.priority, j.remaining_time_s(1), j.submit_time_s, j.job_id) for j in jobs]
         ranked = sorted(range(len(jobs)), key=keys.__getitem__)  # stable, as sorting the jobs by key
         return [jobs[i] for i in ranked], [keys[i][1] for i in ranked]
-
-    def _frozen(self, job: JobState, now_s: float) -> bool:
-        return job.resized_within(now_s, self.min_resize_interval_s)
 
     def counts(self, cluster: ClusterState) -> tuple[dict[str, int], list[JobState]]:
         """Target GPU count per job (steps 1-5), and the rank order used."""
@@ -198,50 +214,75 @@ class AdaptivePolicy:
         for its next growth of ``k`` GPUs (one while it fits a node, then up to
         the next whole node); ``weight`` is the number of jobs ranked at or after it.
 
-        Hot path (thousands of grants per decision on a large pool): a heap entry is
-        ``(-score, remaining_time_s(1), job_id, k, throughput(n + k), job)``, ordered
-        by its first three fields (job ids are unique); ``k`` and ``throughput(n + k)``
-        save the grant and the job's next score from working them out again, and
-        ``job`` is ``(rank, throughput.steps_per_s, throughput(1), max_gpus)``.
+        The best job has the highest score, then the least ``remaining_time_s(1)``,
+        then the least job id (ids are unique). Hot path (thousands of grants per
+        decision on a large pool), so the heap holds bare ``-score`` floats, which
+        compare several times faster than tuples, and ``waiting`` maps each to its
+        job's entry ``(remaining_time_s(1), job_id, k, throughput(n + k), job)``, or
+        to a sorted list of the entries that tie on it (the heap then holds the
+        score once per entry). ``k`` and ``throughput(n + k)`` save the grant and the
+        job's next score from working them out again; ``job`` is
+        ``(rank, throughput.steps_per_s, throughput(1), max_gpus)``.
 
         :returns: the GPUs still free.
         """
         num_jobs = len(order)
-
-        def entry(job: tuple, n: int, speed_n: float) -> tuple:
-            """The heap entry of ``job`` at ``n`` GPUs, where it runs ``speed_n`` steps/s."""
-            r, speed, speed_1, max_gpus = job
-            k = 1 if n < node else min(node - n % node, max_gpus - n)
-            speed_next = speed(n + k)
-            score = (num_jobs - r) * (speed_next - speed_n) / speed_1 / k
-            return -score, remaining_1_s[r], order[r].job_id, k, speed_next, job
-
-        heap = []
+        heap: list[float] = []
+        waiting: dict[float, tuple | list[tuple]] = {}
         for r, j in enumerate(order):
             n = counts[r]
             if not frozen[r] and 0 < n < j.max_gpus:
                 speed = j.throughput.steps_per_s
-                heap.append(entry((r, speed, speed(1), j.max_gpus), n, speed(n)))
+                speed_1, max_gpus = speed(1), j.max_gpus
+                k = 1 if n < node else min(node - n % node, max_gpus - n)
+                speed_next = speed(n + k)
+                neg_score = -((num_jobs - r) * (speed_next - speed(n)) / speed_1 / k)
+                _wait(waiting, neg_score, (remaining_1_s[r], j.job_id, k, speed_next,
+                                           (r, speed, speed_1, max_gpus)))
+                heap.append(neg_score)
         if not heap:
             return free
         heapq.heapify(heap)
-        best = heapq.heappop(heap)
+        heappop, heapreplace = heapq.heappop, heapq.heapreplace
+        neg_score = heappop(heap)
+        best = waiting.pop(neg_score)
+        if type(best) is list:
+            best = _untie(waiting, neg_score, best)
         while True:
-            neg_score, _, _, k, speed_next, job = best
-            if neg_score >= 0:
+            if neg_score >= 0.0:
                 return free  # nobody gains from another GPU
+            _, job_id, k, speed_next, job = best
             if k <= free:  # else a whole node is not free; smaller growths of others may still fit
-                r = job[0]
+                r, speed, speed_1, max_gpus = job
                 n = counts[r] = counts[r] + k
                 free -= k
                 if free <= 0:
                     return free
-                if n < job[3]:  # keep granting to this job while it stays the best
-                    best = heapq.heappushpop(heap, entry(job, n, speed_next))
+                if n < max_gpus:  # its next growth, and the best again?
+                    k = 1 if n < node else min(node - n % node, max_gpus - n)
+                    speed_n, speed_next = speed_next, speed(n + k)
+                    next_neg = -((num_jobs - r) * (speed_next - speed_n) / speed_1 / k)
+                    best = (remaining_1_s[r], job_id, k, speed_next, job)
+                    if not heap or next_neg < heap[0]:
+                        neg_score = next_neg  # still the best: no heap traffic
+                        continue
+                    if next_neg > heap[0] and next_neg not in waiting:  # the common case: no tie
+                        neg_score = heapreplace(heap, next_neg)
+                        waiting[next_neg] = best
+                    else:  # ties on its score: let the sorted entries decide
+                        _wait(waiting, next_neg, best)
+                        heapq.heappush(heap, next_neg)
+                        neg_score = heappop(heap)
+                    best = waiting.pop(neg_score)
+                    if type(best) is list:
+                        best = _untie(waiting, neg_score, best)
                     continue
             if not heap:
                 return free
-            best = heapq.heappop(heap)
+            neg_score = heappop(heap)
+            best = waiting.pop(neg_score)
+            if type(best) is list:
+                best = _untie(waiting, neg_score, best)
 
     def _fill(
         self,

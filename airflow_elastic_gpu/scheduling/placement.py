@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import NamedTuple
 
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
@@ -34,6 +36,11 @@ class PlacementRequest(NamedTuple):
     target: int
     min_gpus: int
     current: tuple[GpuId, ...] = ()
+
+
+# GpuId -> device index and NodeState -> device indices, in C: map() over them runs no Python frame
+_index_of = attrgetter("index")
+_gpu_indices_of = attrgetter("gpu_indices")
 
 
 def _kept_spread(ordered: list[GpuId], target: int, free: dict[str, set[int]]) -> list[GpuId]:
@@ -71,11 +78,11 @@ def place_with_leftover(
         those device indices, in the node's ``gpu_indices`` order.
     """
     free: dict[str, set[int]] = {n.name: set(n.gpu_indices) for n in nodes}
-    max_node = max((n.num_gpus for n in nodes), default=0)
-    new_gpu_id = tuple.__new__  # new_gpu_id(GpuId, (node, index)): GpuId(node, index) at half the cost
+    max_node = max(map(len, map(_gpu_indices_of, nodes)), default=0)
+    new_tuple = tuple.__new__  # new_tuple(GpuId, (node, index)) is GpuId(node, index) in C
 
     # 1. keep current GPUs (only those still schedulable, i.e. in ``free``); result[i]: the
-    # GPUs of requests[i], homes[i]: the one node they are on (None: on none, or on several)
+    # GPUs of requests[i], homes[i]: a node they are all on (None: none, or not known)
     result: list[list[GpuId]] = []
     homes: list[str | None] = []
     for _, target, _, current in requests:
@@ -85,11 +92,15 @@ def place_with_leftover(
             ordered = sorted(current)
             node = ordered[0].node
             if ordered[-1].node == node:  # the common case, a job on one node: keep its lowest indices
-                indices = free.get(node, ())
-                kept = [g for g in ordered if g.index in indices][:target]
-                if kept:
-                    home = node
-                    indices.difference_update([g.index for g in kept])
+                indices = free.get(node)
+                if indices is not None:
+                    if indices.issuperset(map(_index_of, ordered)):  # all still free
+                        kept = ordered[:target]
+                    else:
+                        kept = [g for g in ordered if g.index in indices][:target]
+                    if kept:
+                        home = node
+                        indices.difference_update(map(_index_of, kept))
             else:
                 kept = _kept_spread(ordered, target, free)
                 for g in kept:
@@ -103,30 +114,40 @@ def place_with_leftover(
     by_free: list[list[str]] = [[] for _ in range(max_node + 1)]
     for name in sorted(free):
         by_free[len(free[name])].append(name)
-    num_free = sum(len(indices) for indices in free.values())  # GPUs free on all nodes
+    num_free = sum(map(len, free.values()))  # GPUs free on all nodes
     bisect_left, insort = bisect.bisect_left, bisect.insort
 
     def take(node: str, count: int) -> list[GpuId]:
         """The ``count`` lowest free GPUs of ``node``, taken."""
         nonlocal num_free
         indices = free[node]
-        bucket = by_free[len(indices)]
+        size = len(indices)
+        bucket = by_free[size]
         del bucket[bisect_left(bucket, node)]
-        picked = sorted(indices)[:count]
-        indices.difference_update(picked)
+        picked = sorted(indices)
+        if count < size:
+            del picked[count:]
+            indices.difference_update(picked)
+        else:
+            indices.clear()
         insort(by_free[len(indices)], node)
         num_free -= len(picked)
-        return [new_gpu_id(GpuId, (node, i)) for i in picked]
+        return list(map(new_tuple, repeat(GpuId), zip(repeat(node), picked)))
 
-    def release(gpus: list[GpuId]) -> None:
+    def release(gpus: list[GpuId], home: str | None) -> None:
+        """Give ``gpus`` back; ``home``: the one node they are on, or None (on several, or none)."""
         nonlocal num_free
-        if not gpus:
-            return
-        for node in {g.node for g in gpus}:
+        if home is not None:
+            by_node = {home: gpus}
+        else:
+            by_node = {}
+            for g in gpus:
+                by_node.setdefault(g.node, []).append(g)
+        for node, gs in by_node.items():
             indices = free[node]
             bucket = by_free[len(indices)]
             del bucket[bisect_left(bucket, node)]
-            indices.update(g.index for g in gpus if g.node == node)
+            indices.update(map(_index_of, gs))
             insort(by_free[len(indices)], node)
         num_free += len(gpus)
 
@@ -156,8 +177,8 @@ def place_with_leftover(
             else:
                 best = best_fit(target)
             if best is not None:
-                release(kept)
-                result[i] = take(best, target)
+                release(kept, home)
+                result[i], homes[i] = take(best, target), best
                 continue
             if home is not None:  # partial growth on its own node
                 kept.extend(take(home, len(free[home])))
@@ -166,10 +187,12 @@ def place_with_leftover(
                 roomiest = next((b[-1] for b in reversed(by_free) if b), None)
                 if roomiest is not None and len(free[roomiest]) >= min_gpus:
                     result[i] = take(roomiest, min(target, len(free[roomiest])))
+                    homes[i] = roomiest
             continue
         # larger than any node: fill its nodes first, then the emptiest others
         if len(kept) + num_free < min_gpus:
             continue
+        homes[i] = None
         kept_nodes = {g.node for g in kept}
         order = sorted(kept_nodes, key=lambda n: (-len(free[n]), n))
         covered = sum(len(free[n]) for n in order)
@@ -192,9 +215,9 @@ def place_with_leftover(
             need -= len(got)
 
     allocations: dict[str, tuple[GpuId, ...]] = {}
-    for req, gpus in zip(requests, result):
-        if len(gpus) >= req.min_gpus:
-            allocations[req.job_id] = tuple(sorted(gpus))
+    for req, gpus, home in zip(requests, result, homes):
+        if len(gpus) >= req.min_gpus:  # on one node, sorting by index is sorting (ints compare fast)
+            allocations[req.job_id] = tuple(sorted(gpus, key=_index_of) if home else sorted(gpus))
         else:  # too few to run: the job waits and its GPUs stay free
             allocations[req.job_id] = ()
             for g in gpus:
