@@ -69,7 +69,10 @@ def create_broker_engine(url: str) -> Engine:
         return engine
     if backend == "postgresql":
         try:
-            return create_engine(parsed, pool_pre_ping=True)
+            # No pre-ping round trip per checkout: a connection the server dropped fails its first
+            # statement, SQLAlchemy invalidates the pool, and the broker redoes the whole
+            # transaction (see transactions.BrokerBase._retrying).
+            return create_engine(parsed)
         except (NoSuchModuleError, ModuleNotFoundError) as exc:
             raise ValueError(
                 f"broker URL {parsed.render_as_string(hide_password=True)!r} needs a "

@@ -18,7 +18,7 @@ import secrets
 import uuid
 from typing import Any
 
-from sqlalchemy import Connection, Integer, bindparam, delete, func, insert, select
+from sqlalchemy import Connection, Integer, and_, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from airflow_elastic_gpu.broker.models import (
@@ -32,17 +32,19 @@ from airflow_elastic_gpu.broker.models import (
 )
 from airflow_elastic_gpu.broker.queries import Queries
 from airflow_elastic_gpu.broker.rows import (
+    JOB_COLUMNS,
     book_changes,
     book_of,
     job_gpus,
     read_job,
     read_pool,
     request_rebalance,
+    target_gpus,
     update_job,
 )
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
 from airflow_elastic_gpu.scheduling.core import apply_ack, record_progress
-from airflow_elastic_gpu.states import TERMINAL, EventKind, JobStatus
+from airflow_elastic_gpu.states import ACTIVE, TERMINAL, EventKind, JobStatus
 
 
 def token_hash(token: str) -> str:
@@ -53,17 +55,39 @@ def token_hash(token: str) -> str:
 # statements of the hot calls, built once (parameters bound per call)
 _BY_KEY = select(Job.id, Job.status).where(Job.key == bindparam("key"))
 _ADD_JOB = insert(Job)
-_POOL_NAME = select(GpuPool.name).where(GpuPool.name == bindparam("pool"))
+# schedulable healthy GPUs per node of the pool: no row for an unknown pool, one row of 0 for a
+# pool without nodes
 _NODE_SIZES = (
-    select(func.count(Gpu.id)).join(Node, Node.id == Gpu.node_id)
-    .where(Node.pool == bindparam("pool"), Node.schedulable, Gpu.healthy).group_by(Node.id)
+    select(func.count(Gpu.id)).select_from(GpuPool)
+    .outerjoin(Node, and_(Node.pool == GpuPool.name, Node.schedulable))
+    .outerjoin(Gpu, and_(Gpu.node_id == Node.id, Gpu.healthy))
+    .where(GpuPool.name == bindparam("pool")).group_by(Node.id)
 )
-_STATUS = (select(Job.status, Job.target_generation, GpuPool.lease_s).join(GpuPool, GpuPool.name == Job.pool)
+_STATUS = (select(Job.status, Job.target_generation, Job.pool, GpuPool.lease_s).join(GpuPool, GpuPool.name == Job.pool)
            .where(Job.id == bindparam("job_id")))
-_LAST_SAMPLE = (
-    select(ProgressSample.time_s, ProgressSample.step)
-    .where(ProgressSample.job_id == bindparam("job_id"), ProgressSample.generation == bindparam("generation"))
-    .order_by(ProgressSample.id.desc()).limit(1)
+# a heartbeat of an unfinished job: one statement that locks, updates and reads its row
+_BEAT = (update(Job).where(Job.id == bindparam("job_id"), Job.status.in_([s.value for s in ACTIVE]))
+         .values(last_heartbeat_s=bindparam("now")).returning(Job.status, Job.target_generation, Job.pool))
+
+def _latest_sample(column: Any) -> Any:
+    """``column`` of the job's latest progress sample of the reported generation (the acked one if
+    the report names none), as a scalar subquery of the job's row."""
+    generation = func.coalesce(bindparam("generation", type_=Integer), Job.acked_generation)
+    return (select(column).where(ProgressSample.job_id == Job.id, ProgressSample.generation == generation)
+            .order_by(ProgressSample.id.desc()).limit(1).scalar_subquery())
+
+
+def _count_of(table: Any) -> Any:
+    return select(func.count()).where(table.job_id == Job.id).scalar_subquery()
+
+
+# a progress report reads, in one statement, the job's row (locked), its latest sample of the
+# generation and how many GPUs the target and the in-use set have
+_PROGRESS_JOB = (
+    select(*JOB_COLUMNS, _latest_sample(ProgressSample.time_s).label("prev_time_s"),
+           _latest_sample(ProgressSample.step).label("prev_step"),
+           _count_of(GpuTarget).label("num_target"), _count_of(GpuInUse).label("num_in_use"))
+    .where(Job.id == bindparam("job_id")).with_for_update(key_share=True, of=Job)
 )
 _ADD_SAMPLE = insert(ProgressSample)
 _FREE_IN_USE = delete(GpuInUse).where(GpuInUse.job_id == bindparam("job_id"))
@@ -120,22 +144,22 @@ class Lifecycle(Queries):
                     update_job(conn, existing.id, key=f"{key}@{existing.id}")
                 now = self.clock()
                 job_id = str(uuid.uuid4())
-                conn.execute(_ADD_JOB, dict(
-                    id=job_id, key=key, pool=spec.pool, name=spec.name, command=spec.command,
-                    min_gpus=spec.min_gpus, max_gpus=spec.max_gpus,
-                    requested_gpus=spec.requested_gpus or spec.max_gpus, total_steps=spec.total_steps,
-                    priority=spec.priority, progress_pattern=spec.progress_pattern,
-                    checkpoint_dir=spec.checkpoint_dir, backend=spec.backend, status=JobStatus.QUEUED.value,
-                    submit_s=now, last_heartbeat_s=now, steps_done=0.0, target_generation=0,
-                    acked_generation=0, num_resizes=0, gpu_seconds=0.0, token_hash=token_hash(token),
-                ))
+                conn.execute(_ADD_JOB, {
+                    "id": job_id, "key": key, "pool": spec.pool, "name": spec.name, "command": spec.command,
+                    "min_gpus": spec.min_gpus, "max_gpus": spec.max_gpus,
+                    "requested_gpus": spec.requested_gpus or spec.max_gpus, "total_steps": spec.total_steps,
+                    "priority": spec.priority, "progress_pattern": spec.progress_pattern,
+                    "checkpoint_dir": spec.checkpoint_dir, "backend": spec.backend, "status": JobStatus.QUEUED.value,
+                    "submit_s": now, "last_heartbeat_s": now, "steps_done": 0.0, "target_generation": 0,
+                    "acked_generation": 0, "num_resizes": 0, "gpu_seconds": 0.0, "token_hash": token_hash(token),
+                })
                 self._event(
                     conn, spec.pool, EventKind.SUBMIT,
                     f"submitted {spec.name!r}: {spec.min_gpus}-{spec.max_gpus} GPUs, {spec.total_steps} steps",
                     job_id,
                 )
                 request_rebalance(conn, spec.pool, now)
-                return job_id, self._due(conn, read_pool(conn, spec.pool))
+                return job_id, self._due(read_pool(conn, spec.pool))
 
         try:
             job_id, due = self._retrying(run)
@@ -155,14 +179,14 @@ class Lifecycle(Queries):
 
         :raises NotFound: unknown pool (the message names the known ones).
         """
-        if conn.execute(_POOL_NAME, {"pool": pool}).first() is None:
+        sizes = conn.execute(_NODE_SIZES, {"pool": pool}).scalars().all()
+        if not sizes:
             known = conn.execute(select(GpuPool.name).order_by(GpuPool.name)).scalars().all()
             raise NotFound(
                 f"unknown GPU pool {pool!r}; known pools: {', '.join(known) or 'none'} "
                 "(register a node in it first: airflow-elastic-gpu nodes add)"
             )
-        sizes = conn.execute(_NODE_SIZES, {"pool": pool}).scalars().all()
-        return sum(sizes), max(sizes, default=0)
+        return sum(sizes), max(sizes)
 
     # ------------------------------------------------------------------ tokens and start
 
@@ -212,18 +236,20 @@ class Lifecycle(Queries):
 
         def run() -> tuple[Target, str, bool]:
             with self.engine.begin() as conn:
-                job = self._locked_job(conn, job_id)
-                ended = JobStatus(job.status) in TERMINAL
-                if not ended:
-                    update_job(conn, job_id, last_heartbeat_s=self.clock())
-                target, _ = job_gpus(conn, job_id)
+                now = self.clock()
+                job = conn.execute(_BEAT, {"job_id": job_id, "now": now}).first()  # locks the row
+                if job is None:  # unknown, or ended (then the heartbeat changes nothing)
+                    job = conn.execute(_STATUS, {"job_id": job_id}).first()
+                    if job is None:
+                        raise NotFound(f"unknown job {job_id!r}")
+                    return (Target(job_id, JobStatus(job.status), job.target_generation,
+                                   job_gpus(conn, job_id)[0], job.lease_s), job.pool, False)
                 pool = read_pool(conn, job.pool)
-                due = not ended and self._due(conn, pool)
-                return (Target(job_id, JobStatus(job.status), job.target_generation, target, pool.lease_s),
-                        job.pool, due)
+                return (Target(job_id, JobStatus(job.status), job.target_generation,
+                               target_gpus(conn, job_id), pool.lease_s), job.pool, self._due(pool))
 
         target, pool, due = self._retrying(run)
-        if due and self.maybe_rebalance(pool):
+        if due and self._serve_rebalance(pool, due):
             return self.target(job_id)
         return target
 
@@ -255,19 +281,21 @@ class Lifecycle(Queries):
 
         def run() -> None:
             with self.engine.begin() as conn:
-                job = self._locked_job(conn, job_id)
+                job = conn.execute(_PROGRESS_JOB, {"job_id": job_id, "generation": generation}).first()
+                if job is None:
+                    raise NotFound(f"unknown job {job_id!r}")
                 if JobStatus(job.status) in TERMINAL:
                     return
                 gen = job.acked_generation if generation is None else generation
                 now = self.clock() if time_s is None else time_s
-                prev = conn.execute(_LAST_SAMPLE, {"job_id": job_id, "generation": gen}).first()
-                book = book_of(job, *job_gpus(conn, job_id))
-                if not record_progress(book, generation=gen, step=step, now_s=now,
-                                       previous=None if prev is None else (prev.time_s, prev.step)):
+                num_gpus = job.num_target if gen == job.target_generation else job.num_in_use
+                book = book_of(job)
+                if not record_progress(book, generation=gen, step=step, now_s=now, num_gpus=num_gpus,
+                                       previous=None if job.prev_time_s is None else (job.prev_time_s, job.prev_step)):
                     return
                 update_job(conn, job_id, **book_changes(job, book), last_heartbeat_s=self.clock())
-                conn.execute(_ADD_SAMPLE, dict(
-                    job_id=job_id, time_s=now, step=step, num_gpus=book.num_gpus_of(gen), generation=gen))
+                conn.execute(_ADD_SAMPLE, {"job_id": job_id, "time_s": now, "step": step, "num_gpus": num_gpus,
+                                           "generation": gen})
 
         self._retrying(run)
 
@@ -300,7 +328,7 @@ class Lifecycle(Queries):
                     job_id, generation=generation, num_gpus=len(book.in_use),
                 )
                 request_rebalance(conn, job.pool, now)
-                return True, job.pool, self._due(conn, read_pool(conn, job.pool))
+                return True, job.pool, self._due(read_pool(conn, job.pool))
 
         accepted, pool, due = self._retrying(run)
         if accepted:
@@ -318,7 +346,7 @@ class Lifecycle(Queries):
                     return job.pool, False
                 self._release(conn, job, status, reason, exit_code, metrics)
                 request_rebalance(conn, job.pool, self.clock())
-                return job.pool, self._due(conn, read_pool(conn, job.pool))
+                return job.pool, self._due(read_pool(conn, job.pool))
 
         pool, due = self._retrying(run)
         self._serve_rebalance(pool, due)

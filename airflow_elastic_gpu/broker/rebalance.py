@@ -28,8 +28,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Row, bindparam, delete, insert, literal, select, union_all
-from sqlalchemy.orm import Session
+from sqlalchemy import Row, bindparam, delete, insert, literal, select, union_all, update
 
 from airflow_elastic_gpu.broker.models import (
     Gpu,
@@ -48,8 +47,8 @@ from airflow_elastic_gpu.broker.rows import (
     book_of,
     free_gpus,
     job_gpus,
-    pending_requests,
     read_pool,
+    try_lock_pool,
     update_job,
 )
 from airflow_elastic_gpu.broker.transactions import BrokerBase
@@ -80,6 +79,7 @@ _DROP_TARGET = delete(GpuTarget).where(GpuTarget.job_id == bindparam("job_id"))
 _ADD_TARGET = insert(GpuTarget)
 
 
+_TOUCH_POOL = update(GpuPool).where(GpuPool.name == bindparam("pool")).values(last_rebalance_s=bindparam("now"))
 _POOL_SHARED = select(GpuPool.last_rebalance_s).where(GpuPool.name == bindparam("pool")).with_for_update(read=True)
 
 
@@ -103,41 +103,39 @@ class Rebalancing(BrokerBase):
 
     # ------------------------------------------------------------------ requests and coalescing
 
-    def _pending(self, s: Executor, pool: str) -> int:
-        """Rebalance requests of ``pool`` not served yet, counted up to 2 (0, 1, or 2 for several)."""
-        return pending_requests(s, pool)
-
-    def _due(self, s: Executor, row: GpuPool | Row[Any] | None) -> bool:
-        """Whether to rebalance now, in the pool's lock: the last rebalance is older than
-        ``rebalance_interval_s``; or requests are pending and either the last rebalance is older
-        than :attr:`coalesce_s` or this is the only request (nobody else is busy with the pool, so
-        waiting would gather nothing). Several requests within ``coalesce_s`` of a rebalance wait for
-        the next call, heartbeat or trigger poll after it: one rebalance serves them all."""
+    def _due(self, row: Row[Any] | None) -> bool:
+        """Whether to rebalance now, from the pool's row as :func:`~.rows.read_pool` reads it: the
+        last rebalance is older than ``rebalance_interval_s``; or requests are pending and either
+        the last rebalance is older than :attr:`coalesce_s` or this is the only request (nobody
+        else is busy with the pool, so waiting would gather nothing). Several requests within
+        ``coalesce_s`` of a rebalance wait for the next call, heartbeat or trigger poll after it:
+        one rebalance serves them all."""
         if row is None:
             return False
         since = self.clock() - row.last_rebalance_s
         if since >= row.rebalance_interval_s:
             return True
-        pending = self._pending(s, row.name)
-        return pending > 0 and (since >= self.coalesce_s or pending == 1)
+        return row.pending > 0 and (since >= self.coalesce_s or row.pending == 1)
 
-    def _serve_rebalance(self, pool: str, due: bool | None = None) -> None:
+    def _serve_rebalance(self, pool: str, due: bool | None = None) -> bool:
         """Run the pending rebalance of ``pool`` if one is due and its lock is free now; else the
         lock's holder, or a later call, serves it. Whether one is due (``due``, as the caller's
         transaction saw it, or read here) is known before the lock is taken, so the lock stays free
-        for the rebalance that is."""
+        for the rebalance that is. True if this call ran one."""
         if due is None:
-            due = self._read_conn(lambda conn: self._due(conn, read_pool(conn, pool)))
+            due = self._due(self._read_conn(lambda conn: read_pool(conn, pool)))
         if not due:
-            return
+            return False
 
-        def run() -> None:
-            with self._sessions.begin() as s:
-                row = self._lock(s, pool, skip_locked=True)
-                if row is not None and self._due(s, row):
-                    self._rebalance(s, pool)
+        def run() -> bool:
+            with self.engine.begin() as conn:
+                row = try_lock_pool(conn, pool)
+                if row is None or not self._due(row):
+                    return False
+                self._rebalance(conn, row)
+                return True
 
-        self._retrying(run)
+        return self._retrying(run)
 
     def rebalance(self, pool: str = DEFAULT_POOL) -> dict[str, tuple[GpuId, ...]]:
         """Ask the policy for new targets now and publish them; returns job id -> newly published GPUs.
@@ -155,13 +153,13 @@ class Rebalancing(BrokerBase):
             raise NotFound(f"unknown GPU pool {pool!r}")
 
         def attempt() -> dict[str, tuple[GpuId, ...]] | None:
-            with self._sessions.begin() as s:
-                row = self._lock(s, pool, skip_locked=True)
+            with self.engine.begin() as conn:
+                row = try_lock_pool(conn, pool)
                 if row is None:
                     return None
                 if row.last_rebalance_s != seen.last_rebalance_s:
                     return {}  # one ran since this call looked
-                return self._rebalance(s, pool)
+                return self._rebalance(conn, row)
 
         def wait_for_holder() -> float:
             with self.engine.begin() as conn:
@@ -178,16 +176,9 @@ class Rebalancing(BrokerBase):
 
         :raises NotFound: unknown pool.
         """
-
-        def run() -> bool:
-            with self._sessions.begin() as s:
-                row = self._lock(s, pool, skip_locked=True)
-                if row is None or not self._due(s, row):
-                    return False
-                self._rebalance(s, pool)
-                return True
-
-        return self._retrying(run)
+        if self._read_conn(lambda conn: read_pool(conn, pool)) is None:
+            raise NotFound(f"unknown GPU pool {pool!r}")
+        return self._serve_rebalance(pool, True)
 
     def _locked_active(self, s: Executor, job_ids: Iterable[str]) -> dict[str, Row[Any]]:
         """Lock the rows of ``job_ids`` (re-read, every column) and return those still unfinished."""
@@ -197,20 +188,19 @@ class Rebalancing(BrokerBase):
         rows = s.execute(select(*JOB_COLUMNS).where(Job.id.in_(ids)).order_by(Job.id).with_for_update(key_share=True))
         return {j.id: j for j in rows if j.status in ACTIVE}
 
-    def _policy_of(self, row: GpuPool) -> Policy:
+    def _policy_of(self, row: GpuPool | Row[Any]) -> Policy:
         return self.policy_override or get_policy(row.policy, **(row.policy_params or {}))
 
     # ------------------------------------------------------------------ the rebalance itself
 
-    def _rebalance(self, s: Session, pool: str) -> dict[str, tuple[GpuId, ...]]:
+    def _rebalance(self, s: Executor, row: Row[Any]) -> dict[str, tuple[GpuId, ...]]:
         """Serve the pool's requests: reap silent jobs, run the scheduling core over the pool's
-        jobs and publish its decisions (the caller holds the pool lock)."""
+        jobs and publish its decisions (the caller holds the lock of the pool, ``row``)."""
         now = self.clock()
+        pool = row.name
         self.rebalances += 1
         s.execute(_SERVED, {"pool": pool})
-        row = s.get(GpuPool, pool)
-        row.last_rebalance_s = now
-        s.flush()
+        s.execute(_TOUCH_POOL, {"pool": pool, "now": now})
         jobs = s.execute(_ACTIVE_JOBS, {"pool": pool}).all()
         silent = [j.id for j in jobs if now - j.last_heartbeat_s > row.lease_s]
         reaped = set()

@@ -15,6 +15,7 @@ from sqlalchemy import (
     Row,
     bindparam,
     delete,
+    func,
     insert,
     literal,
     select,
@@ -86,22 +87,31 @@ _JOB_GPUS = union_all(*(
     .join(table, table.gpu_id == Gpu.id).where(table.job_id == bindparam("job_id"))
     for kind, table in (("target", GpuTarget), ("in_use", GpuInUse))
 ))
+_TARGET_GPUS = (select(Node.name, Gpu.index).join(Gpu, Gpu.node_id == Node.id)
+                .join(GpuTarget, GpuTarget.gpu_id == Gpu.id).where(GpuTarget.job_id == bindparam("job_id")))
 _ADD_EVENT = insert(Event)
 _ADD_REQUEST = insert(RebalanceRequest)
-_POOL = select(*GpuPool.__table__.columns).where(GpuPool.name == bindparam("pool"))
-_PENDING = select(RebalanceRequest.id).where(RebalanceRequest.pool == bindparam("pool")).limit(2)
+# unserved rebalance requests of the pool, counted up to 2 (0, 1, or 2 for several)
+_PENDING = (select(func.count()).select_from(
+    select(RebalanceRequest.id).where(RebalanceRequest.pool == bindparam("pool")).limit(2).subquery())
+    .scalar_subquery())
+_POOL = select(*GpuPool.__table__.columns, _PENDING.label("pending")).where(GpuPool.name == bindparam("pool"))
+_POOL_TRY_LOCK = _POOL.with_for_update(skip_locked=True, key_share=True)
 _FREE_IN_USE = delete(GpuInUse).where(GpuInUse.job_id == bindparam("job_id"))
 _FREE_TARGET = delete(GpuTarget).where(GpuTarget.job_id == bindparam("job_id"))
 
 
 def read_pool(s: Executor, pool: str) -> Row[Any] | None:
-    """The pool's row (every column; no lock)."""
+    """The pool's row (every column, and ``pending``: its rebalance requests not served yet, counted
+    up to 2), no lock; None for an unknown pool. One statement."""
     return s.execute(_POOL, {"pool": pool}).first()
 
 
-def pending_requests(s: Executor, pool: str) -> int:
-    """Rebalance requests of ``pool`` not served yet, counted up to 2 (0, 1, or 2 for several)."""
-    return len(s.execute(_PENDING, {"pool": pool}).all())
+def try_lock_pool(s: Executor, pool: str) -> Row[Any] | None:
+    """Lock the pool's row if no other transaction holds it (PostgreSQL ``FOR NO KEY UPDATE SKIP
+    LOCKED``; SQLite's writers hold the database lock already) and return it as :func:`read_pool`
+    does; None when another transaction holds it (or the pool is unknown)."""
+    return s.execute(_POOL_TRY_LOCK, {"pool": pool}).first()
 
 
 def free_gpus(s: Executor, job_id: str) -> None:
@@ -127,6 +137,11 @@ def job_gpus(s: Executor, job_id: str) -> tuple[tuple[GpuId, ...], tuple[GpuId, 
     for kind, node, index in s.execute(_JOB_GPUS, {"job_id": job_id}):
         found[kind].append(GpuId(node, index))
     return tuple(sorted(found["target"])), tuple(sorted(found["in_use"]))
+
+
+def target_gpus(s: Executor, job_id: str) -> tuple[GpuId, ...]:
+    """The GPUs of the job's latest published generation, sorted (one query)."""
+    return tuple(sorted(GpuId(node, index) for node, index in s.execute(_TARGET_GPUS, {"job_id": job_id})))
 
 
 def add_event(s: Executor, time_s: float, pool: str, kind: EventKind, message: str, job_id: str | None = None,

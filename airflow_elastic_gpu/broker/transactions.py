@@ -111,6 +111,10 @@ class BrokerBase:
         self.rebalances = 0  # rebalances this client ran
         self.retries = 0  # transactions redone after a serialization failure, deadlock or lost connection
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        # Reads run on PostgreSQL without BEGIN/ROLLBACK round trips: each statement sees its own
+        # snapshot, as it would in a READ COMMITTED transaction. SQLite keeps its transactions.
+        self._reader = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
+                        if self.engine.dialect.name == "postgresql" else self.engine)
         if migrate:
             self._retrying(lambda: db.ensure_schema(self.engine))
 
@@ -129,15 +133,15 @@ class BrokerBase:
                 self._lock(session, pool, create=create_pool)
             yield session
 
-    def _lock(self, session: Session, pool: str, *, create: bool = False, skip_locked: bool = False) -> GpuPool | None:
-        """Lock ``pool``'s row and return it; with ``skip_locked``, None when another holds it."""
+    def _lock(self, session: Session, pool: str, *, create: bool = False) -> GpuPool:
+        """Lock ``pool``'s row (waiting for its holder) and return it; with ``create``, create it.
+
+        :raises NotFound: unknown pool and not ``create``.
+        """
         row = session.execute(
             select(GpuPool).where(GpuPool.name == pool)
-            .with_for_update(skip_locked=skip_locked, key_share=True).execution_options(populate_existing=True)
+            .with_for_update(key_share=True).execution_options(populate_existing=True)
         ).scalar_one_or_none()
-        if row is None and skip_locked:
-            if session.get(GpuPool, pool) is not None:
-                return None  # it exists: another transaction holds it
         if row is None:
             if not create:
                 known = session.scalars(select(GpuPool.name).order_by(GpuPool.name)).all()
@@ -191,9 +195,11 @@ class BrokerBase:
         return self._retrying(run)
 
     def _read_conn(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn`` on a connection (plain SQL reads), retried like a transaction."""
+        """Run ``fn`` on a connection (plain SQL reads; on PostgreSQL in autocommit, so a read of
+        several statements is as consistent as one in a READ COMMITTED transaction: each statement
+        sees what was committed when it started), retried like a transaction."""
         def run() -> T:
-            with self.engine.connect() as conn:
+            with self._reader.connect() as conn:
                 return fn(conn)
 
         return self._retrying(run)

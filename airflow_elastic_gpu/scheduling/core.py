@@ -113,7 +113,7 @@ class JobBook:
 
 
 def record_progress(book: JobBook, *, generation: int, step: float, now_s: float,
-                    previous: tuple[float, float] | None) -> bool:
+                    previous: tuple[float, float] | None, num_gpus: int | None = None) -> bool:
     """Learn from one progress report: the trainer of ``generation`` reached ``step`` at ``now_s``.
 
     Two samples of one generation give a throughput sample (steps/s on that generation's GPU
@@ -122,11 +122,14 @@ def record_progress(book: JobBook, *, generation: int, step: float, now_s: float
     the acked one, or of generation 0, are ignored.
 
     :param previous: ``(time_s, step)`` of the latest earlier sample of the same generation, or None.
+    :param num_gpus: GPUs the trainer of ``generation`` runs on, where the caller counted them
+        (default :meth:`JobBook.num_gpus_of`, from the book's GPU sets).
     :returns: True if the sample counts (the caller stores it as the generation's latest).
     """
     if generation < book.acked_generation or generation < 1:
         return False
-    num_gpus = book.num_gpus_of(generation)
+    if num_gpus is None:
+        num_gpus = book.num_gpus_of(generation)
     if (previous is None and book.published_s is not None and generation == book.target_generation
             and generation > 1):
         book.restart_overhead_s = update_restart_overhead(book.restart_overhead_s, now_s - book.published_s)
