@@ -33,9 +33,11 @@ from airflow_elastic_gpu.broker.models import (
 from airflow_elastic_gpu.broker.queries import Queries
 from airflow_elastic_gpu.broker.rows import (
     JOB_COLUMNS,
+    PENDING_OF_POOL,
     book_changes,
     book_of,
     job_gpus,
+    lock_book,
     read_job,
     read_pool,
     request_rebalance,
@@ -44,6 +46,7 @@ from airflow_elastic_gpu.broker.rows import (
 )
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
 from airflow_elastic_gpu.scheduling.core import apply_ack, record_progress
+from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.states import ACTIVE, TERMINAL, EventKind, JobStatus
 
 
@@ -55,16 +58,26 @@ def token_hash(token: str) -> str:
 # statements of the hot calls, built once (parameters bound per call)
 _BY_KEY = select(Job.id, Job.status).where(Job.key == bindparam("key"))
 _ADD_JOB = insert(Job)
-# schedulable healthy GPUs per node of the pool: no row for an unknown pool, one row of 0 for a
-# pool without nodes
+# schedulable healthy GPUs per node of the pool (``size``), with the pool's rebalance settings and
+# pending requests (what ``_due`` reads) on every row: no row for an unknown pool, one row of size
+# 0 for a pool without nodes
 _NODE_SIZES = (
-    select(func.count(Gpu.id)).select_from(GpuPool)
+    select(func.count(Gpu.id).label("size"), GpuPool.last_rebalance_s, GpuPool.rebalance_interval_s,
+           PENDING_OF_POOL.label("pending"))
+    .select_from(GpuPool)
     .outerjoin(Node, and_(Node.pool == GpuPool.name, Node.schedulable))
     .outerjoin(Gpu, and_(Gpu.node_id == Node.id, Gpu.healthy))
-    .where(GpuPool.name == bindparam("pool")).group_by(Node.id)
+    .where(GpuPool.name == bindparam("pool")).group_by(GpuPool.name, Node.id)
 )
 _STATUS = (select(Job.status, Job.target_generation, Job.pool, GpuPool.lease_s).join(GpuPool, GpuPool.name == Job.pool)
            .where(Job.id == bindparam("job_id")))
+# a job's target: one row per target GPU (or one with a NULL GPU), in one consistent statement
+_TARGET = (
+    select(Job.status, Job.target_generation, GpuPool.lease_s, Node.name.label("node"), Gpu.index)
+    .join(GpuPool, GpuPool.name == Job.pool)
+    .outerjoin(GpuTarget, GpuTarget.job_id == Job.id).outerjoin(Gpu, Gpu.id == GpuTarget.gpu_id)
+    .outerjoin(Node, Node.id == Gpu.node_id).where(Job.id == bindparam("job_id"))
+)
 # a heartbeat of an unfinished job: one statement that locks, updates and reads its row
 _BEAT = (update(Job).where(Job.id == bindparam("job_id"), Job.status.in_([s.value for s in ACTIVE]))
          .values(last_heartbeat_s=bindparam("now")).returning(Job.status, Job.target_generation, Job.pool))
@@ -107,6 +120,12 @@ class Lifecycle(Queries):
             raise NotFound(f"unknown job {job_id!r}")
         return job
 
+    def _locked_book(self, conn: Connection, job_id: str) -> Any:
+        job = lock_book(conn, job_id)
+        if job is None:
+            raise NotFound(f"unknown job {job_id!r}")
+        return job
+
     # ------------------------------------------------------------------ submit
 
     def submit(self, spec: JobSpec) -> JobView:
@@ -127,7 +146,7 @@ class Lifecycle(Queries):
 
         def run() -> tuple[str, bool | None]:
             with self.engine.begin() as conn:
-                capacity, largest = self._pool_size(conn, spec.pool)
+                capacity, largest, pool_row = self._pool_size(conn, spec.pool)
                 if spec.min_gpus > capacity:
                     raise InvalidRequest(
                         f"min_gpus={spec.min_gpus} is more than GPU pool {spec.pool!r} has ({capacity})"
@@ -159,7 +178,7 @@ class Lifecycle(Queries):
                     job_id,
                 )
                 request_rebalance(conn, spec.pool, now)
-                return job_id, self._due(read_pool(conn, spec.pool))
+                return job_id, self._due(pool_row, added=1)
 
         try:
             job_id, due = self._retrying(run)
@@ -174,19 +193,21 @@ class Lifecycle(Queries):
     def _with_token(view: JobView, token: str) -> JobView:
         return dataclasses.replace(view, token=token)
 
-    def _pool_size(self, conn: Connection, pool: str) -> tuple[int, int]:
-        """(schedulable healthy GPUs in all, those of the largest node) of ``pool``.
+    def _pool_size(self, conn: Connection, pool: str) -> tuple[int, int, Any]:
+        """(schedulable healthy GPUs in all, those of the largest node, a row with the pool's
+        ``last_rebalance_s``, ``rebalance_interval_s`` and ``pending`` requests) of ``pool``.
 
         :raises NotFound: unknown pool (the message names the known ones).
         """
-        sizes = conn.execute(_NODE_SIZES, {"pool": pool}).scalars().all()
+        rows = conn.execute(_NODE_SIZES, {"pool": pool}).all()
+        sizes = [r.size for r in rows]
         if not sizes:
             known = conn.execute(select(GpuPool.name).order_by(GpuPool.name)).scalars().all()
             raise NotFound(
                 f"unknown GPU pool {pool!r}; known pools: {', '.join(known) or 'none'} "
                 "(register a node in it first: airflow-elastic-gpu nodes add)"
             )
-        return sum(sizes), max(sizes)
+        return sum(sizes), max(sizes), rows[0]
 
     # ------------------------------------------------------------------ tokens and start
 
@@ -259,11 +280,12 @@ class Lifecycle(Queries):
         :raises NotFound: unknown job.
         """
         def read(conn: Connection) -> Target:
-            job = conn.execute(_STATUS, {"job_id": job_id}).first()
-            if job is None:
+            rows = conn.execute(_TARGET, {"job_id": job_id}).all()
+            if not rows:
                 raise NotFound(f"unknown job {job_id!r}")
-            return Target(job_id, JobStatus(job.status), job.target_generation, job_gpus(conn, job_id)[0],
-                          job.lease_s)
+            job = rows[0]
+            gpus = tuple(sorted(GpuId(r.node, r.index) for r in rows if r.node is not None))
+            return Target(job_id, JobStatus(job.status), job.target_generation, gpus, job.lease_s)
 
         return self._read_conn(read)
 
@@ -311,7 +333,7 @@ class Lifecycle(Queries):
 
         def run() -> tuple[bool, str, bool]:
             with self.engine.begin() as conn:
-                job = self._locked_job(conn, job_id)
+                job = self._locked_book(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
                     return False, job.pool, False
                 book = book_of(job, *job_gpus(conn, job_id))
@@ -328,7 +350,7 @@ class Lifecycle(Queries):
                     job_id, generation=generation, num_gpus=len(book.in_use),
                 )
                 request_rebalance(conn, job.pool, now)
-                return True, job.pool, self._due(read_pool(conn, job.pool))
+                return True, job.pool, self._due(job, added=1)
 
         accepted, pool, due = self._retrying(run)
         if accepted:
@@ -341,12 +363,12 @@ class Lifecycle(Queries):
              metrics: dict[str, Any] | None) -> JobView:
         def run() -> tuple[str, bool]:
             with self.engine.begin() as conn:
-                job = self._locked_job(conn, job_id)
+                job = self._locked_book(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
                     return job.pool, False
                 self._release(conn, job, status, reason, exit_code, metrics)
                 request_rebalance(conn, job.pool, self.clock())
-                return job.pool, self._due(read_pool(conn, job.pool))
+                return job.pool, self._due(job, added=1)
 
         pool, due = self._retrying(run)
         self._serve_rebalance(pool, due)

@@ -40,7 +40,7 @@ from airflow_elastic_gpu.broker.models import (
     RebalanceRequest,
 )
 from airflow_elastic_gpu.broker.rows import (
-    BOOK_FIELDS,
+    BOOK_COLUMNS,
     JOB_COLUMNS,
     Executor,
     book_changes,
@@ -58,13 +58,9 @@ from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
 from airflow_elastic_gpu.states import ACTIVE, EventKind, JobStatus
 
-_BOOK_COLUMNS = (
-    Job.id, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus, Job.priority,
-    Job.throughput, Job.last_heartbeat_s, *(getattr(Job, name) for name in BOOK_FIELDS),
-)
 # a rebalance's statements, built once (parameters bound per call)
 _SERVED = delete(RebalanceRequest).where(RebalanceRequest.pool == bindparam("pool"))
-_ACTIVE_JOBS = (select(*_BOOK_COLUMNS).where(Job.pool == bindparam("pool"), Job.status.in_(ACTIVE))
+_ACTIVE_JOBS = (select(*BOOK_COLUMNS).where(Job.pool == bindparam("pool"), Job.status.in_(ACTIVE))
                 .order_by(Job.submit_s, Job.id))
 _POOL_GPUS = (
     select(Node.name, Node.schedulable, Gpu.id, Gpu.index, Gpu.gpu_type, Gpu.healthy)
@@ -103,8 +99,9 @@ class Rebalancing(BrokerBase):
 
     # ------------------------------------------------------------------ requests and coalescing
 
-    def _due(self, row: Row[Any] | None) -> bool:
-        """Whether to rebalance now, from the pool's row as :func:`~.rows.read_pool` reads it: the
+    def _due(self, row: Row[Any] | None, added: int = 0) -> bool:
+        """Whether to rebalance now, from the pool's row as :func:`~.rows.read_pool` reads it (or
+        :func:`~.rows.lock_book`; ``added``: requests the caller inserted after that read): the
         last rebalance is older than ``rebalance_interval_s``; or requests are pending and either
         the last rebalance is older than :attr:`coalesce_s` or this is the only request (nobody
         else is busy with the pool, so waiting would gather nothing). Several requests within
@@ -115,7 +112,8 @@ class Rebalancing(BrokerBase):
         since = self.clock() - row.last_rebalance_s
         if since >= row.rebalance_interval_s:
             return True
-        return row.pending > 0 and (since >= self.coalesce_s or row.pending == 1)
+        pending = min(2, row.pending + added)
+        return pending > 0 and (since >= self.coalesce_s or pending == 1)
 
     def _serve_rebalance(self, pool: str, due: bool | None = None) -> bool:
         """Run the pending rebalance of ``pool`` if one is due and its lock is free now; else the

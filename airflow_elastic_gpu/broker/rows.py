@@ -14,6 +14,7 @@ from sqlalchemy import (
     Connection,
     Row,
     bindparam,
+    case,
     delete,
     func,
     insert,
@@ -49,6 +50,13 @@ BOOK_FIELDS = (
 
 JOB_COLUMNS = tuple(Job.__table__.columns)
 """Every column of the job table, for ``select(*JOB_COLUMNS)`` (rows with the ORM's attribute names)."""
+
+BOOK_COLUMNS = (
+    Job.id, Job.pool, Job.status, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus,
+    Job.priority, Job.throughput, Job.last_heartbeat_s, *(getattr(Job, name) for name in BOOK_FIELDS),
+)
+"""The job columns :func:`book_of` and :func:`book_changes` read, with the job's pool and status
+(a narrower row than :data:`JOB_COLUMNS`: hot calls read only these)."""
 
 
 def throughput_of(job: Job | Row[Any]) -> ThroughputModel:
@@ -96,6 +104,18 @@ _PENDING = (select(func.count()).select_from(
     select(RebalanceRequest.id).where(RebalanceRequest.pool == bindparam("pool")).limit(2).subquery())
     .scalar_subquery())
 _POOL = select(*GpuPool.__table__.columns, _PENDING.label("pending")).where(GpuPool.name == bindparam("pool"))
+# the same, of the pool of the enclosing query's ``gpu_pool`` row (correlated EXISTS: 0, 1 or 2)
+_REQUEST_OF_POOL = select(RebalanceRequest.id).where(RebalanceRequest.pool == GpuPool.name)
+PENDING_OF_POOL = case((~_REQUEST_OF_POOL.exists(), 0),
+                       (_REQUEST_OF_POOL.order_by(RebalanceRequest.id).offset(1).limit(1).exists(), 2), else_=1)
+# a job call's row lock: the job's book columns, with its pool's rebalance settings and pending
+# requests (what :meth:`Rebalancing._due` reads), in one statement; only the job row is locked
+_LOCK_BOOK = (
+    select(*BOOK_COLUMNS, GpuPool.last_rebalance_s, GpuPool.rebalance_interval_s, GpuPool.lease_s,
+           PENDING_OF_POOL.label("pending"))
+    .join(GpuPool, GpuPool.name == Job.pool).where(Job.id == bindparam("job_id"))
+    .with_for_update(key_share=True, of=Job)
+)
 _POOL_TRY_LOCK = _POOL.with_for_update(skip_locked=True, key_share=True)
 _FREE_IN_USE = delete(GpuInUse).where(GpuInUse.job_id == bindparam("job_id"))
 _FREE_TARGET = delete(GpuTarget).where(GpuTarget.job_id == bindparam("job_id"))
@@ -123,6 +143,13 @@ def free_gpus(s: Executor, job_id: str) -> None:
 def read_job(s: Executor, job_id: str, *, lock: bool = False) -> Row[Any] | None:
     """The job's row (every column), locked against other writers of the row when ``lock``."""
     return s.execute(_JOB_LOCKED if lock else _JOB, {"job_id": job_id}).first()
+
+
+def lock_book(s: Executor, job_id: str) -> Row[Any] | None:
+    """Lock the job's row and read its :data:`BOOK_COLUMNS` with its pool's ``last_rebalance_s``,
+    ``rebalance_interval_s``, ``lease_s`` and ``pending`` requests (as :func:`read_pool` counts
+    them), one statement; None for an unknown job."""
+    return s.execute(_LOCK_BOOK, {"job_id": job_id}).first()
 
 
 def update_job(s: Executor, job_id: str, **values: Any) -> None:
