@@ -36,14 +36,14 @@ def test_the_checker_sees_a_planted_violation(tmp_path):
     broker.register_node("n0", 1)
     a = broker.submit(JobSpec("a", "x", 1, 1))
     b = broker.submit(JobSpec("b", "x", 1, 1))
-    assert sum(check(broker.engine).values()) == 0
+    assert sum(check(broker.engine, "default").values()) == 0
     with broker.engine.begin() as conn:  # bypass the broker: end job a but leave it holding its GPU
         gpu = conn.execute(text("SELECT gpu_id FROM gpu_target WHERE job_id = :a"), {"a": a.id}).scalar_one()
         conn.execute(text("DELETE FROM gpu_target WHERE job_id = :a"), {"a": a.id})
         conn.execute(text("UPDATE job SET status = 'cancelled' WHERE id = :a"), {"a": a.id})
         conn.execute(text("INSERT INTO gpu_in_use (gpu_id, job_id, generation) VALUES (:g, :a, 1)"),
                      {"g": gpu, "a": a.id})
-    found = check(broker.engine)
+    found = check(broker.engine, "default")
     assert found["ended job holds a GPU"] == 1
     assert found["gpu in two jobs' in-use sets"] == 0
     assert broker.job(b.id).in_use_gpus == ()

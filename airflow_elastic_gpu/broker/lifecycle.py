@@ -39,9 +39,7 @@ from airflow_elastic_gpu.broker.rows import (
     job_gpus,
     lock_book,
     read_job,
-    read_pool,
     request_rebalance,
-    target_gpus,
     update_job,
 )
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
@@ -78,9 +76,20 @@ _TARGET = (
     .outerjoin(GpuTarget, GpuTarget.job_id == Job.id).outerjoin(Gpu, Gpu.id == GpuTarget.gpu_id)
     .outerjoin(Node, Node.id == Gpu.node_id).where(Job.id == bindparam("job_id"))
 )
-# a heartbeat of an unfinished job: one statement that locks, updates and reads its row
-_BEAT = (update(Job).where(Job.id == bindparam("job_id"), Job.status.in_([s.value for s in ACTIVE]))
-         .values(last_heartbeat_s=bindparam("now")).returning(Job.status, Job.target_generation, Job.pool))
+
+def _of_pool(column: Any) -> Any:
+    return select(column).where(GpuPool.name == Job.pool).scalar_subquery()
+
+
+# a heartbeat of an unfinished job: one statement that updates its row and returns what ``_due``
+# reads of its pool
+_BEAT = (
+    update(Job).where(Job.id == bindparam("job_id"), Job.status.in_([s.value for s in ACTIVE]))
+    .values(last_heartbeat_s=bindparam("now"))
+    .returning(Job.pool, _of_pool(GpuPool.last_rebalance_s).label("last_rebalance_s"),
+               _of_pool(GpuPool.rebalance_interval_s).label("rebalance_interval_s"),
+               _of_pool(PENDING_OF_POOL).label("pending"))
+)
 
 def _latest_sample(column: Any) -> Any:
     """``column`` of the job's latest progress sample of the reported generation (the acked one if
@@ -255,24 +264,14 @@ class Lifecycle(Queries):
         :raises NotFound: unknown job.
         """
 
-        def run() -> tuple[Target, str, bool]:
-            with self.engine.begin() as conn:
-                now = self.clock()
-                job = conn.execute(_BEAT, {"job_id": job_id, "now": now}).first()  # locks the row
-                if job is None:  # unknown, or ended (then the heartbeat changes nothing)
-                    job = conn.execute(_STATUS, {"job_id": job_id}).first()
-                    if job is None:
-                        raise NotFound(f"unknown job {job_id!r}")
-                    return (Target(job_id, JobStatus(job.status), job.target_generation,
-                                   job_gpus(conn, job_id)[0], job.lease_s), job.pool, False)
-                pool = read_pool(conn, job.pool)
-                return (Target(job_id, JobStatus(job.status), job.target_generation,
-                               target_gpus(conn, job_id), pool.lease_s), job.pool, self._due(pool))
+        def beat() -> Any:  # one atomic statement: no transaction needed around it
+            with self._autocommit.begin() as conn:
+                return conn.execute(_BEAT, {"job_id": job_id, "now": self.clock()}).first()
 
-        target, pool, due = self._retrying(run)
-        if due and self._serve_rebalance(pool, due):
-            return self.target(job_id)
-        return target
+        job = self._retrying(beat)  # None: unknown, or ended (then the heartbeat changes nothing)
+        if job is not None and self._due(job):
+            self._serve_rebalance(job.pool, True)
+        return self.target(job_id)  # one statement: status, generation and GPUs read together
 
     def target(self, job_id: str) -> Target:
         """The job's latest published generation and its GPUs (read-only).

@@ -111,9 +111,10 @@ class BrokerBase:
         self.rebalances = 0  # rebalances this client ran
         self.retries = 0  # transactions redone after a serialization failure, deadlock or lost connection
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        # Reads run on PostgreSQL without BEGIN/ROLLBACK round trips: each statement sees its own
-        # snapshot, as it would in a READ COMMITTED transaction. SQLite keeps its transactions.
-        self._reader = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        # Reads, and calls that are one statement, run on PostgreSQL without BEGIN/COMMIT round
+        # trips: each statement is atomic and sees its own snapshot, as it would in a READ COMMITTED
+        # transaction. SQLite keeps its transactions.
+        self._autocommit = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
                         if self.engine.dialect.name == "postgresql" else self.engine)
         if migrate:
             self._retrying(lambda: db.ensure_schema(self.engine))
@@ -199,7 +200,7 @@ class BrokerBase:
         several statements is as consistent as one in a READ COMMITTED transaction: each statement
         sees what was committed when it started), retried like a transaction."""
         def run() -> T:
-            with self._reader.connect() as conn:
+            with self._autocommit.connect() as conn:
                 return fn(conn)
 
         return self._retrying(run)
