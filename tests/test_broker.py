@@ -228,3 +228,23 @@ def test_heartbeat_and_target_tell_the_agent_the_pool_lease(broker):
     job = broker.submit(spec("a", max_gpus=1))
     assert broker.heartbeat(job.id).lease_s == 42
     assert broker.target(job.id).lease_s == 42
+
+
+def test_a_failing_rebalance_never_loses_the_call_that_asked_for_it(pool, caplog):
+    """A job call serves a due rebalance in its own transaction under a savepoint: if the policy
+    raises, the call's change is still committed, the error is logged, and the request stays
+    pending for the next rebalance."""
+
+    class BrokenPolicy:
+        preemptive = False
+
+        def decide(self, state):
+            raise RuntimeError("policy bug")
+
+    pool.policy_override = BrokenPolicy()
+    job = pool.submit(spec("a"))
+    assert job.status is JobStatus.QUEUED and job.target_gpus == ()
+    assert "policy bug" in caplog.text
+    pool.policy_override = None
+    assert pool.rebalance()[job.id]  # the pending request is served once the policy works
+    assert pool.target(job.id).gpus

@@ -39,7 +39,6 @@ from airflow_elastic_gpu.broker.rows import (
     job_gpus,
     lock_book,
     read_job,
-    request_rebalance,
     update_job,
 )
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
@@ -186,16 +185,15 @@ class Lifecycle(Queries):
                     f"submitted {spec.name!r}: {spec.min_gpus}-{spec.max_gpus} GPUs, {spec.total_steps} steps",
                     job_id,
                 )
-                request_rebalance(conn, spec.pool, now)
-                return job_id, self._due(pool_row, added=1)
+                self._ask_rebalance(conn, spec.pool, self._due(pool_row, added=1))
+                return job_id, True
 
         try:
-            job_id, due = self._retrying(run)
+            job_id, new = self._retrying(run)
         except IntegrityError:  # the same key submitted concurrently: that job is the answer
-            job_id, due = self._retrying(run)
-        if due is None:
+            job_id, new = self._retrying(run)
+        if new is None:
             return self.job(job_id)
-        self._serve_rebalance(spec.pool, due)
         return self._with_token(self.job(job_id), token)
 
     @staticmethod
@@ -330,15 +328,15 @@ class Lifecycle(Queries):
         :raises NotFound: unknown job.
         """
 
-        def run() -> tuple[bool, str, bool]:
+        def run() -> bool:
             with self.engine.begin() as conn:
                 job = self._locked_book(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
-                    return False, job.pool, False
+                    return False
                 book = book_of(job, *job_gpus(conn, job_id))
                 now = self.clock()
                 if not apply_ack(book, generation, now):
-                    return False, job.pool, False
+                    return False
                 conn.execute(_FREE_IN_USE, {"job_id": job_id})
                 conn.execute(_TARGET_TO_IN_USE, {"job_id": job_id, "generation": generation})
                 update_job(conn, job_id, **book_changes(job, book), last_heartbeat_s=now)
@@ -348,29 +346,24 @@ class Lifecycle(Queries):
                     f"{', '.join(map(str, book.in_use))}",
                     job_id, generation=generation, num_gpus=len(book.in_use),
                 )
-                request_rebalance(conn, job.pool, now)
-                return True, job.pool, self._due(job, added=1)
+                self._ask_rebalance(conn, job.pool, self._due(job, added=1))
+                return True
 
-        accepted, pool, due = self._retrying(run)
-        if accepted:
-            self._serve_rebalance(pool, due)
-        return accepted
+        return self._retrying(run)
 
     # ------------------------------------------------------------------ the end
 
     def _end(self, job_id: str, status: JobStatus, reason: str | None, exit_code: int | None,
              metrics: dict[str, Any] | None) -> JobView:
-        def run() -> tuple[str, bool]:
+        def run() -> None:
             with self.engine.begin() as conn:
                 job = self._locked_book(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
-                    return job.pool, False
+                    return
                 self._release(conn, job, status, reason, exit_code, metrics)
-                request_rebalance(conn, job.pool, self.clock())
-                return job.pool, self._due(job, added=1)
+                self._ask_rebalance(conn, job.pool, self._due(job, added=1))
 
-        pool, due = self._retrying(run)
-        self._serve_rebalance(pool, due)
+        self._retrying(run)
         return self.job(job_id)
 
     def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None) -> JobView:

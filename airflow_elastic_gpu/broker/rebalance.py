@@ -24,11 +24,13 @@ taken, never what may be published.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import Row, bindparam, delete, insert, literal, select, union_all, update
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from airflow_elastic_gpu.broker.models import (
     Gpu,
@@ -48,15 +50,18 @@ from airflow_elastic_gpu.broker.rows import (
     free_gpus,
     job_gpus,
     read_pool,
+    request_rebalance,
     try_lock_pool,
     update_job,
 )
-from airflow_elastic_gpu.broker.transactions import BrokerBase
+from airflow_elastic_gpu.broker.transactions import BrokerBase, transient_kind
 from airflow_elastic_gpu.broker.types import DEFAULT_POOL, NotFound
 from airflow_elastic_gpu.scheduling.core import SchedulingCore, account_gpu_time
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
 from airflow_elastic_gpu.states import ACTIVE, EventKind, JobStatus
+
+log = logging.getLogger(__name__)
 
 # a rebalance's statements, built once (parameters bound per call)
 _SERVED = delete(RebalanceRequest).where(RebalanceRequest.pool == bindparam("pool"))
@@ -134,6 +139,33 @@ class Rebalancing(BrokerBase):
                 return True
 
         return self._retrying(run)
+
+    def _ask_rebalance(self, s: Executor, pool: str, due: bool) -> None:
+        """Ask for a rebalance of ``pool`` in the caller's job transaction and, if one is ``due`` (as
+        the caller read the pool before asking, see :meth:`_due`) and the pool's lock is free now,
+        serve it there: one transaction, instead of a second one after the commit.
+
+        The caller holds only its own job row, so this cannot deadlock: a rebalance then waits only
+        for other job rows, whose holders never wait for the pool (they try its lock without
+        waiting). The rebalance runs under a savepoint: if it fails for a reason other than a
+        transient one (which redoes the whole transaction), the failure is logged, the pool's
+        requests stay pending for the next call, and the caller's change is still committed.
+        """
+        request_rebalance(s, pool, self.clock())
+        if not due:
+            return
+        row = try_lock_pool(s, pool)
+        if row is None or not self._due(row):
+            return
+        try:
+            with s.begin_nested():
+                self._rebalance(s, row)
+        except (OperationalError, DBAPIError) as exc:
+            if transient_kind(exc) is not None:
+                raise
+            log.exception("rebalance of pool %r failed; its requests stay pending", pool)
+        except Exception:
+            log.exception("rebalance of pool %r failed; its requests stay pending", pool)
 
     def rebalance(self, pool: str = DEFAULT_POOL) -> dict[str, tuple[GpuId, ...]]:
         """Ask the policy for new targets now and publish them; returns job id -> newly published GPUs.
