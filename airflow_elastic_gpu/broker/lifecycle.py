@@ -34,6 +34,7 @@ from airflow_elastic_gpu.broker.queries import Queries
 from airflow_elastic_gpu.broker.rows import (
     JOB_COLUMNS,
     PENDING_OF_POOL,
+    UNFINISHED,
     book_changes,
     book_of,
     job_gpus,
@@ -44,7 +45,7 @@ from airflow_elastic_gpu.broker.rows import (
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
 from airflow_elastic_gpu.scheduling.core import apply_ack, record_progress
 from airflow_elastic_gpu.scheduling.state import GpuId
-from airflow_elastic_gpu.states import ACTIVE, TERMINAL, EventKind, JobStatus
+from airflow_elastic_gpu.states import TERMINAL, EventKind, JobStatus
 
 
 def token_hash(token: str) -> str:
@@ -83,7 +84,7 @@ def _of_pool(column: Any) -> Any:
 # a heartbeat of an unfinished job: one statement that updates its row and returns what ``_due``
 # reads of its pool
 _BEAT = (
-    update(Job).where(Job.id == bindparam("job_id"), Job.status.in_([s.value for s in ACTIVE]))
+    update(Job).where(Job.id == bindparam("job_id"), UNFINISHED)
     .values(last_heartbeat_s=bindparam("now"))
     .returning(Job.pool, _of_pool(GpuPool.last_rebalance_s).label("last_rebalance_s"),
                _of_pool(GpuPool.rebalance_interval_s).label("rebalance_interval_s"),

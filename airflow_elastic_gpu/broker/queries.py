@@ -89,8 +89,11 @@ class Queries(Rebalancing):
         return {k: tuple(sorted(v)) for k, v in found.items()}
 
     def _views(self, s: Executor, jobs: Sequence[Job | Row[Any]]) -> list[JobView]:
-        ids = [j.id for j in jobs if JobStatus(j.status) in ACTIVE]  # ended jobs hold no GPU
-        if len(ids) == 1:
+        # ended jobs hold no GPU; nor does one that was never published a generation (a new job)
+        ids = [j.id for j in jobs if JobStatus(j.status) in ACTIVE and j.target_generation > 0]
+        if not ids:
+            targets, in_use = {}, {}
+        elif len(ids) == 1:
             targets, in_use = ({ids[0]: gpus} for gpus in job_gpus(s, ids[0]))
         else:
             targets = self._gpus_by_job(s, GpuTarget, ids)

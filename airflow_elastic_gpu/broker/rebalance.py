@@ -44,6 +44,7 @@ from airflow_elastic_gpu.broker.models import (
 from airflow_elastic_gpu.broker.rows import (
     BOOK_COLUMNS,
     JOB_COLUMNS,
+    UNFINISHED,
     Executor,
     book_changes,
     book_of,
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 
 # a rebalance's statements, built once (parameters bound per call)
 _SERVED = delete(RebalanceRequest).where(RebalanceRequest.pool == bindparam("pool"))
-_ACTIVE_JOBS = (select(*BOOK_COLUMNS).where(Job.pool == bindparam("pool"), Job.status.in_(ACTIVE))
+_ACTIVE_JOBS = (select(*BOOK_COLUMNS).where(Job.pool == bindparam("pool"), UNFINISHED)
                 .order_by(Job.submit_s, Job.id))
 _POOL_GPUS = (
     select(Node.name, Node.schedulable, Gpu.id, Gpu.index, Gpu.gpu_type, Gpu.healthy)
@@ -191,8 +192,8 @@ class Rebalancing(BrokerBase):
                     return {}  # one ran since this call looked
                 return self._rebalance(conn, row)
 
-        def wait_for_holder() -> float:
-            with self.engine.begin() as conn:
+        def wait_for_holder() -> float:  # one statement: it waits for the lock, takes and drops it
+            with self._autocommit.begin() as conn:
                 return conn.execute(_POOL_SHARED, {"pool": pool}).scalar_one()
 
         while (done := self._retrying(attempt)) is None:

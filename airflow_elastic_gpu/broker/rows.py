@@ -19,6 +19,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    literal_column,
     select,
     union_all,
     update,
@@ -38,7 +39,7 @@ from airflow_elastic_gpu.broker.models import (
 from airflow_elastic_gpu.scheduling.core import JobBook
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
-from airflow_elastic_gpu.states import EventKind
+from airflow_elastic_gpu.states import ACTIVE, EventKind
 
 Executor = Session | Connection
 
@@ -57,6 +58,11 @@ BOOK_COLUMNS = (
 )
 """The job columns :func:`book_of` and :func:`book_changes` read, with the job's pool and status
 (a narrower row than :data:`JOB_COLUMNS`: hot calls read only these)."""
+
+
+UNFINISHED = Job.status.in_([literal_column(f"'{status.value}'") for status in ACTIVE])
+"""``job.status IN ('queued', 'running')`` with the values in the SQL text, so that a hot statement
+is compiled once (a bound list is expanded on every execution)."""
 
 
 def throughput_of(job: Job | Row[Any]) -> ThroughputModel:
