@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,6 +52,88 @@ def test_provider_is_listed_by_airflow(airflow_env):
                          capture_output=True, text=True, timeout=120).stdout
     names = {p["package_name"] for p in json.loads(out[out.index("["):])}
     assert "airflow-elastic-gpu" in names
+
+
+def test_airflow_config_list_shows_the_providers_section_with_every_option(airflow_env):
+    from airflow_elastic_gpu.config import OPTIONS
+
+    out = subprocess.run([AIRFLOW, "config", "list", "--section", "elastic_gpu", "--include-descriptions",
+                          "--show-values"], env=airflow_env, check=True, capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "[elastic_gpu]" in out
+    for option in OPTIONS:
+        assert re.search(rf"^#? ?{option.name} = ", out, re.MULTILINE), option.name
+    assert "poll_interval = 5.0" in out and "default_pool = default" in out
+
+
+def test_airflows_conf_serves_the_sections_defaults_and_its_environment_overrides(airflow_env):
+    def get(key: str, **extra: str) -> str:
+        return subprocess.run([AIRFLOW, "config", "get-value", "elastic_gpu", key], env={**airflow_env, **extra},
+                              check=True, capture_output=True, text=True, timeout=120).stdout.strip()
+
+    assert get("default_pool") == "default"
+    assert get("default_pool", AIRFLOW__ELASTIC_GPU__DEFAULT_POOL="a100") == "a100"
+
+
+HOOK_META = """
+import json
+from airflow.api_fastapi.core_api.services.ui.connections import HookMetaService
+(meta,) = [m for m in HookMetaService.hook_meta_data() if m.connection_type == "elastic_gpu"]
+print("HOOK_META" + meta.model_dump_json())
+"""
+
+
+def test_airflows_connection_form_shows_the_brokers_fields_and_hides_the_standard_ones(airflow_env):
+    # the code path of the API server's GET /ui/connections/hook_meta, which the connection form reads
+    out = subprocess.run([sys.executable, "-c", HOOK_META], env=airflow_env, check=True, capture_output=True,
+                         text=True, timeout=120).stdout
+    meta = json.loads(out[out.index("HOOK_META") + len("HOOK_META"):])
+    assert meta["hook_name"] == "Elastic GPU broker"
+    assert meta["hook_class_name"] == "airflow_elastic_gpu.hooks.broker.GpuBrokerHook"
+    fields = meta["extra_fields"]
+    assert {name: f["schema"]["title"] for name, f in fields.items()} == {
+        "url": "Broker database URL", "pool": "Default GPU pool", "api_url": "Broker API URL"}
+    assert fields["url"]["schema"]["format"] == "password"
+    for name in ("host", "port", "login", "password", "url_schema"):
+        assert meta["standard_fields"][name]["hidden"] is True, name
+
+
+def test_the_hook_reads_the_forms_fields_and_falls_back_to_the_config_section(monkeypatch, tmp_path):
+    from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps({"conn_type": "elastic_gpu", "extra": {
+        "url": f"sqlite:///{tmp_path / 'conn.db'}", "pool": "a100", "api_url": "http://broker:8793"}}))
+    monkeypatch.delenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", raising=False)
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__BROKER_URL", f"sqlite:///{tmp_path / 'cfg.db'}")
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__DEFAULT_POOL", "cfg-pool")
+    hook = GpuBrokerHook()
+    assert (hook.get_url(), hook.default_pool(), hook.broker_api_url()) == (
+        f"sqlite:///{tmp_path / 'conn.db'}", "a100", "http://broker:8793")
+    missing = GpuBrokerHook("elastic_gpu_missing")
+    assert (missing.get_url(), missing.default_pool(), missing.broker_api_url()) == (
+        f"sqlite:///{tmp_path / 'cfg.db'}", "cfg-pool", None)
+
+
+def test_deferrable_and_poll_interval_default_to_the_config_section(monkeypatch):
+    args = {"task_id": "t", "command": "python train.py", "total_steps": 10}
+    op = ElasticTrainingOperator(**args)
+    assert op.deferrable is True and op.poll_interval == 5.0
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__DEFAULT_DEFERRABLE", "False")
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__POLL_INTERVAL", "0.5")
+    op = ElasticTrainingOperator(**args)
+    assert op.deferrable is False and op.poll_interval == 0.5
+    assert ElasticTrainingOperator(**args, deferrable=True, poll_interval=2).deferrable is True
+
+
+def test_a_training_without_a_pool_goes_to_the_connections_default_pool(worker_env, monkeypatch):
+    broker, _, trainer = worker_env
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
+        {"conn_type": "elastic_gpu", "extra": {"url": str(broker.engine.url), "pool": "team-a"}}))
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 3", total_steps=3,
+                                 virtual_gpus=2, poll_interval=0.2, deferrable=False)
+    ti = _FakeTI()
+    op.execute({"ti": ti})
+    assert broker.job(ti.xcom["job_id"]).pool == "team-a" and ti.xcom["gpu_pool"] == "team-a"
 
 
 def test_dag_with_a_training_and_a_mapped_training_over_three_configs_succeeds(airflow_env):
@@ -271,8 +354,9 @@ def test_plugin_serves_the_api_and_the_page_inside_airflow(airflow_env):
 def test_extra_link_points_at_the_job_on_the_pool_page(monkeypatch):
     from airflow_elastic_gpu.links import job as link_module
 
-    monkeypatch.setattr(link_module.XCom, "get_value", staticmethod(lambda ti_key, key: "job-123"))
-    op = ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10, gpu_pool="a100")
+    xcom = {"job_id": "job-123", "gpu_pool": "a100"}
+    monkeypatch.setattr(link_module.XCom, "get_value", staticmethod(lambda ti_key, key: xcom.get(key)))
+    op = ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10)
     assert link_module.ElasticJobLink().get_link(op, ti_key=None) == "/elastic-gpu/ui?pool=a100&job=job-123"
     assert any(isinstance(l, link_module.ElasticJobLink) for l in op.operator_extra_links)
 
