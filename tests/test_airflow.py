@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -149,6 +150,37 @@ def test_dag_with_a_training_and_a_mapped_training_over_three_configs_succeeds(a
         assert j.in_use_gpus == () and j.key.startswith("elastic_test/")
     logs = run.stdout + run.stderr
     assert "[start] generation 1" in logs, "the job's allocations are logged into the task log"
+
+
+def test_a_finished_training_emits_its_model_asset_event_with_its_figures_and_the_downstream_dag_runs(
+        airflow_env):
+    env = {**airflow_env, "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False"}
+
+    def airflow(*args: str, timeout: float = 300) -> str:
+        run = subprocess.run([AIRFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                             check=False)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        return run.stdout + run.stderr
+
+    airflow("dags", "reserialize")  # the downstream DAG's asset schedule is known to the metadata DB
+    assert "state=success" in airflow("dags", "test", "elastic_asset_train", timeout=600)
+    db = sqlite3.connect(Path(airflow_env["AIRFLOW_HOME"]) / "airflow.db")
+    try:
+        ((uri, extra),) = db.execute(
+            "SELECT a.uri, e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id").fetchall()
+        figures = json.loads(extra)
+        assert uri == "file:///elastic-test/models/mlp-32"
+        assert figures["final_step"] == 60 and figures["exit_code"] == 0 and figures["accuracy"] > 0.5
+        assert figures["gpu_hours"] == pytest.approx(figures["gpu_seconds"] / 3600) and figures["gpu_hours"] > 0
+        assert figures["num_resizes"] >= 0 and figures["jct_s"] > 0 and figures["name"] == "train"
+        assert db.execute("SELECT target_dag_id FROM asset_dag_run_queue").fetchall() == [
+            ("elastic_asset_evaluate",)]
+        airflow("scheduler", "--num-runs", "1")  # one scheduler loop turns the queue into a DAG run
+        runs = db.execute("SELECT run_type FROM dag_run WHERE dag_id = 'elastic_asset_evaluate'").fetchall()
+        assert runs == [("asset_triggered",)]
+        assert db.execute("SELECT count(*) FROM dagrun_asset_event").fetchone() == (1,)
+    finally:
+        db.close()
 
 
 def test_trigger_serialization_round_trips():
@@ -385,3 +417,16 @@ def test_a_job_the_backend_cannot_start_is_failed_with_the_reason_and_frees_its_
     (job,) = broker.jobs()
     assert job.status is JobStatus.FAILED and job.reason.endswith("No space left on device")
     assert job.in_use_gpus == () and job.target_gpus == ()
+
+
+def test_the_example_dags_parse_and_promotion_is_scheduled_on_the_retrainings_model_asset(monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    monkeypatch.setenv("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+    bag = DagBag(str(REPO / "dags"))
+    assert bag.import_errors == {}
+    retrain = bag.dags["nightly_retraining"].get_task("retrain")
+    promote = bag.dags["promote_best_model"]
+    (model,) = retrain.partial_kwargs["outlets"]
+    assert model.name == "nightly_retraining_models"
+    assert list(promote.timetable.asset_condition.objects) == [model]
