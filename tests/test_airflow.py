@@ -430,3 +430,49 @@ def test_the_example_dags_parse_and_promotion_is_scheduled_on_the_retrainings_mo
     (model,) = retrain.partial_kwargs["outlets"]
     assert model.name == "nightly_retraining_models"
     assert list(promote.timetable.asset_condition.objects) == [model]
+
+
+def _trigger_ti(run_id: str = "manual__1"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(dag_id="sft", task_id="train", run_id=run_id, map_index=-1, try_number=1)
+
+
+def test_started_from_the_triggerer_the_trigger_submits_the_job_and_a_restarted_one_reattaches(worker_env):
+    broker, _backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 30", total_steps=30,
+                                 virtual_gpus=2, poll_interval=0.2, start_from_trigger=True)
+    assert op.start_trigger_args.trigger_cls == "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger"
+    assert op.start_trigger_args.next_method == "execute_complete"
+    kwargs = op.start_trigger_args.trigger_kwargs
+    assert kwargs["job_id"] is None and kwargs["command"] == op.command
+    first = ElasticTrainingTrigger(**kwargs)
+    first.task_instance = _trigger_ti()
+    job_id = asyncio.run(asyncio.to_thread(first._submit)).id
+    # the triggerer restarts: the trigger is made again from its stored arguments and submits again
+    again = ElasticTrainingTrigger(**ElasticTrainingTrigger(**kwargs).serialize()[1])
+    again.task_instance = _trigger_ti()
+    event = asyncio.run(asyncio.wait_for(again.run().__anext__(), 60))
+    assert event.payload["job_id"] == job_id and event.payload["status"] == "succeeded"
+    (job,) = broker.jobs()
+    assert job.key == "sft/train/manual__1/-1" and job.in_use_gpus == ()
+    ti = _FakeTI()
+    result = op.execute_complete({"ti": ti}, event.payload)
+    assert result["final_step"] == 30 and ti.xcom == {"job_id": job_id, "gpu_pool": "default"}
+
+
+def test_a_job_the_triggerer_cannot_submit_fails_the_task_with_the_reason(worker_env):
+    op = ElasticTrainingOperator(task_id="train", command="no-such-program-xyz --epochs 1", total_steps=3,
+                                 virtual_gpus=2, start_from_trigger=True)
+    trigger = ElasticTrainingTrigger(**op.start_trigger_args.trigger_kwargs)
+    trigger.task_instance = _trigger_ti()
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 60))
+    assert event.payload["job_id"] is None and event.payload["status"] == "error"
+    with pytest.raises(AirflowException, match="the triggerer could not start the training: .*no-such-program"):
+        op.execute_complete({"ti": _FakeTI()}, event.payload)
+
+
+def test_start_from_trigger_needs_a_deferrable_operator():
+    with pytest.raises(AirflowException, match="start_from_trigger=True needs deferrable=True"):
+        ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10, deferrable=False,
+                                start_from_trigger=True)
