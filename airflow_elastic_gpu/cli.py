@@ -36,7 +36,7 @@ from airflow_elastic_gpu.broker.types import (
     NotFound,
     PoolSnapshot,
 )
-from airflow_elastic_gpu.config import default_broker_url, default_work_dir, mask_url
+from airflow_elastic_gpu.config import default_broker_url, default_work_dir, get_option, mask_url
 
 console = Console()
 notes = Console(stderr=True)
@@ -335,14 +335,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_broker(args: argparse.Namespace) -> int:
     import dataclasses
-    import os
 
     import uvicorn
 
-    from airflow_elastic_gpu.broker.api import ENV_UI_TOKEN, check_bind_address, create_app
+    from airflow_elastic_gpu.broker.api import check_bind_address, create_app
     from airflow_elastic_gpu.broker.api_guards import ApiLimits
 
-    ui_token = os.environ.get(ENV_UI_TOKEN) or None
+    ui_token = get_option("ui_token") or None
     check_bind_address(args.host, ui_token)
     overrides = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),
                                    ("max_metrics_bytes", args.max_metrics_bytes)) if v is not None}

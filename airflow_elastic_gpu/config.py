@@ -1,26 +1,142 @@
-"""Where things live by default: the one place that computes the broker URL and the job directory.
+"""The provider's settings: one table, read through Airflow's ``conf`` (section ``[elastic_gpu]``).
 
 Every entry point (CLI, operator, trigger, hook, API server, demo) asks these functions, so a job
-started by one is found by the others.
+started by one is found by the others. A setting is looked up, first match wins:
 
-========================  ==============================================  ===========================
-setting                   environment variable                            default
-========================  ==============================================  ===========================
-Airflow home              ``AIRFLOW_HOME``                                ``~/airflow``
-broker database URL       ``AIRFLOW_ELASTIC_GPU_BROKER_URL``              ``sqlite:///<home>/elastic_gpu_broker.db``
-local job directories     ``AIRFLOW_ELASTIC_GPU_WORK_DIR``                ``<home>/elastic_gpu_jobs``
-========================  ==============================================  ===========================
+1. its historical environment variable (``AIRFLOW_ELASTIC_GPU_*``, still honoured);
+2. Airflow's configuration, section ``[elastic_gpu]``: inside Airflow the caller hands over
+   Airflow's ``conf`` (``AIRFLOW__ELASTIC_GPU__<OPTION>`` variables, ``_CMD``/``_SECRET`` forms,
+   ``airflow.cfg``, secrets backends); without it (the CLI, the demo) the
+   ``AIRFLOW__ELASTIC_GPU__<OPTION>`` variable, then the ``[elastic_gpu]`` section of
+   ``$AIRFLOW_CONFIG`` (default ``$AIRFLOW_HOME/airflow.cfg``), which is the part of Airflow's
+   lookup that needs no Airflow import;
+3. the default of :data:`OPTIONS` (an empty default is computed: see the option's description).
+
+:data:`OPTIONS` is also the ``config`` section of the provider's metadata
+(:func:`airflow_elastic_gpu.get_provider_info`), so ``airflow config list`` shows it.
+
+The pool's policy, heartbeat lease and rebalance interval are not here: they live in the broker
+database (``airflow-elastic-gpu pool --lease-s ...``) so that every process shares one value.
 """
 
 from __future__ import annotations
 
+import configparser
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
+SECTION = "elastic_gpu"
 ENV_BROKER_URL = "AIRFLOW_ELASTIC_GPU_BROKER_URL"
 ENV_WORK_DIR = "AIRFLOW_ELASTIC_GPU_WORK_DIR"
+ENV_VIRTUAL_GPUS = "AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS"
+ENV_UI_TOKEN = "AIRFLOW_ELASTIC_GPU_UI_TOKEN"
+ENV_MAX_BODY_BYTES = "AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES"
+ENV_MAX_METRICS_BYTES = "AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES"
+_TRUE, _FALSE = ("true", "t", "1", "yes", "on"), ("false", "f", "0", "no", "off")
+
+
+class ConfLike(Protocol):
+    """What this module uses of Airflow's ``conf``."""
+
+    def get(self, section: str, key: str, **kwargs: Any) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting of the ``[elastic_gpu]`` section.
+
+    :param name: the key in ``[elastic_gpu]`` (``AIRFLOW__ELASTIC_GPU__<NAME>`` in the environment).
+    :param type: ``"string"``, ``"integer"``, ``"float"`` or ``"boolean"`` (Airflow's config types).
+    :param default: the value when nothing sets it; ``""``: computed, as the description says.
+    :param description: what it does, with its unit.
+    :param env: the historical ``AIRFLOW_ELASTIC_GPU_*`` variable, which wins when set.
+    :param example: an example value for the documentation.
+    :param sensitive: masked by ``airflow config list`` and in logs (credentials).
+    """
+
+    name: str
+    type: str
+    default: str
+    description: str
+    env: str | None = None
+    example: str | None = None
+    sensitive: bool = False
+
+    def provider_info(self) -> dict[str, Any]:
+        """This option in the provider metadata's ``config`` format (as ``provider.yaml`` has it)."""
+        var = f" Also read from ``${self.env}``, which wins when set." if self.env else ""
+        info: dict[str, Any] = {"description": self.description + var + "\n", "version_added": None,
+                                "type": self.type, "example": self.example, "default": self.default}
+        if self.sensitive:
+            info["sensitive"] = True
+        return info
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("broker_url", "string", "",
+           "SQLAlchemy URL of the broker's own database when the broker connection "
+           "(``elastic_gpu_default``) does not give one. Empty: a SQLite file "
+           "``elastic_gpu_broker.db`` in ``$AIRFLOW_HOME``. Use PostgreSQL when tasks run on more "
+           "than one machine.", env=ENV_BROKER_URL,
+           example="postgresql+psycopg://user:password@db-host:5432/broker", sensitive=True),
+    Option("work_dir", "string", "",
+           "Parent directory of the local backend's job directories (logs, shared files, "
+           "checkpoints by default). Empty: ``elastic_gpu_jobs`` in ``$AIRFLOW_HOME``.",
+           env=ENV_WORK_DIR, example="/data/elastic_gpu_jobs"),
+    Option("default_pool", "string", "default",
+           "GPU pool of a training whose operator names none and whose broker connection has no "
+           "``pool`` field."),
+    Option("poll_interval", "float", "5.0",
+           "Seconds between two polls of a training job (by the trigger, or by the worker when "
+           "``deferrable=False``) when the operator gives no ``poll_interval``."),
+    Option("default_deferrable", "boolean", "True",
+           "Default of ``ElasticTrainingOperator(deferrable=...)``. Airflow's own "
+           "``[operators] default_deferrable`` is false out of the box, which would make every "
+           "training hold a worker slot for its whole length, so this provider has its own switch; "
+           "set it to false where no triggerer runs."),
+    Option("virtual_gpus", "integer", "4",
+           "Virtual GPUs registered for the local backend on a host without NVIDIA GPUs (each one "
+           "a training process on the CPU), when the operator gives no ``virtual_gpus``.",
+           env=ENV_VIRTUAL_GPUS),
+    Option("broker_api_url", "string", "",
+           "The broker's HTTP API as seen from training pods (``backend='kubernetes'``) when neither "
+           "the operator's ``kubernetes={'broker_api_url': ...}`` nor the broker connection's "
+           "``api_url`` field gives one. Empty: ``http://elastic-gpu-broker:8793``.",
+           example="http://elastic-gpu-broker.airflow.svc:8793"),
+    Option("ui_token", "string", "",
+           "Bearer token the broker API's read-only views and GPU pool page require (stand-alone "
+           "``airflow-elastic-gpu broker serve``). Empty: open, which only a loopback address allows.",
+           env=ENV_UI_TOKEN, sensitive=True),
+    Option("api_max_body_bytes", "integer", "262144",
+           "Largest request body the broker API accepts, bytes.", env=ENV_MAX_BODY_BYTES),
+    Option("api_max_metrics_bytes", "integer", "16384",
+           "Largest trainer metrics a job may report to the broker API, bytes (at most "
+           "``api_max_body_bytes``).", env=ENV_MAX_METRICS_BYTES),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def provider_config() -> dict[str, Any]:
+    """The ``config`` entry of :func:`airflow_elastic_gpu.get_provider_info`: section ``elastic_gpu``."""
+    return {SECTION: {"description": "Settings of the Elastic GPU provider (broker, jobs, API).\n",
+                      "options": {o.name: o.provider_info() for o in OPTIONS}}}
+
+
+def airflow_conf() -> ConfLike | None:
+    """Airflow's ``conf`` (the Task SDK's where it exists, else the core's), or ``None`` when
+    Airflow is not installed. Importing it takes seconds: the CLI does without."""
+    try:
+        from airflow.sdk.configuration import conf
+    except ImportError:
+        try:
+            from airflow.configuration import conf
+        except ImportError:
+            return None
+    return conf
 
 
 def airflow_home(environ: Mapping[str, str] = os.environ) -> Path:
@@ -32,15 +148,96 @@ def airflow_home(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(environ.get("AIRFLOW_HOME") or Path.home() / "airflow").expanduser()
 
 
-def default_broker_url(environ: Mapping[str, str] = os.environ) -> str:
-    """``$AIRFLOW_ELASTIC_GPU_BROKER_URL``, else a SQLite file ``elastic_gpu_broker.db`` in :func:`airflow_home`."""
-    return environ.get(ENV_BROKER_URL) or f"sqlite:///{airflow_home(environ) / 'elastic_gpu_broker.db'}"
+def _from_config_file(name: str, environ: Mapping[str, str]) -> str | None:
+    path = Path(environ.get("AIRFLOW_CONFIG") or airflow_home(environ) / "airflow.cfg").expanduser()
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read(path, encoding="utf-8")
+    except (OSError, configparser.Error) as exc:
+        raise ValueError(f"cannot read [{SECTION}] {name} from {path}: {exc}") from None
+    return parser.get(SECTION, name, fallback=None)
 
 
-def default_work_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """Parent of the local backend's job directories: ``$AIRFLOW_ELASTIC_GPU_WORK_DIR``, else
-    ``elastic_gpu_jobs`` in :func:`airflow_home`."""
-    return Path(environ.get(ENV_WORK_DIR) or airflow_home(environ) / "elastic_gpu_jobs").expanduser()
+def get_option(name: str, environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str:
+    """The value of ``[elastic_gpu] name`` as a string (see the module docstring for the order).
+
+    :param name: an option of :data:`OPTIONS`.
+    :param environ: the environment to read (default this process's).
+    :param conf: Airflow's ``conf`` (:func:`airflow_conf`); ``None``: read the
+        ``AIRFLOW__ELASTIC_GPU__<NAME>`` variable and ``airflow.cfg`` directly.
+    :raises KeyError: ``name`` is not an option.
+    :raises ValueError: ``airflow.cfg`` cannot be parsed.
+    """
+    option = _BY_NAME[name]
+    if option.env and environ.get(option.env):
+        return environ[option.env]
+    value = environ.get(f"AIRFLOW__{SECTION.upper()}__{name.upper()}")
+    if not value:
+        value = (conf.get(SECTION, name, fallback=None) if conf is not None
+                 else _from_config_file(name, environ))
+    return value if value else option.default
+
+
+def _typed(name: str, raw: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            if raw.strip().lower() in _TRUE + _FALSE:
+                return raw.strip().lower() in _TRUE
+            raise ValueError(raw)
+        return kind(raw)
+    except ValueError:
+        option = _BY_NAME[name]
+        where = f"${option.env} or " if option.env else ""
+        article = "an" if option.type[0] in "aeiou" else "a"
+        raise ValueError(f"{where}[{SECTION}] {name} must be {article} {option.type}, got {raw!r}") from None
+
+
+def default_broker_url(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str:
+    """``[elastic_gpu] broker_url`` (``$AIRFLOW_ELASTIC_GPU_BROKER_URL``), else a SQLite file
+    ``elastic_gpu_broker.db`` in :func:`airflow_home`."""
+    return (get_option("broker_url", environ, conf)
+            or f"sqlite:///{airflow_home(environ) / 'elastic_gpu_broker.db'}")
+
+
+def default_work_dir(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> Path:
+    """Parent of the local backend's job directories: ``[elastic_gpu] work_dir``
+    (``$AIRFLOW_ELASTIC_GPU_WORK_DIR``), else ``elastic_gpu_jobs`` in :func:`airflow_home`."""
+    return Path(get_option("work_dir", environ, conf) or airflow_home(environ) / "elastic_gpu_jobs").expanduser()
+
+
+def default_pool(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str:
+    """``[elastic_gpu] default_pool``: the GPU pool name when neither the operator nor the
+    connection names one (default ``"default"``)."""
+    return get_option("default_pool", environ, conf)
+
+
+def default_poll_interval_s(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> float:
+    """``[elastic_gpu] poll_interval``, seconds (default 5).
+
+    :raises ValueError: not a number.
+    """
+    return _typed("poll_interval", get_option("poll_interval", environ, conf), float)
+
+
+def default_deferrable(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> bool:
+    """``[elastic_gpu] default_deferrable`` (default true).
+
+    :raises ValueError: not a boolean (true/false, t/f, 1/0, yes/no, on/off).
+    """
+    return _typed("default_deferrable", get_option("default_deferrable", environ, conf), bool)
+
+
+def default_virtual_gpus(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> int:
+    """``[elastic_gpu] virtual_gpus`` (``$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS``, default 4), GPUs.
+
+    :raises ValueError: not an integer.
+    """
+    return _typed("virtual_gpus", get_option("virtual_gpus", environ, conf), int)
+
+
+def default_broker_api_url(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str | None:
+    """``[elastic_gpu] broker_api_url``, or ``None`` (the Kubernetes backend's own default)."""
+    return get_option("broker_api_url", environ, conf) or None
 
 
 def mask_url(url: str) -> str:

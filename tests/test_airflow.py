@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -53,6 +55,88 @@ def test_provider_is_listed_by_airflow(airflow_env):
     assert "airflow-elastic-gpu" in names
 
 
+def test_airflow_config_list_shows_the_providers_section_with_every_option(airflow_env):
+    from airflow_elastic_gpu.config import OPTIONS
+
+    out = subprocess.run([AIRFLOW, "config", "list", "--section", "elastic_gpu", "--include-descriptions",
+                          "--show-values"], env=airflow_env, check=True, capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "[elastic_gpu]" in out
+    for option in OPTIONS:
+        assert re.search(rf"^#? ?{option.name} = ", out, re.MULTILINE), option.name
+    assert "poll_interval = 5.0" in out and "default_pool = default" in out
+
+
+def test_airflows_conf_serves_the_sections_defaults_and_its_environment_overrides(airflow_env):
+    def get(key: str, **extra: str) -> str:
+        return subprocess.run([AIRFLOW, "config", "get-value", "elastic_gpu", key], env={**airflow_env, **extra},
+                              check=True, capture_output=True, text=True, timeout=120).stdout.strip()
+
+    assert get("default_pool") == "default"
+    assert get("default_pool", AIRFLOW__ELASTIC_GPU__DEFAULT_POOL="a100") == "a100"
+
+
+HOOK_META = """
+import json
+from airflow.api_fastapi.core_api.services.ui.connections import HookMetaService
+(meta,) = [m for m in HookMetaService.hook_meta_data() if m.connection_type == "elastic_gpu"]
+print("HOOK_META" + meta.model_dump_json())
+"""
+
+
+def test_airflows_connection_form_shows_the_brokers_fields_and_hides_the_standard_ones(airflow_env):
+    # the code path of the API server's GET /ui/connections/hook_meta, which the connection form reads
+    out = subprocess.run([sys.executable, "-c", HOOK_META], env=airflow_env, check=True, capture_output=True,
+                         text=True, timeout=120).stdout
+    meta = json.loads(out[out.index("HOOK_META") + len("HOOK_META"):])
+    assert meta["hook_name"] == "Elastic GPU broker"
+    assert meta["hook_class_name"] == "airflow_elastic_gpu.hooks.broker.GpuBrokerHook"
+    fields = meta["extra_fields"]
+    assert {name: f["schema"]["title"] for name, f in fields.items()} == {
+        "url": "Broker database URL", "pool": "Default GPU pool", "api_url": "Broker API URL"}
+    assert fields["url"]["schema"]["format"] == "password"
+    for name in ("host", "port", "login", "password", "url_schema"):
+        assert meta["standard_fields"][name]["hidden"] is True, name
+
+
+def test_the_hook_reads_the_forms_fields_and_falls_back_to_the_config_section(monkeypatch, tmp_path):
+    from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps({"conn_type": "elastic_gpu", "extra": {
+        "url": f"sqlite:///{tmp_path / 'conn.db'}", "pool": "a100", "api_url": "http://broker:8793"}}))
+    monkeypatch.delenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", raising=False)
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__BROKER_URL", f"sqlite:///{tmp_path / 'cfg.db'}")
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__DEFAULT_POOL", "cfg-pool")
+    hook = GpuBrokerHook()
+    assert (hook.get_url(), hook.default_pool(), hook.broker_api_url()) == (
+        f"sqlite:///{tmp_path / 'conn.db'}", "a100", "http://broker:8793")
+    missing = GpuBrokerHook("elastic_gpu_missing")
+    assert (missing.get_url(), missing.default_pool(), missing.broker_api_url()) == (
+        f"sqlite:///{tmp_path / 'cfg.db'}", "cfg-pool", None)
+
+
+def test_deferrable_and_poll_interval_default_to_the_config_section(monkeypatch):
+    args = {"task_id": "t", "command": "python train.py", "total_steps": 10}
+    op = ElasticTrainingOperator(**args)
+    assert op.deferrable is True and op.poll_interval == 5.0
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__DEFAULT_DEFERRABLE", "False")
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__POLL_INTERVAL", "0.5")
+    op = ElasticTrainingOperator(**args)
+    assert op.deferrable is False and op.poll_interval == 0.5
+    assert ElasticTrainingOperator(**args, deferrable=True, poll_interval=2).deferrable is True
+
+
+def test_a_training_without_a_pool_goes_to_the_connections_default_pool(worker_env, monkeypatch):
+    broker, _, trainer = worker_env
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
+        {"conn_type": "elastic_gpu", "extra": {"url": str(broker.engine.url), "pool": "team-a"}}))
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 3", total_steps=3,
+                                 virtual_gpus=2, poll_interval=0.2, deferrable=False)
+    ti = _FakeTI()
+    op.execute({"ti": ti})
+    assert broker.job(ti.xcom["job_id"]).pool == "team-a" and ti.xcom["gpu_pool"] == "team-a"
+
+
 def test_dag_with_a_training_and_a_mapped_training_over_three_configs_succeeds(airflow_env):
     run = subprocess.run([AIRFLOW, "dags", "test", "elastic_test"], env=airflow_env, capture_output=True,
                          text=True, timeout=600)
@@ -66,6 +150,38 @@ def test_dag_with_a_training_and_a_mapped_training_over_three_configs_succeeds(a
         assert j.in_use_gpus == () and j.key.startswith("elastic_test/")
     logs = run.stdout + run.stderr
     assert "[start] generation 1" in logs, "the job's allocations are logged into the task log"
+
+
+def test_a_finished_training_emits_its_model_asset_event_with_its_figures_and_the_downstream_dag_runs(
+        airflow_env):
+    env = airflow_env
+
+    def airflow(*args: str, timeout: float = 300) -> str:
+        run = subprocess.run([AIRFLOW, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                             check=False)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        return run.stdout + run.stderr
+
+    airflow("dags", "reserialize")  # the downstream DAG's asset schedule is known to the metadata DB
+    airflow("dags", "unpause", "elastic_asset_evaluate")  # a paused DAG is not queued for its assets
+    assert "state=success" in airflow("dags", "test", "elastic_asset_train", timeout=600)
+    db = sqlite3.connect(Path(airflow_env["AIRFLOW_HOME"]) / "airflow.db")
+    try:
+        ((uri, extra),) = db.execute(
+            "SELECT a.uri, e.extra FROM asset_event e JOIN asset a ON a.id = e.asset_id").fetchall()
+        figures = json.loads(extra)
+        assert uri == "file:///elastic-test/models/mlp-32"
+        assert figures["final_step"] == 60 and figures["exit_code"] == 0 and figures["accuracy"] > 0.5
+        assert figures["gpu_hours"] == pytest.approx(figures["gpu_seconds"] / 3600) and figures["gpu_hours"] > 0
+        assert figures["num_resizes"] >= 0 and figures["jct_s"] > 0 and figures["name"] == "train"
+        assert db.execute("SELECT target_dag_id FROM asset_dag_run_queue").fetchall() == [
+            ("elastic_asset_evaluate",)]
+        airflow("scheduler", "--num-runs", "1")  # one scheduler loop turns the queue into a DAG run
+        runs = db.execute("SELECT run_type FROM dag_run WHERE dag_id = 'elastic_asset_evaluate'").fetchall()
+        assert runs == [("asset_triggered",)]
+        assert db.execute("SELECT count(*) FROM dagrun_asset_event").fetchone() == (1,)
+    finally:
+        db.close()
 
 
 def test_trigger_serialization_round_trips():
@@ -271,8 +387,9 @@ def test_plugin_serves_the_api_and_the_page_inside_airflow(airflow_env):
 def test_extra_link_points_at_the_job_on_the_pool_page(monkeypatch):
     from airflow_elastic_gpu.links import job as link_module
 
-    monkeypatch.setattr(link_module.XCom, "get_value", staticmethod(lambda ti_key, key: "job-123"))
-    op = ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10, gpu_pool="a100")
+    xcom = {"job_id": "job-123", "gpu_pool": "a100"}
+    monkeypatch.setattr(link_module.XCom, "get_value", staticmethod(lambda ti_key, key: xcom.get(key)))
+    op = ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10)
     assert link_module.ElasticJobLink().get_link(op, ti_key=None) == "/elastic-gpu/ui?pool=a100&job=job-123"
     assert any(isinstance(l, link_module.ElasticJobLink) for l in op.operator_extra_links)
 
@@ -301,3 +418,62 @@ def test_a_job_the_backend_cannot_start_is_failed_with_the_reason_and_frees_its_
     (job,) = broker.jobs()
     assert job.status is JobStatus.FAILED and job.reason.endswith("No space left on device")
     assert job.in_use_gpus == () and job.target_gpus == ()
+
+
+def test_the_example_dags_parse_and_promotion_is_scheduled_on_the_retrainings_model_asset(monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    monkeypatch.setenv("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+    bag = DagBag(str(REPO / "dags"))
+    assert bag.import_errors == {}
+    retrain = bag.dags["nightly_retraining"].get_task("retrain")
+    promote = bag.dags["promote_best_model"]
+    (model,) = retrain.partial_kwargs["outlets"]
+    assert model.name == "nightly_retraining_models"
+    assert list(promote.timetable.asset_condition.objects) == [model]
+
+
+def _trigger_ti(run_id: str = "manual__1"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(dag_id="sft", task_id="train", run_id=run_id, map_index=-1, try_number=1)
+
+
+def test_started_from_the_triggerer_the_trigger_submits_the_job_and_a_restarted_one_reattaches(worker_env):
+    broker, _backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 30", total_steps=30,
+                                 virtual_gpus=2, poll_interval=0.2, start_from_trigger=True)
+    assert op.start_trigger_args.trigger_cls == "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger"
+    assert op.start_trigger_args.next_method == "execute_complete"
+    kwargs = op.start_trigger_args.trigger_kwargs
+    assert kwargs["job_id"] is None and kwargs["command"] == op.command
+    first = ElasticTrainingTrigger(**kwargs)
+    first.task_instance = _trigger_ti()
+    job_id = asyncio.run(asyncio.to_thread(first._submit)).id
+    # the triggerer restarts: the trigger is made again from its stored arguments and submits again
+    again = ElasticTrainingTrigger(**ElasticTrainingTrigger(**kwargs).serialize()[1])
+    again.task_instance = _trigger_ti()
+    event = asyncio.run(asyncio.wait_for(again.run().__anext__(), 60))
+    assert event.payload["job_id"] == job_id and event.payload["status"] == "succeeded"
+    (job,) = broker.jobs()
+    assert job.key == "sft/train/manual__1/-1" and job.in_use_gpus == ()
+    ti = _FakeTI()
+    result = op.execute_complete({"ti": ti}, event.payload)
+    assert result["final_step"] == 30 and ti.xcom == {"job_id": job_id, "gpu_pool": "default"}
+
+
+def test_a_job_the_triggerer_cannot_submit_fails_the_task_with_the_reason(worker_env):
+    op = ElasticTrainingOperator(task_id="train", command="no-such-program-xyz --epochs 1", total_steps=3,
+                                 virtual_gpus=2, start_from_trigger=True)
+    trigger = ElasticTrainingTrigger(**op.start_trigger_args.trigger_kwargs)
+    trigger.task_instance = _trigger_ti()
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 60))
+    assert event.payload["job_id"] is None and event.payload["status"] == "error"
+    with pytest.raises(AirflowException, match="the triggerer could not start the training: .*no-such-program"):
+        op.execute_complete({"ti": _FakeTI()}, event.payload)
+
+
+def test_start_from_trigger_needs_a_deferrable_operator():
+    with pytest.raises(AirflowException, match="start_from_trigger=True needs deferrable=True"):
+        ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10, deferrable=False,
+                                start_from_trigger=True)

@@ -37,7 +37,7 @@ from airflow_elastic_gpu.backends.base import (  # BackendError: also from here
     check_env,
 )
 from airflow_elastic_gpu.broker.types import JobView
-from airflow_elastic_gpu.config import ENV_BROKER_URL
+from airflow_elastic_gpu.config import ENV_BROKER_URL, default_virtual_gpus
 from airflow_elastic_gpu.sidecar import protocol
 
 if TYPE_CHECKING:
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 
 LOCAL_NODE = "localhost"
 """The node name under which this host's GPUs are registered."""
-DEFAULT_VIRTUAL_GPUS = 4
-ENV_VIRTUAL_GPUS = "AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS"
 TRAINER_ENV_DROPPED = ("AIRFLOW_ELASTIC_GPU_", "AIRFLOW_CONN_", "AIRFLOW_VAR_", "AIRFLOW__")
 """Prefixes of the variables a trainer does not inherit: this provider's (the broker URL, job
 tokens), Airflow's connections and variables, and Airflow's configuration (its database URL,
@@ -119,8 +117,8 @@ def detect_gpus(virtual_gpus: int | None = None, nvidia_smi: str = "nvidia-smi")
     """The host's NVIDIA GPUs via ``nvidia-smi``, else ``virtual_gpus`` virtual ones.
 
     :param virtual_gpus: count of virtual GPUs when none is found (default
-        ``$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS`` or 4); >= 1.
-    :raises ValueError: ``virtual_gpus`` < 1.
+        ``[elastic_gpu] virtual_gpus``, ``$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS``, or 4); >= 1.
+    :raises ValueError: ``virtual_gpus`` < 1, or a configured value that is not an integer.
     """
     exe = shutil.which(nvidia_smi)
     if exe:
@@ -135,7 +133,7 @@ def detect_gpus(virtual_gpus: int | None = None, nvidia_smi: str = "nvidia-smi")
         except (subprocess.SubprocessError, ValueError, OSError):
             pass
     if virtual_gpus is None:
-        virtual_gpus = int(os.environ.get(ENV_VIRTUAL_GPUS, DEFAULT_VIRTUAL_GPUS))
+        virtual_gpus = default_virtual_gpus()
     if virtual_gpus < 1:
         raise ValueError(f"virtual_gpus must be >= 1, got {virtual_gpus}")
     return HostGpus(tuple(range(virtual_gpus)), "virtual", True)

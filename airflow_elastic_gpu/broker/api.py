@@ -30,7 +30,6 @@ load their assets from a CDN, are off unless asked for (``api_docs=True``).
 # from the live objects
 import hmac
 import ipaddress
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -66,8 +65,8 @@ from airflow_elastic_gpu.broker.api_models import (
 )
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import DEFAULT_POOL, InvalidRequest, NotFound
+from airflow_elastic_gpu.config import ENV_UI_TOKEN, get_option
 
-ENV_UI_TOKEN = "AIRFLOW_ELASTIC_GPU_UI_TOKEN"
 API_PREFIX = "/api/v1"
 STATIC = Path(__file__).with_name("static")
 bearer = HTTPBearer(auto_error=False)
@@ -120,7 +119,7 @@ def create_app(
     :param ui_dependencies: FastAPI dependencies guarding the read-only part (Airflow's auth in the
         plugin); default: the bearer token ``ui_token`` if there is one.
     :param ui_token: the read-only part's bearer token (also accepted as ``?token=``, for the page);
-        default ``$AIRFLOW_ELASTIC_GPU_UI_TOKEN``; none: the read-only part is open.
+        default ``[elastic_gpu] ui_token`` (``$AIRFLOW_ELASTIC_GPU_UI_TOKEN``); none: the read-only part is open.
     :param limits: request size limits (default :meth:`ApiLimits.from_env`).
     :param api_docs: serve the Swagger (``/docs``) and ReDoc (``/redoc``) pages. Their assets come
         from a CDN, into the browser of whoever opens them; ``/openapi.json`` is always served.
@@ -131,7 +130,7 @@ def create_app(
     """
     made: list[GpuBroker] = [broker] if broker is not None else []
     limits = limits if limits is not None else ApiLimits.from_env()
-    expected_ui_token = ui_token if ui_token is not None else os.environ.get(ENV_UI_TOKEN) or None
+    expected_ui_token = ui_token if ui_token is not None else get_option("ui_token") or None
     body_context = {"max_metrics_bytes": limits.max_metrics_bytes}
 
     def get_broker() -> GpuBroker:

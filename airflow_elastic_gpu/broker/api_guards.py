@@ -23,8 +23,12 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-ENV_MAX_BODY_BYTES = "AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES"
-ENV_MAX_METRICS_BYTES = "AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES"
+from airflow_elastic_gpu.config import (
+    ENV_MAX_BODY_BYTES,
+    ENV_MAX_METRICS_BYTES,
+    SECTION,
+    get_option,
+)
 
 #: The page's Content-Security-Policy: its scripts only from this server (no inline script, no eval),
 #: data only from this server, no plugins, no ``<base>``, no forms, framed only by its own origin
@@ -71,19 +75,20 @@ class ApiLimits:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> ApiLimits:
-        """The defaults, overridden by ``$AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES`` and
-        ``$AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES`` when set.
+        """``[elastic_gpu] api_max_body_bytes`` and ``api_max_metrics_bytes``
+        (``$AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES``, ``$AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES``,
+        which win when set), else the defaults; see :mod:`airflow_elastic_gpu.config`.
 
-        :raises ValueError: a variable that is not a positive integer (the message names it).
+        :raises ValueError: a value that is not a positive integer (the message names its source).
         """
         values: dict[str, int] = {}
         for var, name in ((ENV_MAX_BODY_BYTES, "max_body_bytes"), (ENV_MAX_METRICS_BYTES, "max_metrics_bytes")):
-            raw = environ.get(var)
-            if raw:
-                try:
-                    values[name] = int(raw)
-                except ValueError:
-                    raise ValueError(f"${var} must be a positive integer (bytes), got {raw!r}") from None
+            raw = get_option(f"api_{name}", environ)
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                source = f"${var}" if environ.get(var) else f"[{SECTION}] api_{name}"
+                raise ValueError(f"{source} must be a positive integer (bytes), got {raw!r}") from None
         return cls(**values)
 
 

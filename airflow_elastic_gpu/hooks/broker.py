@@ -4,10 +4,15 @@ Airflow 3 tasks may not use Airflow's metadata DB, so the broker has its own.
 Its SQLAlchemy URL is read, in order, from:
 
 1. the Airflow connection ``broker_conn_id`` (default ``elastic_gpu_default``,
-   type ``elastic_gpu``): its ``extra`` ``{"url": "postgresql+psycopg://..."}``,
-   or its host field holding the URL;
-2. :func:`airflow_elastic_gpu.config.default_broker_url`: ``$AIRFLOW_ELASTIC_GPU_BROKER_URL``,
-   else a SQLite file ``elastic_gpu_broker.db`` in ``$AIRFLOW_HOME``.
+   type ``elastic_gpu``): its *Broker database URL* field (extra ``{"url": ...}``), or, for
+   connections made before that field existed, its host field holding the URL;
+2. :func:`airflow_elastic_gpu.config.default_broker_url`: ``[elastic_gpu] broker_url``
+   (``$AIRFLOW_ELASTIC_GPU_BROKER_URL``), else a SQLite file ``elastic_gpu_broker.db`` in
+   ``$AIRFLOW_HOME``.
+
+The connection form (fields declared in :func:`airflow_elastic_gpu.get_provider_info`, as
+``conn-fields``) also holds the *default GPU pool* (extra ``pool``) and the *broker API URL* that
+training pods use (extra ``api_url``).
 
 The hook owns one broker client (:attr:`GpuBrokerHook.broker`, made on first use, which creates or
 migrates the schema), as ``KubernetesHook`` owns its API clients.
@@ -18,22 +23,28 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any
 
-from airflow.sdk.bases.hook import BaseHook
+from airflow.sdk import BaseHook
 
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.config import default_broker_url
+from airflow_elastic_gpu.config import (
+    airflow_conf,
+    default_broker_api_url,
+    default_broker_url,
+    default_pool,
+)
+from airflow_elastic_gpu.get_provider_info import CONN_FIELDS, CONN_TYPE, HIDDEN_FIELDS
 
 
 class GpuBrokerHook(BaseHook):
     """Gives operators and triggers a :class:`GpuBroker` for a connection id.
 
     :param broker_conn_id: Airflow connection id; a missing connection falls back
-        to the environment variable, then to the SQLite default.
+        to ``[elastic_gpu]`` settings (:mod:`airflow_elastic_gpu.config`).
     """
 
     conn_name_attr = "broker_conn_id"
     default_conn_name = "elastic_gpu_default"
-    conn_type = "elastic_gpu"
+    conn_type = CONN_TYPE
     hook_name = "Elastic GPU broker"
 
     def __init__(self, broker_conn_id: str = default_conn_name, **kwargs: Any) -> None:
@@ -41,25 +52,59 @@ class GpuBrokerHook(BaseHook):
         self.broker_conn_id = broker_conn_id
 
     @classmethod
+    def get_connection_form_widgets(cls) -> dict[str, Any]:
+        """The form's extra fields for Airflow < 3.2 (later versions read ``conn-fields``)."""
+        from flask_appbuilder.fieldwidgets import BS3PasswordFieldWidget, BS3TextFieldWidget
+        from flask_babel import lazy_gettext
+        from wtforms import PasswordField, StringField
+
+        def field(name: str) -> Any:
+            spec = CONN_FIELDS[name]
+            secret = spec["schema"].get("format") == "password"
+            return (PasswordField if secret else StringField)(
+                lazy_gettext(spec["label"]), description=spec["description"],
+                widget=BS3PasswordFieldWidget() if secret else BS3TextFieldWidget())
+
+        return {name: field(name) for name in CONN_FIELDS}
+
+    @classmethod
     def get_ui_field_behaviour(cls) -> dict[str, Any]:
-        return {
-            "hidden_fields": ["schema", "login", "password", "port"],
-            "relabeling": {"host": "Broker database URL"},
-            "placeholders": {"host": "postgresql+psycopg://user:password@db:5432/broker",
-                             "extra": '{"url": "sqlite:////path/broker.db"}'},
-        }
+        """The standard fields hidden, for Airflow < 3.2 (later versions read ``ui-field-behaviour``)."""
+        return {"hidden_fields": list(HIDDEN_FIELDS), "relabeling": {}}
+
+    @cached_property
+    def connection(self) -> Any | None:
+        """The Airflow connection ``broker_conn_id``, or ``None`` when there is none (read once)."""
+        try:
+            return self.get_connection(self.broker_conn_id)
+        except Exception:  # noqa: BLE001 - AirflowNotFoundException and friends: fall back
+            return None
+
+    def _field(self, name: str) -> str | None:
+        """The connection's extra field ``name`` (also in its pre-Airflow-3 ``extra__elastic_gpu__``
+        form), or ``None``."""
+        if self.connection is None:
+            return None
+        extra = self.connection.extra_dejson or {}
+        return extra.get(name) or extra.get(f"extra__{CONN_TYPE}__{name}") or None
 
     def get_url(self) -> str:
-        """The broker DB URL (see the module docstring for the order of sources)."""
-        try:
-            conn = self.get_connection(self.broker_conn_id)
-        except Exception:  # noqa: BLE001 - AirflowNotFoundException and friends: fall back
-            conn = None
-        if conn is not None:
-            url = (conn.extra_dejson or {}).get("url") or conn.host
-            if url:
-                return url
-        return default_broker_url()
+        """The broker DB URL (see the module docstring for the order of sources).
+
+        :raises ValueError: an ``airflow.cfg`` that cannot be parsed.
+        """
+        url = self._field("url") or (self.connection.host if self.connection is not None else None)
+        return url or default_broker_url(conf=airflow_conf())
+
+    def default_pool(self) -> str:
+        """The GPU pool of a training that names none: the connection's ``pool`` field, else
+        ``[elastic_gpu] default_pool`` (``"default"``)."""
+        return self._field("pool") or default_pool(conf=airflow_conf())
+
+    def broker_api_url(self) -> str | None:
+        """The broker HTTP API for training pods: the connection's ``api_url`` field, else
+        ``[elastic_gpu] broker_api_url``, else ``None`` (the Kubernetes backend's default)."""
+        return self._field("api_url") or default_broker_api_url(conf=airflow_conf())
 
     @cached_property
     def broker(self) -> GpuBroker:

@@ -5,10 +5,13 @@ orchestrates: it submits the job to the broker (idempotent on dag_id, task_id,
 run_id and map_index, so a retry or a worker crash never creates a second job
 for the same try), starts its processes through the backend, and defers to
 :class:`ElasticTrainingTrigger`, freeing the worker slot while the broker
-resizes the job. ``execute_complete`` logs the job's resizes and returns its
-metrics to XCom, or raises with the trainer's last log lines. With
-``deferrable=False`` it waits in the worker, polling the same
-:class:`~airflow_elastic_gpu.triggers.watcher.JobWatcher` as the trigger.
+resizes the job. ``execute_complete`` logs the job's resizes, attaches the job's figures to the
+events of the task's outlet assets, and returns its metrics to XCom, or raises with the broker's
+reason. With ``deferrable=False`` it waits in the worker, polling the same
+:class:`~airflow_elastic_gpu.triggers.watcher.JobWatcher` as the trigger. With
+``start_from_trigger=True`` the task does not take a worker slot to start: the triggerer submits
+and starts the job (the same :func:`~airflow_elastic_gpu.triggers.submit.submit_and_start`), and a
+worker only runs ``execute_complete``.
 """
 
 from __future__ import annotations
@@ -18,11 +21,8 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
-from airflow.exceptions import AirflowException
-from airflow.sdk import BaseOperator
-
 from airflow_elastic_gpu.backends import Backend, BackendError, backend_settings, make_backend
-from airflow_elastic_gpu.backends.base import check_env, start_job
+from airflow_elastic_gpu.backends.base import check_env
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
     BrokerError,
@@ -30,11 +30,18 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     check_int,
 )
-from airflow_elastic_gpu.config import default_work_dir
+from airflow_elastic_gpu.compat import AirflowException, Asset, BaseOperator, StartTriggerArgs
+from airflow_elastic_gpu.config import (
+    airflow_conf,
+    default_deferrable,
+    default_poll_interval_s,
+    default_work_dir,
+)
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 from airflow_elastic_gpu.links.job import ElasticJobLink
 from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
-from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
+from airflow_elastic_gpu.triggers.submit import submit_and_start
+from airflow_elastic_gpu.triggers.training import TRIGGER_CLASSPATH, ElasticTrainingTrigger
 from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
 
@@ -50,7 +57,8 @@ class ElasticTrainingOperator(BaseOperator):
     :param requested_gpus: the fixed request used by non-elastic policies (default ``max_gpus``).
     :param progress_pattern: regex with group ``step`` for progress lines; default JSON lines with ``"step"``.
     :param checkpoint_dir: where the trainer checkpoints (checked at submit); default a per-job dir.
-    :param gpu_pool: broker GPU pool name.
+    :param gpu_pool: broker GPU pool name; default the broker connection's *Default GPU pool*, else
+        ``[elastic_gpu] default_pool`` (``"default"``).
     :param priority: larger is served first by the broker.
     :param backend: ``"local"`` (processes on this host) or ``"kubernetes"`` (a pod per job with the
         sidecar; needs ``image`` and the ``kubernetes`` settings, see :class:`KubernetesJobConfig`).
@@ -59,16 +67,27 @@ class ElasticTrainingOperator(BaseOperator):
         :class:`~airflow_elastic_gpu.backends.kubernetes.KubernetesJobConfig`: ``namespace``,
         ``resize_mechanism`` ("inplace" or "recreate"), ``on_finish_action``, ``pod_template_file``,
         ``full_pod_spec``, ``image_pull_secrets``, ``container_resources``, ``tolerations``, ``volumes``,
-        ``volume_mounts``, ``broker_api_url``, ``agent_image``, ``kubernetes_conn_id``...).
+        ``volume_mounts``, ``broker_api_url``, ``agent_image``, ``kubernetes_conn_id``...). Without
+        ``broker_api_url`` the connection's *Broker API URL* is used, else ``[elastic_gpu]
+        broker_api_url``.
     :param env: extra environment variables for the trainer (templated): a dict of strings. The
         trainer does not inherit the worker's Airflow configuration, connections, variables or
         broker URL; pass what it needs here.
     :param broker_conn_id: Airflow connection of the broker.
-    :param poll_interval: seconds between polls of the job (the trigger's, or the worker's).
-    :param deferrable: defer to the triggerer (default); False waits in the worker, with the same
-        job watcher as the trigger.
+    :param poll_interval: seconds between polls of the job (the trigger's, or the worker's); default
+        ``[elastic_gpu] poll_interval`` (5).
+    :param deferrable: defer to the triggerer; False waits in the worker, with the same job watcher
+        as the trigger. Default ``[elastic_gpu] default_deferrable`` (true: Airflow's own
+        ``[operators] default_deferrable`` is false out of the box, and a training would hold a
+        worker slot for its whole length).
+    :param start_from_trigger: submit and start the job from the triggerer, so the task takes a
+        worker slot only for ``execute_complete`` (needs ``deferrable``; a mapped task starts from a
+        worker all the same, as its mapped arguments are only known there).
     :param virtual_gpus: for the local backend on a host without GPUs, the pool size to register
-        when the pool does not exist yet (>= 1).
+        when the pool does not exist yet (>= 1); default ``[elastic_gpu] virtual_gpus`` (4).
+    :param outlets: as for any operator; each outlet :class:`~airflow.sdk.Asset` (e.g. the trained
+        model or its checkpoint directory) gets an asset event whose ``extra`` holds the job's
+        figures (:meth:`asset_metadata`), so a DAG scheduled on the asset can pick the best model.
     :raises AirflowException: a bad argument (at DAG parse time), or a failed job.
     """
 
@@ -86,13 +105,14 @@ class ElasticTrainingOperator(BaseOperator):
         requested_gpus: int | None = None,
         progress_pattern: str | None = None,
         checkpoint_dir: str | None = None,
-        gpu_pool: str = DEFAULT_POOL,
+        gpu_pool: str | None = None,
         priority: int = 0,
         backend: str = "local",
         env: dict[str, str] | None = None,
         broker_conn_id: str = GpuBrokerHook.default_conn_name,
-        poll_interval: float = 5.0,
-        deferrable: bool = True,
+        poll_interval: float | None = None,
+        deferrable: bool | None = None,
+        start_from_trigger: bool = False,
         virtual_gpus: int | None = None,
         job_name: str | None = None,
         image: str | None = None,
@@ -100,14 +120,25 @@ class ElasticTrainingOperator(BaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        try:
+            conf = airflow_conf()
+            if poll_interval is None:
+                poll_interval = default_poll_interval_s(conf=conf)
+            if deferrable is None:
+                deferrable = default_deferrable(conf=conf)
+        except ValueError as exc:
+            raise AirflowException(f"{self.task_id}: {exc}") from None
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or not (
                 0 < poll_interval < float("inf")):
             raise AirflowException(f"{self.task_id}: poll_interval must be a number of seconds > 0, "
                                    f"got {poll_interval!r}")
+        if start_from_trigger and not deferrable:
+            raise AirflowException(f"{self.task_id}: start_from_trigger=True needs deferrable=True")
         try:
             spec = JobSpec(  # the one validation of a job's fields, also run by the broker at submit
                 name=job_name or self.task_id, command=command, min_gpus=min_gpus, max_gpus=max_gpus,
-                total_steps=total_steps, requested_gpus=requested_gpus, pool=gpu_pool, priority=priority,
+                total_steps=total_steps, requested_gpus=requested_gpus,
+                pool=DEFAULT_POOL if gpu_pool is None else gpu_pool, priority=priority,
                 progress_pattern=progress_pattern, checkpoint_dir=checkpoint_dir, backend=backend,
             )
             self.kubernetes = backend_settings(backend, image=image, kubernetes=kubernetes)
@@ -133,6 +164,12 @@ class ElasticTrainingOperator(BaseOperator):
         self.deferrable = deferrable
         self.virtual_gpus = virtual_gpus
         self.job_name = job_name
+        self.broker_api_url_given = bool(kubernetes and "broker_api_url" in kubernetes)
+        self.start_from_trigger = start_from_trigger
+        if start_from_trigger:
+            self.start_trigger_args = StartTriggerArgs(
+                trigger_cls=TRIGGER_CLASSPATH, next_method="execute_complete",
+                trigger_kwargs=self._trigger_kwargs(job_id=None, labels=None))
         self._job_id: str | None = None
 
     # -- helpers
@@ -142,8 +179,36 @@ class ElasticTrainingOperator(BaseOperator):
         return GpuBrokerHook(self.broker_conn_id)
 
     def _make_backend(self) -> Backend:
-        return make_backend(self.backend, broker=self.hook.broker, work_dir=default_work_dir(),
-                            kubernetes=self.kubernetes, virtual_gpus=self.virtual_gpus)
+        return make_backend(self.backend, broker=self.hook.broker, work_dir=default_work_dir(conf=airflow_conf()),
+                            kubernetes=self._kubernetes_settings(), virtual_gpus=self.virtual_gpus)
+
+    def _kubernetes_settings(self) -> dict[str, Any] | None:
+        """The pod settings, with the connection's (or the config's) broker API URL unless the
+        operator gave one."""
+        if self.kubernetes is None or self.broker_api_url_given:
+            return self.kubernetes
+        url = self.hook.broker_api_url()
+        return {**self.kubernetes, "broker_api_url": url} if url else self.kubernetes
+
+    def _trigger_kwargs(self, *, job_id: str | None, labels: dict[str, str] | None) -> dict[str, Any]:
+        """The trigger's arguments. Without ``job_id`` (``start_from_trigger``) they describe the job
+        to submit; ``command``, ``env``, ``checkpoint_dir`` and ``job_name`` are rendered in the
+        triggerer (the operator's template fields that are trigger arguments)."""
+        kwargs: dict[str, Any] = {
+            "job_id": job_id, "broker_conn_id": self.broker_conn_id, "poll_interval": self.poll_interval,
+            "backend": self.backend, "work_dir": None, "kubernetes": self.kubernetes,
+            "env": self.env or None, "context": labels,
+        }
+        if job_id is not None:
+            kwargs["work_dir"] = str(default_work_dir(conf=airflow_conf()))
+            kwargs["kubernetes"] = self._kubernetes_settings()
+            return kwargs
+        return {**kwargs, "command": self.command, "checkpoint_dir": self.checkpoint_dir,
+                "job_name": self.job_name, "job": {
+                    "total_steps": self.total_steps, "min_gpus": self.min_gpus, "max_gpus": self.max_gpus,
+                    "requested_gpus": self.requested_gpus, "progress_pattern": self.progress_pattern,
+                    "gpu_pool": self.gpu_pool, "priority": self.priority, "virtual_gpus": self.virtual_gpus,
+                    "broker_api_url_given": self.broker_api_url_given}}
 
     @staticmethod
     def job_key(context: Any) -> str:
@@ -164,36 +229,26 @@ class ElasticTrainingOperator(BaseOperator):
         try:
             broker = self.hook.broker
             backend = self._make_backend()
-            registered = backend.ensure_pool(self.gpu_pool)
-            if registered:
-                self.log.info("%s", registered)
-            env = check_env(self.env)  # as rendered: a template may have made a value a non-string
-            backend.check(self.command, self.checkpoint_dir)
-            job = broker.submit(JobSpec(
+            spec = JobSpec(
                 name=self.job_name or (self.task_id if ti.map_index < 0 else f"{self.task_id}[{ti.map_index}]"),
                 command=self.command, min_gpus=self.min_gpus, max_gpus=self.max_gpus,
                 requested_gpus=self.requested_gpus, total_steps=self.total_steps, key=self.job_key(context),
-                pool=self.gpu_pool, priority=self.priority, progress_pattern=self.progress_pattern,
-                checkpoint_dir=self.checkpoint_dir, backend=self.backend,
-            ))
-            self._job_id = job.id
-            running = backend.is_running(job.id)
-            ref = start_job(broker, backend, job, env=env, context=labels).backend_ref
+                pool=self.gpu_pool or self.hook.default_pool(), priority=self.priority,
+                progress_pattern=self.progress_pattern, checkpoint_dir=self.checkpoint_dir, backend=self.backend,
+            )
+            job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log).job
         except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
-        self.log.info("%s job %s (%d-%d GPUs, %d steps) on the %s backend: %s",
-                      "reattached to running" if running else "started", job.id, self.min_gpus, self.max_gpus,
-                      self.total_steps, backend.name, ref)
+        self._job_id = job.id
         ti.xcom_push(key="job_id", value=job.id)
+        ti.xcom_push(key="gpu_pool", value=job.pool)
         if self.deferrable:
-            self.defer(trigger=ElasticTrainingTrigger(
-                job.id, self.broker_conn_id, self.poll_interval, self.backend, str(default_work_dir()),
-                kubernetes=self.kubernetes, env=self.env or None, context=labels,
-            ), method_name="execute_complete")
+            self.defer(trigger=ElasticTrainingTrigger(**self._trigger_kwargs(job_id=job.id, labels=labels)),
+                       method_name="execute_complete")
         return self._wait_in_worker(JobWatcher(broker, backend, job.id, env=self.env, context=labels,
-                                               log=self.log))
+                                               log=self.log), context)
 
-    def _wait_in_worker(self, watcher: JobWatcher) -> dict[str, Any]:
+    def _wait_in_worker(self, watcher: JobWatcher, context: Any) -> dict[str, Any]:
         """``deferrable=False``: poll ``watcher`` every ``poll_interval`` seconds until the job ends.
 
         :raises AirflowException: the job did not succeed, or the broker or backend failed (the
@@ -206,24 +261,48 @@ class ElasticTrainingOperator(BaseOperator):
                 raise AirflowException(
                     f"{self.task_id}: following job {watcher.job_id} failed: {exc}") from None
             if job.status.terminal:
-                return self._result(job)
+                return self._result(job, context)
             time.sleep(self.poll_interval)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        """Resume after the trigger fired: log the job's resizes, return its metrics.
+
+        :raises AirflowException: the trigger could not submit the job (``start_from_trigger``), or
+            the job did not succeed.
+        """
+        if event.get("job_id") is None:
+            raise AirflowException(f"{self.task_id}: the triggerer could not start the training: "
+                                   f"{event.get('reason')}")
         broker = self.hook.broker
         job = broker.job(event["job_id"])
+        if self.start_from_trigger:  # the triggerer cannot push XCom: the link's job id comes now
+            context["ti"].xcom_push(key="job_id", value=job.id)
+            context["ti"].xcom_push(key="gpu_pool", value=job.pool)
         for e in broker.events(job_id=job.id):
             if e.kind in PUBLISH_KINDS:
                 self.log.info("[%s] %s", e.kind, e.message)
-        return self._result(job)
+        return self._result(job, context)
 
-    def _result(self, job: JobView) -> dict[str, Any]:
+    def _result(self, job: JobView, context: Any) -> dict[str, Any]:
         """:raises AirflowException: ``job`` did not succeed (the message has the broker's reason)."""
         if job.status is not JobStatus.SUCCEEDED:
             raise AirflowException(f"{self.task_id}: training job {job.id} {job.status.value}: {job.reason}")
         result = self.metrics(job)
         self.log.info("job %s succeeded: %s", job.id, result)
+        self._annotate_outlets(job, context)
         return result
+
+    def _annotate_outlets(self, job: JobView, context: Any) -> None:
+        """Put :meth:`asset_metadata` into the event of each outlet asset (Airflow emits the events
+        when the task succeeds)."""
+        assets = [o for o in (self.outlets or []) if isinstance(o, Asset)]
+        events = context.get("outlet_events") if hasattr(context, "get") else None
+        if not assets or events is None:
+            return
+        extra = self.asset_metadata(job)
+        for asset in assets:
+            events[asset].extra.update(extra)
+            self.log.info("asset %s: %s", asset.uri, extra)
 
     @staticmethod
     def metrics(job: JobView) -> dict[str, Any]:
@@ -232,6 +311,16 @@ class ElasticTrainingOperator(BaseOperator):
         return {"job_id": job.id, "jct_s": job.jct_s, "queueing_delay_s": job.queueing_delay_s,
                 "gpu_seconds": job.gpu_seconds, "num_resizes": job.num_resizes, "final_step": job.steps_done,
                 "exit_code": job.exit_code, **extra}
+
+    @staticmethod
+    def asset_metadata(job: JobView) -> dict[str, Any]:
+        """The ``extra`` of the outlet assets' events: :meth:`metrics` (the trainer's own, e.g.
+        ``accuracy``, included) plus ``gpu_hours`` (GPU-seconds / 3600), the job's ``name``,
+        ``pool`` and ``checkpoint_dir``; JSON values only."""
+        out = {k: v for k, v in ElasticTrainingOperator.metrics(job).items()
+               if isinstance(v, (str, int, float, bool)) or v is None}
+        return {**out, "gpu_hours": job.gpu_seconds / 3600.0, "name": job.name, "pool": job.pool,
+                "checkpoint_dir": job.checkpoint_dir}
 
     def on_kill(self) -> None:
         if self._job_id is None:

@@ -8,6 +8,13 @@ with their reasons) logged into the task log. It fires once the broker records a
 after the backend has cleaned up. The trigger holds no state beyond its serialized arguments:
 after a triggerer restart it re-polls and picks up where the broker is. The broker's record of
 the job's end is the truth, whatever happened to the processes.
+
+Started without a job id (the operator's ``start_from_trigger=True``), it first submits and starts
+the job it is given (:func:`~airflow_elastic_gpu.triggers.submit.submit_and_start`, in a thread, with
+the task instance's key): a restarted triggerer submits again, which the broker answers with the
+same job (the key is idempotent) and the backend reattaches to its running processes. A job it
+cannot submit (a bad command, a broker that refuses it) fires ``{"job_id": None, "status": "error",
+"reason": ...}``, which fails the task with that reason.
 """
 
 from __future__ import annotations
@@ -16,16 +23,18 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from airflow.triggers.base import BaseTrigger, TriggerEvent
-
-from airflow_elastic_gpu.broker.types import JobView
+from airflow_elastic_gpu.broker.types import BrokerError, JobSpec, JobView
+from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
 from airflow_elastic_gpu.triggers.watcher import JobWatcher
+
+TRIGGER_CLASSPATH = "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger"
 
 
 class ElasticTrainingTrigger(BaseTrigger):
     """Fires ``{"job_id", "status", "reason"}`` when job ``job_id`` ends.
 
-    :param job_id: the broker's job id.
+    :param job_id: the broker's job id; ``None``: submit the job described by ``command``,
+        ``checkpoint_dir``, ``job_name`` and ``job`` first (``start_from_trigger``).
     :param broker_conn_id: Airflow connection of the broker (see ``GpuBrokerHook``).
     :param poll_interval: seconds between polls.
     :param backend: the job's backend name (see :func:`~airflow_elastic_gpu.backends.make_backend`).
@@ -34,13 +43,21 @@ class ElasticTrainingTrigger(BaseTrigger):
     :param kubernetes: the Kubernetes backend's settings (``backend_settings``' result).
     :param env: the trainer's extra environment (to re-create its processes).
     :param context: the task's ``dag_id``, ``task_id``, ``run_id``, ``map_index`` (labels of
-        re-created resources).
+        re-created resources); default the trigger's task instance's.
+    :param command: the training command to submit (rendered in the triggerer).
+    :param checkpoint_dir: its checkpoint directory (rendered in the triggerer).
+    :param job_name: its name in the broker (default the task id, with ``[map_index]``).
+    :param job: the other job fields to submit: ``total_steps``, ``min_gpus``, ``max_gpus``,
+        ``requested_gpus``, ``progress_pattern``, ``gpu_pool`` (``None``: the connection's
+        default), ``priority``, ``virtual_gpus``, ``broker_api_url_given``.
     """
 
-    def __init__(self, job_id: str, broker_conn_id: str = "elastic_gpu_default", poll_interval: float = 5.0,
-                 backend: str = "local", work_dir: str | None = None, after_event_id: int = 0,
-                 kubernetes: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                 context: dict[str, str] | None = None) -> None:
+    def __init__(self, job_id: str | None, broker_conn_id: str = "elastic_gpu_default",
+                 poll_interval: float = 5.0, backend: str = "local", work_dir: str | None = None,
+                 after_event_id: int = 0, kubernetes: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None, context: dict[str, str] | None = None,
+                 command: str | None = None, checkpoint_dir: str | None = None, job_name: str | None = None,
+                 job: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.job_id = job_id
         self.broker_conn_id = broker_conn_id
@@ -51,16 +68,62 @@ class ElasticTrainingTrigger(BaseTrigger):
         self.kubernetes = kubernetes
         self.env = env
         self.context = context
+        self.command = command
+        self.checkpoint_dir = checkpoint_dir
+        self.job_name = job_name
+        self.job = job
         self._watcher: JobWatcher | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger",
-            {"job_id": self.job_id, "broker_conn_id": self.broker_conn_id,
-             "poll_interval": self.poll_interval, "backend": self.backend, "work_dir": self.work_dir,
-             "after_event_id": self.after_event_id, "kubernetes": self.kubernetes, "env": self.env,
-             "context": self.context},
+        kwargs: dict[str, Any] = {
+            "job_id": self.job_id, "broker_conn_id": self.broker_conn_id, "poll_interval": self.poll_interval,
+            "backend": self.backend, "work_dir": self.work_dir, "after_event_id": self.after_event_id,
+            "kubernetes": self.kubernetes, "env": self.env, "context": self.context}
+        if self.job is not None:
+            kwargs.update(command=self.command, checkpoint_dir=self.checkpoint_dir, job_name=self.job_name,
+                          job=self.job)
+        return TRIGGER_CLASSPATH, kwargs
+
+    def _submit(self) -> JobView:
+        """Submit and start the job this trigger was given (``start_from_trigger``); blocking.
+
+        :raises BrokerError | BackendError: the job cannot be submitted or started.
+        :raises ValueError: the trigger has no task instance or no job to submit.
+        """
+        from airflow_elastic_gpu.backends import make_backend
+        from airflow_elastic_gpu.config import airflow_conf, default_work_dir
+        from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+        from airflow_elastic_gpu.triggers.submit import submit_and_start
+
+        ti = self.task_instance
+        if ti is None or self.job is None or self.command is None:
+            raise ValueError("a trigger without job_id needs its task instance and the job to submit")
+        if self.context is None:
+            self.context = {"dag_id": ti.dag_id, "task_id": ti.task_id, "run_id": ti.run_id,
+                            "map_index": str(ti.map_index)}
+        job = self.job
+        hook = GpuBrokerHook(self.broker_conn_id)
+        if self.work_dir is None:
+            self.work_dir = str(default_work_dir(conf=airflow_conf()))
+        if self.kubernetes is not None and not job.get("broker_api_url_given"):
+            url = hook.broker_api_url()
+            if url:
+                self.kubernetes = {**self.kubernetes, "broker_api_url": url}
+        backend = make_backend(self.backend, broker=hook.broker, work_dir=self.work_dir,
+                               kubernetes=self.kubernetes, virtual_gpus=job.get("virtual_gpus"))
+        map_index = int(ti.map_index)
+        name = self.job_name or (ti.task_id if map_index < 0 else f"{ti.task_id}[{map_index}]")
+        spec = JobSpec(
+            name=name, command=self.command, min_gpus=job["min_gpus"], max_gpus=job.get("max_gpus"),
+            requested_gpus=job.get("requested_gpus"), total_steps=job["total_steps"],
+            key=f"{ti.dag_id}/{ti.task_id}/{ti.run_id}/{map_index}",
+            pool=job.get("gpu_pool") or hook.default_pool(), priority=job.get("priority", 0),
+            progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
+            backend=self.backend,
         )
+        started = submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log)
+        hook.broker.engine.dispose()  # the watcher makes its own client
+        return started.job
 
     def _get_watcher(self) -> JobWatcher:
         """The watcher, with a new hook (broker client) and backend after :meth:`_drop_watcher`.
@@ -91,6 +154,15 @@ class ElasticTrainingTrigger(BaseTrigger):
         return job
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        if self.job_id is None:
+            from airflow_elastic_gpu.backends import BackendError
+
+            try:
+                self.job_id = (await asyncio.to_thread(self._submit)).id
+            except (BrokerError, BackendError, ValueError) as exc:
+                self.log.error("could not submit the training: %s", exc)
+                yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc)})
+                return
         while True:
             try:
                 job = await asyncio.to_thread(self._poll)
@@ -106,7 +178,11 @@ class ElasticTrainingTrigger(BaseTrigger):
             await asyncio.sleep(self.poll_interval)
 
     async def on_kill(self) -> None:
-        """The user marked the deferred task failed/success or cleared it: stop the job, free its GPUs."""
+        """The user marked the deferred task failed/success or cleared it: stop the job, free its GPUs
+        (nothing to stop before a ``start_from_trigger`` trigger has submitted its job)."""
+        if self.job_id is None:
+            return
+
         def kill() -> None:
             watcher = self._get_watcher()
             watcher.broker.cancel(self.job_id, "task instance killed by a user while deferred")

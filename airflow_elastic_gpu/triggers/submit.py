@@ -1,0 +1,52 @@
+"""Submit a training job to the broker and start its processes: the one copy that the operator (in
+the worker) and the trigger (``start_from_trigger=True``, in the triggerer) both run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from airflow_elastic_gpu.backends.base import Backend, check_env, start_job
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobSpec, JobView
+
+
+@dataclass(frozen=True)
+class Started:
+    """A submitted job with its processes started.
+
+    :param job: the job as the broker records it after the start.
+    :param reattached: its processes were running already (a retried task, a restarted triggerer):
+        nothing new was started.
+    """
+
+    job: JobView
+    reattached: bool
+
+
+def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env: Mapping[str, str] | None,
+                     labels: Mapping[str, str], log: logging.Logger) -> Started:
+    """Register ``spec.pool`` if the backend can (local: this host's GPUs), check the command,
+    submit ``spec`` (idempotent on ``spec.key``) and start the job's processes.
+
+    Blocking (DB and backend calls): a trigger runs it in a thread.
+
+    :param env: the trainer's extra environment, as rendered (checked again here: a template may
+        have made a value a non-string).
+    :param labels: the task's ``dag_id``, ``task_id``, ``run_id``, ``map_index`` (backend labels).
+    :raises BrokerError: the broker refused the job.
+    :raises BackendError: a bad command, checkpoint directory or environment, or a failed start.
+    """
+    registered = backend.ensure_pool(spec.pool)
+    if registered:
+        log.info("%s", registered)
+    env = check_env(env)
+    backend.check(spec.command, spec.checkpoint_dir)
+    job = broker.submit(spec)
+    running = backend.is_running(job.id)
+    job = start_job(broker, backend, job, env=env, context=labels)
+    log.info("%s job %s (%d-%d GPUs, %d steps) on the %s backend: %s",
+             "reattached to running" if running else "started", job.id, spec.min_gpus, spec.max_gpus,
+             spec.total_steps, backend.name, job.backend_ref)
+    return Started(job, running)

@@ -1,0 +1,112 @@
+"""The ``[elastic_gpu]`` settings: lookup order, types, and the table that feeds ``airflow config``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from airflow_elastic_gpu import config, get_provider_info
+from airflow_elastic_gpu.broker.api_guards import ApiLimits
+
+PACKAGE = Path(config.__file__).parent
+#: variables read by the sidecar agent in the training pod, where there is no Airflow
+POD_SIDE = {"AIRFLOW_ELASTIC_GPU_BROKER_API", "AIRFLOW_ELASTIC_GPU_JOB_TOKEN"}
+
+
+class FakeConf:
+    """What the functions use of Airflow's ``conf``: ``get(section, key, fallback=...)``."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def get(self, section: str, key: str, **kwargs):
+        assert section == "elastic_gpu"
+        return self.values.get(key, kwargs.get("fallback"))
+
+
+def test_the_historical_variable_wins_over_airflows_variable_and_airflow_cfg(tmp_path):
+    (tmp_path / "airflow.cfg").write_text("[elastic_gpu]\nwork_dir = /from/cfg\n")
+    env = {"AIRFLOW_HOME": str(tmp_path), "AIRFLOW_ELASTIC_GPU_WORK_DIR": "/from/old",
+           "AIRFLOW__ELASTIC_GPU__WORK_DIR": "/from/airflow-env"}
+    assert config.default_work_dir(env) == Path("/from/old")
+    del env["AIRFLOW_ELASTIC_GPU_WORK_DIR"]
+    assert config.default_work_dir(env) == Path("/from/airflow-env")
+    del env["AIRFLOW__ELASTIC_GPU__WORK_DIR"]
+    assert config.default_work_dir(env) == Path("/from/cfg")
+
+
+def test_airflow_cfg_is_found_through_airflow_config_as_airflow_finds_it(tmp_path):
+    cfg = tmp_path / "elsewhere.cfg"
+    cfg.write_text("[elastic_gpu]\ndefault_pool = a100\nvirtual_gpus = 8\n")
+    env = {"AIRFLOW_HOME": str(tmp_path / "home"), "AIRFLOW_CONFIG": str(cfg)}
+    assert config.default_pool(env) == "a100"
+    assert config.default_virtual_gpus(env) == 8
+
+
+def test_unset_options_take_the_tables_defaults_and_the_computed_paths(tmp_path):
+    env = {"AIRFLOW_HOME": str(tmp_path)}
+    assert config.default_broker_url(env) == f"sqlite:///{tmp_path / 'elastic_gpu_broker.db'}"
+    assert config.default_work_dir(env) == tmp_path / "elastic_gpu_jobs"
+    assert config.default_pool(env) == "default"
+    assert config.default_poll_interval_s(env) == 5.0
+    assert config.default_deferrable(env) is True
+    assert config.default_virtual_gpus(env) == 4
+    assert config.default_broker_api_url(env) is None
+    assert ApiLimits.from_env(env) == ApiLimits()
+
+
+def test_airflows_conf_is_asked_when_given_and_the_historical_variable_still_wins(tmp_path):
+    conf = FakeConf({"broker_url": "postgresql+psycopg://db/broker", "default_deferrable": "False"})
+    env = {"AIRFLOW_HOME": str(tmp_path)}
+    assert config.default_broker_url(env, conf) == "postgresql+psycopg://db/broker"
+    assert config.default_deferrable(env, conf) is False
+    env["AIRFLOW_ELASTIC_GPU_BROKER_URL"] = "sqlite:////x.db"
+    assert config.default_broker_url(env, conf) == "sqlite:////x.db"
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("poll_interval", "soon", r"\[elastic_gpu\] poll_interval must be a float, got 'soon'"),
+    ("default_deferrable", "maybe", r"\[elastic_gpu\] default_deferrable must be a boolean, got 'maybe'"),
+    ("virtual_gpus", "four", (r"\$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS or \[elastic_gpu\] virtual_gpus must be "
+                              r"an integer, got 'four'")),
+])
+def test_a_value_of_the_wrong_type_is_refused_with_the_option_named(tmp_path, option, value, message):
+    env = {"AIRFLOW_HOME": str(tmp_path), f"AIRFLOW__ELASTIC_GPU__{option.upper()}": value}
+    getter = {"poll_interval": config.default_poll_interval_s, "default_deferrable": config.default_deferrable,
+              "virtual_gpus": config.default_virtual_gpus}[option]
+    with pytest.raises(ValueError, match=message):
+        getter(env)
+
+
+def test_an_api_limit_from_airflow_cfg_that_is_not_a_number_names_the_option(tmp_path):
+    (tmp_path / "airflow.cfg").write_text("[elastic_gpu]\napi_max_body_bytes = 64k\n")
+    with pytest.raises(ValueError, match=r"\[elastic_gpu\] api_max_body_bytes must be a positive integer"):
+        ApiLimits.from_env({"AIRFLOW_HOME": str(tmp_path)})
+
+
+def test_every_airflow_elastic_gpu_variable_the_package_reads_is_an_option_of_the_config_section():
+    used = set()
+    for path in PACKAGE.rglob("*.py"):
+        used |= set(re.findall(r"AIRFLOW_ELASTIC_GPU_[A-Z_]+[A-Z]", path.read_text()))
+    declared = {o.env for o in config.OPTIONS if o.env}
+    assert used - POD_SIDE <= declared, f"not in the [elastic_gpu] section: {sorted(used - POD_SIDE - declared)}"
+    assert declared <= used
+
+
+def test_the_provider_metadata_declares_every_option_with_type_default_and_description():
+    section = get_provider_info()["config"]["elastic_gpu"]["options"]
+    assert set(section) == {o.name for o in config.OPTIONS}
+    for name, option in section.items():
+        assert option["type"] in ("string", "integer", "float", "boolean"), name
+        assert isinstance(option["default"], str) and option["description"].strip(), name
+    assert section["broker_url"]["sensitive"] and section["ui_token"]["sensitive"]
+
+
+def test_the_provider_metadata_declares_the_connection_forms_fields_and_hides_the_standard_ones():
+    (conn,) = get_provider_info()["connection-types"]
+    assert conn["connection-type"] == "elastic_gpu"
+    assert set(conn["conn-fields"]) == {"url", "pool", "api_url"}
+    assert conn["conn-fields"]["url"]["schema"]["format"] == "password"  # it holds the DB password
+    assert set(conn["ui-field-behaviour"]["hidden-fields"]) >= {"host", "schema", "login", "password", "port"}
