@@ -94,7 +94,14 @@ def test_read_only_views_show_holders_progress_timeline_and_reasons(broker, clie
     assert any(e["kind"] == "resize" and "shrink" in e["message"] for e in snap["events"])
     timeline = client.get("/api/v1/pools/default/timeline").json()
     assert [(s["name"], s["num_gpus"]) for s in timeline["segments"]] == [("alpha", 4)]
-    assert timeline["resizes"] and timeline["resizes"][0]["job_id"] == a.id
+    assert timeline["resizes"] == []  # published, not yet run: no resize of alpha's yet
+    assert broker.ack(a.id, 2)
+    timeline = client.get("/api/v1/pools/default/timeline").json()
+    first, second = timeline["segments"]
+    assert (first["name"], first["num_gpus"], second["name"]) == ("alpha", 4, "alpha") and second["num_gpus"] < 4
+    [resize] = timeline["resizes"]
+    assert resize["job_id"] == a.id and "shrink" in resize["message"]
+    assert resize["time_s"] == second["start_s"]  # where alpha's smaller bar starts
     assert client.get("/api/v1/jobs", params={"active": True}).json()[0]["steps_done"] == 10.0
     assert client.get("/api/v1/pools/nope/snapshot").status_code == 404
     assert client.get("/api/v1/events", params={"limit": 0}).status_code == 422

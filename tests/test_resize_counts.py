@@ -73,7 +73,7 @@ def test_timeline_resizes_sit_where_the_trainer_ran_them_with_the_decisions_reas
 
 
 def test_the_demo_prints_a_line_per_event_when_not_on_a_terminal(resized):
-    broker, a = resized
+    broker, _ = resized
     out = io.StringIO()
     last = print_new_events(broker, Console(file=out, width=1000))
     lines = out.getvalue().splitlines()
