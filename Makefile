@@ -24,13 +24,19 @@ browser:
 	  $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; }; }
 
+# Tests run in parallel (pytest-xdist), one process per core, at most 4: most of a test's time is
+# spent waiting for the subprocesses it starts. Each test has its own files and database
+# (a PostgreSQL database per worker). PYTEST_WORKERS=0 runs them in one process.
+PYTEST_WORKERS ?= auto
+XDIST := -n $(PYTEST_WORKERS) --maxprocesses 4
+
 ## make test: set up .venv (and chromium) if needed, then run the test suite (SQLite and PostgreSQL)
 test: $(STAMP) browser
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
-## make test-all: also the slow tests
+## make test-all: also the slow tests (end-to-end runs that a faster default test mirrors)
 test-all: $(STAMP) browser
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## make demo: run the demo (see README)
 demo: $(STAMP)

@@ -13,6 +13,9 @@ and ``status`` say on stderr which broker and job directory they use.
 from __future__ import annotations
 
 import argparse
+import difflib
+import itertools
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -40,6 +43,16 @@ from airflow_elastic_gpu.config import default_broker_url, default_work_dir, get
 
 console = Console()
 notes = Console(stderr=True)
+
+UNWRAPPED_WIDTH = 1000
+"""Columns given to rich when output goes to a file or a pipe: tables at their natural width, never cut
+to the 80 columns rich assumes when it cannot ask a terminal."""
+
+
+def _full_width_unless_terminal(*consoles: Console) -> None:
+    for c in consoles:
+        if not c.is_terminal:
+            c.width = UNWRAPPED_WIDTH
 
 
 def _fmt_s(seconds: float | None) -> str:
@@ -219,9 +232,21 @@ def follow(broker: GpuBroker, job_ids: list[str], poll_s: float = 1.0) -> list[J
             time.sleep(poll_s)
 
 
-def cmd_run_local(args: argparse.Namespace) -> int:
-    import shlex
+def job_name_from_command(command: str) -> str:
+    """A job name for ``command``: its Python script's stem (``train_digits`` for
+    ``python -m torch.distributed.run ... examples/train_digits.py --total-steps 600``), else the module
+    run with ``-m`` (``torch.distributed`` launchers aside), else the program's name."""
+    words = shlex.split(command)
+    for word in words:
+        if not word.startswith("-") and Path(word).suffix == ".py":
+            return Path(word).stem
+    for flag, module in itertools.pairwise(words):
+        if flag == "-m" and module not in ("torch.distributed.run", "torch.distributed.launch"):
+            return module.rsplit(".", 1)[-1]
+    return Path(words[0]).name
 
+
+def cmd_run_local(args: argparse.Namespace) -> int:
     from airflow_elastic_gpu.backends import make_backend
 
     work_dir = Path(args.work_dir) if args.work_dir else default_work_dir()
@@ -237,7 +262,7 @@ def cmd_run_local(args: argparse.Namespace) -> int:
         console.print(registered)
     backend.check(cmd, args.checkpoint_dir)  # before submit: a job that cannot start never takes a GPU
     job = broker.submit(JobSpec(
-        name=args.name or Path(shlex.split(cmd)[0]).name, command=cmd, min_gpus=args.min_gpus,
+        name=args.name or job_name_from_command(cmd), command=cmd, min_gpus=args.min_gpus,
         max_gpus=args.max_gpus, total_steps=args.total_steps, pool=args.pool,
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
@@ -283,7 +308,7 @@ def comparison_table(summaries: list[dict[str, Any]], baseline: str = "static") 
         return f"{value / 3600:.2f}"
 
     for s in summaries:
-        ratio = (lambda k: f"{s[k] / base[k]:.2f}") if base else (lambda k: "-")
+        ratio = (lambda k, s=s: f"{s[k] / base[k]:.2f}") if base else (lambda k: "-")
         table.add_row(
             s["policy"], hours(s["avg_jct_s"]), hours(s["p95_jct_s"]), hours(s["makespan_s"]),
             hours(s["avg_queueing_s"]), f"{s['gpu_utilisation']:.0%}", str(s["resizes"] + s["preemptions"]),
@@ -357,8 +382,66 @@ def cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser that takes no abbreviation of an option and names an unknown option, with the
+    nearest known one, before anything else is checked.
+
+    Plain argparse lets ``run-local``'s command (everything after the options) swallow a misspelled
+    option with the rest of the line, then complains that a correctly spelled later option is missing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        self._reject_unknown_options(args)
+        return super().parse_known_args(args, namespace)
+
+    def _reject_unknown_options(self, args: list[str]) -> None:
+        """:raises SystemExit: (via :meth:`error`) an option this parser does not know comes before its
+        sub-command or its command's words."""
+        subcommands = {name for a in self._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
+        takes_rest = any(a.nargs == argparse.REMAINDER for a in self._actions if not a.option_strings)
+        skip_value = False
+        for word in args:
+            if skip_value:
+                skip_value = False
+                continue
+            if word == "--" or word in subcommands:
+                return
+            if not word.startswith("-") or word == "-" or _is_number(word):
+                if takes_rest:
+                    return
+                continue
+            option, has_value, _ = word.partition("=")
+            action = self._option_string_actions.get(option)
+            if action is None:
+                known = [o for o in self._option_string_actions if o.startswith("--")]
+                near = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
+                hint = f"; did you mean {near[0]}?" if near else f"; see {self.prog} --help"
+                self.error(f"unknown option {option}{hint}")
+            skip_value = action.nargs != 0 and not has_value
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="airflow-elastic-gpu", description=__doc__.split("\n")[0])
+    parser = Parser(
+        prog="airflow-elastic-gpu",
+        description="Inspect and drive the GPU broker from a terminal, run a training as an elastic job on "
+                    "this host, and simulate scheduling policies on job traces.",
+        epilog="The broker database is --broker-url, else $AIRFLOW_ELASTIC_GPU_BROKER_URL, else "
+               "elastic_gpu_broker.db (SQLite) in $AIRFLOW_HOME (~/airflow when unset). "
+               "run-local, jobs and status say which database and job directory they use.",
+    )
     parser.add_argument("--broker-url", default=None,
                         help="broker DB URL (default: $AIRFLOW_ELASTIC_GPU_BROKER_URL or a SQLite file "
                              "under $AIRFLOW_HOME)")
@@ -367,61 +450,77 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("nodes", help="list nodes; add one; or detect this host's GPUs")
     p.add_argument("action", nargs="?", choices=["list", "add", "detect", "kube-sync"], default="list",
                    help="kube-sync: register the Kubernetes cluster's GPU nodes (GPU feature discovery labels)")
-    p.add_argument("--kubernetes-conn-id", default="kubernetes_default")
-    p.add_argument("--label-selector", default="nvidia.com/gpu.present=true")
-    p.add_argument("name", nargs="?", default=LOCAL_NODE)
+    p.add_argument("--kubernetes-conn-id", default="kubernetes_default",
+                   help="Airflow connection of the cluster (kube-sync)")
+    p.add_argument("--label-selector", default="nvidia.com/gpu.present=true",
+                   help="which of the cluster's nodes have GPUs (kube-sync)")
+    p.add_argument("name", nargs="?", default=LOCAL_NODE, help=f"node name (add; default {LOCAL_NODE!r})")
     p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
-    p.add_argument("--gpu-type", default="virtual")
+    p.add_argument("--gpu-type", default="virtual", help="GPU model, e.g. \"NVIDIA H100\" (add)")
     p.add_argument("--virtual-gpus", type=int, default=None, help="virtual GPUs when none is found (detect)")
-    p.add_argument("--pool", default=DEFAULT_POOL)
+    p.add_argument("--pool", default=DEFAULT_POOL, help=f"the nodes' GPU pool (default {DEFAULT_POOL!r})")
     p.set_defaults(fn=cmd_nodes)
 
     p = sub.add_parser("pool", help="set a pool's policy and timing")
-    p.add_argument("--pool", default=DEFAULT_POOL)
+    p.add_argument("--pool", default=DEFAULT_POOL, help=f"the pool to configure (default {DEFAULT_POOL!r})")
     p.add_argument("--policy", default=None, help="adaptive (default), static or termination")
     p.add_argument("--param", action="append", help="policy parameter NAME=VALUE, e.g. hysteresis=2")
-    p.add_argument("--lease-s", type=float, default=None)
-    p.add_argument("--rebalance-interval-s", type=float, default=None)
+    p.add_argument("--lease-s", type=float, default=None,
+                   help="seconds without a heartbeat after which a job is lost and its GPUs reclaimed")
+    p.add_argument("--rebalance-interval-s", type=float, default=None,
+                   help="seconds between two decisions besides those a change asks for")
     p.set_defaults(fn=cmd_pool)
 
     p = sub.add_parser("jobs", help="list jobs")
-    p.add_argument("--pool", default=None)
+    p.add_argument("--pool", default=None, help="only this pool's jobs (default: every pool)")
     p.add_argument("--active", action="store_true", help="only queued and running jobs")
     p.set_defaults(fn=cmd_jobs)
 
     p = sub.add_parser("status", help="the pool: GPU grid, jobs, latest events")
-    p.add_argument("--pool", default=DEFAULT_POOL)
+    p.add_argument("--pool", default=DEFAULT_POOL, help=f"the pool to show (default {DEFAULT_POOL!r})")
     p.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
-    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("cancel", help="cancel a job and release its GPUs")
-    p.add_argument("job_id")
-    p.add_argument("--reason", default="cancelled from the CLI")
+    p.add_argument("job_id", help="the job's id (the first characters jobs shows are not enough)")
+    p.add_argument("--reason", default="cancelled from the CLI", help="recorded with the job's end")
     p.set_defaults(fn=cmd_cancel)
 
     p = sub.add_parser("run-local", help="run a command as an elastic job on this host and follow it")
-    p.add_argument("--name", default=None)
-    p.add_argument("--min-gpus", type=int, default=1)
-    p.add_argument("--max-gpus", type=int, default=None)
-    p.add_argument("--total-steps", type=int, required=True)
-    p.add_argument("--pool", default=DEFAULT_POOL)
-    p.add_argument("--progress-pattern", default=None)
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--key", default=None, help="idempotency key")
-    p.add_argument("--virtual-gpus", type=int, default=None)
+    p.add_argument("--name", default=None,
+                   help="job name shown by jobs, status and the UI (default: the training script's name)")
+    p.add_argument("--min-gpus", type=int, default=1, help="fewest GPUs the job runs on (default 1)")
+    p.add_argument("--max-gpus", type=int, default=None,
+                   help="most GPUs the broker may give the job (default: --min-gpus)")
+    p.add_argument("--total-steps", type=int, required=True,
+                   help="training steps of the whole job, to predict its remaining time")
+    p.add_argument("--pool", default=DEFAULT_POOL, help=f"GPU pool to run in (default {DEFAULT_POOL!r})")
+    p.add_argument("--progress-pattern", default=None,
+                   help="regex with a group (?P<step>...) that finds the step in the trainer's output "
+                        "(default: JSON lines with a \"step\" key)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="the trainer's checkpoint directory, $ELASTIC_CHECKPOINT_DIR (default: "
+                        "checkpoints/ in the job directory)")
+    p.add_argument("--key", default=None,
+                   help="idempotency key: submitting the same key again returns the existing job")
+    p.add_argument("--virtual-gpus", type=int, default=None,
+                   help="size of the pool of virtual GPUs made when this host has no NVIDIA GPU "
+                        "and the pool no node (default $AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS, else 4)")
     p.add_argument("--work-dir", default=None,
                    help="parent of the job directories (default: $AIRFLOW_ELASTIC_GPU_WORK_DIR, else "
                         "elastic_gpu_jobs in $AIRFLOW_HOME or ~/airflow)")
-    p.add_argument("--detach", action="store_true", help="start and return")
-    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.add_argument("--detach", action="store_true", help="start the job and return instead of following it")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the training command after --; {num_gpus} is replaced by the GPU count at each "
+                        "(re)start")
     p.set_defaults(fn=cmd_run_local)
 
     p = sub.add_parser("broker", help="serve the broker HTTP API and the GPU pool page")
-    p.add_argument("action", choices=["serve"])
+    p.add_argument("action", choices=["serve"], help="serve: run the server until Ctrl-C")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; any but a loopback one needs $AIRFLOW_ELASTIC_GPU_UI_TOKEN")
-    p.add_argument("--port", type=_port, default=8793)
+    p.add_argument("--port", type=_port, default=8793, help="TCP port (default 8793)")
     p.add_argument("--api-docs", action="store_true",
                    help="also serve Swagger UI (/docs) and ReDoc (/redoc); their assets load from a CDN")
     p.add_argument("--max-body-bytes", type=int, default=None,
@@ -431,23 +530,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "$AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES or 16384)")
     p.set_defaults(fn=cmd_broker)
 
+    from airflow_elastic_gpu.simulator.engine import RestartOverheads
     from airflow_elastic_gpu.simulator.profiles import DEFAULT_SOURCE
+
+    overheads = RestartOverheads()
 
     p = sub.add_parser("workload", help="cut a paper-scale workload from a raw job trace")
     p.add_argument("--trace", required=True, help="trace CSV (job_id, submit_time_s, num_gpus, duration_s)")
     p.add_argument("--gpus", type=int, default=16, help="cluster size; larger jobs are dropped")
     p.add_argument("--hours", type=float, default=8.0, help="arrival window length")
     p.add_argument("--load", type=float, default=1.0, help="GPU-time offered, as a multiple of gpus x hours")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the choice of jobs and models (default 0)")
     p.add_argument("--start-hour", type=float, default=0.0, help="window start, hour of the trace's day")
     p.add_argument("--max-gpu-hours", type=float, default=None, help="largest job kept (default gpus*hours/8)")
     p.add_argument("--profiles", default=None, help="throughput profile CSV (default: bundled)")
-    p.add_argument("--profile-source", default=DEFAULT_SOURCE)
+    p.add_argument("--profile-source", default=DEFAULT_SOURCE,
+                   help=f"which measurements of the profile CSV to use (default {DEFAULT_SOURCE!r})")
     p.add_argument("--out", required=True, help="output trace CSV")
     p.set_defaults(fn=cmd_workload)
 
     p = sub.add_parser("simulate", help="replay a trace under several policies and compare them")
-    p.add_argument("--trace", required=True)
+    p.add_argument("--trace", required=True,
+                   help="workload CSV (job_id, submit_time_s, num_gpus, duration_s[, model]), e.g. from workload")
     p.add_argument("--cluster", default="4x4", help="NODESxGPUS_PER_NODE (default 4x4)")
     p.add_argument("--policy", default="adaptive,static",
                    help="comma-separated: adaptive, static, termination, tiresias, optimus, afs_l")
@@ -455,11 +559,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for per-job CSVs, summary.csv and PNG plots")
     p.add_argument("--mechanism", choices=["inplace", "recreate"], default=None,
                    help="force one resize mechanism for every policy (default: each policy's own)")
-    p.add_argument("--inplace-overhead-s", type=float, default=None)
-    p.add_argument("--recreate-overhead-s", type=float, default=None)
-    p.add_argument("--rebalance-interval-s", type=float, default=60.0)
-    p.add_argument("--profiles", default=None)
-    p.add_argument("--profile-source", default=DEFAULT_SOURCE)
+    p.add_argument("--inplace-overhead-s", type=float, default=None,
+                   help="seconds a resize costs a job restarted in place, in its pod "
+                        f"(default {overheads.inplace_s:g})")
+    p.add_argument("--recreate-overhead-s", type=float, default=None,
+                   help="seconds a resize costs a job whose pod is re-created "
+                        f"(default {overheads.recreate_s:g})")
+    p.add_argument("--rebalance-interval-s", type=float, default=60.0,
+                   help="seconds between two scheduling decisions besides those on arrivals and ends "
+                        "(default 60)")
+    p.add_argument("--profiles", default=None, help="throughput profile CSV (default: bundled)")
+    p.add_argument("--profile-source", default=DEFAULT_SOURCE,
+                   help=f"which measurements of the profile CSV to use (default {DEFAULT_SOURCE!r})")
     p.add_argument("--timeline-policy", default="adaptive", help="policy whose per-job timeline is plotted")
     p.set_defaults(fn=cmd_simulate)
     return parser
@@ -467,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _full_width_unless_terminal(console, notes)
     try:
         return args.fn(args)
     except (BrokerError, BackendError, ValueError) as exc:

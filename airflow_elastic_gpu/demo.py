@@ -9,6 +9,7 @@ UI can be browsed; ``make demo-stop`` stops it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -23,9 +24,11 @@ from rich.live import Live
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
+from airflow_elastic_gpu.broker.history import applied_resizes
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.cli import snapshot_view
+from airflow_elastic_gpu.cli import UNWRAPPED_WIDTH, snapshot_view
 from airflow_elastic_gpu.config import ENV_BROKER_URL, ENV_WORK_DIR, default_broker_url
+from airflow_elastic_gpu.states import EventKind
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / ".demo"
@@ -34,7 +37,8 @@ DAG_ID = "elastic_gpu_demo"
 PORT = int(os.environ.get("ELASTIC_GPU_DEMO_PORT", "8080"))
 VIRTUAL_GPUS = 4
 TIMEOUT_S = 900
-console = Console(width=max(Console().width, 120))
+# at least 120 columns on a terminal (the summary table), full width in a file or a pipe
+console = Console(width=max(Console().width, 120) if Console().is_terminal else UNWRAPPED_WIDTH)
 
 
 def demo_env() -> dict[str, str]:
@@ -59,28 +63,45 @@ def demo_env() -> dict[str, str]:
 
 
 def summary_table(broker: GpuBroker, jobs, title: str) -> tuple[Table, int, int]:
-    """Per job: status, JCT, queueing delay, GPU-seconds, its GPU counts over time, resizes up/down,
-    final accuracy; and the total resizes up and down."""
+    """Per job: status, JCT, queueing delay, GPU-seconds, its GPU counts over time, resizes (all, up,
+    down), final accuracy; and the total resizes up and down.
+
+    Resizes are those the trainer ran (:func:`~airflow_elastic_gpu.broker.history.applied_resizes`),
+    so the count is the jobs table's, the API's and the GPU pool page's; a move to as many GPUs
+    elsewhere is neither up nor down."""
     table = Table(title=title)
-    for col in ("job", "status", "JCT s", "queued s", "GPU-s", "GPUs over time", "up", "down", "accuracy"):
+    for col in ("job", "status", "JCT s", "queued s", "GPU-s", "GPUs over time", "resizes", "up", "down",
+                "accuracy"):
         table.add_column(col, justify="left" if col in ("job", "status", "GPUs over time") else "right")
     grew = shrank = 0
     for j in sorted(jobs, key=lambda j: j.name):
-        counts, up, down = [], 0, 0
-        for e in broker.events(job_id=j.id):
-            if e.kind in ("start", "resize") and e.data:
-                counts.append(str(e.data["to_gpus"]))
-                up += e.kind == "resize" and e.data["to_gpus"] > e.data["from_gpus"]
-                down += e.kind == "resize" and e.data["to_gpus"] < e.data["from_gpus"]
+        events = broker.events(job_id=j.id)
+        first_ack = next((e for e in events if e.kind == EventKind.ACK and e.data), None)
+        resizes = applied_resizes(events)  # what the trainer ran, counted as the API and the UI count
+        counts = [str(first_ack.data["num_gpus"])] if first_ack else []
+        counts += [str(r.to_gpus) for r in resizes]
+        up, down = sum(r.grew for r in resizes), sum(r.shrank for r in resizes)
         grew, shrank = grew + up, shrank + down
         acc = (j.metrics or {}).get("accuracy")
         table.add_row(
             j.name, j.status.value, f"{j.jct_s:.0f}" if j.jct_s is not None else "-",
             f"{j.queueing_delay_s:.0f}" if j.queueing_delay_s is not None else "-",
-            f"{j.gpu_seconds:.0f}", " -> ".join(counts) or "-", str(up), str(down),
+            f"{j.gpu_seconds:.0f}", " -> ".join(counts) or "-", str(len(resizes)), str(up), str(down),
             "-" if acc is None else f"{acc:.3f}",
         )
     return table, grew, shrank
+
+
+def print_new_events(broker: GpuBroker, out: Console, after_id: int = 0) -> int:
+    """Print one line per broker event after ``after_id`` (time, job, kind, message): the demo's view
+    of the pool when its output is not a terminal. :returns: the id of the last event printed."""
+    names = {j.id: j.name for j in broker.jobs()}
+    for e in broker.events(after_id=after_id):
+        stamp = time.strftime("%H:%M:%S", time.localtime(e.time_s))
+        out.print(f"{stamp} {names.get(e.job_id or '', '-'):<12} {e.kind:<9} {e.message}", markup=False,
+                  highlight=False, soft_wrap=True)
+        after_id = e.id
+    return after_id
 
 
 def parse_run_id(stdout: str) -> str:
@@ -162,13 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     state = "running"
     deadline = time.monotonic() + TIMEOUT_S
     last_check = 0.0
-    with Live(snapshot_view(broker.snapshot()), console=console, refresh_per_second=1) as live:
+    # a terminal gets the pool redrawn in place; a file or a pipe gets a line per event as it happens
+    live = Live(snapshot_view(broker.snapshot()), console=console, refresh_per_second=1) \
+        if console.is_terminal else contextlib.nullcontext()
+    last_event = 0
+    with live:
         while state not in ("success", "failed"):
             if time.monotonic() > deadline:
                 state = "timed out"
                 break
             time.sleep(1)
-            live.update(snapshot_view(broker.snapshot()))
+            if isinstance(live, Live):
+                live.update(snapshot_view(broker.snapshot()))
+            else:
+                last_event = print_new_events(broker, console, last_event)
             jobs = broker.jobs()
             if len(jobs) >= 4 and all(j.status.terminal for j in jobs) and time.monotonic() - last_check > 5:
                 last_check = time.monotonic()

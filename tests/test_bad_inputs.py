@@ -124,6 +124,8 @@ def test_progress_rejects_impossible_steps(broker, step):
     (["jobs", "--pool", "nosuch"], "unknown GPU pool 'nosuch'"),
     (["run-local", "--total-steps", "10"], "command"),
     (["run-local", "--total-steps", "0", "--", "python", "x.py"], "total_steps must be an integer >= 1"),
+    (["run-local", "--total-steps", "50", "--progress-pattern", r"step \d+", "--", "python", "x.py"],
+     "must have a named group (?P<step>...)"),
     (["cancel", "no-such-job"], "unknown job"),
     (["simulate", "--trace", "missing.csv"], "does not exist"),
     (["workload", "--trace", "missing.csv", "--out", "w.csv"], "does not exist"),
@@ -156,3 +158,36 @@ def test_broker_serve_rejects_a_port_out_of_range(capsys):
         cli(["broker", "serve", "--port", "99999"])
     assert exit_.value.code == 2
     assert "--port: must be between 1 and 65535, got 99999" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # a misspelled option before run-local's command is named, not swallowed into the command
+    (["run-local", "--min_gpus", "1", "--total-steps", "50", "--", "python", "x.py"],
+     "unknown option --min_gpus; did you mean --min-gpus?"),
+    # an abbreviation is not taken for the option it starts
+    (["run-local", "--max-gpu", "2", "--total-steps", "50", "--", "python", "x.py"],
+     "unknown option --max-gpu; did you mean --max-gpus?"),
+    (["--broker-ur", "sqlite://", "jobs"], "unknown option --broker-ur; did you mean --broker-url?"),
+    (["jobs", "--activ"], "unknown option --activ; did you mean --active?"),
+    (["simulate", "--trace", "w.csv", "--polcy", "static"], "unknown option --polcy; did you mean --policy?"),
+    (["status", "--frobnicate"], "unknown option --frobnicate; see airflow-elastic-gpu status --help"),
+])
+def test_cli_names_an_unknown_option_and_the_nearest_known_one(tmp_path, capsys, argv, message):
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    with pytest.raises(SystemExit) as exit_:
+        cli(argv if argv[0].startswith("--broker") else ["--broker-url", url, *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "cli.db").exists()  # rejected before anything was opened
+
+
+def test_run_local_leaves_the_words_of_its_command_alone(tmp_path, capsys):
+    """Options of the training command, after ``--`` or after its first word, are not the CLI's."""
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    for command in (["--", "true", "--min_gpus", "-m"], ["true", "--max-gpu", "2"]):
+        assert cli(["--broker-url", url, "run-local", "--total-steps", "5", "--detach", "--virtual-gpus", "1",
+                    "--work-dir", str(tmp_path / "jobs"), *command]) == 0
+    jobs = GpuBroker(url).jobs()
+    assert sorted(j.command for j in jobs) == ["true --max-gpu 2", "true --min_gpus -m"]
+    for j in jobs:
+        GpuBroker(url).cancel(j.id)

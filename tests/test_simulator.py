@@ -4,6 +4,7 @@ characteristic behaviour, broker-in-the-loop equivalence, and clear errors on ba
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 from collections import defaultdict
 
@@ -263,3 +264,25 @@ def test_bundled_traces_round_trip(tmp_path):
     again = load_trace(write_trace(tmp_path / "copy.csv", jobs))
     assert [(j.job_id, j.num_gpus, j.duration_s) for j in again] == [
         (j.job_id, j.num_gpus, j.duration_s) for j in jobs]
+
+
+@pytest.mark.parametrize(("shortest_h", "longest_h"), [(2.0, 7.0), (0.28, 8.0), (0.01, 400.0)])
+def test_jct_cdf_x_labels_do_not_overlap(shortest_h, longest_h, monkeypatch, tmp_path):
+    """Whatever the JCT range (within a decade, across two, over many), the x tick labels are apart."""
+    from airflow_elastic_gpu.simulator import report
+
+    ratio = (longest_h / shortest_h) ** (1 / 11)
+    jobs = [TraceJob(str(i), i, 1, 3600 * shortest_h * ratio**i, "ncf") for i in range(12)]
+    results = [simulate(jobs, ClusterShape(4, 4), "static", seed=0)]
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda plt, fig, path: figures.append(fig) or fig.tight_layout())
+    report.plot_jct_cdf(results, tmp_path / "cdf.png")
+    [fig] = figures
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    boxes = sorted((t.get_window_extent(renderer) for t in ax.get_xticklabels(minor=False) + ax.get_xticklabels(minor=True)
+                    if t.get_text() and t.get_visible()
+                    and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]), key=lambda b: b.x0)
+    assert len(boxes) >= 2
+    assert all(a.x1 <= b.x0 for a, b in itertools.pairwise(boxes)), [(b.x0, b.x1) for b in boxes]

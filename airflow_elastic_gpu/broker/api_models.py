@@ -5,12 +5,14 @@ The models are the API's contract: the OpenAPI schema is generated from them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from airflow_elastic_gpu.broker.history import applied_resizes
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import EventView, JobView, PoolSnapshot, Target
 
@@ -215,16 +217,18 @@ def snapshot_out(s: PoolSnapshot) -> SnapshotOut:
 
 
 def timeline(broker: GpuBroker, pool: str) -> TimelineOut:
-    """Each job's GPU count over time, from the broker's ack (running) and end events."""
+    """Each job's GPU count over time, from the broker's ack (running) and end events, and the resizes
+    applied (:func:`~airflow_elastic_gpu.broker.history.applied_resizes`), each at the moment its
+    trainer ran on the new GPUs."""
     jobs = {j.id: j for j in broker.jobs(pool)}
     open_: dict[str, Segment] = {}
     segments: list[Segment] = []
     resizes: list[EventOut] = []
-    for e in broker.events(pool, limit=100_000):
-        if e.job_id is None or e.job_id not in jobs:
-            continue
-        if e.kind == "resize":
-            resizes.append(event_out(e))
+    events = [e for e in broker.events(pool, limit=100_000) if e.job_id is not None and e.job_id in jobs]
+    for r in applied_resizes(events):  # at the ack, where the new bar starts; with the decision's reason
+        shown = r.published or r.ack
+        resizes.append(event_out(dataclasses.replace(shown, time_s=r.time_s)))
+    for e in events:
         if e.kind in ("ack", "succeeded", "failed", "cancelled", "lost"):
             seg = open_.pop(e.job_id, None)
             if seg is not None:

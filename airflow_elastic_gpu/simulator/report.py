@@ -67,6 +67,17 @@ def _save(plt, fig, path: str | Path) -> Path:
     return Path(path)
 
 
+def _few_log_labels(axis) -> None:
+    """Label a log axis at 1, 2 and 5 times the powers of ten, as plain numbers (0.5, 2, 10), and no
+    minor tick: matplotlib's default labels minor ticks when the axis spans less than a decade or
+    two, and those labels overlap."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_jct_cdf(results: Sequence[SimulationResult], path: str | Path, title: str = "") -> Path:
     """CDF of JCT (hours, log x) per policy."""
     plt = _pyplot()
@@ -75,6 +86,7 @@ def plot_jct_cdf(results: Sequence[SimulationResult], path: str | Path, title: s
         jct = sorted(j.jct_s / 3600 for j in r.jobs)
         ax.step(jct, [(i + 1) / len(jct) for i in range(len(jct))], where="post", label=r.policy)
     ax.set_xscale("log")
+    _few_log_labels(ax.xaxis)
     ax.set_xlabel("job completion time (hours, log scale)")
     ax.set_ylabel("fraction of jobs")
     ax.set_title(title or "JCT CDF")

@@ -130,10 +130,14 @@ function renderTimeline(tl, names) {
     y: segs.map(() => plotlyText(label(jobId, names))),
     base: segs.map(s => new Date(s.start_s * 1000)),
     x: segs.map(s => (end(s) - s.start_s) * 1000),
+    // labels in the middle of their bar: a resize's diamond sits on the bar's edge (where the new
+    // allocation starts), so a label at the edge would lie under it
     text: segs.map(s => s.num_gpus + " GPU" + (s.num_gpus > 1 ? "s" : "")), textposition: "inside",
+    insidetextanchor: "middle",
     marker: { color: colour(jobId), opacity: segs.map(s => 0.35 + 0.65 * Math.min(1, s.num_gpus / 4)) },
     hovertemplate: "%{text}<extra>%{y}</extra>",
   }));
+  // the API gives each resize at the moment the trainer ran on its new GPUs: the start of a segment
   const resizes = list(tl.resizes).filter(e => isNum(e.time_s));
   traces.push({
     type: "scatter", mode: "markers", name: "resize", marker: { symbol: "diamond", size: 10, color: "#1f2933" },

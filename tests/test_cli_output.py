@@ -1,0 +1,65 @@
+"""What the CLI prints: help text for every option, tables at full width in files and pipes, and the
+names it gives jobs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.cli import build_parser, job_name_from_command
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [action] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", ["run-local", "simulate", "workload", "nodes", "pool", "jobs", "status",
+                                     "cancel", "broker"])
+def test_every_option_of_a_command_has_help_text(command):
+    parser = subcommands(build_parser())[command]
+    missing = [a.option_strings or a.dest for a in parser._actions if not a.help]
+    assert missing == []
+
+
+def test_top_level_help_is_plain_text_without_rest_markup(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "run-local" in text and "simulate" in text
+    for markup in ("``", ":func:", ":class:", "~airflow_elastic_gpu"):
+        assert markup not in text
+
+
+@pytest.mark.parametrize(("command", "name"), [
+    (("python -m torch.distributed.run --standalone --nproc_per_node={num_gpus} examples/train_digits.py "
+      "--total-steps 600"), "train_digits"),
+    ("torchrun --nproc_per_node=2 /data/jobs/resnet50.py --epochs 90", "resnet50"),
+    ("python3 -u ./finetune.py", "finetune"),
+    ("python -m my_project.train --lr 0.1", "train"),
+    ("./run_training.sh --fast", "run_training.sh"),
+    ("sleep 1000", "sleep"),
+])
+def test_run_local_names_a_job_after_its_script_not_the_interpreter(command, name):
+    assert job_name_from_command(command) == name
+
+
+def test_tables_written_to_a_pipe_are_not_cut_to_80_columns(tmp_path):
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    broker = GpuBroker(url)
+    broker.register_node("n0", 2)
+    long_name = "a-job-with-a-name-long-enough-that-an-80-column-table-would-fold-or-cut-it"
+    broker.submit(JobSpec(long_name, "sleep 1", 1, 2, total_steps=1_000_000))
+    out = subprocess.run([sys.executable, "-m", "airflow_elastic_gpu.cli", "--broker-url", url, "jobs"],
+                         capture_output=True, text=True, timeout=60, check=True,
+                         env={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")})
+    rows = [line for line in out.stdout.splitlines() if long_name in line]
+    assert len(rows) == 1, out.stdout  # the name on one line, whole
+    assert "0/1,000,000" in rows[0] and len(rows[0]) > 80
+    assert "job files in" in out.stderr  # where it reads and writes, on stderr
