@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: test test-all demo demo-stop lint clean browser
+.PHONY: test test-all test-slow demo demo-stop lint clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ test: $(STAMP) browser
 ## make test-all: also the slow tests (end-to-end runs that a faster default test mirrors)
 test-all: $(STAMP) browser
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+## make test-slow: only the slow tests (CI runs make test, then this)
+test-slow: $(STAMP) browser
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m slow $(XDIST) $(PYTEST_ARGS)
 
 ## make demo: run the demo (see README)
 demo: $(STAMP)
