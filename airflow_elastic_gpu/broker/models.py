@@ -38,6 +38,8 @@ class GpuPool(Base):
     policy_params: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     lease_s: Mapped[float] = mapped_column(Float, default=60.0)
     rebalance_interval_s: Mapped[float] = mapped_column(Float, default=10.0)
+    # the highest rebalance request id the last rebalance served: pending ones are above it
+    served_request_id: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Node(Base):
@@ -131,9 +133,11 @@ class RebalanceRequest(Base):
     """
 
     __tablename__ = "rebalance_request"
+    # ids only grow (SQLite: AUTOINCREMENT), so that pending requests are those above the watermark
+    __table_args__ = (Index("ix_rebalance_request_pool_id", "pool", "id"), {"sqlite_autoincrement": True})
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    pool: Mapped[str] = mapped_column(ForeignKey("gpu_pool.name"), index=True)
+    pool: Mapped[str] = mapped_column(ForeignKey("gpu_pool.name"))
     time_s: Mapped[float] = mapped_column(Float)
 
 

@@ -8,7 +8,12 @@ Rebalances are **coalesced**, and job calls never wait for one:
   lock without waiting (``FOR UPDATE SKIP LOCKED``; SQLite serializes writers anyway). If it gets
   the lock and requests are pending, it runs one rebalance that serves all of them; if another
   rebalance holds the lock, that one, or the next, serves it: a rebalance deletes the requests it
-  saw *before* it reads the pool, so a request committed later is left for the next one.
+  saw *before* it reads the pool, so a request committed later is left for the next one. Callers
+  count pending requests above the pool's watermark (the highest id the last rebalance saw), an
+  index range scan that never steps over served, deleted rows. A request whose id was taken before
+  the watermark but committed after it (a window of milliseconds) is not counted as pending: it is
+  served by the next rebalance that a later request, a heartbeat past ``rebalance_interval_s`` or
+  a trigger poll starts.
 * Job calls lock only their job row. A rebalance holds the pool lock, reads the pool without row
   locks, decides, then locks just the job rows it writes (publications, reaped jobs) and re-checks
   them: a job that ended meanwhile is left alone. A stale read is only ever conservative: a GPU
@@ -29,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Row, bindparam, delete, insert, literal, select, union_all, update
+from sqlalchemy import Row, bindparam, delete, func, insert, literal, select, union_all, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from airflow_elastic_gpu.broker.models import (
@@ -81,7 +86,12 @@ _DROP_TARGET = delete(GpuTarget).where(GpuTarget.job_id == bindparam("job_id"))
 _ADD_TARGET = insert(GpuTarget)
 
 
-_TOUCH_POOL = update(GpuPool).where(GpuPool.name == bindparam("pool")).values(last_rebalance_s=bindparam("now"))
+_TOUCH_POOL = update(GpuPool).where(GpuPool.name == bindparam("pool")).values(
+    last_rebalance_s=bindparam("now"),
+    served_request_id=func.coalesce(
+        select(func.max(RebalanceRequest.id)).where(RebalanceRequest.pool == bindparam("pool")).scalar_subquery(),
+        GpuPool.served_request_id),
+)
 _POOL_SHARED = select(GpuPool.last_rebalance_s).where(GpuPool.name == bindparam("pool")).with_for_update(read=True)
 
 
@@ -230,8 +240,8 @@ class Rebalancing(BrokerBase):
         now = self.clock()
         pool = row.name
         self.rebalances += 1
+        s.execute(_TOUCH_POOL, {"pool": pool, "now": now})  # the watermark first: the delete sees as much
         s.execute(_SERVED, {"pool": pool})
-        s.execute(_TOUCH_POOL, {"pool": pool, "now": now})
         jobs = s.execute(_ACTIVE_JOBS, {"pool": pool}).all()
         silent = [j.id for j in jobs if now - j.last_heartbeat_s > row.lease_s]
         reaped = set()

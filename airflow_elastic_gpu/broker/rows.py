@@ -105,13 +105,18 @@ _TARGET_GPUS = (select(Node.name, Gpu.index).join(Gpu, Gpu.node_id == Node.id)
                 .join(GpuTarget, GpuTarget.gpu_id == Gpu.id).where(GpuTarget.job_id == bindparam("job_id")))
 _ADD_EVENT = insert(Event)
 _ADD_REQUEST = insert(RebalanceRequest)
-# unserved rebalance requests of the pool, counted up to 2 (0, 1, or 2 for several)
+# unserved rebalance requests of the pool, counted up to 2 (0, 1, or 2 for several): those above the
+# last rebalance's watermark, found by a range scan of the (pool, id) index that starts there
 _PENDING = (select(func.count()).select_from(
-    select(RebalanceRequest.id).where(RebalanceRequest.pool == bindparam("pool")).limit(2).subquery())
+    select(RebalanceRequest.id).where(RebalanceRequest.pool == bindparam("pool"),
+                                      RebalanceRequest.id > select(GpuPool.served_request_id)
+                                      .where(GpuPool.name == bindparam("pool")).scalar_subquery())
+    .order_by(RebalanceRequest.id).limit(2).subquery())
     .scalar_subquery())
 _POOL = select(*GpuPool.__table__.columns, _PENDING.label("pending")).where(GpuPool.name == bindparam("pool"))
 # the same, of the pool of the enclosing query's ``gpu_pool`` row (correlated EXISTS: 0, 1 or 2)
-_REQUEST_OF_POOL = select(RebalanceRequest.id).where(RebalanceRequest.pool == GpuPool.name)
+_REQUEST_OF_POOL = select(RebalanceRequest.id).where(RebalanceRequest.pool == GpuPool.name,
+                                                     RebalanceRequest.id > GpuPool.served_request_id)
 PENDING_OF_POOL = case((~_REQUEST_OF_POOL.exists(), 0),
                        (_REQUEST_OF_POOL.order_by(RebalanceRequest.id).offset(1).limit(1).exists(), 2), else_=1)
 # a job call's row lock: the job's book columns, with its pool's rebalance settings and pending
