@@ -58,6 +58,18 @@ def demo_env() -> dict[str, str]:
     }
 
 
+def gpu_history(broker: GpuBroker, job_id: str) -> tuple[list[int], int, int]:
+    """A job's GPU counts over time (at its start, then after each resize) and its resizes up and
+    down, from the broker's events."""
+    counts, up, down = [], 0, 0
+    for e in broker.events(job_id=job_id):
+        if e.kind in ("start", "resize") and e.data:
+            counts.append(int(e.data["to_gpus"]))
+            up += e.kind == "resize" and e.data["to_gpus"] > e.data["from_gpus"]
+            down += e.kind == "resize" and e.data["to_gpus"] < e.data["from_gpus"]
+    return counts, up, down
+
+
 def summary_table(broker: GpuBroker, jobs, title: str) -> tuple[Table, int, int]:
     """Per job: status, JCT, queueing delay, GPU-seconds, its GPU counts over time, resizes up/down,
     final accuracy; and the total resizes up and down."""
@@ -66,18 +78,13 @@ def summary_table(broker: GpuBroker, jobs, title: str) -> tuple[Table, int, int]
         table.add_column(col, justify="left" if col in ("job", "status", "GPUs over time") else "right")
     grew = shrank = 0
     for j in sorted(jobs, key=lambda j: j.name):
-        counts, up, down = [], 0, 0
-        for e in broker.events(job_id=j.id):
-            if e.kind in ("start", "resize") and e.data:
-                counts.append(str(e.data["to_gpus"]))
-                up += e.kind == "resize" and e.data["to_gpus"] > e.data["from_gpus"]
-                down += e.kind == "resize" and e.data["to_gpus"] < e.data["from_gpus"]
+        counts, up, down = gpu_history(broker, j.id)
         grew, shrank = grew + up, shrank + down
         acc = (j.metrics or {}).get("accuracy")
         table.add_row(
             j.name, j.status.value, f"{j.jct_s:.0f}" if j.jct_s is not None else "-",
             f"{j.queueing_delay_s:.0f}" if j.queueing_delay_s is not None else "-",
-            f"{j.gpu_seconds:.0f}", " -> ".join(counts) or "-", str(up), str(down),
+            f"{j.gpu_seconds:.0f}", " -> ".join(map(str, counts)) or "-", str(up), str(down),
             "-" if acc is None else f"{acc:.3f}",
         )
     return table, grew, shrank
