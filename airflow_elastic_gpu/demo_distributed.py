@@ -133,7 +133,6 @@ def airflow_env(s: Settings, api_port: int, queue: str) -> dict[str, str]:
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
         "AIRFLOW__CORE__PARALLELISM": "32",
         "AIRFLOW__CORE__HOSTNAME_CALLABLE": f"{demo_hostname.__module__}.demo_hostname",
@@ -369,6 +368,11 @@ def run(s: Settings) -> dict:
                     return conn.execute(text("SELECT count(*) FROM serialized_dag WHERE dag_id = :d"),
                                         {"d": DAG_ID}).scalar() > 0
             wait_until(f"the parsing of {DAG_ID}", parsed, 300, procs)
+            # only this DAG runs (the folder's other DAGs stay paused, as new DAGs are by default)
+            out = subprocess.run([airflow_bin(), "dags", "unpause", DAG_ID], check=False, env=procs.env(env),
+                                 capture_output=True, text=True, timeout=300)
+            if out.returncode != 0:
+                raise SystemExit(f"could not unpause {DAG_ID}: {out.stderr[-2000:]}")
             conf = {"jobs": s.jobs, "steps": s.steps, "step_ms": s.step_ms}
             out = subprocess.run([airflow_bin(), "dags", "trigger", DAG_ID, "--conf", json.dumps(conf), "-o", "json"],
                                  check=False, env=procs.env(env), capture_output=True, text=True, timeout=300)
