@@ -29,6 +29,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,7 +69,8 @@ class Settings:
     :param jobs: mapped trainings.
     :param steps: steps of the middle-sized training (the others do 2/3 and 4/3 of it).
     :param step_ms: milliseconds per step of the global batch on one GPU (``train_digits --step-ms``).
-    :param home: directory of ``AIRFLOW_HOME``, the logs and the jobs' directories.
+    :param home: directory of ``AIRFLOW_HOME`` (``airflow/``), the logs (``logs/``) and the jobs'
+        directories (``jobs/``); those three are emptied at the start.
     :param postgres_url: a PostgreSQL server's URL (any database: it is used to create ours).
     :param db_prefix: our databases are ``<db_prefix>_airflow`` and ``<db_prefix>_broker``.
     :param celery_broker: Celery's broker URL (Redis or RabbitMQ).
@@ -338,6 +340,8 @@ def run(s: Settings) -> dict:
     :raises SystemExit: a step did not happen in time, or a process of the deployment died.
     """
     check = invariant_checker()
+    for stale in ("airflow", "logs", "jobs"):  # a previous run's Airflow home, logs and job directories
+        shutil.rmtree(s.home / stale, ignore_errors=True)
     s.home.mkdir(parents=True, exist_ok=True)
     t_setup = time.monotonic()
     console.print(f"[bold]1/5[/bold] databases {s.db_prefix}_airflow and {s.db_prefix}_broker (re-created)")
@@ -433,6 +437,8 @@ def run(s: Settings) -> dict:
         if s.drop_databases:
             broker.engine.dispose()
             recreate_databases(s, drop_only=True)
+    if not console.is_terminal:  # Live left its last frame without a line end
+        console.print()
     console.print("[bold]4/5[/bold] summary (every process of the deployment stopped)")
     ends = [f for f in figures if f.jct_s is not None]
     console.print(summary(figures, kill, f"{DAG_ID} run {run_id}: {state}"))
