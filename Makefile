@@ -5,14 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: test test-all test-slow demo demo-stop lint clean browser
+.PHONY: test test-all test-slow demo demo-stop demo-distributed lint clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e '.[test,demo]'
+	$(BIN)/pip install -q -e '.[test,demo,distributed]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
@@ -46,6 +46,10 @@ test-slow: $(STAMP) browser
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m airflow_elastic_gpu.demo
 
+## make demo-distributed: PostgreSQL, CeleryExecutor (Redis), two workers, two triggerers, one killed mid-run (see docs/distributed.md)
+demo-distributed: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m airflow_elastic_gpu.demo_distributed $(DEMO_ARGS)
+
 demo-stop: $(STAMP)
 	$(BIN)/python -m airflow_elastic_gpu.demo --stop
 
@@ -53,4 +57,4 @@ lint: $(STAMP)
 	$(BIN)/pip install -q ruff && $(BIN)/ruff check airflow_elastic_gpu tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .hypothesis
+	rm -rf $(VENV) .demo .demo-distributed .pytest_cache .hypothesis

@@ -62,6 +62,18 @@ def demo_env() -> dict[str, str]:
     }
 
 
+def gpu_history(broker: GpuBroker, job_id: str) -> tuple[list[int], int, int, int]:
+    """A job's GPU counts over time (its first acked generation, then each resize the trainer ran),
+    its resizes in all, up and down, from the broker's events. Resizes are counted at the ack
+    (:func:`~airflow_elastic_gpu.broker.history.applied_resizes`), as the API and the GPU pool page
+    count them; a move to as many GPUs elsewhere is neither up nor down."""
+    events = broker.events(job_id=job_id)
+    first_ack = next((e for e in events if e.kind == EventKind.ACK and e.data), None)
+    resizes = applied_resizes(events)
+    counts = ([int(first_ack.data["num_gpus"])] if first_ack else []) + [r.to_gpus for r in resizes]
+    return counts, len(resizes), sum(r.grew for r in resizes), sum(r.shrank for r in resizes)
+
+
 def summary_table(broker: GpuBroker, jobs, title: str) -> tuple[Table, int, int]:
     """Per job: status, JCT, queueing delay, GPU-seconds, its GPU counts over time, resizes (all, up,
     down), final accuracy; and the total resizes up and down.
@@ -75,18 +87,13 @@ def summary_table(broker: GpuBroker, jobs, title: str) -> tuple[Table, int, int]
         table.add_column(col, justify="left" if col in ("job", "status", "GPUs over time") else "right")
     grew = shrank = 0
     for j in sorted(jobs, key=lambda j: j.name):
-        events = broker.events(job_id=j.id)
-        first_ack = next((e for e in events if e.kind == EventKind.ACK and e.data), None)
-        resizes = applied_resizes(events)  # what the trainer ran, counted as the API and the UI count
-        counts = [str(first_ack.data["num_gpus"])] if first_ack else []
-        counts += [str(r.to_gpus) for r in resizes]
-        up, down = sum(r.grew for r in resizes), sum(r.shrank for r in resizes)
+        counts, resized, up, down = gpu_history(broker, j.id)
         grew, shrank = grew + up, shrank + down
         acc = (j.metrics or {}).get("accuracy")
         table.add_row(
             j.name, j.status.value, f"{j.jct_s:.0f}" if j.jct_s is not None else "-",
             f"{j.queueing_delay_s:.0f}" if j.queueing_delay_s is not None else "-",
-            f"{j.gpu_seconds:.0f}", " -> ".join(counts) or "-", str(len(resizes)), str(up), str(down),
+            f"{j.gpu_seconds:.0f}", " -> ".join(map(str, counts)) or "-", str(resized), str(up), str(down),
             "-" if acc is None else f"{acc:.3f}",
         )
     return table, grew, shrank

@@ -43,10 +43,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="stand in for a larger model: one step of the global batch on one GPU takes at "
+                        "least this many milliseconds; each of N workers pads its step to 1/N of it "
+                        "(sleeping, so it costs no CPU)")
     p.add_argument("--checkpoint-dir", default=os.environ.get("ELASTIC_CHECKPOINT_DIR", "checkpoints"))
     args = p.parse_args(argv)
     if args.total_steps < 1 or args.global_batch < 1 or args.checkpoint_every < 1:
         p.error("--total-steps, --global-batch and --checkpoint-every must be >= 1")
+    if args.step_ms < 0:
+        p.error("--step-ms must be >= 0")
     return args
 
 
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             if world > 1:
                 dist.destroy_process_group()
             return EXIT_STOPPED
+        t_step = time.monotonic()
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         idx = torch.randint(0, len(x_train), (args.global_batch,), generator=g)
         mine = idx[rank * shard:(rank + 1) * shard].to(device)
@@ -127,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         loss = loss_fn(ddp(x_train[mine]), y_train[mine])
         loss.backward()
         optim.step()
+        if args.step_ms:  # this worker's share of the global batch's simulated compute time
+            time.sleep(max(0.0, args.step_ms / 1000 * shard / args.global_batch - (time.monotonic() - t_step)))
         step += 1
         if rank == 0 and step % args.checkpoint_every == 0:
             save_checkpoint(ckpt, step, model, optim)

@@ -250,6 +250,31 @@ def test_trigger_fires_on_the_brokers_terminal_state_and_on_kill_releases_gpus(t
     assert not backend.is_running(job.id)
 
 
+def test_on_kill_of_a_trigger_moved_to_another_triggerer_leaves_the_job_running(tmp_path, monkeypatch):
+    """Airflow 3.3 calls on_kill on the old triggerer when a trigger is reassigned (its heartbeat was
+    late); the task instance is still deferred then, and the job must go on."""
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    broker = GpuBroker(url)
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("moved", "true", 1, 2, total_steps=10))
+    asked = []
+
+    def deferred_count(**kwargs):
+        asked.append(kwargs)
+        return 1
+
+    monkeypatch.setattr(RuntimeTaskInstance, "get_ti_count", staticmethod(deferred_count))
+    trigger = ElasticTrainingTrigger(job.id, "elastic_gpu_missing_conn", 0.2, "local", str(tmp_path / "jobs"))
+    trigger.task_instance = _trigger_ti()
+    asyncio.run(trigger.on_kill())
+    assert broker.job(job.id).status is not JobStatus.CANCELLED
+    assert asked == [{"dag_id": "sft", "task_ids": ["train"], "run_ids": ["manual__1"], "map_index": -1,
+                      "states": ["deferred"]}]
+
+
 class _FakeTI:
     """The task-instance fields the operator reads, for a retry test without a metadata DB."""
 

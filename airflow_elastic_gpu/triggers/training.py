@@ -177,10 +177,36 @@ class ElasticTrainingTrigger(BaseTrigger):
                 return
             await asyncio.sleep(self.poll_interval)
 
+    def _still_deferred(self) -> bool:
+        """Whether this trigger's task instance is still deferred, asked through the triggerer's
+        supervisor (blocking: call it in a thread). ``False`` when it cannot be told (no task
+        instance, or an Airflow without the call): ``on_kill``'s documented meaning, a user acted."""
+        ti = self.task_instance
+        if ti is None:
+            return False
+        try:
+            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+            return RuntimeTaskInstance.get_ti_count(
+                dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id], map_index=ti.map_index,
+                states=["deferred"]) > 0
+        except Exception as exc:  # noqa: BLE001 - no supervisor to ask (a test, an older Airflow)
+            self.log.warning("could not read the state of task instance %s (%s); taking on_kill as a "
+                             "user's action", ti, exc)
+            return False
+
     async def on_kill(self) -> None:
         """The user marked the deferred task failed/success or cleared it: stop the job, free its GPUs
-        (nothing to stop before a ``start_from_trigger`` trigger has submitted its job)."""
+        (nothing to stop before a ``start_from_trigger`` trigger has submitted its job).
+
+        Airflow 3.3 also calls ``on_kill`` on a live triggerer whose trigger was given to another
+        one (its heartbeat was late, e.g. on a loaded machine): the task instance is then still
+        deferred, the other triggerer watches the job, and the job goes on."""
         if self.job_id is None:
+            return
+        if await asyncio.to_thread(self._still_deferred):
+            self.log.info("job %s goes on: its task instance is still deferred (the trigger moved to "
+                          "another triggerer)", self.job_id)
             return
 
         def kill() -> None:
