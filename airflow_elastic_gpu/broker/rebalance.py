@@ -38,6 +38,7 @@ from sqlalchemy import Row, bindparam, delete, func, insert, literal, select, un
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from airflow_elastic_gpu.broker.models import (
+    Event,
     Gpu,
     GpuInUse,
     GpuPool,
@@ -82,7 +83,10 @@ _POOL_HELD = union_all(*(
     .where(Job.pool == bindparam("pool"))
     for kind, table in (("target", GpuTarget), ("in_use", GpuInUse))
 ))
-_DROP_TARGET = delete(GpuTarget).where(GpuTarget.job_id == bindparam("job_id"))
+_DROP_TARGETS = delete(GpuTarget).where(GpuTarget.job_id.in_(bindparam("job_ids", expanding=True)))
+_PUBLISH = (update(Job).where(Job.id == bindparam("_job_id"))
+            .values(status=JobStatus.RUNNING.value))
+_ADD_EVENT = insert(Event)
 _ADD_TARGET = insert(GpuTarget)
 
 
@@ -276,23 +280,31 @@ class Rebalancing(BrokerBase):
         publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
             nodes, books, now)
         locked = self._locked_active(s, [p.job_id for p in publications])
-        published: dict[str, tuple[GpuId, ...]] = {}
-        for pub in publications:
-            job = locked.get(pub.job_id)
-            if job is None:
-                continue  # it ended while we decided; its GPUs are free already
-            s.execute(_DROP_TARGET, {"job_id": job.id})
-            if pub.gpus:
-                s.execute(_ADD_TARGET, [{"gpu_id": id_by_gpu[g], "job_id": job.id, "generation": pub.generation}
-                                        for g in pub.gpus])
-            update_job(s, job.id, target_generation=pub.generation, published_s=now, status=JobStatus.RUNNING.value,
-                       **({"last_resize_s": now} if pub.previous_gpus else {}))
-            published[job.id] = pub.gpus
-            self._event(
-                s, pool, EventKind.RESIZE if pub.previous_gpus else EventKind.START,
-                f"generation {pub.generation}: {pub.reason}", job.id,
-                generation=pub.generation, from_gpus=pub.previous_gpus, to_gpus=len(pub.gpus),
-                gpus=[str(g) for g in pub.gpus],
-                restart_overhead_s=job.restart_overhead_s or self.default_restart_overhead_s,
-            )
-        return published
+        # jobs that ended while we decided are left out: their GPUs are free already
+        pubs = [p for p in publications if p.job_id in locked]
+        if not pubs:
+            return {}
+        # one statement per kind of write for all publications (old targets dropped before any new
+        # one is added: a GPU one job gives up may be another's in the same rebalance)
+        s.execute(_DROP_TARGETS, {"job_ids": [p.job_id for p in pubs]})
+        targets = [{"gpu_id": id_by_gpu[g], "job_id": p.job_id, "generation": p.generation} for p in pubs for g in p.gpus]
+        if targets:
+            s.execute(_ADD_TARGET, targets)
+        s.execute(_PUBLISH, [
+            {"_job_id": p.job_id, "target_generation": p.generation, "published_s": now,
+             "last_resize_s": now if p.previous_gpus else locked[p.job_id].last_resize_s}
+            for p in pubs
+        ])
+        events = []
+        for p in pubs:
+            kind = EventKind.RESIZE if p.previous_gpus else EventKind.START
+            message = f"generation {p.generation}: {p.reason}"
+            events.append({
+                "time_s": now, "pool": pool, "job_id": p.job_id, "kind": kind.value, "message": message,
+                "data": {"generation": p.generation, "from_gpus": p.previous_gpus, "to_gpus": len(p.gpus),
+                         "gpus": [str(g) for g in p.gpus],
+                         "restart_overhead_s": locked[p.job_id].restart_overhead_s or self.default_restart_overhead_s},
+            })
+            log.info("[%s] job %s: %s", kind.value, p.job_id, message)
+        s.execute(_ADD_EVENT, events)
+        return {p.job_id: p.gpus for p in pubs}
