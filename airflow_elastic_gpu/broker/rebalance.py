@@ -295,12 +295,12 @@ class Rebalancing(BrokerBase):
              "last_resize_s": now if p.previous_gpus else locked[p.job_id].last_resize_s}
             for p in pubs
         ])
-        events = []
+        events, at = [], self.clock()  # written after any reap above, and stamped so
         for p in pubs:
             kind = EventKind.RESIZE if p.previous_gpus else EventKind.START
             message = f"generation {p.generation}: {p.reason}"
             events.append({
-                "time_s": now, "pool": pool, "job_id": p.job_id, "kind": kind.value, "message": message,
+                "time_s": at, "pool": pool, "job_id": p.job_id, "kind": kind.value, "message": message,
                 "data": {"generation": p.generation, "from_gpus": p.previous_gpus, "to_gpus": len(p.gpus),
                          "gpus": [str(g) for g in p.gpus],
                          "restart_overhead_s": locked[p.job_id].restart_overhead_s or self.default_restart_overhead_s},
