@@ -8,7 +8,8 @@ rebalance against one pool until ``--ops`` operations (default 10,000) are
 done. An independent checker thread reads the load's pool throughout (every 0.1 s, and
 once at the end) and counts invariant violations:
 
-* a GPU in two jobs' in-use sets, or two jobs' target sets;
+* a GPU in two jobs' in-use sets, or two jobs' target sets, or in one job's in-use set and
+  another's target;
 * more GPUs in use than the pool has;
 * an ended job that still holds or targets a GPU;
 * a running job (acked) whose in-use set is below its ``min_gpus``;
@@ -63,6 +64,11 @@ CHECKS = {
     "gpu in two jobs' targets": (
         f"SELECT count(*) FROM (SELECT gpu_id FROM ({_HELD.format(table='gpu_target')}) x "
         "GROUP BY gpu_id HAVING count(*) > 1) y"),
+    # the invariant the two-phase protocol keeps (the primary keys cannot): a GPU another job still
+    # runs on is never published to a job
+    "gpu in one job's in-use set and another's target": (
+        "SELECT count(*) FROM gpu_in_use u JOIN gpu_target t ON t.gpu_id = u.gpu_id AND t.job_id <> u.job_id "
+        "JOIN job j ON j.id = u.job_id WHERE j.pool = :pool"),
     "more GPUs in use than the pool has": (
         f"SELECT count(*) FROM ({_HELD.format(table='gpu_in_use')}) x HAVING count(*) > "
         "(SELECT count(*) FROM gpu g JOIN node n ON n.id = g.node_id WHERE n.pool = :pool)"),

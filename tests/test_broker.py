@@ -248,3 +248,40 @@ def test_a_failing_rebalance_never_loses_the_call_that_asked_for_it(pool, caplog
     pool.policy_override = None
     assert pool.rebalance()[job.id]  # the pending request is served once the policy works
     assert pool.target(job.id).gpus
+
+
+def test_a_request_committed_after_the_watermark_with_a_lower_id_is_still_pending(pool):
+    """Ids are taken before commit: a request may commit after a rebalance set the watermark above
+    its id. The look-back below the watermark still counts it, so the next call serves it."""
+    from sqlalchemy import text
+
+    from airflow_elastic_gpu.broker.rows import LOOKBACK_REQUESTS, read_pool, request_rebalance
+
+    with pool.engine.begin() as conn:
+        assert read_pool(conn, "default").pending == 0
+        request_rebalance(conn, "default", 0.0)
+        late = conn.execute(text("SELECT max(id) FROM rebalance_request")).scalar_one()
+        conn.execute(text("UPDATE gpu_pool SET served_request_id = :w WHERE name = 'default'"),
+                     {"w": late + LOOKBACK_REQUESTS // 2})
+    with pool.engine.connect() as conn:
+        assert read_pool(conn, "default").pending == 1
+
+
+def test_a_heartbeat_survives_a_failing_policy(pool, clock, caplog):
+    """A rebalance that raises inside a heartbeat is logged and counted; the agent still gets its
+    target (a failing policy must not fence every trainer of the pool)."""
+
+    class BrokenPolicy:
+        preemptive = False
+
+        def decide(self, state):
+            raise RuntimeError("policy bug")
+
+    job = pool.submit(spec("a"))
+    pool.ack(job.id, pool.target(job.id).generation)
+    pool.configure_pool(rebalance_interval_s=1.0)
+    pool.policy_override = BrokenPolicy()
+    clock.advance(5.0)  # the heartbeat finds an interval rebalance due
+    target = pool.heartbeat(job.id)
+    assert target.generation == 1 and target.gpus
+    assert pool.failed_rebalances >= 1 and "policy bug" in caplog.text

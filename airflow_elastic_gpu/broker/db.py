@@ -3,7 +3,7 @@
 SQLite writers take the database lock up front (``BEGIN IMMEDIATE``, the
 recipe of SQLAlchemy's pysqlite dialect docs), so two writers never interleave
 a read-then-write; PostgreSQL writers lock their GPU pool's row instead
-(``SELECT ... FOR UPDATE`` in :mod:`airflow_elastic_gpu.broker.service`).
+(``SELECT ... FOR NO KEY UPDATE`` in :mod:`airflow_elastic_gpu.broker.transactions`).
 """
 
 from __future__ import annotations

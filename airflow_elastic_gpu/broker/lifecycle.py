@@ -5,8 +5,9 @@ with a new generation (:mod:`.rebalance`); the agent restarts the trainer on it 
 the generation; only then do the job's in-use GPUs become the target, freeing the rest.
 
 Each call is one short transaction on a connection with plain SQL statements (:mod:`.rows`) that
-locks only the job's row; a call that may move allocations asks for a rebalance and then serves it
-if one is due (coalesced, see :mod:`.rebalance`).
+locks the job's row (a heartbeat is one autocommit statement); a call that may move allocations
+asks for a rebalance and serves it in the same transaction if one is due and the pool's lock is
+free (coalesced, see :mod:`.rebalance`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import uuid
 from typing import Any
 
 from sqlalchemy import Connection, Integer, and_, bindparam, delete, func, insert, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from airflow_elastic_gpu.broker.models import (
     Gpu,
@@ -42,6 +43,7 @@ from airflow_elastic_gpu.broker.rows import (
     read_job,
     update_job,
 )
+from airflow_elastic_gpu.broker.transactions import transient_kind
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
 from airflow_elastic_gpu.scheduling.core import apply_ack, record_progress
 from airflow_elastic_gpu.scheduling.state import GpuId
@@ -67,8 +69,6 @@ _NODE_SIZES = (
     .outerjoin(Gpu, and_(Gpu.node_id == Node.id, Gpu.healthy))
     .where(GpuPool.name == bindparam("pool")).group_by(GpuPool.name, Node.id)
 )
-_STATUS = (select(Job.status, Job.target_generation, Job.pool, GpuPool.lease_s).join(GpuPool, GpuPool.name == Job.pool)
-           .where(Job.id == bindparam("job_id")))
 # a job's target: one row per target GPU (or one with a NULL GPU), in one consistent statement
 _TARGET = (
     select(Job.status, Job.target_generation, GpuPool.lease_s, Node.name.label("node"), Gpu.index)
@@ -269,7 +269,14 @@ class Lifecycle(Queries):
 
         job = self._retrying(beat)  # None: unknown, or ended (then the heartbeat changes nothing)
         if job is not None and self._due(job):
-            self._serve_rebalance(job.pool, True)
+            try:
+                self._serve_rebalance(job.pool, True)
+            except IntegrityError:
+                raise  # the schema's own guard (one GPU, one job) fired: never hidden
+            except Exception as exc:
+                if isinstance(exc, (OperationalError, DBAPIError)) and transient_kind(exc) is not None:
+                    raise
+                self._rebalance_failed(job.pool)
         return self.target(job_id)  # one statement: status, generation and GPUs read together
 
     def target(self, job_id: str) -> Target:

@@ -3,18 +3,19 @@
 Rebalances are **coalesced**, and job calls never wait for one:
 
 * A call that may change allocations (submit, ack, a job's end, a node or pool change) inserts a
-  :class:`~airflow_elastic_gpu.broker.models.RebalanceRequest` row in its own transaction (an
-  insert, so it never waits on a running rebalance) and, once committed, tries to take the pool's
-  lock without waiting (``FOR UPDATE SKIP LOCKED``; SQLite serializes writers anyway). If it gets
-  the lock and requests are pending, it runs one rebalance that serves all of them; if another
-  rebalance holds the lock, that one, or the next, serves it: a rebalance deletes the requests it
-  saw *before* it reads the pool, so a request committed later is left for the next one. Callers
-  count pending requests above the pool's watermark (the highest id the last rebalance saw), an
-  index range scan that never steps over served, deleted rows. A request whose id was taken before
-  the watermark but committed after it (a window of milliseconds) is not counted as pending: it is
-  served by the next rebalance that a later request, a heartbeat past ``rebalance_interval_s`` or
-  a trigger poll starts.
-* Job calls lock only their job row. A rebalance holds the pool lock, reads the pool without row
+  :class:`~airflow_elastic_gpu.broker.models.RebalanceRequest` row (an insert, so it never waits on
+  a running rebalance) and, if one is due, tries to take the pool's lock without waiting
+  (``FOR NO KEY UPDATE SKIP LOCKED``; SQLite serializes writers anyway): a job call in its own
+  transaction (:meth:`Rebalancing._ask_rebalance`, under a savepoint), a node or pool change after
+  its commit. If it gets the lock, it runs one rebalance that serves every pending request; if
+  another rebalance holds the lock, that one, or the next, serves it: a rebalance deletes the
+  requests it saw *before* it reads the pool, so a request committed later is left for the next
+  one. Callers count pending requests from just below the pool's watermark (the highest id the
+  last rebalance saw, less :data:`~.rows.LOOKBACK_REQUESTS`), an index range scan that steps over
+  at most that many served, deleted rows; the look-back finds a request whose id was taken before
+  the watermark but committed after it.
+* A job call locks its job row before anything else and never waits for the pool's lock. A
+  rebalance holds the pool lock, reads the pool without row
   locks, decides, then locks just the job rows it writes (publications, reaped jobs) and re-checks
   them: a job that ended meanwhile is left alone. A stale read is only ever conservative: a GPU
   is published to a job only if no other job's target names it (targets change only under the
@@ -34,8 +35,19 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Row, bindparam, delete, func, insert, literal, select, union_all, update
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy import (
+    Row,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    literal,
+    select,
+    union_all,
+    update,
+)
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from airflow_elastic_gpu.broker.models import (
     Event,
@@ -90,11 +102,11 @@ _ADD_EVENT = insert(Event)
 _ADD_TARGET = insert(GpuTarget)
 
 
+_MAX_REQUEST = select(func.max(RebalanceRequest.id)).where(RebalanceRequest.pool == bindparam("pool")).scalar_subquery()
 _TOUCH_POOL = update(GpuPool).where(GpuPool.name == bindparam("pool")).values(
     last_rebalance_s=bindparam("now"),
-    served_request_id=func.coalesce(
-        select(func.max(RebalanceRequest.id)).where(RebalanceRequest.pool == bindparam("pool")).scalar_subquery(),
-        GpuPool.served_request_id),
+    served_request_id=case(  # never lowered (only leftovers below it may be visible)
+        (_MAX_REQUEST > GpuPool.served_request_id, _MAX_REQUEST), else_=GpuPool.served_request_id),
 )
 _POOL_SHARED = select(GpuPool.last_rebalance_s).where(GpuPool.name == bindparam("pool")).with_for_update(read=True)
 
@@ -160,7 +172,7 @@ class Rebalancing(BrokerBase):
         the caller read the pool before asking, see :meth:`_due`) and the pool's lock is free now,
         serve it there: one transaction, instead of a second one after the commit.
 
-        The caller holds only its own job row, so this cannot deadlock: a rebalance then waits only
+        The caller holds only job rows it locked first, so this cannot deadlock: a rebalance then waits only
         for other job rows, whose holders never wait for the pool (they try its lock without
         waiting). The rebalance runs under a savepoint: if it fails for a reason other than a
         transient one (which redoes the whole transaction), the failure is logged, the pool's
@@ -175,12 +187,20 @@ class Rebalancing(BrokerBase):
         try:
             with s.begin_nested():
                 self._rebalance(s, row)
+        except IntegrityError:
+            raise  # the schema's own guard (one GPU, one job) fired: never hidden
         except (OperationalError, DBAPIError) as exc:
             if transient_kind(exc) is not None:
                 raise
-            log.exception("rebalance of pool %r failed; its requests stay pending", pool)
-        except Exception:
-            log.exception("rebalance of pool %r failed; its requests stay pending", pool)
+            self._rebalance_failed(pool)
+        except Exception:  # noqa: BLE001 - a policy failure must not lose the job's own change
+            self._rebalance_failed(pool)
+
+    def _rebalance_failed(self, pool: str) -> None:
+        """Log a failed rebalance (with its traceback) and count it in :attr:`failed_rebalances`;
+        its requests stay pending, so the next call that finds one due tries again."""
+        self.failed_rebalances += 1
+        log.exception("rebalance of pool %r failed; its requests stay pending", pool)
 
     def rebalance(self, pool: str = DEFAULT_POOL) -> dict[str, tuple[GpuId, ...]]:
         """Ask the policy for new targets now and publish them; returns job id -> newly published GPUs.
@@ -243,7 +263,6 @@ class Rebalancing(BrokerBase):
         jobs and publish its decisions (the caller holds the lock of the pool, ``row``)."""
         now = self.clock()
         pool = row.name
-        self.rebalances += 1
         s.execute(_TOUCH_POOL, {"pool": pool, "now": now})  # the watermark first: the delete sees as much
         s.execute(_SERVED, {"pool": pool})
         jobs = s.execute(_ACTIVE_JOBS, {"pool": pool}).all()
@@ -259,6 +278,7 @@ class Rebalancing(BrokerBase):
                 )
                 reaped.add(job.id)
         jobs = [j for j in jobs if j.id not in reaped]
+        self.rebalances += 1  # counted once it has read the pool (a failure after this is logged)
         if not jobs:
             return {}
         gpu_by_id: dict[int, GpuId] = {}

@@ -101,22 +101,26 @@ _JOB_GPUS = union_all(*(
     .join(table, table.gpu_id == Gpu.id).where(table.job_id == bindparam("job_id"))
     for kind, table in (("target", GpuTarget), ("in_use", GpuInUse))
 ))
-_TARGET_GPUS = (select(Node.name, Gpu.index).join(Gpu, Gpu.node_id == Node.id)
-                .join(GpuTarget, GpuTarget.gpu_id == Gpu.id).where(GpuTarget.job_id == bindparam("job_id")))
 _ADD_EVENT = insert(Event)
 _ADD_REQUEST = insert(RebalanceRequest)
+LOOKBACK_REQUESTS = 256
+"""Pending requests are looked for from this far below the watermark: ids are taken before commit,
+so a request committed after a rebalance set the watermark may have a lower id; it is within this
+many of it while fewer requests than this are in flight at once."""
+
 # unserved rebalance requests of the pool, counted up to 2 (0, 1, or 2 for several): those above the
-# last rebalance's watermark, found by a range scan of the (pool, id) index that starts there
+# last rebalance's watermark (less LOOKBACK_REQUESTS), found by a range scan of the (pool, id) index
+# that starts there, so it steps over at most that many requests the last rebalance deleted
 _PENDING = (select(func.count()).select_from(
     select(RebalanceRequest.id).where(RebalanceRequest.pool == bindparam("pool"),
-                                      RebalanceRequest.id > select(GpuPool.served_request_id)
+                                      RebalanceRequest.id > select(GpuPool.served_request_id - LOOKBACK_REQUESTS)
                                       .where(GpuPool.name == bindparam("pool")).scalar_subquery())
     .order_by(RebalanceRequest.id).limit(2).subquery())
     .scalar_subquery())
 _POOL = select(*GpuPool.__table__.columns, _PENDING.label("pending")).where(GpuPool.name == bindparam("pool"))
 # the same, of the pool of the enclosing query's ``gpu_pool`` row (correlated EXISTS: 0, 1 or 2)
 _REQUEST_OF_POOL = select(RebalanceRequest.id).where(RebalanceRequest.pool == GpuPool.name,
-                                                     RebalanceRequest.id > GpuPool.served_request_id)
+                                                     RebalanceRequest.id > GpuPool.served_request_id - LOOKBACK_REQUESTS)
 PENDING_OF_POOL = case((~_REQUEST_OF_POOL.exists(), 0),
                        (_REQUEST_OF_POOL.order_by(RebalanceRequest.id).offset(1).limit(1).exists(), 2), else_=1)
 # a job call's row lock: the job's book columns, with its pool's rebalance settings and pending
@@ -175,11 +179,6 @@ def job_gpus(s: Executor, job_id: str) -> tuple[tuple[GpuId, ...], tuple[GpuId, 
     for kind, node, index in s.execute(_JOB_GPUS, {"job_id": job_id}):
         found[kind].append(GpuId(node, index))
     return tuple(sorted(found["target"])), tuple(sorted(found["in_use"]))
-
-
-def target_gpus(s: Executor, job_id: str) -> tuple[GpuId, ...]:
-    """The GPUs of the job's latest published generation, sorted (one query)."""
-    return tuple(sorted(GpuId(node, index) for node, index in s.execute(_TARGET_GPUS, {"job_id": job_id})))
 
 
 def add_event(s: Executor, time_s: float, pool: str, kind: EventKind, message: str, job_id: str | None = None,

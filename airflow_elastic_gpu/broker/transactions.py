@@ -1,11 +1,14 @@
 """The broker's plumbing: one short transaction per call, the pool and job locks, retries, events.
 
-Every state change runs in one transaction. A rebalance, and a change to a pool's nodes or
-settings, holds the pool's lock (PostgreSQL: ``SELECT ... FOR NO KEY UPDATE`` on the pool row, which
-leaves rows that reference the pool free to be inserted); a job call locks only its job row the
-same way. In SQLite every writer takes the database lock up front (``BEGIN IMMEDIATE``, see
-:mod:`.db`). A lock order is kept everywhere (pool, then job rows), so two calls never deadlock;
-serialization failures, deadlocks and lost connections are retried with back-off.
+Every state change runs in one transaction (on PostgreSQL, reads and one-statement calls run in
+autocommit). A rebalance, and a change to a pool's nodes or settings, holds the pool's lock
+(PostgreSQL: ``SELECT ... FOR NO KEY UPDATE`` on the pool row, which leaves rows that reference the
+pool free to be inserted); a job call locks its job row the same way first, and may then try the
+pool's lock *without waiting* (``SKIP LOCKED``) to serve a due rebalance (:mod:`.rebalance`). In
+SQLite every writer takes the database lock up front (``BEGIN IMMEDIATE``, see :mod:`.db`).
+No deadlock: whoever waits for a lock holds at most the pool (a rebalance waiting for job rows) or
+nothing (a node or pool change waiting for the pool), and nobody who holds a job row waits for the
+pool. Serialization failures, deadlocks and lost connections are retried with back-off.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class BrokerBase:
         self.coalesce_s = coalesce_s
         self.reconnect_deadline_s = reconnect_deadline_s
         self.rebalances = 0  # rebalances this client ran
+        self.failed_rebalances = 0  # of them, those that raised inside a job call (logged, requests kept)
         self.retries = 0  # transactions redone after a serialization failure, deadlock or lost connection
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         # Reads, and calls that are one statement, run on PostgreSQL without BEGIN/COMMIT round
@@ -210,33 +214,6 @@ class BrokerBase:
         if job is None:
             raise NotFound(f"unknown job {job_id!r}")
         return job
-
-    @contextmanager
-    def _job_tx(self, job_id: str) -> Iterator[tuple[Session, Job]]:
-        """A transaction holding the lock of ``job_id``'s pool, with the job re-read under it."""
-        with self._sessions.begin() as session:
-            pool = session.scalar(select(Job.pool).where(Job.id == job_id))
-            if pool is None:
-                raise NotFound(f"unknown job {job_id!r}")
-            self._lock(session, pool)
-            yield session, self._job(session, job_id)
-
-    @contextmanager
-    def _job_row_tx(self, job_id: str) -> Iterator[tuple[Session, Job]]:
-        """A transaction holding only ``job_id``'s row lock (not its pool's).
-
-        For calls that change nothing but their own job row (progress, a heartbeat): they never
-        wait behind the pool's rebalances. They never take the pool lock after this one, so they
-        cannot deadlock with a rebalance (pool, then job rows).
-        """
-        with self._sessions.begin() as session:
-            job = session.scalar(
-                select(Job).where(Job.id == job_id).with_for_update(key_share=True)
-                .execution_options(populate_existing=True)
-            )
-            if job is None:
-                raise NotFound(f"unknown job {job_id!r}")
-            yield session, job
 
     def _event(self, s: Executor, pool: str, kind: EventKind, message: str, job_id: str | None = None,
                **data: Any) -> None:
