@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: test test-all test-slow demo demo-stop demo-distributed lint clean browser
+.PHONY: test test-all test-slow test-containers images podman demo demo-stop demo-distributed lint clean browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,15 +32,30 @@ XDIST := -n $(PYTEST_WORKERS) --maxprocesses 4
 
 ## make test: set up .venv (and chromium) if needed, then run the test suite (SQLite and PostgreSQL)
 test: $(STAMP) browser
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow and not containers" $(XDIST) $(PYTEST_ARGS)
 
-## make test-all: also the slow tests (end-to-end runs that a faster default test mirrors)
+## make test-all: also the slow tests (end-to-end runs that a faster default test mirrors); not the container tests
 test-all: $(STAMP) browser
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not containers" $(XDIST) $(PYTEST_ARGS)
 
 ## make test-slow: only the slow tests (CI runs make test, then this)
 test-slow: $(STAMP) browser
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m slow $(XDIST) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "slow and not containers" $(XDIST) $(PYTEST_ARGS)
+
+## podman: Debian's podman, runc (crun fails on hybrid cgroups) and debootstrap (installed once, with apt-get)
+podman:
+	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q podman runc debootstrap >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q podman runc debootstrap >/dev/null; }; }
+
+## make images: build the base image (debootstrap, cached) and docker/'s agent and trainer images with podman
+images: $(STAMP) podman
+	$(BIN)/python containers/build_images.py $(IMAGES_ARGS)
+
+## make test-containers: run a real training job as the generated pod with podman kube play (opt-in; needs make images)
+test-containers: $(STAMP) images
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m containers tests/test_containers.py $(PYTEST_ARGS)
 
 ## make demo: run the demo (see README)
 demo: $(STAMP)

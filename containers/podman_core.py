@@ -1,0 +1,161 @@
+"""The CoreV1Api calls the Kubernetes backend makes, served by podman (``podman kube play``).
+
+:class:`PodmanCoreV1` lets the project's own :class:`~airflow_elastic_gpu.backends.kubernetes.KubernetesBackend`
+create, watch and delete real pods on this host. The generated manifest is played as it is, except
+for what podman 4.3 cannot express (see :func:`podman_manifest`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes.client import models as k8s
+from kubernetes.client.exceptions import ApiException
+
+from airflow_elastic_gpu.backends.kubernetes import to_dict
+
+
+def podman_env() -> dict[str, str]:
+    conf = Path(__file__).resolve().parent / "containers.conf"
+    return {**os.environ, "CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(conf))}
+
+
+def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["podman", *args], env=podman_env(), text=True, capture_output=True, check=check)
+
+
+def podman_manifest(pod: dict[str, Any], secrets_dir: Path) -> dict[str, Any]:
+    """The nearest pod podman 4.3's ``kube play`` runs faithfully, from the generated ``pod`` (JSON form).
+
+    - A native sidecar (an init container with ``restartPolicy: Always``) would block: podman runs
+      init containers to completion, one after another, before the app containers. It becomes an
+      app container beside the trainer, started before it (same image, command, env, mounts);
+      what is lost is the ordering guarantee (the trainer's launcher waits for the agent's files
+      anyway) and the sidecar's termination after the trainer (the agent exits by itself once it
+      has reported the trainer's exit).
+    - A ``secret`` volume becomes a ``hostPath`` directory holding the same key file (podman 4.3
+      maps secret volumes to its own secret store, not to Secret objects created through the API).
+    - ``nodeName`` and ``runtimeClassName`` are dropped (one host, the default runtime).
+    - The pod's name resolves to 127.0.0.1 (``hostAliases``): the kubelet writes the pod's hostname
+      into its ``/etc/hosts``, podman with ``--network host`` does not, and ``torchrun --standalone``
+      resolves it.
+    """
+    pod = copy.deepcopy(pod)
+    spec = pod["spec"]
+    sidecars = [c for c in spec.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+    spec["initContainers"] = [c for c in spec.get("initContainers", []) if c.get("restartPolicy") != "Always"]
+    for sidecar in sidecars:
+        sidecar.pop("restartPolicy")
+    spec["containers"] = [*sidecars, *spec["containers"]]
+    for volume in spec.get("volumes", []):
+        if "secret" in volume:
+            name = volume.pop("secret")["secretName"]
+            volume["hostPath"] = {"path": str(secrets_dir / name), "type": "Directory"}
+    spec.pop("nodeName", None)
+    spec.pop("runtimeClassName", None)
+    spec["hostAliases"] = [{"ip": "127.0.0.1", "hostnames": [pod["metadata"]["name"]]}]
+    return pod
+
+
+class Listing:
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+
+class PodmanCoreV1:
+    """The ``CoreV1Api`` methods :class:`KubernetesBackend` calls, on this host's podman.
+
+    :param work_dir: where Secrets (as files) and the played manifests go.
+    :param run_as_user: owner of the Secret files (the pod's ``runAsUser``).
+    """
+
+    def __init__(self, work_dir: Path, run_as_user: int = 1000) -> None:
+        self.work_dir = work_dir
+        self.secrets_dir = work_dir / "secrets"
+        self.secrets_dir.mkdir(parents=True, exist_ok=True)
+        self.run_as_user = run_as_user
+        self.pods: dict[str, k8s.V1Pod] = {}
+        self.created_s: dict[str, float] = {}
+        self.deleted_s: dict[str, float] = {}
+
+    # -- secrets: one directory per Secret, one file per key
+    def create_namespaced_secret(self, namespace: str, body: k8s.V1Secret) -> None:
+        if (self.secrets_dir / body.metadata.name).exists():
+            raise ApiException(status=409, reason="AlreadyExists")
+        self.replace_namespaced_secret(body.metadata.name, namespace, body)
+
+    def replace_namespaced_secret(self, name: str, namespace: str, body: k8s.V1Secret) -> None:
+        folder = self.secrets_dir / name
+        folder.mkdir(exist_ok=True)
+        for key, value in (body.string_data or {}).items():
+            path = folder / key
+            path.write_text(value)
+            os.chown(path, self.run_as_user, self.run_as_user) if os.geteuid() == 0 else None
+            path.chmod(0o440)
+
+    def delete_namespaced_secret(self, name: str, namespace: str) -> None:
+        folder = self.secrets_dir / name
+        if not folder.exists():
+            raise ApiException(status=404, reason="NotFound")
+        for file in folder.iterdir():
+            file.unlink()
+        folder.rmdir()
+
+    # -- pods
+    def create_namespaced_pod(self, namespace: str, body: k8s.V1Pod) -> None:
+        name = body.metadata.name
+        if name in self.pods:
+            raise ApiException(status=409, reason="AlreadyExists")
+        manifest = podman_manifest(to_dict(body), self.secrets_dir)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=self.work_dir, delete=False) as f:
+            yaml.safe_dump(manifest, f)
+        self.created_s[name] = time.monotonic()
+        done = podman("kube", "play", "--network", "host", f.name, check=False)
+        if done.returncode != 0:
+            raise ApiException(status=500, reason=f"podman kube play failed: {done.stderr.strip()[-600:]}")
+        self.pods[name] = copy.deepcopy(body)
+
+    def delete_namespaced_pod(self, name: str, namespace: str) -> None:
+        if self.pods.pop(name, None) is None:
+            raise ApiException(status=404, reason="NotFound")
+        started = time.monotonic()
+        podman("pod", "rm", "--force", "--time", "30", name, check=False)
+        self.deleted_s[name] = time.monotonic() - started
+
+    def list_namespaced_pod(self, namespace: str, label_selector: str) -> Listing:
+        key, value = label_selector.split("=", 1)
+        found = [p for p in self.pods.values() if (p.metadata.labels or {}).get(key) == value]
+        for pod in found:
+            pod.status = self.status(pod.metadata.name)
+        return Listing(found)
+
+    def read_namespaced_pod_log(self, name: str, namespace: str, container: str, tail_lines: int) -> str:
+        return podman("logs", "--tail", str(tail_lines), f"{name}-{container}", check=False).stdout
+
+    def status(self, name: str) -> k8s.V1PodStatus:
+        """The pod's phase from its trainer container's state (podman's pod states differ from
+        Kubernetes' phases)."""
+        done = podman("container", "inspect", f"{name}-trainer", check=False)
+        if done.returncode != 0:
+            return k8s.V1PodStatus(phase="Pending")
+        state = json.loads(done.stdout)[0]["State"]
+        if state["Status"] in ("created", "configured", "initialized"):
+            return k8s.V1PodStatus(phase="Pending")
+        if state["Status"] in ("running", "paused"):
+            return k8s.V1PodStatus(phase="Running")
+        code = int(state.get("ExitCode") or 0)
+        terminated = k8s.V1ContainerStateTerminated(exit_code=code, reason="Completed" if code == 0 else "Error")
+        return k8s.V1PodStatus(phase="Succeeded" if code == 0 else "Failed", container_statuses=[
+            k8s.V1ContainerStatus(name="trainer", image="", image_id="", ready=False, restart_count=0,
+                                  state=k8s.V1ContainerState(terminated=terminated))])
+
+    def trainer_log(self, name: str) -> str:
+        return podman("logs", f"{name}-trainer", check=False).stdout
