@@ -17,7 +17,9 @@ Rebalances are **coalesced**, and job calls never wait for one:
 * A job call locks its job row before anything else and never waits for the pool's lock. A
   rebalance holds the pool lock, reads the pool without row
   locks, decides, then locks just the job rows it writes (publications, reaped jobs) and re-checks
-  them: a job that ended meanwhile is left alone. A stale read is only ever conservative: a GPU
+  them: a job that ended meanwhile is left alone, and if a job it publishes to acked meanwhile (its
+  in-use set moved to a target the decision may have shared out), nothing is published and the
+  rebalance asks for another. A stale read is only ever conservative: a GPU
   is published to a job only if no other job's target names it (targets change only under the
   pool lock or when a job ends) and no acked generation uses it.
 * A periodic rebalance (heartbeats, triggers) also serves any request left. Concurrent explicit
@@ -300,6 +302,13 @@ class Rebalancing(BrokerBase):
         publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
             nodes, books, now)
         locked = self._locked_active(s, [p.job_id for p in publications])
+        # A job that acked while we decided now runs on GPUs the decision may have given away (a
+        # GPU only in its old target is free to go in the same round): decide again next time.
+        acked_then = {j.id: j.acked_generation for j in jobs}
+        if any(locked[p.job_id].acked_generation != acked_then[p.job_id] for p in publications if p.job_id in locked):
+            request_rebalance(s, pool, now)
+            self.stale_rebalances += 1
+            return {}
         # jobs that ended while we decided are left out: their GPUs are free already
         pubs = [p for p in publications if p.job_id in locked]
         if not pubs:

@@ -112,6 +112,7 @@ class BrokerBase:
         self.coalesce_s = coalesce_s
         self.reconnect_deadline_s = reconnect_deadline_s
         self.rebalances = 0  # rebalances this client ran
+        self.stale_rebalances = 0  # rebalances that published nothing: a job acked while they decided
         self.failed_rebalances = 0  # of them, those that raised inside a job call (logged, requests kept)
         self.retries = 0  # transactions redone after a serialization failure, deadlock or lost connection
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
