@@ -285,3 +285,19 @@ def test_a_heartbeat_survives_a_failing_policy(pool, clock, caplog):
     target = pool.heartbeat(job.id)
     assert target.generation == 1 and target.gpus
     assert pool.failed_rebalances >= 1 and "policy bug" in caplog.text
+
+
+def test_a_submit_redone_after_its_commit_went_through_still_returns_the_token(pool, monkeypatch):
+    """A lost connection during COMMIT is retried, but the commit may have gone through: the redo
+    finds its own job (the same token) and replies with the token, as the first try would have;
+    a different caller with the same key gets the job without it."""
+    import airflow_elastic_gpu.broker.lifecycle as lifecycle
+
+    monkeypatch.setattr(lifecycle.secrets, "token_urlsafe", lambda n: "the-same-token")
+    first = pool.submit(spec("redo"))
+    redone = pool.submit(spec("redo"))  # what _retrying's second run of the same call sees
+    assert redone.id == first.id and redone.token == "the-same-token"
+    monkeypatch.setattr(lifecycle.secrets, "token_urlsafe", lambda n: "another-caller")
+    other = pool.submit(spec("redo"))
+    assert other.id == first.id and other.token is None
+    assert pool.verify_token(first.id, "the-same-token")

@@ -56,7 +56,7 @@ def token_hash(token: str) -> str:
 
 
 # statements of the hot calls, built once (parameters bound per call)
-_BY_KEY = select(Job.id, Job.status).where(Job.key == bindparam("key"))
+_BY_KEY = select(Job.id, Job.status, Job.token_hash).where(Job.key == bindparam("key"))
 _ADD_JOB = insert(Job)
 # schedulable healthy GPUs per node of the pool (``size``), with the pool's rebalance settings and
 # pending requests (what ``_due`` reads) on every row: no row for an unknown pool, one row of size
@@ -168,7 +168,9 @@ class Lifecycle(Queries):
                 existing = conn.execute(_BY_KEY, {"key": key}).first()
                 if existing is not None:
                     if JobStatus(existing.status) not in TERMINAL:
-                        return existing.id, None
+                        # our own job when this transaction is redone after its commit went
+                        # through but the connection was lost before the reply: reply with its token
+                        return existing.id, (True if existing.token_hash == token_hash(token) else None)
                     update_job(conn, existing.id, key=f"{key}@{existing.id}")
                 now = self.clock()
                 job_id = str(uuid.uuid4())
