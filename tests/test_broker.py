@@ -291,7 +291,7 @@ def test_a_submit_redone_after_its_commit_went_through_still_returns_the_token(p
     """A lost connection during COMMIT is retried, but the commit may have gone through: the redo
     finds its own job (the same token) and replies with the token, as the first try would have;
     a different caller with the same key gets the job without it."""
-    import airflow_elastic_gpu.broker.lifecycle as lifecycle
+    from airflow_elastic_gpu.broker import lifecycle
 
     monkeypatch.setattr(lifecycle.secrets, "token_urlsafe", lambda n: "the-same-token")
     first = pool.submit(spec("redo"))
