@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from sqlalchemy import Connection, Integer, and_, bindparam, delete, func, insert, select, update
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError
 
 from airflow_elastic_gpu.broker.models import (
     Gpu,
@@ -43,7 +43,6 @@ from airflow_elastic_gpu.broker.rows import (
     read_job,
     update_job,
 )
-from airflow_elastic_gpu.broker.transactions import transient_kind
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
 from airflow_elastic_gpu.scheduling.core import apply_ack, record_progress
 from airflow_elastic_gpu.scheduling.state import GpuId
@@ -271,14 +270,8 @@ class Lifecycle(Queries):
 
         job = self._retrying(beat)  # None: unknown, or ended (then the heartbeat changes nothing)
         if job is not None and self._due(job):
-            try:
+            with self._rebalance_failure_logged(job.pool):  # a failing policy must not stop the trainers
                 self._serve_rebalance(job.pool, True)
-            except IntegrityError:
-                raise  # the schema's own guard (one GPU, one job) fired: never hidden
-            except Exception as exc:
-                if isinstance(exc, (OperationalError, DBAPIError)) and transient_kind(exc) is not None:
-                    raise
-                self._rebalance_failed(job.pool)
         return self.target(job_id)  # one statement: status, generation and GPUs read together
 
     def target(self, job_id: str) -> Target:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import (
@@ -186,23 +187,25 @@ class Rebalancing(BrokerBase):
         row = try_lock_pool(s, pool)
         if row is None or not self._due(row):
             return
-        try:
-            with s.begin_nested():
-                self._rebalance(s, row)
-        except IntegrityError:
-            raise  # the schema's own guard (one GPU, one job) fired: never hidden
-        except (OperationalError, DBAPIError) as exc:
-            if transient_kind(exc) is not None:
-                raise
-            self._rebalance_failed(pool)
-        except Exception:  # noqa: BLE001 - a policy failure must not lose the job's own change
-            self._rebalance_failed(pool)
+        with self._rebalance_failure_logged(pool), s.begin_nested():
+            self._rebalance(s, row)
 
-    def _rebalance_failed(self, pool: str) -> None:
-        """Log a failed rebalance (with its traceback) and count it in :attr:`failed_rebalances`;
-        its requests stay pending, so the next call that finds one due tries again."""
-        self.failed_rebalances += 1
-        log.exception("rebalance of pool %r failed; its requests stay pending", pool)
+    @contextmanager
+    def _rebalance_failure_logged(self, pool: str) -> Iterator[None]:
+        """Around a rebalance that serves a job call or a heartbeat: a failure that is neither
+        transient (those redo the whole transaction) nor the schema's own guard (an
+        ``IntegrityError``: one GPU, one job; never hidden) is logged with its traceback and
+        counted in :attr:`failed_rebalances`; its requests stay pending, so the next call that finds
+        one due tries again, and the caller's own change stands."""
+        try:
+            yield
+        except IntegrityError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, (OperationalError, DBAPIError)) and transient_kind(exc) is not None:
+                raise
+            self.failed_rebalances += 1
+            log.exception("rebalance of pool %r failed; its requests stay pending", pool)
 
     def rebalance(self, pool: str = DEFAULT_POOL) -> dict[str, tuple[GpuId, ...]]:
         """Ask the policy for new targets now and publish them; returns job id -> newly published GPUs.

@@ -16,7 +16,6 @@ from sqlalchemy import (
     bindparam,
     case,
     delete,
-    func,
     insert,
     literal,
     literal_column,
@@ -108,21 +107,15 @@ LOOKBACK_REQUESTS = 256
 so a request committed after a rebalance set the watermark may have a lower id; it is within this
 many of it while fewer requests than this are in flight at once."""
 
-# unserved rebalance requests of the pool, counted up to 2 (0, 1, or 2 for several): those above the
-# last rebalance's watermark (less LOOKBACK_REQUESTS), found by a range scan of the (pool, id) index
-# that starts there, so it steps over at most that many requests the last rebalance deleted
-_PENDING = (select(func.count()).select_from(
-    select(RebalanceRequest.id).where(RebalanceRequest.pool == bindparam("pool"),
-                                      RebalanceRequest.id > select(GpuPool.served_request_id - LOOKBACK_REQUESTS)
-                                      .where(GpuPool.name == bindparam("pool")).scalar_subquery())
-    .order_by(RebalanceRequest.id).limit(2).subquery())
-    .scalar_subquery())
-_POOL = select(*GpuPool.__table__.columns, _PENDING.label("pending")).where(GpuPool.name == bindparam("pool"))
-# the same, of the pool of the enclosing query's ``gpu_pool`` row (correlated EXISTS: 0, 1 or 2)
+# unserved rebalance requests of the pool of the enclosing query's ``gpu_pool`` row, counted up to 2
+# (0, 1, or 2 for several): those above the last rebalance's watermark (less LOOKBACK_REQUESTS),
+# found by a range scan of the (pool, id) index that starts there, so it steps over at most that
+# many requests the last rebalance deleted (correlated EXISTS)
 _REQUEST_OF_POOL = select(RebalanceRequest.id).where(RebalanceRequest.pool == GpuPool.name,
                                                      RebalanceRequest.id > GpuPool.served_request_id - LOOKBACK_REQUESTS)
 PENDING_OF_POOL = case((~_REQUEST_OF_POOL.exists(), 0),
                        (_REQUEST_OF_POOL.order_by(RebalanceRequest.id).offset(1).limit(1).exists(), 2), else_=1)
+_POOL = select(*GpuPool.__table__.columns, PENDING_OF_POOL.label("pending")).where(GpuPool.name == bindparam("pool"))
 # a job call's row lock: the job's book columns, with its pool's rebalance settings and pending
 # requests (what :meth:`Rebalancing._due` reads), in one statement; only the job row is locked
 _LOCK_BOOK = (
