@@ -3,10 +3,10 @@
 import pytest
 
 from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
-from airflow_elastic_gpu.scheduling.static import StaticPolicy
 from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place
 from airflow_elastic_gpu.scheduling.policy import get_policy
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
+from airflow_elastic_gpu.scheduling.static import StaticPolicy
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 
 LINEAR = ThroughputModel(prior_alpha=0.0, prior_steps_per_s=1.0)

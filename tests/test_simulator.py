@@ -14,12 +14,14 @@ from airflow_elastic_gpu.cli import main as cli_main
 from airflow_elastic_gpu.scheduling.policy import get_policy, policy_classes
 from airflow_elastic_gpu.simulator.engine import (
     ClusterShape,
+    RecreateModel,
     RestartOverheads,
     SimulationError,
     SimulationResult,
     simulate,
 )
 from airflow_elastic_gpu.simulator.profiles import ProfileError, bundled_data, load_profiles
+from airflow_elastic_gpu.simulator.results import JobRecord, contention
 from airflow_elastic_gpu.simulator.trace import TraceError, TraceJob, load_trace, write_trace
 from airflow_elastic_gpu.simulator.workload import WorkloadError, generate_workload
 
@@ -122,7 +124,7 @@ def test_termination_pays_recreate_overhead_adaptive_pays_in_place():
     lost_a = sum(j.restart_lost_s for j in a.jobs) / max(1, sum(j.resizes for j in a.jobs))
     lost_t = sum(j.restart_lost_s for j in t.jobs) / max(1, sum(j.resizes for j in t.jobs))
     assert lost_a == pytest.approx(5.0)
-    assert lost_t == pytest.approx(100.0)
+    assert lost_t == pytest.approx(100.0)  # the grace period on the old GPUs, the rest on the new
     forced = simulate(trace, ClusterShape(1, 4), "termination", overheads=overheads, mechanism="inplace")
     assert forced.mechanism == "inplace"
 
@@ -135,10 +137,93 @@ def test_elastic_peers_use_idle_gpus(policy):
     assert r.jobs[0].jct_s < 20_000 / 2
 
 
+def test_a_recreated_job_waits_for_gpus_that_others_took_meanwhile():
+    """Termination-based resizing: the shrunk job's pod is deleted; while it terminates four short
+    jobs arrive, and once it is gone they are placed first (least remaining work), so the
+    re-created pod waits for a GPU. Resized in place, the job keeps its GPUs and never waits. (A
+    30 s termination, Kubernetes' grace period at its longest, so that they arrive meanwhile.)"""
+    trace = [TraceJob("long", 0, 1, 20_000, "imagenet")] + [
+        TraceJob(f"s{i}", 3000 + 5 * i, 1, 1200, "imagenet") for i in range(4)]
+    slow_stop = RestartOverheads(recreate=RecreateModel(grace_period_s=30.0))
+    t = simulate(trace, ClusterShape(1, 4), "termination", overheads=slow_stop)
+    long = next(j for j in t.jobs if j.job_id == "long")
+    assert long.recreate_wait_s > 0
+    gone = next(time for time, job, n in t.allocations if job == "long" and n == 0)
+    back = gone + long.recreate_wait_s
+    held: dict[str, int] = defaultdict(int)
+    for time, job, n in t.allocations:  # while it waited, the others held every GPU
+        held[job] = n
+        if gone < time < back:
+            assert held["long"] == 0 and sum(held.values()) == 4
+    a = simulate(trace, ClusterShape(1, 4), "adaptive")
+    assert all(j.recreate_wait_s == 0 for j in a.jobs)
+    assert all(n > 0 for time, job, n in a.allocations if job == "long" and time < a.jobs[0].end_s)
+
+
+def test_recreate_model_adds_its_parts_and_a_total_overrides_them():
+    model = RecreateModel(grace_period_s=30, scheduling_s=1, image_cached=False, image_size_mb=1000,
+                          pull_bandwidth_mb_s=100, container_start_s=4, init_s=5)
+    assert model.pull_s == pytest.approx(10.0)
+    assert (model.stop_s, model.start_s) == pytest.approx((30.0, 20.0))
+    assert RecreateModel(image_cached=True).pull_s == 0
+    assert RestartOverheads(recreate=model).of("recreate") == pytest.approx(50.0)
+    for total, parts in ((120.0, (30.0, 90.0)), (10.0, (10.0, 0.0))):
+        r = RestartOverheads(recreate_s=total, recreate=model)
+        assert r.of("recreate") == pytest.approx(total)
+        assert (r.recreate.stop_s, r.recreate.start_s) == pytest.approx(parts)
+    with pytest.raises(SimulationError, match="pull_bandwidth_mb_s must be > 0"):
+        RecreateModel(pull_bandwidth_mb_s=0)
+    with pytest.raises(SimulationError, match="grace_period_s"):
+        RecreateModel(grace_period_s=-1)
+
+
+def test_slowdown_and_finish_time_fairness_follow_their_definitions():
+    """A job alone has slowdown 1 and rho 1 when it runs at its best speed at once; static gives
+    each job its request, so a job whose best count is larger has a slowdown above 1."""
+    alone = simulate([TraceJob("a", 0, 4, 3600, "imagenet")], ClusterShape(1, 4), "static").jobs[0]
+    assert alone.slowdown == pytest.approx(1.0)
+    r = simulate([TraceJob("a", 0, 1, 3600, "imagenet")], ClusterShape(1, 4), "static")
+    [(n, rho)] = r.fairness()
+    assert n == pytest.approx(1.0)
+    assert rho == pytest.approx(r.jobs[0].slowdown) and rho > 1  # 1 GPU of the 4 it could use
+    s = r.summary()
+    assert s["max_slowdown"] == pytest.approx(rho) and s["share_ftf_rho_above_1"] == 1.0
+
+
+def test_contention_is_the_time_average_of_jobs_in_the_system():
+    jobs = [JobRecord("a", "m", 0, 1, 1, 1, end_s=100), JobRecord("b", "m", 50, 1, 1, 1, end_s=150),
+            JobRecord("c", "m", 200, 1, 1, 1, end_s=300)]
+    assert contention(jobs) == pytest.approx([1.5, 1.5, 1.0])
+
+
+def test_isolated_jct_is_linear_between_integer_shares():
+    job = JobRecord("a", "m", 0, 1, 1, work=100.0, best_speeds=(1.0, 1.5, 2.0))
+    assert job.isolated_jct_s(1) == pytest.approx(100.0)
+    assert job.isolated_jct_s(0.5) == pytest.approx(200.0)  # half a GPU: time-shared
+    assert job.isolated_jct_s(1.5) == pytest.approx(100 / 1.25)
+    assert job.isolated_jct_s(16) == pytest.approx(50.0)  # flat above its largest count
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_tail_and_fairness_metrics_are_consistent(policy, workload):
+    s = simulate(workload, ClusterShape(4, 4), policy, seed=3).summary()
+    assert s["p50_jct_s"] <= s["p95_jct_s"] <= s["p99_jct_s"]
+    assert 1.0 - 1e-9 <= s["avg_slowdown"] <= s["max_slowdown"]
+    assert 0 < s["avg_ftf_rho"] <= s["max_ftf_rho"] <= s["max_slowdown"] + 1e-9  # T_id >= ideal
+    assert 0 <= s["share_ftf_rho_above_1"] <= 1
+
+
+def test_broker_mode_refuses_recreation():
+    with pytest.raises(SimulationError, match="broker mode cannot simulate termination-based"):
+        simulate(SMALL, ClusterShape(2, 4), "termination", broker=True)
+
+
 @pytest.mark.parametrize("policy", ["adaptive", "static", "termination", "optimus"])
 def test_broker_in_the_loop_gives_the_same_schedule(policy):
-    pure = simulate(SMALL, ClusterShape(2, 4), policy)
-    real = simulate(SMALL, ClusterShape(2, 4), policy, broker=True)
+    """The broker keeps a re-created job's GPUs, so both run every policy with in-place resizes."""
+    mechanism = "inplace" if get_policy(policy).resize_mechanism == "recreate" else None
+    pure = simulate(SMALL, ClusterShape(2, 4), policy, mechanism=mechanism)
+    real = simulate(SMALL, ClusterShape(2, 4), policy, broker=True, mechanism=mechanism)
     assert real.allocations == pure.allocations
     assert [j.end_s for j in real.jobs] == pytest.approx([j.end_s for j in pure.jobs])
     assert real.decisions > 0

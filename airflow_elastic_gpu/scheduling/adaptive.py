@@ -13,6 +13,10 @@ Steps of one decision:
 1. Jobs resized less than ``min_resize_interval_s`` ago are frozen at their count.
 2. Other running jobs start from ``min_gpus``; waiting jobs are admitted at
    ``min_gpus`` in rank order (priority, then least remaining work) while GPUs last.
+   With suspension on (``suspend=True``, a pool setting), a waiting job that does
+   not fit may suspend preemptible running jobs ranked after it, when the SRPT
+   exchange pays its restart overheads (:mod:`~airflow_elastic_gpu.scheduling.suspension`);
+   a suspended job waits in rank order like any other and resumes when admitted.
 3. Remaining GPUs go one at a time to the job with the highest
    ``weight * (throughput(n+1) - throughput(n)) / throughput(1)``, where
    ``weight`` is the number of unfinished jobs ranked at or after it.
@@ -29,17 +33,21 @@ Steps of one decision:
    than 4 on one for most models).
 7. GPUs placement could not use (free GPUs scattered over nodes) go to jobs
    already on those nodes, by marginal speed-up.
+
+On a pool of several GPU types (``type_aware``, the default), each job is first given one type,
+and steps 1-7 run per type: :mod:`airflow_elastic_gpu.scheduling.heterogeneous`.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place_with_leftover
 from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState
+from airflow_elastic_gpu.scheduling.suspension import SuspensionRule
 
 
 def _wait(waiting: dict[float, tuple | list[tuple]], neg_score: float, entry: tuple) -> None:
@@ -64,15 +72,30 @@ def _untie(waiting: dict[float, tuple | list[tuple]], neg_score: float, tied: li
 class AdaptivePolicy:
     """The default policy.
 
-    :param hysteresis: a growth must save more than this many restart overheads (>= 0).
+    :param hysteresis: a growth, or a suspension, must save more than this many restart
+        overheads (>= 0).
     :param min_resize_interval_s: seconds a job keeps an allocation before it may be resized (>= 0).
+    :param suspend: the pool allows suspension: preemptible jobs (``JobState.preemptible``) may
+        be taken to zero GPUs to start waiting jobs ranked before them (off by default).
+    :param min_runtime_s: with ``suspend``, seconds a job runs after each start or resume before
+        it may be suspended (>= 0).
+    :param max_suspensions_per_hour: with ``suspend``, most suspensions of one job in any hour (>= 1).
+    :param type_aware: on a pool of several GPU types, choose each job's type first
+        (:func:`~airflow_elastic_gpu.scheduling.heterogeneous.decide_by_type`); False: treat all
+        GPUs alike (a job may then span types and run at its slowest GPU's pace).
+    :raises ValueError: a parameter out of range.
     """
 
     hysteresis: float = 2.0
     min_resize_interval_s: float = 60.0
     explore: bool = True
+    suspend: bool = False
+    min_runtime_s: float = 600.0
+    max_suspensions_per_hour: int = 4
     name: str = "adaptive"
     elastic: bool = True
+    _suspension: SuspensionRule | None = field(init=False, repr=False, compare=False, default=None)
+    type_aware: bool = True
     preemptive: ClassVar[bool] = False
     resize_mechanism: ClassVar[str] = "inplace"
 
@@ -83,6 +106,10 @@ class AdaptivePolicy:
             raise ValueError(
                 f"min_resize_interval_s must be >= 0, got {self.min_resize_interval_s}"
             )
+        if not isinstance(self.suspend, bool):
+            raise ValueError(f"suspend must be true or false, got {self.suspend!r}")
+        rule = SuspensionRule(self.min_runtime_s, self.max_suspensions_per_hour, self.hysteresis)
+        object.__setattr__(self, "_suspension", rule if self.suspend else None)
 
     def rank(self, cluster: ClusterState) -> list[JobState]:
         """Jobs in service order: priority (high first), then least remaining work, then submit time."""
@@ -155,6 +182,7 @@ class AdaptivePolicy:
         """
         num_jobs = len(order)
         counts = [0] * num_jobs
+        suspended = [False] * num_jobs
         free = cluster.capacity
         for r, j in enumerate(order):  # frozen jobs keep their count, running jobs their minimum
             if frozen[r]:
@@ -164,8 +192,14 @@ class AdaptivePolicy:
             else:
                 continue
             free -= counts[r]
+        rule = self._suspension
         for r, j in enumerate(order):  # admit waiting jobs at their minimum
             if not j.allocation:
+                if free < j.min_gpus and rule is not None:  # suspend later-ranked jobs, if that pays
+                    for v in rule.victims(order, counts, frozen, r, j.min_gpus - free, cluster.now_s):
+                        free += counts[v]
+                        counts[v] = 0
+                        suspended[v] = True
                 counts[r] = j.min_gpus if free >= j.min_gpus else 0
                 free -= counts[r]
 
@@ -190,7 +224,7 @@ class AdaptivePolicy:
         for r, j in enumerate(order):  # step 4: nobody wanted them, give them back (unless that slows the job)
             if free <= 0:
                 break
-            back = min(free, len(j.allocation) - counts[r]) if j.allocation else 0
+            back = min(free, len(j.allocation) - counts[r]) if j.allocation and not suspended[r] else 0
             if back > 0:
                 speed = j.throughput.steps_per_s
                 if speed(counts[r] + back) >= speed(counts[r]):
@@ -335,6 +369,10 @@ class AdaptivePolicy:
         return out
 
     def decide(self, cluster: ClusterState) -> Decision:
+        if self.type_aware and len(cluster.gpu_types) > 1:
+            from airflow_elastic_gpu.scheduling.heterogeneous import decide_by_type
+
+            return decide_by_type(self, cluster)
         order, _, counts, resized = self._counts(cluster)
         allocations, leftover = place_with_leftover(
             cluster.nodes,
@@ -358,7 +396,15 @@ class AdaptivePolicy:
             if size == num_gpus and (new == current or set(new) == set(current)):
                 continue
             if not num_gpus:
-                reasons[j.job_id] = f"start on {size} GPU(s)"
+                verb = "resume from its checkpoint" if j.suspended else "start"
+                reasons[j.job_id] = f"{verb} on {size} GPU(s)"
+                continue
+            if not size:
+                reasons[j.job_id] = (
+                    f"suspend (checkpoint, stop, keep its place): predicted remaining time "
+                    f"{j.remaining_time_s(num_gpus):.0f}s; jobs with less remaining work start "
+                    f"(rank {r + 1} of {len(order)})"
+                )
                 continue
             if size == num_gpus:
                 reasons[j.job_id] = f"move to {', '.join(map(str, new))} (placement)"

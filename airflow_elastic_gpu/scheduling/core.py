@@ -12,8 +12,8 @@ What the core owns:
 
 * a job's book -> the :class:`~airflow_elastic_gpu.scheduling.state.JobState` a policy reads
   (:meth:`JobBook.job_state`), with the pool-median prior for jobs not yet measured;
-* progress samples -> the job's throughput model and measured restart overhead
-  (:func:`record_progress`);
+* progress samples -> the job's throughput model (overall, and per GPU type the sample was
+  measured on: :func:`gpu_type_of`) and measured restart overhead (:func:`record_progress`);
 * GPU-time accounting (:func:`account_gpu_time`) and the ack that moves a job's in-use set
   (:func:`apply_ack`);
 * the policy call and the two-phase publish rule (:meth:`SchedulingCore.rebalance`, which uses
@@ -24,7 +24,7 @@ No I/O, no clock: the time is passed in (seconds on the caller's clock).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from airflow_elastic_gpu.scheduling.policy import Policy
@@ -47,9 +47,17 @@ class JobBook:
     :param target: GPUs of the latest published generation, sorted.
     :param in_use: GPUs of the latest acked generation (the trainer runs on them), sorted.
     :param throughput: steps/s per GPU count, learnt from progress samples.
+    :param throughput_by_type: GPU type -> steps/s per GPU count learnt from the samples measured on
+        GPUs of that one type (a sample on GPUs of several types is in ``throughput`` only).
+    :param relative_speed: GPU type -> relative single-GPU speed, the submitter's hint (only ratios
+        count), or empty.
     :param restart_overhead_s: measured seconds from a resize's publish to its first progress
         (a moving average), ``None`` until the job's first resize.
     :param gpu_seconds: GPU-seconds held up to ``in_use_since_s``.
+    :param preemptible: the job opted in to suspension (a resize to zero GPUs).
+    :param last_start_s: when the job was last published GPUs after having none (its start or
+        latest resume), or ``None``.
+    :param suspensions_s: publish times of the job's suspensions (resizes to zero), ascending.
     """
 
     job_id: str
@@ -72,6 +80,16 @@ class JobBook:
     gpu_seconds: float = 0.0
     in_use_since_s: float | None = None
     start_s: float | None = None
+    preemptible: bool = False
+    last_start_s: float | None = None
+    suspensions_s: tuple[float, ...] = ()
+
+    @property
+    def suspended(self) -> bool:
+        """True if the job's latest target is zero GPUs after it had some: it is suspended."""
+        return self.target_generation > 0 and not self.target and bool(self.suspensions_s)
+    throughput_by_type: dict[str, ThroughputModel] = field(default_factory=dict)
+    relative_speed: Mapping[str, float] = field(default_factory=dict)
 
     def attained_gpu_s(self, now_s: float) -> float:
         """GPU-seconds the job has held up to ``now_s`` (Tiresias' attained service)."""
@@ -81,7 +99,11 @@ class JobBook:
     def num_gpus_of(self, generation: int) -> int:
         """GPUs the trainer of ``generation`` runs on: the target's if it is the latest, else the
         acked in-use set (a sample of an older generation arriving late)."""
-        return len(self.target if generation == self.target_generation else self.in_use)
+        return len(self.gpus_of(generation))
+
+    def gpus_of(self, generation: int) -> tuple[GpuId, ...]:
+        """The GPUs of :meth:`num_gpus_of`: the target's for the latest generation, else the in-use set."""
+        return self.target if generation == self.target_generation else self.in_use
 
     def job_state(self, now_s: float, default_restart_overhead_s: float,
                   throughput: ThroughputModel | None = None) -> JobState:
@@ -109,11 +131,26 @@ class JobBook:
             priority=self.priority,
             attained_gpu_s=self.attained_gpu_s(now_s),
             first_start_s=self.start_s,
+            preemptible=self.preemptible,
+            last_start_s=self.last_start_s,
+            suspensions_s=self.suspensions_s,
+            throughput_by_type=self.throughput_by_type,
+            relative_speed=self.relative_speed,
         )
 
 
+def gpu_type_of(gpus: Iterable[GpuId], node_types: Mapping[str, str]) -> str | None:
+    """The one GPU type of ``gpus`` (``node_types``: node name -> its GPUs' type), or None when they
+    are of several types, none, or on a node ``node_types`` does not know."""
+    types = {node_types.get(g.node) for g in gpus}
+    if len(types) != 1:
+        return None
+    return types.pop()
+
+
 def record_progress(book: JobBook, *, generation: int, step: float, now_s: float,
-                    previous: tuple[float, float] | None, num_gpus: int | None = None) -> bool:
+                    previous: tuple[float, float] | None, num_gpus: int | None = None,
+                    gpu_type: str | None = None) -> bool:
     """Learn from one progress report: the trainer of ``generation`` reached ``step`` at ``now_s``.
 
     Two samples of one generation give a throughput sample (steps/s on that generation's GPU
@@ -124,6 +161,8 @@ def record_progress(book: JobBook, *, generation: int, step: float, now_s: float
     :param previous: ``(time_s, step)`` of the latest earlier sample of the same generation, or None.
     :param num_gpus: GPUs the trainer of ``generation`` runs on, where the caller counted them
         (default :meth:`JobBook.num_gpus_of`, from the book's GPU sets).
+    :param gpu_type: the one GPU type of those GPUs (:func:`gpu_type_of`), or None (several types,
+        or not known): a throughput sample is also folded into ``book.throughput_by_type[gpu_type]``.
     :returns: True if the sample counts (the caller stores it as the generation's latest).
     """
     if generation < book.acked_generation or generation < 1:
@@ -134,7 +173,11 @@ def record_progress(book: JobBook, *, generation: int, step: float, now_s: float
             and generation > 1):
         book.restart_overhead_s = update_restart_overhead(book.restart_overhead_s, now_s - book.published_s)
     if previous is not None and now_s > previous[0] and step > previous[1] and num_gpus > 0:
-        book.throughput = book.throughput.with_sample(num_gpus, (step - previous[1]) / (now_s - previous[0]))
+        speed = (step - previous[1]) / (now_s - previous[0])
+        book.throughput = book.throughput.with_sample(num_gpus, speed)
+        if gpu_type is not None:
+            by_type = book.throughput_by_type
+            by_type[gpu_type] = by_type.get(gpu_type, ThroughputModel()).with_sample(num_gpus, speed)
     book.steps_done = step
     return True
 
@@ -166,7 +209,8 @@ def apply_ack(book: JobBook, generation: int, now_s: float) -> bool:
 class Publication:
     """A new generation published to one job by :meth:`SchedulingCore.rebalance`.
 
-    :param gpus: the new target, sorted (empty: the job was suspended, preemptive policies only).
+    :param gpus: the new target, sorted (empty: the job was suspended: a preemptive policy, or a
+        preemptible job under a policy that suspends).
     :param previous_gpus: how many GPUs its previous target had (0: the job's first start).
     :param reason: the policy's one-line reason.
     """
@@ -206,8 +250,10 @@ class SchedulingCore:
 
         A published job's book gets its new target and generation (``published_s`` and, for a
         resize, ``last_resize_s`` set to ``now_s``). A growth that needs GPUs another job has not
-        given back yet waits for a later rebalance; a running job is taken to zero GPUs only by a
-        preemptive policy.
+        given back yet waits for a later rebalance; a running job is taken to zero GPUs (suspended)
+        only by a preemptive policy, or, when the policy suspends (``suspend=True``), if it is
+        preemptible. A suspension appends ``now_s`` to ``suspensions_s``; a start or resume sets
+        ``last_start_s``.
 
         :param nodes: the pool's schedulable nodes (healthy GPUs only).
         :param books: the pool's unfinished jobs, in the order ties are served (submit time, id).
@@ -226,11 +272,17 @@ class SchedulingCore:
             {g: b.job_id for b in books for g in b.target},
             {b.job_id for b in books if b.target_generation > 0},
             preemptive=getattr(self.policy, "preemptive", False),
+            suspendable={b.job_id for b in books if b.preemptible} if getattr(self.policy, "suspend", False)
+            else (),
         ):
             book = by_id[job_id]
             previous = len(book.target)
             if previous:
                 book.last_resize_s = now_s
+                if not new:
+                    book.suspensions_s = (*book.suspensions_s, now_s)
+            elif new:
+                book.last_start_s = now_s
             book.target = tuple(sorted(new))
             book.target_generation += 1
             book.published_s = now_s

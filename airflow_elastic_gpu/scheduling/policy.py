@@ -28,6 +28,7 @@ def policy_classes() -> dict[str, type]:
     """Every policy by name: ours (``adaptive``), the baselines and the peers from the literature."""
     from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
     from airflow_elastic_gpu.scheduling.afs_l import AfsLPolicy
+    from airflow_elastic_gpu.scheduling.gavel import GavelPolicy
     from airflow_elastic_gpu.scheduling.optimus import OptimusPolicy
     from airflow_elastic_gpu.scheduling.static import StaticPolicy
     from airflow_elastic_gpu.scheduling.termination import TerminationPolicy
@@ -40,6 +41,7 @@ def policy_classes() -> dict[str, type]:
         "tiresias": TiresiasPolicy,
         "optimus": OptimusPolicy,
         "afs_l": AfsLPolicy,
+        "gavel": GavelPolicy,
     }
 
 

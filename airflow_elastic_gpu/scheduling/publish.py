@@ -25,6 +25,7 @@ def publishable(
     started: Collection[str],
     *,
     preemptive: bool = False,
+    suspendable: Collection[str] = (),
 ) -> list[tuple[str, frozenset[K]]]:
     """The ``(job id, new target)`` pairs to publish now, in publishing order.
 
@@ -35,6 +36,8 @@ def publishable(
     :param target_holder: GPU -> the job whose current target holds it.
     :param started: jobs that have had a target before (generation >= 1).
     :param preemptive: allow taking every GPU of a started job; otherwise such a change is skipped.
+    :param suspendable: started jobs that may be taken to zero GPUs (suspended) even when not
+        ``preemptive``: preemptible jobs, when the pool allows suspension.
     """
     holders = dict(target_holder)
     changed = [
@@ -47,8 +50,8 @@ def publishable(
     for job_id, new in changed:
         if any(in_use_holder.get(g, job_id) != job_id or holders.get(g, job_id) != job_id for g in new):
             continue  # published by a later rebalance, once the holders ack
-        if not new and job_id in started and not preemptive:
-            continue  # a running job is never taken to zero GPUs
+        if not new and job_id in started and not preemptive and job_id not in suspendable:
+            continue  # a running job is never taken to zero GPUs, unless it may be suspended
         for g in targets[job_id]:
             holders.pop(g, None)
         for g in new:

@@ -69,6 +69,16 @@ class JobState:
     :param priority: larger is served first; ties fall to the policy's order.
     :param attained_gpu_s: GPU-seconds the job has received so far (Tiresias).
     :param first_start_s: when the job first ran, or ``None`` (Tiresias orders its queues by it).
+    :param preemptible: the job opted in to suspension: a policy that suspends may take it to zero
+        GPUs (checkpoint, stop, keep its place) and resume it later from its checkpoint.
+    :param last_start_s: when the job last went from zero GPUs to some (its start or its latest
+        resume), or ``None``; the minimum runtime between suspensions counts from it.
+    :param suspensions_s: times of the job's suspensions so far (seconds, ascending); the cap on
+        suspensions per hour counts them.
+    :param throughput_by_type: GPU type -> the job's model fitted from the samples measured on GPUs
+        of that type only (types it has run on; on a pool of one type policies read ``throughput``).
+    :param relative_speed: GPU type -> the job's relative single-GPU speed on that type (any positive
+        unit; only ratios count), a prior for the types it has not run on; empty when unknown.
     """
 
     job_id: str
@@ -85,6 +95,11 @@ class JobState:
     priority: int = 0
     attained_gpu_s: float = 0.0
     first_start_s: float | None = None
+    preemptible: bool = False
+    last_start_s: float | None = None
+    suspensions_s: tuple[float, ...] = ()
+    throughput_by_type: Mapping[str, ThroughputModel] = field(default_factory=dict)
+    relative_speed: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.min_gpus < 1:
@@ -120,6 +135,11 @@ class JobState:
         return bool(self.allocation and self.last_resize_s is not None
                     and now_s - self.last_resize_s < interval_s)
 
+    @property
+    def suspended(self) -> bool:
+        """True if the job has been suspended and has not been resumed since (it holds no GPU)."""
+        return not self.allocation and bool(self.suspensions_s)
+
     def remaining_time_s(self, num_gpus: int) -> float:
         """Predicted seconds to finish on ``num_gpus`` GPUs (``inf`` for 0 GPUs)."""
         if num_gpus <= 0:
@@ -142,6 +162,19 @@ class ClusterState:
     @property
     def max_node_gpus(self) -> int:
         return max((n.num_gpus for n in self.nodes), default=0)
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        """The pool's GPU types (of nodes with GPUs), sorted."""
+        return tuple(sorted({n.gpu_type for n in self.nodes if n.gpu_indices}))
+
+    def capacity_by_type(self) -> dict[str, int]:
+        """GPUs that may be handed out, per GPU type (every type of :attr:`gpu_types`)."""
+        capacity = dict.fromkeys(self.gpu_types, 0)
+        for n in self.nodes:
+            if n.gpu_indices:
+                capacity[n.gpu_type] += n.num_gpus
+        return capacity
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,21 @@ class ThroughputModel:
             tuple(sorted(merged.items())), self.prior_alpha, self.prior_steps_per_s
         )
 
+    def scaled(self, factor: float) -> ThroughputModel:
+        """The same model with every throughput (measured and prior) multiplied by ``factor`` (> 0):
+        the job on another GPU type that runs it ``factor`` times as fast at every count.
+
+        :raises ValueError: ``factor <= 0``.
+        """
+        if not factor > 0:
+            raise ValueError(f"factor must be > 0, got {factor!r}")
+        if factor == 1.0:
+            return self
+        model = object.__new__(ThroughputModel)  # valid by construction: skip the checks (hot path)
+        model.__dict__.update(observed=tuple([(n, t * factor) for n, t in self.observed]),
+                              prior_alpha=self.prior_alpha, prior_steps_per_s=self.prior_steps_per_s * factor)
+        return model
+
     @cached_property
     def steps_per_s(self) -> Callable[[int], float]:
         """Predicted steps/s on ``num_gpus`` (>= 1) GPUs, as ``model.steps_per_s(num_gpus)``;

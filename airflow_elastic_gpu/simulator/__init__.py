@@ -6,10 +6,11 @@ against job traces and measured GPU scaling profiles; see
 """
 
 from airflow_elastic_gpu.simulator.engine import ClusterShape, SimulationResult, simulate
+from airflow_elastic_gpu.simulator.model import RecreateModel, RestartOverheads
 from airflow_elastic_gpu.simulator.profiles import ProfileSet, load_profiles
 from airflow_elastic_gpu.simulator.trace import TraceJob, load_trace, write_trace
 
 __all__ = [
-    "ClusterShape", "ProfileSet", "SimulationResult", "TraceJob", "load_profiles", "load_trace",
-    "simulate", "write_trace",
+    "ClusterShape", "ProfileSet", "RecreateModel", "RestartOverheads", "SimulationResult", "TraceJob",
+    "load_profiles", "load_trace", "simulate", "write_trace",
 ]

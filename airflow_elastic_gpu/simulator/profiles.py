@@ -14,10 +14,12 @@ from __future__ import annotations
 import bisect
 import csv
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 
 DEFAULT_SOURCE = "pollux"
@@ -92,6 +94,10 @@ class Profile:
             value = ThroughputModel(tuple(single)).steps_per_s(num_gpus)
         self._cache[key] = value
         return value
+
+    def speed_on(self, gpus: Sequence[GpuId]) -> float:
+        """Training speed on these GPUs (>= 1): their count and the number of nodes they span."""
+        return self.samples_per_s(len(gpus), len({g.node for g in gpus}))
 
     def best(self, max_gpus: int, gpus_per_node: int) -> tuple[int, float]:
         """``(num_gpus, samples_per_s)`` of the fastest consolidated placement with at most ``max_gpus``."""

@@ -9,28 +9,30 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from airflow_elastic_gpu.simulator.engine import SimulationResult
+from airflow_elastic_gpu.simulator.results import SimulationResult
 
 JOB_COLUMNS = (
     "job_id", "model", "submit_s", "requested_gpus", "duration_s", "work", "start_s", "end_s",
     "jct_s", "queueing_s", "gpu_s", "resizes", "preemptions", "restart_lost_s",
-    "restart_lost_gpu_s", "lower_bound_jct_s",
+    "restart_lost_gpu_s", "lower_bound_jct_s", "recreate_wait_s", "slowdown", "contention", "ftf_rho",
 )
 
 
 def write_jobs_csv(result: SimulationResult, path: str | Path) -> Path:
-    """One row per job (columns :data:`JOB_COLUMNS`; seconds, work in samples)."""
+    """One row per job (columns :data:`JOB_COLUMNS`; seconds, work in samples; slowdown, contention
+    and finish-time fairness rho as defined in :mod:`~airflow_elastic_gpu.simulator.results`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(JOB_COLUMNS)
-        for j in result.jobs:
+        for j, (n, rho) in zip(result.jobs, result.fairness()):
             w.writerow([
                 j.job_id, j.model, f"{j.submit_s:g}", j.requested_gpus, f"{j.duration_s:g}",
                 f"{j.work:.1f}", f"{j.start_s:.1f}", f"{j.end_s:.1f}", f"{j.jct_s:.1f}",
                 f"{j.queueing_s:.1f}", f"{j.gpu_s:.1f}", j.resizes, j.preemptions,
                 f"{j.restart_lost_s:.1f}", f"{j.restart_lost_gpu_s:.1f}", f"{j.lower_bound_jct_s:.1f}",
+                f"{j.recreate_wait_s:.1f}", f"{j.slowdown:.3f}", f"{n:.3f}", f"{rho:.3f}",
             ])
     return path
 

@@ -1,0 +1,184 @@
+"""The simulator's commands of ``airflow-elastic-gpu``: ``workload`` (cut a paper-scale workload from
+a trace) and ``simulate`` (replay a trace under several policies and compare them, with the tail and
+finish-time fairness; ``docs/simulator.md``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+
+
+def cmd_workload(args: argparse.Namespace) -> int:
+    from airflow_elastic_gpu.simulator.profiles import load_profiles
+    from airflow_elastic_gpu.simulator.trace import load_trace, write_trace
+    from airflow_elastic_gpu.simulator.workload import generate_workload
+
+    jobs = generate_workload(
+        load_trace(args.trace), gpus=args.gpus, hours=args.hours, load=args.load, seed=args.seed,
+        start_hour=args.start_hour, max_gpu_hours=args.max_gpu_hours,
+        profiles=load_profiles(args.profiles, args.profile_source),
+    )
+    write_trace(args.out, jobs)
+    gpu_h = sum(j.gpu_time_s for j in jobs) / 3600
+    console.print(f"wrote {len(jobs)} jobs ({gpu_h:.1f} GPU-hours) to {args.out}")
+    return 0
+
+
+RECREATE_OPTIONS = ("grace_period_s", "scheduling_s", "image_size_mb", "pull_bandwidth_mb_s",
+                    "container_start_s", "init_s")
+
+
+def comparison_table(summaries: list[dict[str, Any]], baseline: str = "static") -> Table:
+    """Rich table of simulation summaries, with avg-JCT and makespan ratios to ``baseline``: averages,
+    the tail (p99 JCT, largest slowdown) and finish-time fairness (largest rho, share of jobs with
+    rho > 1); ``docs/simulator.md`` defines each."""
+    base = next((s for s in summaries if s["policy"] == baseline), None)
+    table = Table(
+        title="policies compared" + (f" (x: ratio to {baseline}; LB: lower bound; slow: slowdown; "
+                                     "rho: finish-time fairness)" if base else ""),
+    )
+    for col in ("policy", "JCT h", "p99 h", "mksp h", "queue h", "util", "resizes",
+                "JCT/LB", "max slow", "max rho", "rho>1", "JCT x", "mksp x"):
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+
+    def hours(value: float) -> str:
+        return f"{value / 3600:.2f}"
+
+    for s in summaries:
+        ratio = (lambda k, s=s: f"{s[k] / base[k]:.2f}") if base else (lambda k: "-")
+        table.add_row(
+            s["policy"], hours(s["avg_jct_s"]), hours(s["p99_jct_s"]), hours(s["makespan_s"]),
+            hours(s["avg_queueing_s"]), f"{s['gpu_utilisation']:.0%}", str(s["resizes"] + s["preemptions"]),
+            f"{s['avg_jct_over_bound']:.2f}", f"{s['max_slowdown']:.1f}", f"{s['max_ftf_rho']:.2f}",
+            f"{s['share_ftf_rho_above_1']:.0%}", ratio("avg_jct_s"), ratio("makespan_s"),
+        )
+    return table
+
+
+def _restart_overheads(args: argparse.Namespace) -> Any:
+    """The simulator's :class:`RestartOverheads` from ``simulate``'s options (unset: the defaults)."""
+    from airflow_elastic_gpu.simulator.model import RecreateModel, RestartOverheads
+
+    parts = {name: getattr(args, name) for name in RECREATE_OPTIONS if getattr(args, name) is not None}
+    if args.image_uncached:
+        parts["image_cached"] = False
+    defaults = RestartOverheads()
+    return RestartOverheads(
+        args.inplace_overhead_s if args.inplace_overhead_s is not None else defaults.inplace_s,
+        args.recreate_overhead_s,
+        RecreateModel(**parts),
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from airflow_elastic_gpu.simulator import report
+    from airflow_elastic_gpu.simulator.engine import simulate
+    from airflow_elastic_gpu.simulator.mixed import MixedCluster, load_typed_profiles, parse_cluster
+    from airflow_elastic_gpu.simulator.profiles import load_profiles
+    from airflow_elastic_gpu.simulator.trace import load_trace
+
+    trace = load_trace(args.trace)
+    cluster = parse_cluster(args.cluster)
+    profiles = (load_typed_profiles(cluster, args.profiles) if isinstance(cluster, MixedCluster)
+                else load_profiles(args.profiles, args.profile_source))
+    overheads = _restart_overheads(args)
+    names = [p.strip() for p in args.policy.split(",") if p.strip()]
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), console=console) as bar:
+        for name in names:
+            task = bar.add_task(f"{name:<12}", total=1.0)
+            results.append(simulate(
+                trace, cluster, name, profiles=profiles, overheads=overheads, mechanism=args.mechanism,
+                rebalance_interval_s=args.rebalance_interval_s, seed=args.seed,
+                progress=lambda f, task=task: bar.update(task, completed=f),
+            ))
+            bar.update(task, completed=1.0)
+    summaries = [r.summary() for r in results]
+    Console(width=max(console.width, 110)).print(comparison_table(summaries))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for r in results:
+            report.write_jobs_csv(r, out / f"jobs_{r.policy}.csv")
+        report.write_summary(summaries, out / "summary.csv")
+        report.plot_jct_cdf(results, out / "jct_cdf.png", f"JCT CDF: {Path(args.trace).name} on {cluster}")
+        report.plot_gpus_in_use(results, out / "gpus_in_use.png", f"GPUs in use on {cluster}")
+        focus = next((r for r in results if r.policy == args.timeline_policy), results[0])
+        report.plot_allocation_timeline(focus, out / f"timeline_{focus.policy}.png")
+        console.print(f"per-job CSVs, summary.csv and plots written to {out}")
+    return 0
+
+
+def add_simulator_commands(sub: Any) -> None:
+    """Add ``workload`` and ``simulate`` to the CLI's sub-parsers ``sub``."""
+    from airflow_elastic_gpu.simulator.model import RecreateModel, RestartOverheads
+    from airflow_elastic_gpu.simulator.profiles import DEFAULT_SOURCE
+
+    overheads, model = RestartOverheads(), RecreateModel()
+
+    p = sub.add_parser("workload", help="cut a paper-scale workload from a raw job trace")
+    p.add_argument("--trace", required=True, help="trace CSV (job_id, submit_time_s, num_gpus, duration_s)")
+    p.add_argument("--gpus", type=int, default=16, help="cluster size; larger jobs are dropped")
+    p.add_argument("--hours", type=float, default=8.0, help="arrival window length")
+    p.add_argument("--load", type=float, default=1.0, help="GPU-time offered, as a multiple of gpus x hours")
+    p.add_argument("--seed", type=int, default=0, help="seeds the choice of jobs and models (default 0)")
+    p.add_argument("--start-hour", type=float, default=0.0, help="window start, hour of the trace's day")
+    p.add_argument("--max-gpu-hours", type=float, default=None, help="largest job kept (default gpus*hours/8)")
+    p.add_argument("--profiles", default=None, help="throughput profile CSV (default: bundled)")
+    p.add_argument("--profile-source", default=DEFAULT_SOURCE,
+                   help=f"which measurements of the profile CSV to use (default {DEFAULT_SOURCE!r})")
+    p.add_argument("--out", required=True, help="output trace CSV")
+    p.set_defaults(fn=cmd_workload)
+
+    p = sub.add_parser("simulate", help="replay a trace under several policies and compare them")
+    p.add_argument("--trace", required=True,
+                   help="workload CSV (job_id, submit_time_s, num_gpus, duration_s[, model]), e.g. from workload")
+    p.add_argument("--cluster", default="4x4",
+                   help="NODESxGPUS_PER_NODE (default 4x4), or groups of GPU types, e.g. 2x4:V100,2x4:K80 "
+                        "(each type's measured profiles; the trace's durations are on the first type)")
+    p.add_argument("--policy", default="adaptive,static",
+                   help="comma-separated: adaptive, static, termination, tiresias, optimus, afs_l")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model draw for jobs without one")
+    p.add_argument("--out", default=None, help="directory for per-job CSVs, summary.csv and PNG plots")
+    p.add_argument("--mechanism", choices=["inplace", "recreate"], default=None,
+                   help="force one resize mechanism for every policy (default: each policy's own)")
+    p.add_argument("--inplace-overhead-s", type=float, default=None,
+                   help="seconds a resize costs a job restarted in place, in its pod "
+                        f"(default {overheads.inplace_s:g})")
+    p.add_argument("--recreate-overhead-s", type=float, default=None,
+                   help="seconds a resize costs a job whose pod is re-created, in all: overrides the "
+                        "parts below (the grace period, at most, is spent on the old GPUs; default "
+                        f"their sum, {overheads.of('recreate'):g})")
+    p.add_argument("--grace-period-s", type=float, default=None,
+                   help="re-creation: the old pod keeps its GPUs this long, not training "
+                        f"(default {model.grace_period_s:g}, the measured pod termination; Kubernetes' "
+                        "terminationGracePeriodSeconds, 30 s by default, only bounds it)")
+    p.add_argument("--pod-scheduling-s", dest="scheduling_s", type=float, default=None,
+                   help=f"re-creation: binding the new pod once GPUs are free (default {model.scheduling_s:g})")
+    p.add_argument("--image-uncached", action="store_true",
+                   help="re-creation: the node pulls the trainer image (default: it is cached)")
+    p.add_argument("--image-size-mb", type=float, default=None,
+                   help=f"trainer image size, MB (default {model.image_size_mb:.0f}, the project's trainer image)")
+    p.add_argument("--pull-bandwidth-mb-s", type=float, default=None,
+                   help=f"registry to node, MB/s (default {model.pull_bandwidth_mb_s:g}, a 1 Gbit/s link)")
+    p.add_argument("--container-start-s", type=float, default=None,
+                   help=f"re-creation: container creation and start (default {model.container_start_s:g}, measured)")
+    p.add_argument("--trainer-init-s", dest="init_s", type=float, default=None,
+                   help="re-creation: the trainer's start-up to its first step "
+                        f"(default {model.init_s:g}, the measured cold start)")
+    p.add_argument("--rebalance-interval-s", type=float, default=60.0,
+                   help="seconds between two scheduling decisions besides those on arrivals and ends "
+                        "(default 60)")
+    p.add_argument("--profiles", default=None, help="throughput profile CSV (default: bundled)")
+    p.add_argument("--profile-source", default=DEFAULT_SOURCE,
+                   help=f"which measurements of the profile CSV to use (default {DEFAULT_SOURCE!r})")
+    p.add_argument("--timeline-policy", default="adaptive", help="policy whose per-job timeline is plotted")
+    p.set_defaults(fn=cmd_simulate)

@@ -1,0 +1,245 @@
+"""GPU-type-aware allocation: each job on one GPU type, where it gains most, then the adaptive hand-out per type.
+
+Sources: Gavel (Narayanan et al., "Heterogeneity-Aware Cluster Scheduling Policies for Deep
+Learning Workloads", OSDI'20, sections 3-4: a job's throughput on every accelerator type, jobs
+placed by their speed-up on one type relative to the others) and Sia (Jayaram Subramanya et al.,
+"Sia: Heterogeneity-aware, goodput-optimized ML-cluster scheduling", SOSP'23, section 4: a job's
+per-type throughput starts from a cheap prior and is refined from the job's own progress once it
+has run on a type; a job is never split across types).
+
+Steps of one decision on a pool with more than one GPU type (a pool of one type never comes here):
+
+1. **Per-type throughput** (:func:`type_models`): on a type the job has run on, the model fitted
+   from its samples there; on another, that model scaled by the job's relative speed of the two
+   types: the submitter's hint (``JobState.relative_speed``, e.g. from measured profiles), else the
+   median ratio of the pool's jobs measured on both types, else 1.
+2. **Type choice** (:func:`choose_types`), jobs in service order (priority, then least remaining
+   work on their best type, as the adaptive policy ranks): each type keeps the work already given
+   to it, in single-GPU seconds of that type; a job goes to the type where it would finish first,
+   ``(work given to T + its work on T) / GPUs of T``, a list-scheduling rule for the sum of
+   completion times on unrelated machines, in which a job's relative speed on each type and the
+   load already there both count. A type is chosen only if it can still admit the job at
+   ``min_gpus`` after the jobs before it. A running job keeps its type unless it may be resized now
+   (``min_resize_interval_s``) and the move saves more than ``hysteresis`` restart overheads at its
+   current count.
+3. **Hand-out per type**: the adaptive policy (:class:`~airflow_elastic_gpu.scheduling.adaptive.
+   AdaptivePolicy`) on that type's nodes and jobs, each job with its model on that type; a job
+   moved to a type starts there as a waiting job. A moved job that placement could not start on its
+   new type stays on its old one (the decision for that type is redone with it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState, NodeState
+from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+
+if TYPE_CHECKING:
+    from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
+
+_new_job = JobState.__new__
+
+
+def _on_type(job: JobState, throughput: ThroughputModel, allocation: tuple[GpuId, ...]) -> JobState:
+    """``job`` with another ``throughput`` and ``allocation`` (a copy without re-validation: hot path)."""
+    copy = _new_job(JobState)
+    copy.__dict__.update(job.__dict__)
+    copy.__dict__["throughput"] = throughput
+    copy.__dict__["allocation"] = allocation
+    return copy
+
+
+def pool_speed_ratios(jobs: Sequence[JobState]) -> dict[tuple[str, str], float]:
+    """``(a, b)`` -> median over the jobs measured on both GPU types ``a`` and ``b`` of their
+    single-GPU throughput on ``b`` over that on ``a`` (pairs nobody was measured on are absent)."""
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for j in jobs:
+        if len(j.throughput_by_type) < 2:
+            continue
+        measured = [(t, m.steps_per_s(1)) for t, m in j.throughput_by_type.items() if m.observed]
+        for a, speed_a in measured:
+            for b, speed_b in measured:
+                if a != b:
+                    ratios.setdefault((a, b), []).append(speed_b / speed_a)
+    return {pair: statistics.median(values) for pair, values in ratios.items()}
+
+
+def _ratio(job: JobState, a: str, b: str, pool_ratios: Mapping[tuple[str, str], float]) -> float:
+    """The job's speed on type ``b`` over its speed on ``a``: its hint, else the pool's, else 1."""
+    hint = job.relative_speed
+    if a in hint and b in hint and hint[a] > 0 and hint[b] > 0:
+        return hint[b] / hint[a]
+    return pool_ratios.get((a, b), 1.0)
+
+
+def _speeds(job: JobState, types: Sequence[str],
+            pool_ratios: Mapping[tuple[str, str], float]) -> dict[str, tuple[ThroughputModel, float]]:
+    """Type -> ``(model, factor)``: the job's steps/s on that type at ``n`` GPUs are
+    ``model.steps_per_s(n) * factor`` (step 1; a pair, so the hot path builds no model)."""
+    measured = {t: m for t, m in job.throughput_by_type.items() if m.observed}
+    if measured:  # the type it has most counts on (ties: the first by name) is the base
+        base_type = (next(iter(measured)) if len(measured) == 1
+                     else min(measured, key=lambda t: (-len(measured[t].observed), t)))
+        base = measured[base_type]
+        return {t: (measured[t], 1.0) if t in measured else (base, _ratio(job, base_type, t, pool_ratios))
+                for t in types}
+    # never measured on one type: its prior is taken as its speed on a type of average speed
+    rel = [_ratio(job, types[0], t, pool_ratios) for t in types]
+    mean = math.prod(rel) ** (1.0 / len(rel))
+    return {t: (job.throughput, r / mean) for t, r in zip(types, rel)}
+
+
+def type_models(job: JobState, types: Sequence[str],
+                pool_ratios: Mapping[tuple[str, str], float]) -> dict[str, ThroughputModel]:
+    """The job's throughput model (steps/s vs GPU count) on each of ``types`` (step 1).
+
+    :param pool_ratios: as :func:`pool_speed_ratios` returns them.
+    :returns: type -> model; a type the job has run on has its own fitted model.
+    """
+    return {t: model.scaled(factor) for t, (model, factor) in _speeds(job, types, pool_ratios).items()}
+
+
+def _type_of(job: JobState, node_type: Mapping[str, str]) -> str | None:
+    """The type holding most of the job's GPUs (ties: the first by name), None when it has none."""
+    if not job.allocation:
+        return None
+    counts: dict[str, int] = {}
+    for g in job.allocation:
+        t = node_type[g.node]
+        counts[t] = counts.get(t, 0) + 1
+    return min(counts, key=lambda t: (-counts[t], t))
+
+
+Speeds = Mapping[str, Mapping[str, tuple[ThroughputModel, float]]]
+"""Job id -> type -> ``(model, factor)``, as :func:`_speeds` gives them."""
+
+
+def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) -> tuple[dict[str, str], dict[str, str]]:
+    """Step 2: the GPU type of every job.
+
+    :param speeds: job id -> type -> ``(model, factor)`` (the job's steps/s on the type at ``n``
+        GPUs: ``model.steps_per_s(n) * factor``).
+    :returns: ``(chosen, moved)``: job id -> type for every job, and job id -> the type it leaves
+        for each running job that moves.
+    """
+    types = cluster.gpu_types
+    node_type = {n.name: n.gpu_type for n in cluster.nodes}
+    capacity = cluster.capacity_by_type()
+    live = [t for t in types if capacity[t]]
+    now_s, interval_s = cluster.now_s, policy.min_resize_interval_s
+    reserved = dict.fromkeys(types, 0)
+    current: dict[str, tuple[str, int]] = {}  # running job -> (its type, GPUs it keeps there for sure)
+    for j in cluster.jobs:
+        alloc = j.allocation
+        if not alloc:
+            continue
+        if alloc[0].node == alloc[-1].node:  # sorted: on one node, so of one type
+            t, on_t = node_type[alloc[0].node], len(alloc)
+        else:
+            t, on_t = _type_of(j, node_type), 0
+            on_t = sum(node_type[g.node] == t for g in alloc)
+        keep = on_t if j.resized_within(now_s, interval_s) else min(j.min_gpus, on_t)
+        current[j.job_id] = (t, keep)
+        reserved[t] += keep
+    work: dict[str, dict[str, float]] = {}
+    best: dict[str, float] = {}
+    for j in cluster.jobs:
+        rest, sp = j.remaining_steps, speeds[j.job_id]
+        w = work[j.job_id] = {t: rest / (sp[t][0].steps_per_s(1) * sp[t][1]) for t in live}
+        best[j.job_id] = min(w.values())
+    order = sorted(cluster.jobs, key=lambda j: (-j.priority, best[j.job_id], j.submit_time_s, j.job_id))
+    load = dict.fromkeys(types, 0.0)
+    chosen: dict[str, str] = {}
+    moved: dict[str, str] = {}
+    for j in order:
+        w = work[j.job_id]
+        cur, keep = current.get(j.job_id, (None, 0))
+        if cur is not None:
+            reserved[cur] -= keep
+        prefs = [t for *_, t in sorted([((load[t] + w[t]) / capacity[t], w[t], t) for t in live])]
+        pick = next((t for t in prefs if reserved[t] + j.min_gpus <= capacity[t]), None)
+        if cur is not None and (pick is None or pick != cur and not _pays(policy, j, cur, pick, speeds[j.job_id],
+                                                                             now_s)):
+            pick = cur  # a running job moves only to a type with room for it, and only when it pays
+        pick = pick or prefs[0]  # no type has room: it waits on the one it would finish first
+        if cur is not None and pick != cur:
+            moved[j.job_id] = cur
+        chosen[j.job_id] = pick
+        reserved[pick] += keep if pick == cur else j.min_gpus
+        load[pick] += w[pick]
+    return chosen, moved
+
+
+def _pays(policy: AdaptivePolicy, job: JobState, cur: str, new: str,
+          speeds: Mapping[str, tuple[ThroughputModel, float]], now_s: float) -> bool:
+    """True if running ``job`` may move from type ``cur`` to ``new`` now: not resized within the
+    policy's interval, and the move saves more than ``hysteresis`` restart overheads at its count."""
+    if job.resized_within(now_s, policy.min_resize_interval_s):
+        return False
+    n = len(job.allocation)
+    rest = job.remaining_steps
+    (m_cur, f_cur), (m_new, f_new) = speeds[cur], speeds[new]
+    gain = rest / (m_cur.steps_per_s(n) * f_cur) - rest / (m_new.steps_per_s(n) * f_new)
+    return gain > policy.hysteresis * job.restart_overhead_s
+
+
+def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
+    """The adaptive policy's decision on a pool of several GPU types (steps 1-3 of the module)."""
+    types = cluster.gpu_types
+    pool_ratios = pool_speed_ratios(cluster.jobs)
+    speeds = {j.job_id: _speeds(j, types, pool_ratios) for j in cluster.jobs}
+    chosen, moved = choose_types(policy, cluster, speeds)
+    nodes_of: dict[str, list[NodeState]] = {t: [] for t in types}
+    for n in cluster.nodes:
+        if n.gpu_indices:
+            nodes_of[n.gpu_type].append(n)
+    node_type = {n.name: n.gpu_type for n in cluster.nodes}
+    jobs_of: dict[str, list[JobState]] = {t: [] for t in types}
+    for j in cluster.jobs:
+        jobs_of[chosen[j.job_id]].append(j)
+
+    def decide(t: str) -> Decision:
+        jobs = []
+        for j in jobs_of[t]:
+            model, factor = speeds[j.job_id][t]
+            alloc = j.allocation
+            if alloc and (alloc[0].node != alloc[-1].node or node_type[alloc[0].node] != t):
+                alloc = tuple(g for g in alloc if node_type[g.node] == t)
+            jobs.append(_on_type(j, model.scaled(factor), alloc))
+        return policy.decide(ClusterState(tuple(nodes_of[t]), tuple(jobs), cluster.now_s))
+
+    decisions = {t: decide(t) for t in types if jobs_of[t]}
+    while True:  # each round sends at least one moved job back, so it ends
+        stuck = [j for j in cluster.jobs
+                 if j.job_id in moved and not decisions[chosen[j.job_id]].allocations[j.job_id]]
+        if not stuck:
+            break
+        redo = set()  # placement could not start them on their new type: they stay where they are
+        for j in stuck:
+            old = moved.pop(j.job_id)
+            jobs_of[chosen[j.job_id]].remove(j)
+            jobs_of[old].append(j)
+            redo.update((chosen[j.job_id], old))
+            chosen[j.job_id] = old
+        for t in redo:
+            decisions[t] = decide(t)
+    allocations: dict[str, tuple[GpuId, ...]] = {}
+    reasons: dict[str, str] = {}
+    for t, d in decisions.items():
+        allocations.update(d.allocations)
+        for job_id, why in d.reasons.items():
+            reasons[job_id] = f"{why} [{t}]"
+    by_id = {j.job_id: j for j in cluster.jobs}
+    for job_id, old in moved.items():
+        t, job = chosen[job_id], by_id[job_id]
+        n = len(job.allocation)
+        (m_old, f_old), (m_new, f_new) = speeds[job_id][old], speeds[job_id][t]
+        before_s = job.remaining_steps / (m_old.steps_per_s(n) * f_old)
+        after_s = job.remaining_steps / (m_new.steps_per_s(n) * f_new)
+        reasons[job_id] = (f"move {old}->{t} on {len(allocations[job_id])} GPU(s): predicted remaining "
+                           f"time on {n} GPU(s) {before_s:.0f}s->{after_s:.0f}s")
+    return Decision(allocations, reasons)

@@ -1,0 +1,175 @@
+"""GPU types: per-type throughput from progress, type-aware allocation, the Gavel peer, mixed clusters."""
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sqlalchemy import select
+
+from airflow_elastic_gpu.broker.models import Job
+from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec
+from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
+from airflow_elastic_gpu.scheduling.core import JobBook, gpu_type_of, record_progress
+from airflow_elastic_gpu.scheduling.gavel import GavelPolicy, max_sum_allocation
+from airflow_elastic_gpu.scheduling.heterogeneous import pool_speed_ratios, type_models
+from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
+from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+from airflow_elastic_gpu.simulator.engine import ClusterShape, SimulationError, simulate
+from airflow_elastic_gpu.simulator.mixed import MixedCluster, load_typed_profiles
+from airflow_elastic_gpu.simulator.trace import TraceJob
+
+FAST, SLOW = "V100", "K80"
+
+
+def nodes(fast=1, slow=1, gpus=4):
+    return (tuple(NodeState(f"f{i}", tuple(range(gpus)), FAST) for i in range(fast))
+            + tuple(NodeState(f"s{i}", tuple(range(gpus)), SLOW) for i in range(slow)))
+
+
+def job(job_id, speeds, steps=100_000, alloc=(), **kw):
+    """A job measured at 1 GPU on each type of ``speeds`` (type -> steps/s)."""
+    kw.setdefault("max_gpus", 4)
+    by_type = {t: ThroughputModel(((1, s),), prior_alpha=0.0) for t, s in speeds.items()}
+    base = next(iter(by_type.values()))
+    return JobState(job_id, 1, total_steps=steps, allocation=tuple(alloc), throughput=base,
+                    throughput_by_type=by_type, **kw)
+
+
+def type_of(gpus, cluster):
+    kinds = {n.name: n.gpu_type for n in cluster.nodes}
+    return {kinds[g.node] for g in gpus}
+
+
+def test_a_pool_of_one_type_gets_the_decisions_of_the_type_blind_policy():
+    one = tuple(NodeState(f"n{i}", (0, 1, 2, 3), "T4") for i in range(2))
+    jobs = tuple(job(str(i), {"T4": 1.0 + i}, steps=1000 * (i + 1)) for i in range(5))
+    cluster = ClusterState(one, jobs, 100.0)
+    assert AdaptivePolicy().decide(cluster) == AdaptivePolicy(type_aware=False).decide(cluster)
+
+
+def test_each_job_goes_where_its_relative_speed_up_is_highest():
+    cluster = ClusterState(nodes(gpus=1), (job("big-gain", {FAST: 10.0, SLOW: 1.0}),
+                                            job("small-gain", {FAST: 1.5, SLOW: 1.0})), 0.0)
+    d = AdaptivePolicy().decide(cluster)
+    assert type_of(d.allocations["big-gain"], cluster) == {FAST}
+    assert type_of(d.allocations["small-gain"], cluster) == {SLOW}
+
+
+def test_the_relative_speed_hint_places_a_job_before_it_has_run():
+    hinted = JobState("j", 1, 1, 1000, relative_speed={FAST: 5.0, SLOW: 1.0})
+    other = JobState("k", 1, 1, 1000, relative_speed={FAST: 1.2, SLOW: 1.0})
+    cluster = ClusterState(nodes(gpus=1), (hinted, other), 0.0)
+    d = AdaptivePolicy().decide(cluster)
+    assert type_of(d.allocations["j"], cluster) == {FAST}
+
+
+def test_a_type_not_run_on_is_predicted_from_the_pool_measured_ratio_without_a_hint():
+    both = job("both", {FAST: 8.0, SLOW: 2.0})
+    once = JobState("once", 1, 4, 1000, throughput_by_type={SLOW: ThroughputModel(((1, 3.0),))})
+    models = type_models(once, (FAST, SLOW), pool_speed_ratios([both, once]))
+    assert models[FAST].steps_per_s(1) == pytest.approx(4 * models[SLOW].steps_per_s(1))
+
+
+def test_a_running_job_stays_on_its_type_when_moving_does_not_pay_its_restart():
+    cluster = nodes(fast=1, slow=1, gpus=1)
+    near_done = job("j", {FAST: 10.0, SLOW: 9.0}, steps=100, alloc=[GpuId("s0", 0)],
+                    restart_overhead_s=60.0, last_resize_s=0.0)
+    d = AdaptivePolicy().decide(ClusterState(cluster, (near_done,), 1000.0))
+    assert d.allocations["j"] == (GpuId("s0", 0),)
+
+
+def test_a_running_job_moves_to_a_free_faster_type_when_it_pays():
+    cluster = nodes(fast=1, slow=1, gpus=1)
+    long_job = job("j", {FAST: 10.0, SLOW: 1.0}, steps=1_000_000, alloc=[GpuId("s0", 0)],
+                   restart_overhead_s=10.0, last_resize_s=0.0)
+    d = AdaptivePolicy().decide(ClusterState(cluster, (long_job,), 1000.0))
+    assert d.allocations["j"] == (GpuId("f0", 0),)
+    assert "move K80->V100" in d.reasons["j"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.5, 20), st.floats(0.5, 20), st.integers(1, 8), st.booleans()),
+                min_size=1, max_size=12),
+       st.integers(1, 3), st.integers(1, 3))
+def test_no_job_is_split_across_types_and_no_gpu_is_given_twice(specs, fast, slow):
+    cluster_nodes = nodes(fast, slow, gpus=4)
+    jobs, free = [], [g for n in cluster_nodes for g in n.gpus()]
+    for i, (f, s, max_gpus, running) in enumerate(specs):
+        alloc = (free.pop(0),) if running and free else ()
+        jobs.append(job(str(i), {FAST: f, SLOW: s}, max_gpus=max_gpus, alloc=alloc, last_resize_s=0.0))
+    cluster = ClusterState(cluster_nodes, tuple(jobs), 1000.0)
+    for policy in (AdaptivePolicy(), GavelPolicy()):
+        d = policy.decide(cluster)
+        given_out = [g for gpus in d.allocations.values() for g in gpus]
+        assert len(given_out) == len(set(given_out))
+        assert all(len(type_of(gpus, cluster)) <= 1 for gpus in d.allocations.values())
+        if not policy.preemptive:
+            assert all(d.allocations[j.job_id] for j in jobs if j.allocation)
+
+
+def test_a_progress_sample_is_also_learnt_for_the_gpu_type_it_ran_on():
+    book = JobBook("j", 1, 4, 1000, 0.0, target=(GpuId("f0", 0),), target_generation=1, acked_generation=1)
+    node_types = {"f0": FAST, "s0": SLOW}
+    kind = gpu_type_of(book.gpus_of(1), node_types)
+    record_progress(book, generation=1, step=0, now_s=0.0, previous=None, gpu_type=kind)
+    record_progress(book, generation=1, step=50, now_s=10.0, previous=(0.0, 0), gpu_type=kind)
+    assert book.throughput_by_type[FAST].observed == ((1, 5.0),)
+    assert book.throughput.observed == ((1, 5.0),)
+    assert gpu_type_of((GpuId("f0", 0), GpuId("s0", 0)), node_types) is None
+
+
+def test_the_broker_learns_per_type_throughput_and_keeps_the_hint(broker, clock):
+    broker.register_node("f0", 2, gpu_type=FAST)
+    broker.register_node("s0", 2, gpu_type=SLOW)
+    a = broker.submit(JobSpec(name="a", command="train", key="a", max_gpus=2, total_steps=10_000,
+                              relative_speed={FAST: 4.0, SLOW: 1.0}))
+    broker.ack(a.id, 1)
+    for step in (0, 100):
+        broker.progress(a.id, step, generation=1)
+        clock.advance(10)
+    with broker.engine.connect() as conn:
+        stored = conn.execute(select(Job.throughput).where(Job.id == a.id)).scalar_one()
+    (kind,) = {FAST if g.node == "f0" else SLOW for g in broker.job(a.id).in_use_gpus}
+    assert stored["by_type"] == {kind: [[2, pytest.approx(10.0)]]}
+    assert stored["relative_speed"] == {FAST: 4.0, SLOW: 1.0}
+
+
+@pytest.mark.parametrize("bad", [[1, 2], {"V100": 0}, {"V100": float("nan")}, {"": 1.0}, {"V100": True}])
+def test_a_bad_relative_speed_hint_is_refused_naming_the_field(bad):
+    with pytest.raises(InvalidRequest, match="relative_speed"):
+        JobSpec(name="a", command="train", relative_speed=bad)
+
+
+def test_max_sum_allocation_matches_brute_force_on_whole_assignments():
+    value = [{FAST: 1.0, SLOW: 0.2}, {FAST: 1.0, SLOW: 0.9}, {FAST: 1.0, SLOW: 0.5}]
+    x = max_sum_allocation(value, [1, 1, 1], {FAST: 1, SLOW: 1})
+    best = max(value[a][FAST] + value[b][SLOW] for a, b in itertools.permutations(range(3), 2))
+    assert sum(value[j][t] * f for j, xj in enumerate(x) for t, f in xj.items()) == pytest.approx(best)
+
+
+def test_mixed_cluster_spec_parses_into_typed_nodes_and_rejects_garbage():
+    c = MixedCluster.parse("2x4:V100,1x8:K80")
+    assert c.capacity == 16 and c.gpu_types == ("V100", "K80") and str(c) == "2x4:V100,1x8:K80"
+    assert [n.gpu_type for n in c.node_states()] == ["V100", "V100", "K80"]
+    with pytest.raises(SimulationError, match="NODESxGPUS:TYPE"):
+        MixedCluster.parse("2x4:V100,K80")
+
+
+def test_a_job_on_gpus_of_two_types_trains_at_the_slowest_pace():
+    c = MixedCluster.parse("1x1:V100,1x1:K80")
+    prof = load_typed_profiles(c)["ResNet-18 (batch size 64)"]
+    names = [n.name for n in c.node_states()]
+    mixed = prof.speed_on((GpuId(names[0], 0), GpuId(names[1], 0)))
+    assert mixed == pytest.approx(min(p.samples_per_s(2, 2) for p in prof.profiles.values()))
+    assert mixed < prof.profiles["V100"].samples_per_s(2, 2)
+
+
+def test_a_mixed_cluster_simulation_finishes_every_job():
+    c = MixedCluster.parse("1x4:A100,1x4:T4")
+    trace = [TraceJob(str(i), 600.0 * i, 1 + i % 4, 1800.0, model=m)
+             for i, m in enumerate(["bert", "imagenet", "deepspeech2", "cifar10"] * 2)]
+    r = simulate(trace, c, "adaptive")
+    assert all(j.end_s is not None for j in r.jobs)
+    assert r.summary()["cluster"] == "1x4:A100,1x4:T4"
+    single = simulate(trace[:2], ClusterShape(1, 4), "adaptive")
+    assert all(j.end_s is not None for j in single.jobs)
