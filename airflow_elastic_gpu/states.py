@@ -26,10 +26,11 @@ class NotFound(BrokerError, LookupError):
 
 
 class JobStatus(StrEnum):
-    """A job's life: QUEUED -> RUNNING -> one of the terminal states."""
+    """A job's life: QUEUED -> RUNNING (<-> SUSPENDED) -> one of the terminal states."""
 
     QUEUED = "queued"  # submitted, no GPUs published yet
     RUNNING = "running"  # has a target allocation (generation >= 1)
+    SUSPENDED = "suspended"  # a preemptible job resized to zero GPUs: checkpointed, stopped, keeps its place
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -41,7 +42,7 @@ class JobStatus(StrEnum):
 
 
 TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.LOST})
-ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING)
+ACTIVE = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.SUSPENDED)
 
 
 class EventKind(StrEnum):
@@ -52,6 +53,8 @@ class EventKind(StrEnum):
     SUBMIT = "submit"
     START = "start"  # first generation published (QUEUED -> RUNNING)
     RESIZE = "resize"  # a later generation published with another GPU set
+    SUSPEND = "suspend"  # a generation with no GPUs published to a preemptible job (RUNNING -> SUSPENDED)
+    RESUME = "resume"  # a generation with GPUs published to a suspended job (SUSPENDED -> RUNNING)
     ACK = "ack"  # the agent runs the trainer on a generation's GPUs
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -67,7 +70,7 @@ class EventKind(StrEnum):
 ENDED_KINDS = frozenset({EventKind.SUCCEEDED, EventKind.FAILED, EventKind.CANCELLED, EventKind.LOST})
 """Event kinds that end a job."""
 
-PUBLISH_KINDS = frozenset({EventKind.START, EventKind.RESIZE})
+PUBLISH_KINDS = frozenset({EventKind.START, EventKind.RESIZE, EventKind.SUSPEND, EventKind.RESUME})
 """Event kinds that publish a new generation."""
 
 

@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_api import auth, broker, client, free_port  # noqa: F401 - fixtures
+from test_sidecar import wait_for
 
 from airflow_elastic_gpu.broker.api import check_bind_address, create_app
 from airflow_elastic_gpu.broker.api_guards import PAGE_CSP, ApiLimits, parse_body
@@ -28,10 +31,6 @@ from airflow_elastic_gpu.broker.api_models import AckIn, FailIn, FinishIn, Progr
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.cli import main as cli
-
-from conftest import REPO
-from test_api import auth, broker, client, free_port  # noqa: F401 - fixtures
-from test_sidecar import wait_for
 
 MiB = 1024 * 1024
 HOSTILE = "<img src=x onerror=document.title='XSS-'+document.domain>"

@@ -119,7 +119,7 @@ def test_progress_rejects_impossible_steps(broker, step):
     (["nodes", "add", "gpu-1"], "--gpus"),
     (["pool", "--param", "hysteresis"], "NAME=VALUE"),
     (["pool", "--policy", "fifo"], "unknown scheduling policy 'fifo'"),
-    (["pool", "--param", "hysteresis=abc"], "the value of hysteresis must be a number, got 'abc'"),
+    (["pool", "--param", "hysteresis=abc"], "the value of hysteresis must be a number, true or false, got 'abc'"),
     (["status", "--pool", "nosuch"], "unknown GPU pool 'nosuch'; known pools: default"),
     (["jobs", "--pool", "nosuch"], "unknown GPU pool 'nosuch'"),
     (["run-local", "--total-steps", "10"], "command"),

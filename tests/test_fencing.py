@@ -31,9 +31,10 @@ from airflow_elastic_gpu.broker.service import GpuBroker, InvalidRequest, NotFou
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.sidecar import protocol
-from airflow_elastic_gpu.sidecar.agent import Agent, LogParser, Outcome, classify
+from airflow_elastic_gpu.sidecar.agent import Agent, Outcome, classify
 from airflow_elastic_gpu.sidecar.http_transport import BrokerRejected, BrokerUnavailable, JobGone
 from airflow_elastic_gpu.sidecar.launcher import EXIT_FENCED
+from airflow_elastic_gpu.sidecar.logparse import LogParser
 from airflow_elastic_gpu.states import Target
 
 # ignores SIGTERM, like a trainer stuck in a collective; its worker runs in its own session, as

@@ -16,6 +16,7 @@ import yaml
 from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 
+from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.backends.kubernetes import (
     LABEL_GENERATION,
     LABEL_JOB,
@@ -26,7 +27,6 @@ from airflow_elastic_gpu.backends.kubernetes import (
     register_nodes_from_cluster,
     to_dict,
 )
-from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
@@ -118,6 +118,8 @@ def test_pod_semantics_the_schema_cannot_check():
     assert "--broker-api" in agent["args"] and "--broker-url" not in agent["args"]  # no DB password in pods
     assert trainer["command"] == ["python3", "/elastic/launcher.py"]
     assert trainer["args"][-2:] == ["--", "python train.py"]
+    assert "--echo" in trainer["args"]  # kubectl logs shows the trainer's output
+    assert "--pod-generation" not in agent["args"]  # in place: the agent applies every generation
     labels, notes = pod["metadata"]["labels"], pod["metadata"]["annotations"]
     assert labels[LABEL_JOB] == "job-1" and labels[LABEL_GENERATION] == "3"
     assert labels["elastic-gpu.airflow.apache.org/dag_id"] == "nightly_retraining"
@@ -359,6 +361,8 @@ def test_recreate_mode_deletes_the_pod_and_creates_one_per_generation(cluster):
     assert list(api.pods) == [f"elastic-gpu-{big.id}-g2"]
     assert ("delete pod", first) in api.calls
     assert backend.sync(broker.job(big.id)) == "keep"  # idempotent
+    (agent,) = [c for c in api.pods[f"elastic-gpu-{big.id}-g2"].spec.init_containers if c.name == "elastic-agent"]
+    assert agent.args[agent.args.index("--pod-generation") + 1] == "2"  # never a newer one in place
 
 
 def test_waiting_job_gets_no_pod_until_placed(cluster):
@@ -623,4 +627,4 @@ def test_operator_and_trigger_run_a_kubernetes_job_against_the_fake_api(cluster,
     too_big = ElasticTrainingOperator(task_id="big", command="x", total_steps=10, min_gpus=1, max_gpus=8,
                                       backend="kubernetes", image="i")
     with pytest.raises(AirflowException, match=r"big: max_gpus=8 is larger than any node"):
-        too_big.execute({"ti": TI()})  # the broker's rule for every backend: a job runs on one node
+        too_big.execute({"ti": TI()})  # a gang (one pod per node) needs the placeholders in its command

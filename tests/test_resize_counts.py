@@ -82,3 +82,32 @@ def test_the_demo_prints_a_line_per_event_when_not_on_a_terminal(resized):
     assert all(e.kind in line and e.message in line for e, line in zip(events, lines, strict=True))
     assert print_new_events(broker, Console(file=out, width=1000), last) == last  # nothing new: nothing printed
     assert out.getvalue().splitlines() == lines
+
+
+def test_demo_stop_reaches_children_that_left_the_process_group(tmp_path, monkeypatch):
+    """``make demo-stop`` signals every process of the demo's session: Airflow's scheduler moves some
+    children (the log server, executor workers) to process groups of their own, which a killpg of
+    the session leader's group missed."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from airflow_elastic_gpu import demo
+
+    script = ("import os, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setpgid(0, 0); time.sleep(60)'])\n"
+              "print(child.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    leader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    child = int(leader.stdout.readline())
+    time.sleep(0.3)  # the child has left the leader's process group
+    assert os.getpgid(child) != os.getpgid(leader.pid)
+    assert {leader.pid, child} <= set(demo.session_members(leader.pid))
+    pid_file = tmp_path / "standalone.pid"
+    pid_file.write_text(str(leader.pid))
+    monkeypatch.setattr(demo, "PID_FILE", pid_file)
+    demo.stop()
+    leader.wait(5)
+    assert demo.session_members(leader.pid) == [] and not pid_file.exists()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,8 +18,11 @@ from airflow_elastic_gpu.backends.local import BackendError, LocalBackend
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker, compile_progress_pattern
 from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.sidecar import protocol
-from airflow_elastic_gpu.sidecar.agent import LogParser
+from airflow_elastic_gpu.sidecar.agent import Agent
+from airflow_elastic_gpu.sidecar.logparse import LogParser
+from airflow_elastic_gpu.states import Target
 
 TRAINER = """
 import json, os, signal, sys, time
@@ -95,6 +101,27 @@ def test_launcher_restarts_the_trainer_on_a_new_generation(tmp_path, trainer):
     assert protocol.read_json(shared / protocol.STATUS)["state"] == protocol.STOPPED
 
 
+def test_a_generation_without_gpus_suspends_the_trainer_and_a_later_one_resumes_it(tmp_path, trainer):
+    shared = tmp_path / "job"
+    proc = start_launcher(shared, f"{sys.executable} {trainer} x 100000")
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0, 1], "stop": False})
+    wait_for(lambda: len(log_json(shared)) > 3, what="generation 1 progress")
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [], "stop": False})
+    wait_for(lambda: (protocol.read_json(shared / protocol.STATUS) or {}).get("state") == protocol.SUSPENDED,
+             what="suspended")
+    status = protocol.read_json(shared / protocol.STATUS)
+    assert status["generation"] == 2 and status["pid"] is None and status["workers"] == []
+    assert proc.poll() is None, "the launcher waits to resume"
+    lines = len(log_json(shared))
+    time.sleep(0.5)
+    assert len(log_json(shared)) == lines, "no trainer runs while suspended"
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 3, "gpus": [1], "stop": False})
+    wait_for(lambda: any(e.get("ELASTIC_GENERATION") == "3" for e in log_json(shared)), what="resumed")
+    assert protocol.read_json(shared / protocol.STATUS)["state"] == protocol.RUNNING
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 3, "gpus": [1], "stop": True})
+    assert proc.wait(30) == 0
+
+
 def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path, trainer):
     shared = tmp_path / "job"
     env = {**__import__("os").environ, "IGNORE_TERM": "1"}
@@ -106,6 +133,21 @@ def test_a_trainer_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_pat
     assert proc.wait(30) == 0
     assert 0.9 <= time.monotonic() - started < 10
     assert "SIGKILL" in (shared / protocol.LOG).read_text()
+
+
+def test_an_echoing_launcher_copies_the_trainer_s_last_lines_before_it_exits(tmp_path):
+    """A container's log is the launcher's stdout: the lines a trainer prints just before it ends
+    (its final metrics, a traceback) must be in it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    done = subprocess.run(
+        [sys.executable, "-m", "airflow_elastic_gpu.sidecar.launcher", "--shared-dir", str(shared), "--echo",
+         "--poll-s", "0.01", "--", f"{sys.executable} -c \"print('the last line')\""],
+        check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    *_, last, note = done.stdout.splitlines()
+    assert last == "the last line" and note.endswith("trainer exited with code 0")
 
 
 def test_launcher_reports_a_command_that_is_not_found(tmp_path):
@@ -217,3 +259,95 @@ def test_the_sidecar_loads_nothing_of_the_broker():
             "print(sorted(m for m in sys.modules if m.startswith('airflow_elastic_gpu.broker')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+class MovedOnBroker:
+    """A transport whose job has moved on to ``generation`` (GPU 0) and that records the reports."""
+
+    def __init__(self, generation: int, gpus: tuple[GpuId, ...] = (GpuId("node", 0),)) -> None:
+        self.generation = generation
+        self.gpus = gpus
+        self.calls: list[str] = []
+
+    def heartbeat(self, job_id):
+        return Target(job_id, JobStatus.RUNNING, self.generation, self.gpus, lease_s=60.0)
+
+    def progress(self, job_id, step, *, generation=None, time_s=None):
+        self.calls.append("progress")
+
+    def ack(self, job_id, generation):
+        self.calls.append(f"ack {generation}")
+        return True
+
+    def finish(self, job_id, exit_code=0, metrics=None):
+        self.calls.append("finish")
+
+    def fail(self, job_id, reason, exit_code=None, metrics=None):
+        self.calls.append(f"fail: {reason}")
+
+
+def running(shared: Path, generation: int) -> None:
+    protocol.write_json(shared / protocol.DESIRED, {"generation": generation, "gpus": [0, 1], "stop": False})
+    protocol.write_json(shared / protocol.STATUS, {"generation": generation, "state": protocol.RUNNING})
+
+
+def test_a_pod_of_one_generation_leaves_a_newer_one_to_its_replacement(tmp_path):
+    """Re-creation mode: the old pod's trainer is not restarted in place on the new generation, and
+    its stop (the pod's deletion) does not fail the job."""
+    running(tmp_path, 1)
+    broker = MovedOnBroker(2)
+    agent = Agent(broker, "job", tmp_path, poll_s=0.01, pod_generation=1)
+    stopped = threading.Timer(0.3, lambda: protocol.write_json(
+        tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.STOPPED}))
+    stopped.start()
+    assert agent.run() == 0
+    assert protocol.read_json(tmp_path / protocol.DESIRED)["generation"] == 1
+    assert not [c for c in broker.calls if c.startswith(("ack", "fail"))]
+
+
+def test_a_pod_of_one_generation_still_applies_a_suspension(tmp_path):
+    """A generation with no GPUs (a preemptible job suspended) is applied in the pod: the trainer
+    checkpoints and stops, and the ack frees its GPUs; the pod is re-created on resume."""
+    running(tmp_path, 1)
+    agent = Agent(MovedOnBroker(2, gpus=()), "job", tmp_path, poll_s=0.01, pod_generation=1)
+    threading.Timer(0.3, lambda: protocol.write_json(
+        tmp_path / protocol.STATUS, {"generation": 2, "state": protocol.STOPPED})).start()
+    assert agent.run() == 0
+    assert protocol.read_json(tmp_path / protocol.DESIRED) == {"generation": 2, "gpus": [], "stop": False}
+
+
+def test_a_stopped_launcher_of_the_current_generation_still_fails_the_job(tmp_path):
+    running(tmp_path, 1)
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.STOPPED})
+    broker = MovedOnBroker(1)
+    assert Agent(broker, "job", tmp_path, poll_s=0.01, pod_generation=1).run() == 1
+    assert broker.calls[-1] == "fail: the launcher was stopped from outside the broker"
+
+
+def test_a_terminated_agent_still_reports_a_trainer_exit_it_has_seen(tmp_path):
+    running(tmp_path, 1)
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, "exit_code": 0})
+    broker = MovedOnBroker(1)
+    agent = Agent(broker, "job", tmp_path, poll_s=0.01)
+    agent.terminate()
+    assert agent.run() == 0 and broker.calls[-1] == "finish"
+
+
+def test_sigterm_ends_the_agent_process(tmp_path):
+    """A container's first process ignores a signal it has no handler for: without one the agent
+    would hold a pod's deletion for the whole grace period."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens: every heartbeat is a transient failure
+    token = tmp_path / "token"
+    token.write_text("t")
+    agent = subprocess.Popen([sys.executable, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", "job",
+                              "--shared-dir", str(tmp_path / "shared"), "--broker-api", f"http://127.0.0.1:{port}",
+                              "--token-file", str(token), "--poll-s", "0.2"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert "heartbeat failed" in agent.stderr.readline()  # running: its handler is installed
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0  # handled: an unhandled SIGTERM would read -15
+        assert "terminated (the pod is being deleted)" in agent.stderr.read()
+    finally:
+        agent.kill()

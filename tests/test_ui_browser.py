@@ -9,13 +9,12 @@ import sys
 
 import httpx
 import pytest
-
-from airflow_elastic_gpu.backends.local import LocalBackend
-from airflow_elastic_gpu.broker.types import JobSpec
-
 from conftest import REPO
 from test_api import api_server, broker  # noqa: F401 - fixtures
 from test_sidecar import TRAINER, wait_for
+
+from airflow_elastic_gpu.backends.local import LocalBackend
+from airflow_elastic_gpu.broker.types import JobSpec
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

@@ -190,7 +190,7 @@ def backend_settings(name: str, *, image: str | None = None,
         if image or kubernetes:
             raise BackendError("image and kubernetes apply to backend='kubernetes' only")
         return None
-    from airflow_elastic_gpu.backends.kubernetes import KubernetesJobConfig
+    from airflow_elastic_gpu.backends.kubernetes_config import KubernetesJobConfig
 
     try:
         return KubernetesJobConfig(image=image or "", **(kubernetes or {})).to_dict()
@@ -199,21 +199,25 @@ def backend_settings(name: str, *, image: str | None = None,
 
 
 def make_backend(name: str, *, broker: GpuBroker, work_dir: str | Path | None = None,
-                 kubernetes: Mapping[str, Any] | None = None, virtual_gpus: int | None = None) -> Backend:
+                 kubernetes: Mapping[str, Any] | None = None, virtual_gpus: int | None = None,
+                 virtual_nodes: int = 1) -> Backend:
     """The backend called ``name``, for jobs of ``broker``.
 
     :param work_dir: ``local``: parent of the job directories (default
         :func:`~airflow_elastic_gpu.config.default_work_dir`).
     :param kubernetes: ``kubernetes``: the settings :func:`backend_settings` returned.
     :param virtual_gpus: ``local``: GPUs to register on a host without any (default
-        ``$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS`` or 4).
+        ``$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS`` or 4), per node.
+    :param virtual_nodes: ``local``: virtual nodes of ``virtual_gpus`` each (>= 1; jobs larger than
+        one run as a gang, see :mod:`airflow_elastic_gpu.sidecar.gang`).
     :raises BackendError: an unknown backend, or missing or bad Kubernetes settings.
     """
     if name == "local":
         from airflow_elastic_gpu.backends.local import LocalBackend
         from airflow_elastic_gpu.config import default_work_dir
 
-        return LocalBackend(work_dir or default_work_dir(), broker, virtual_gpus=virtual_gpus)
+        return LocalBackend(work_dir or default_work_dir(), broker, virtual_gpus=virtual_gpus,
+                            virtual_nodes=virtual_nodes)
     if name == "kubernetes":
         from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, KubernetesJobConfig
 

@@ -22,9 +22,10 @@ Pod layout (see ``docs/kubernetes.md``):
   token is mounted. The trainer's ``securityContext`` can be replaced (``trainer_security_context``).
 
 ``resize_mechanism="recreate"`` is the termination-based baseline: a new generation deletes the pod
-and creates a new one with the new GPU set. A job whose GPUs move to another node is re-created in
-either mode. Jobs larger than one node (one pod per node) are not supported yet: submit rejects
-them.
+and creates a new one with the new GPU set (the pod's agent runs its own generation only, never a
+newer one in place). A job whose GPUs move to another node is re-created in either mode. A job
+larger than any node runs one pod per node and a headless Service (a gang, see
+:mod:`.kubernetes_gang`).
 
 The Kubernetes API is reached through ``apache-airflow-providers-cncf-kubernetes``'
 ``KubernetesHook`` (``core_v1_client``); tests inject a fake with the same methods.
@@ -32,208 +33,42 @@ The Kubernetes API is reached through ``apache-airflow-providers-cncf-kubernetes
 
 from __future__ import annotations
 
-import hashlib
-import math
-import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
-from kubernetes.client import ApiClient, models as k8s
+from kubernetes.client import ApiClient
+from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 
 from airflow_elastic_gpu.backends.base import BackendError, Problem, check_env
+from airflow_elastic_gpu.backends.kubernetes_config import (  # re-exported: the backend's public names
+    JOB_DIR,
+    LABEL_GENERATION,
+    LABEL_JOB,
+    LABEL_MANAGED_BY,
+    LABEL_PREFIX,
+    MANAGED_BY,
+    SHARED,
+    TOKEN_DIR,
+    TOKEN_KEY,
+    KubernetesJobConfig,
+    hardened_security_context,
+    label_value,
+    resource_name,
+)
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobView
 
-MANAGED_BY = "airflow-elastic-gpu"
-LABEL_PREFIX = "elastic-gpu.airflow.apache.org/"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_JOB = f"{LABEL_PREFIX}job-id"
-LABEL_GENERATION = f"{LABEL_PREFIX}generation"
-SHARED = "/elastic"
-JOB_DIR = f"{SHARED}/job"
-TOKEN_KEY = "token"
-TOKEN_DIR = "/var/run/secrets/elastic-gpu"
-RESERVED_VOLUMES = ("elastic", "elastic-token")
-RESIZE_MECHANISMS = ("inplace", "recreate")
-ON_FINISH = ("delete_pod", "delete_succeeded_pod", "keep_pod")
+if TYPE_CHECKING:
+    from airflow_elastic_gpu.backends.kubernetes_gang import GangPods
+
 _COPY_LAUNCHER = (
     "import os, shutil, airflow_elastic_gpu.sidecar as s; d = os.path.dirname(s.__file__); "
     f"[shutil.copy(os.path.join(d, f), '{SHARED}') for f in ('launcher.py', 'protocol.py')]; "
     f"os.makedirs('{JOB_DIR}', exist_ok=True)"
 )
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_LABEL_NAME = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-
-
-def hardened_security_context(*, read_only_root: bool) -> dict[str, Any]:
-    """A container ``securityContext`` (Kubernetes' JSON form) that meets the "restricted" Pod
-    Security Standard: non-root, no privilege escalation, every capability dropped, the runtime's
-    default seccomp profile; ``read_only_root``: a read-only root filesystem."""
-    context: dict[str, Any] = {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
-                               "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
-    if read_only_root:
-        context["readOnlyRootFilesystem"] = True
-    return context
-
-
-@dataclass(frozen=True)
-class KubernetesJobConfig:
-    """How a job's pod is built; JSON-serializable (it travels to the trigger).
-
-    :param image: the training image (needs ``python3``; the launcher is copied in).
-    :param agent_image: image with this package installed (the agent and the launcher's source).
-    :param broker_api_url: the broker HTTP API as seen from pods, e.g. ``http://elastic-gpu-broker:8793``.
-    :param namespace: where pods and secrets go.
-    :param kubernetes_conn_id: Airflow connection for ``KubernetesHook``.
-    :param resize_mechanism: ``"inplace"`` (sidecar restart) or ``"recreate"`` (new pod per generation).
-    :param on_finish_action: ``"delete_pod"``, ``"delete_succeeded_pod"`` or ``"keep_pod"`` (as in KPO).
-    :param runtime_class_name: the NVIDIA runtime class (``None``: the node's default runtime).
-    :param pod_template_file: a pod YAML merged under the generated spec (as KPO's).
-    :param full_pod_spec: a pod dict merged under the generated spec.
-    :param image_pull_secrets: secret names.
-    :param container_resources: the trainer's ``resources`` (cpu/memory; never ``nvidia.com/gpu``).
-    :param tolerations, volumes, volume_mounts: as in the pod spec (dicts in Kubernetes' JSON form).
-    :param labels, annotations: extra metadata; keys under ``elastic-gpu.airflow.apache.org/`` and
-        ``app.kubernetes.io/managed-by`` are the backend's own (it finds a job's pods by them) and
-        are refused.
-    :param service_account_name: the pod's service account.
-    :param automount_service_account_token: mount the service account's API token into the pod
-        (off: neither the trainer nor the agent needs the Kubernetes API).
-    :param run_as_user, run_as_group: the uid and gid every container of the pod runs as (the
-        agent and the launcher share files of mode 0600, so they must be the same user), also the
-        pod's ``fsGroup``; >= 1 (not root). ``None``: the images' own users.
-    :param trainer_security_context: the trainer container's ``securityContext`` in Kubernetes' JSON
-        form, replacing the default (:func:`hardened_security_context` without a read-only root),
-        e.g. to add ``SYS_PTRACE`` for a profiler; ``{}``: none. The trainer must still run as the
-        agent's user (a root trainer's files are not readable by the agent).
-    :param startup_grace_s: seconds a pod may take to appear before it counts as missing (>= 0).
-    :raises BackendError: a bad setting; the message names it.
-    """
-
-    image: str
-    agent_image: str = "airflow-elastic-gpu-agent:latest"
-    broker_api_url: str = "http://elastic-gpu-broker:8793"
-    namespace: str = "default"
-    kubernetes_conn_id: str = "kubernetes_default"
-    resize_mechanism: str = "inplace"
-    on_finish_action: str = "delete_pod"
-    runtime_class_name: str | None = "nvidia"
-    pod_template_file: str | None = None
-    full_pod_spec: dict[str, Any] | None = None
-    image_pull_secrets: tuple[str, ...] = ()
-    container_resources: dict[str, Any] | None = None
-    tolerations: tuple[dict[str, Any], ...] = ()
-    volumes: tuple[dict[str, Any], ...] = ()
-    volume_mounts: tuple[dict[str, Any], ...] = ()
-    labels: dict[str, str] = field(default_factory=dict)
-    annotations: dict[str, str] = field(default_factory=dict)
-    service_account_name: str | None = None
-    automount_service_account_token: bool = False
-    run_as_user: int | None = 1000
-    run_as_group: int | None = 1000
-    trainer_security_context: dict[str, Any] | None = None
-    startup_grace_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if not self.image:
-            raise BackendError("backend='kubernetes' needs an image for the trainer")
-        if not isinstance(self.image, str):
-            raise BackendError(f"image must be a string, got {self.image!r}")
-        if not isinstance(self.namespace, str) or len(self.namespace) > 63 or not _DNS_LABEL.fullmatch(
-                self.namespace):
-            raise BackendError(
-                f"namespace must be a DNS-1123 label (at most 63 lowercase letters, digits and '-', "
-                f"starting and ending with a letter or digit), got {self.namespace!r}")
-        grace = self.startup_grace_s
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (0 <= grace < math.inf):
-            raise BackendError(f"startup_grace_s must be a number of seconds >= 0, got {grace!r}")
-        for name in ("tolerations", "volumes", "volume_mounts"):
-            value = getattr(self, name)
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, dict) for v in value):
-                raise BackendError(f"{name} must be a list of dicts (Kubernetes objects in their JSON form), "
-                                   f"got {value!r}")
-            object.__setattr__(self, name, tuple(value))
-        pulls = self.image_pull_secrets
-        if not isinstance(pulls, (list, tuple)) or not all(isinstance(n, str) and n for n in pulls):
-            raise BackendError(f"image_pull_secrets must be a list of Secret names, got {pulls!r}")
-        object.__setattr__(self, "image_pull_secrets", tuple(pulls))
-        for name in ("container_resources", "full_pod_spec", "trainer_security_context"):
-            if not isinstance(getattr(self, name), (dict, type(None))):
-                raise BackendError(f"{name} must be a dict (Kubernetes' JSON form) or None, "
-                                   f"got {getattr(self, name)!r}")
-        taken = [v.get("name") for v in self.volumes if v.get("name") in RESERVED_VOLUMES]
-        if taken:
-            raise BackendError(f"volumes: the name {taken[0]!r} is the backend's own; choose another")
-        _check_metadata("labels", self.labels, values_are_labels=True)
-        _check_metadata("annotations", self.annotations, values_are_labels=False)
-        for name in ("run_as_user", "run_as_group"):
-            uid = getattr(self, name)
-            if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or not 1 <= uid < 2**31):
-                raise BackendError(f"{name} must be an integer >= 1 (not root) or None, got {uid!r}")
-        if not isinstance(self.automount_service_account_token, bool):
-            raise BackendError("automount_service_account_token must be True or False, "
-                               f"got {self.automount_service_account_token!r}")
-        if self.resize_mechanism not in RESIZE_MECHANISMS:
-            raise BackendError(f"resize_mechanism must be one of {', '.join(RESIZE_MECHANISMS)}, "
-                               f"got {self.resize_mechanism!r}")
-        if self.on_finish_action not in ON_FINISH:
-            raise BackendError(f"on_finish_action must be one of {', '.join(ON_FINISH)}, got {self.on_finish_action!r}")
-        if not self.broker_api_url.startswith(("http://", "https://")):
-            raise BackendError(f"broker_api_url must start with http:// or https://, got {self.broker_api_url!r}")
-        limits = {**((self.container_resources or {}).get("limits") or {}),
-                  **((self.container_resources or {}).get("requests") or {})}
-        if any("nvidia.com/gpu" in k for k in limits):
-            raise BackendError("do not request nvidia.com/gpu: the broker assigns GPUs on its nodes "
-                               "(the pod sees them through the NVIDIA runtime)")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KubernetesJobConfig:
-        """The config :meth:`to_dict` gave (lists where it had tuples)."""
-        return cls(**data)
-
-
-def _check_metadata(what: str, items: Any, *, values_are_labels: bool) -> None:
-    """:raises BackendError: ``items`` is not a dict of strings, a key is not a valid (prefixed)
-    name or is one of the backend's own, or (labels) a value is not a valid label value."""
-    if not isinstance(items, dict):
-        raise BackendError(f"{what} must be a dict of strings, got {items!r}")
-    for key, value in items.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise BackendError(f"{what} must be a dict of strings, got {key!r}: {value!r}")
-        if key.startswith(LABEL_PREFIX) or key == LABEL_MANAGED_BY:
-            raise BackendError(f"{what}: {key!r} is set by airflow-elastic-gpu (it finds and tells apart "
-                               "a job's pods by it) and cannot be overridden; choose another key")
-        prefix, _, name = key.rpartition("/")
-        if not name or len(name) > 63 or not _LABEL_NAME.fullmatch(name) or (
-                prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix))):
-            raise BackendError(f"{what}: {key!r} is not a valid key ([prefix/]name, name at most 63 "
-                               "characters of [A-Za-z0-9._-])")
-        if values_are_labels and (len(value) > 63 or not _LABEL_NAME.fullmatch(value)):
-            raise BackendError(f"{what}[{key!r}]: {value!r} is not a valid label value (at most 63 "
-                               "characters of [A-Za-z0-9._-], starting and ending with a letter or digit)")
-
-
-def label_value(text: str) -> str:
-    """``text`` as a valid label value (<= 63 chars of ``[A-Za-z0-9._-]``, alphanumeric at both ends)."""
-    clean = re.sub(r"[^A-Za-z0-9._-]", "-", text).strip("-._")
-    if len(clean) > 63:
-        clean = clean[:54].rstrip("-._") + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
-    return clean or "x"
-
-
-def resource_name(prefix: str, job_id: str, generation: int | None = None) -> str:
-    """A DNS-1123 name: ``{prefix}-{job id}[-g{generation}]``."""
-    name = f"{prefix}-{job_id}".lower()
-    if generation is not None:
-        name += f"-g{generation}"
-    return re.sub(r"[^a-z0-9-]", "-", name)[:63].strip("-")
-
 
 _api = ApiClient()
 
@@ -296,6 +131,8 @@ class PodBuilder:
                       "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}", "--poll-s", "2"]
         if progress_pattern:
             agent_args += ["--progress-pattern", progress_pattern]
+        if c.resize_mechanism == "recreate":  # this pod runs this generation only; the next is a new pod
+            agent_args += ["--pod-generation", str(generation)]
         sidecar_context = _model("V1SecurityContext", hardened_security_context(read_only_root=True))
         copy_launcher = k8s.V1Container(
             name="copy-launcher", image=c.agent_image, command=["python", "-c", _COPY_LAUNCHER],
@@ -309,7 +146,7 @@ class PodBuilder:
             resources=k8s.V1ResourceRequirements(requests={"cpu": "50m", "memory": "128Mi"}))
         trainer_context = (hardened_security_context(read_only_root=False) if c.trainer_security_context is None
                            else c.trainer_security_context)
-        launcher_args = ["--shared-dir", JOB_DIR]
+        launcher_args = ["--shared-dir", JOB_DIR, "--echo"]  # the trainer's output in the container's log
         if checkpoint_dir:
             launcher_args += ["--checkpoint-dir", checkpoint_dir]
         trainer = k8s.V1Container(
@@ -410,6 +247,28 @@ class KubernetesBackend:
         self.broker = broker
         self._core_v1 = core_v1
         self.builder = PodBuilder(config)
+        self._gang_jobs: dict[str, bool] = {}  # job id -> runs as a gang (decided once per job)
+
+    @cached_property
+    def gang(self) -> GangPods:
+        """The pods and Service of jobs on several nodes (:mod:`.kubernetes_gang`)."""
+        from airflow_elastic_gpu.backends.kubernetes_gang import GangPods
+
+        return GangPods(self)
+
+    def is_gang(self, job: JobView) -> bool:
+        """True when ``job`` runs one pod per node: its ``max_gpus`` exceeds every node of its pool
+        (the rule of ``submit``), or its pods say so already (a node added later changes nothing)."""
+        if job.id not in self._gang_jobs:
+            from airflow_elastic_gpu.backends.kubernetes_gang import LABEL_NODE
+
+            pods = self.pods(job.id)
+            if pods:
+                self._gang_jobs[job.id] = any(LABEL_NODE in (p.metadata.labels or {}) for p in pods)
+            else:
+                largest = max((len(n.gpus) for n in self.broker.nodes(job.pool)), default=0)
+                self._gang_jobs[job.id] = job.max_gpus > largest
+        return self._gang_jobs[job.id]
 
     @property
     def core_v1(self) -> Any:
@@ -489,15 +348,20 @@ class KubernetesBackend:
           create one for the new generation;
         - otherwise (in place): keep; the sidecar applies the new generation.
 
-        :raises BackendError: a target spanning nodes, or an API error other than 404/409.
+        A job on several nodes is synced as a gang (:meth:`.kubernetes_gang.GangPods.sync`).
+
+        :raises BackendError: a target spanning nodes for a job that is no gang, or an API error
+            other than 404/409.
         """
+        if self.is_gang(job):
+            return self.gang.sync(job, env=env, context=context)
         job_id = job.id
         target = self.broker.target(job_id)
         if target.status.terminal or not target.gpus:
             return "wait"
         nodes = {g.node for g in target.gpus}
         if len(nodes) > 1:
-            raise BackendError(f"job {job_id} spans nodes {sorted(nodes)}: one pod per node is not supported yet")
+            raise BackendError(f"job {job_id} spans nodes {sorted(nodes)} but is not larger than a node")
         (node,) = nodes
         current = self.state(job_id)
         if current is not None and current.node == node and (
@@ -519,7 +383,10 @@ class KubernetesBackend:
 
     def problem(self, job: JobView) -> Problem | None:
         """Why the job cannot go on, judged from its pods: a broken pod (see :func:`pod_problem`), or
-        no pod although the job has GPUs and its agent has acked them (deleted from outside)."""
+        no pod although the job has GPUs and its agent has acked them (deleted from outside). A
+        gang: any one pod's problem is the whole job's (:meth:`.kubernetes_gang.GangPods.problem`)."""
+        if self.is_gang(job):
+            return self.gang.problem(job)
         state = self.state(job.id)
         if state is None:
             expected = bool(job.target_gpus) and job.acked_generation >= 1
@@ -527,9 +394,9 @@ class KubernetesBackend:
         return None if state.problem is None else Problem(state.problem)
 
     def is_running(self, job_id: str) -> bool:
-        """True while the job's newest pod is pending or running."""
-        state = self.state(job_id)
-        return state is not None and state.phase in ("Pending", "Running")
+        """True while a pod of the job (any node's, any generation's) is pending or running."""
+        return any((p.status.phase if p.status else None) in ("Pending", "Running", None)
+                   for p in self.pods(job_id))
 
     def _delete_pod(self, name: str) -> None:
         try:
@@ -540,11 +407,17 @@ class KubernetesBackend:
 
     def stop(self, job_id: str, *, succeeded: bool = False, timeout_s: float | None = None) -> None:
         """Clean up as ``on_finish_action`` says (pods), and always delete the token Secret.
-        ``timeout_s`` is not used: a deleted pod's containers get its termination grace period."""
+        ``timeout_s`` is not used: a deleted pod's containers get its termination grace period. A
+        gang's pods go together (every node's, every generation's), and its headless Service always."""
+        from airflow_elastic_gpu.backends.kubernetes_gang import LABEL_NODE
+
         action = self.config.on_finish_action
+        pods = self.pods(job_id)
         if action == "delete_pod" or (action == "delete_succeeded_pod" and succeeded):
-            for pod in self.pods(job_id):
+            for pod in pods:
                 self._delete_pod(pod.metadata.name)
+        if self._gang_jobs.get(job_id) or any(LABEL_NODE in (p.metadata.labels or {}) for p in pods):
+            self.gang.delete_service(job_id)
         try:
             self.core_v1.delete_namespaced_secret(resource_name("elastic-gpu-token", job_id), self.config.namespace)
         except ApiException as exc:
@@ -554,11 +427,17 @@ class KubernetesBackend:
     cleanup = stop
 
     def log_tail(self, job_id: str, lines: int = 20) -> list[str]:
-        state = self.state(job_id)
-        if state is None:
+        """The trainer's last log lines: of the newest pod, or a gang's broken pod (else its first)."""
+        if self._gang_jobs.get(job_id):
+            pod = self.gang.log_pod(job_id)
+            name = None if pod is None else pod.metadata.name
+        else:
+            state = self.state(job_id)
+            name = None if state is None else state.name
+        if name is None:
             return []
         try:
-            text = self.core_v1.read_namespaced_pod_log(state.name, self.config.namespace, container="trainer",
+            text = self.core_v1.read_namespaced_pod_log(name, self.config.namespace, container="trainer",
                                                         tail_lines=lines)
         except ApiException:
             return []

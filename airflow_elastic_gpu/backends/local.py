@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from airflow_elastic_gpu.broker.service import GpuBroker
 
 LOCAL_NODE = "localhost"
-"""The node name under which this host's GPUs are registered."""
+"""The node name under which this host's GPUs are registered (``localhost-<i>`` for virtual nodes)."""
 TRAINER_ENV_DROPPED = ("AIRFLOW_ELASTIC_GPU_", "AIRFLOW_CONN_", "AIRFLOW_VAR_", "AIRFLOW__")
 """Prefixes of the variables a trainer does not inherit: this provider's (the broker URL, job
 tokens), Airflow's connections and variables, and Airflow's configuration (its database URL,
@@ -159,20 +159,33 @@ def pool_lease_s(broker: GpuBroker, pool: str) -> float:
 
 @dataclass(frozen=True)
 class LocalHandle:
-    """Where a local job runs: its directory and the pids of its agent and launcher."""
+    """Where a local job runs: its directory and the pids of its agent and launcher (a gang job:
+    ``node_pids``, node name -> its launcher's pid; ``launcher_pid`` is the first of them)."""
 
     job_dir: Path
     agent_pid: int
     launcher_pid: int
+    node_pids: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def launcher_pids(self) -> list[int]:
+        return [pid for _, pid in self.node_pids] or [self.launcher_pid]
+
+    def launcher_dirs(self) -> list[Path]:
+        """Each launcher's shared directory (one per node for a gang job)."""
+        return [self.job_dir / protocol.NODES / node for node, _ in self.node_pids] or [self.job_dir]
 
     def to_ref(self) -> str:
-        return json.dumps({"job_dir": str(self.job_dir), "agent_pid": self.agent_pid,
-                           "launcher_pid": self.launcher_pid})
+        data: dict = {"job_dir": str(self.job_dir), "agent_pid": self.agent_pid, "launcher_pid": self.launcher_pid}
+        if self.node_pids:
+            data["node_pids"] = dict(self.node_pids)
+        return json.dumps(data)
 
     @classmethod
     def from_ref(cls, ref: str) -> LocalHandle:
         data = json.loads(ref)
-        return cls(Path(data["job_dir"]), int(data["agent_pid"]), int(data["launcher_pid"]))
+        return cls(Path(data["job_dir"]), int(data["agent_pid"]), int(data["launcher_pid"]),
+                   tuple((str(n), int(p)) for n, p in (data.get("node_pids") or {}).items()))
 
 
 class LocalBackend:
@@ -184,6 +197,9 @@ class LocalBackend:
     :param broker_url: the broker DB URL the agents connect with (default: ``broker``'s own URL);
         handed to them in their environment, never on their command line.
     :param virtual_gpus: GPUs to register when this host has none (see :func:`detect_gpus`).
+    :param virtual_nodes: split the virtual GPUs into this many nodes of ``virtual_gpus`` each
+        (``localhost-0``, ``localhost-1``, ...; >= 1): a job larger than a node then runs as a gang,
+        one launcher per node (:mod:`airflow_elastic_gpu.sidecar.gang`).
     :param python: interpreter for the agent and launcher (default: this one).
     :param grace_s: SIGTERM-to-SIGKILL grace for the trainer, seconds (a fence shortens it to fit in
         the lease, see ``docs/fencing.md``).
@@ -196,8 +212,11 @@ class LocalBackend:
     name = "local"
 
     def __init__(self, work_dir: str | Path, broker: GpuBroker, *, broker_url: str | None = None,
-                 virtual_gpus: int | None = None, python: str = sys.executable, grace_s: float = 30.0,
-                 poll_s: float = 1.0, fence_s: float | None = None) -> None:
+                 virtual_gpus: int | None = None, virtual_nodes: int = 1, python: str = sys.executable,
+                 grace_s: float = 30.0, poll_s: float = 1.0, fence_s: float | None = None) -> None:
+        if isinstance(virtual_nodes, bool) or not isinstance(virtual_nodes, int) or virtual_nodes < 1:
+            raise BackendError(f"virtual_nodes must be an integer >= 1, got {virtual_nodes!r}")
+        self.virtual_nodes = virtual_nodes
         self.work_dir = Path(work_dir)
         self.broker = broker
         self.broker_url = broker_url or broker.url
@@ -222,9 +241,25 @@ class LocalBackend:
             found = detect_gpus(self.virtual_gpus)
         except ValueError as exc:
             raise BackendError(str(exc)) from None
-        self.broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
-        return (f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) of this host "
-                f"in pool {pool!r}")
+        if self.virtual_nodes == 1:
+            self.broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
+            return (f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) of this host "
+                    f"in pool {pool!r}")
+        if not found.virtual:
+            raise BackendError("virtual_nodes > 1 splits virtual GPUs; this host has real ones")
+        size = len(found.indices)
+        for i in range(self.virtual_nodes):  # device indices unique on the host: node i has i*size ...
+            self.broker.register_node(f"{LOCAL_NODE}-{i}", pool=pool, gpu_type=found.gpu_type,
+                                      gpu_indices=tuple(range(i * size, (i + 1) * size)))
+        return (f"registered {self.virtual_nodes} virtual nodes of {size} virtual GPU(s) each in pool {pool!r}")
+
+    def gang_nodes(self, job: JobView) -> list[str]:
+        """The nodes a job runs a launcher on when it is larger than a node of its pool (a gang);
+        empty for a job that fits on one node (one launcher, in the job directory itself)."""
+        sizes = {n.name: len(n.gpus) for n in self.broker.nodes(job.pool)}
+        if not sizes or job.max_gpus <= max(sizes.values()):
+            return []
+        return sorted(sizes)
 
     def check(self, command: str, checkpoint_dir: str | None) -> None:
         """Fail fast on a command that cannot start here, or a work dir or checkpoint dir that
@@ -292,20 +327,19 @@ class LocalBackend:
             _private_file(job_dir / protocol.LOG)
         except OSError as exc:
             raise BackendError(f"job directory {job_dir} cannot be created: {exc}") from None
-        new_launcher = existing is None or not protocol.pid_alive(existing.launcher_pid)
+        new_launcher = existing is None or not all(map(protocol.pid_alive, existing.launcher_pids))
         if not new_launcher:
-            # the agent died but the trainer runs on: start a new agent for the same launcher
-            launcher_pid = existing.launcher_pid
+            # the agent died but the trainer runs on: start a new agent for the same launcher(s)
+            launcher_pid, node_pids = existing.launcher_pid, existing.node_pids
         else:
-            launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
-                        "--shared-dir", str(job_dir), "--grace-s", str(self.grace_s)]
-            if job.checkpoint_dir:
-                launcher += ["--checkpoint-dir", job.checkpoint_dir]
-            launcher_pid = self._spawn(job_dir / "launcher.log", [*launcher, "--", job.command],
-                                       trainer_environment(os.environ, env))
+            if existing is not None:  # part of a gang is gone: start the whole gang again
+                for pid in existing.launcher_pids:
+                    _kill_group(pid)
+            launcher_pid, node_pids = self._start_launchers(job, job_dir, env)
+        pids = [pid for _, pid in node_pids] or [launcher_pid]
         agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job.id,
-                 "--shared-dir", str(job_dir), "--poll-s", str(self.poll_s), "--launcher-pid", str(launcher_pid),
-                 "--lease-s", repr(lease_s)]
+                 "--shared-dir", str(job_dir), "--poll-s", str(self.poll_s),
+                 *(a for pid in pids for a in ("--launcher-pid", str(pid))), "--lease-s", repr(lease_s)]
         if self.fence_s is not None:
             agent += ["--fence-s", repr(self.fence_s)]
         if job.progress_pattern:
@@ -317,16 +351,42 @@ class LocalBackend:
             agent_pid = self._spawn(job_dir / "agent.log", agent, agent_env)
         except BackendError:
             if new_launcher:  # no agent will ever tell it what to run: leave no idle launcher behind
-                _kill_group(launcher_pid)
+                for pid in pids:
+                    _kill_group(pid)
             raise
-        handle = LocalHandle(job_dir, agent_pid, launcher_pid)
+        handle = LocalHandle(job_dir, agent_pid, launcher_pid, node_pids)
         protocol.write_json(job_dir / "handle.json", json.loads(handle.to_ref()))
         return handle.to_ref()
+
+    def _start_launchers(self, job: JobView, job_dir: Path,
+                         env: Mapping[str, str]) -> tuple[int, tuple[tuple[str, int], ...]]:
+        """Start the job's launcher, or one per node for a gang job (:meth:`gang_nodes`), each in
+        its own directory with the job's one checkpoint directory; ``(first pid, node pids)``."""
+        nodes = self.gang_nodes(job)
+        dirs = [(node, job_dir / protocol.NODES / node) for node in nodes] or [("", job_dir)]
+        checkpoint_dir = job.checkpoint_dir or (str(job_dir / "checkpoints") if nodes else None)
+        node_pids: list[tuple[str, int]] = []
+        try:
+            for node, shared in dirs:
+                shared.mkdir(mode=JOB_DIR_MODE, parents=True, exist_ok=True)
+                _private_file(shared / protocol.LOG)
+                launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
+                            "--shared-dir", str(shared), "--grace-s", str(self.grace_s)]
+                if checkpoint_dir:
+                    launcher += ["--checkpoint-dir", checkpoint_dir]
+                pid = self._spawn(shared / "launcher.log", [*launcher, "--", job.command],
+                                  trainer_environment(os.environ, env))
+                node_pids.append((node, pid))
+        except (BackendError, OSError) as exc:
+            for _, pid in node_pids:  # half a gang never runs
+                _kill_group(pid)
+            raise exc if isinstance(exc, BackendError) else BackendError(f"job directory: {exc}") from None
+        return node_pids[0][1], tuple(node_pids) if nodes else ()
 
     def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
              context: Mapping[str, str] | None = None) -> None:
         """Nothing to do: the job's agent applies the broker's targets itself."""
-        return None
+        return
 
     def problem(self, job: JobView) -> Problem | None:
         """The job was started but neither its agent nor its launcher runs any more (a host
@@ -341,34 +401,44 @@ class LocalBackend:
         return None if data is None else LocalHandle.from_ref(json.dumps(data))
 
     def is_running(self, job_id: str) -> bool:
-        """True while the job's agent or launcher process is alive."""
+        """True while the job's agent or a launcher process is alive."""
         h = self.handle(job_id)
-        return h is not None and (protocol.pid_alive(h.agent_pid) or protocol.pid_alive(h.launcher_pid))
+        return h is not None and (protocol.pid_alive(h.agent_pid) or any(map(protocol.pid_alive, h.launcher_pids)))
 
     def stop(self, job_id: str, *, succeeded: bool = False, timeout_s: float | None = None) -> None:
-        """Ask the launcher to stop the trainer, then kill whatever is left after ``timeout_s``
+        """Ask the launcher(s) to stop the trainer, then kill whatever is left after ``timeout_s``
         (default ``grace_s`` + 10 s). The job directory is kept (see :meth:`cleanup`)."""
         h = self.handle(job_id)
         if h is None:
             return
-        desired = protocol.read_json(h.job_dir / protocol.DESIRED) or {"generation": 0, "gpus": []}
-        desired["stop"] = True
-        protocol.write_json(h.job_dir / protocol.DESIRED, desired)
+        for d in {h.job_dir, *h.launcher_dirs()}:
+            desired = protocol.read_json(d / protocol.DESIRED) or {"generation": 0, "gpus": []}
+            desired["stop"] = True
+            protocol.write_json(d / protocol.DESIRED, desired)
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
-        while time.monotonic() < deadline and protocol.pid_alive(h.launcher_pid):
+        while time.monotonic() < deadline and any(map(protocol.pid_alive, h.launcher_pids)):
             time.sleep(0.2)
-        status = protocol.read_json(h.job_dir / protocol.STATUS) or {}
-        trainer = status.get("pid")
-        for pid in (h.launcher_pid, h.agent_pid, trainer):
+        statuses = [protocol.read_json(d / protocol.STATUS) or {} for d in h.launcher_dirs()]
+        for pid in (*h.launcher_pids, h.agent_pid, *(s.get("pid") for s in statuses)):
             if pid and protocol.pid_alive(pid):
                 _kill_group(pid)
         # workers that run in their own sessions (torchrun's), recorded by the launcher
-        protocol.signal_processes([int(p) for p in status.get("workers") or [] if protocol.pid_alive(int(p))],
-                                  signal.SIGKILL)
+        protocol.signal_processes([int(p) for s in statuses for p in s.get("workers") or []
+                                   if protocol.pid_alive(int(p))], signal.SIGKILL)
+
+    def log_path(self, job_id: str) -> Path:
+        """The trainer's log: the job directory's, or, of a gang, the longest node log (the node
+        whose trainer holds global rank 0 prints the progress; a rendezvous may put it on any node)."""
+        h = self.handle(job_id)
+        if h is not None and h.node_pids:
+            def size(path: Path) -> int:
+                return path.stat().st_size if path.exists() else -1
+            return max((d / protocol.LOG for d in h.launcher_dirs()), key=size)
+        return self.job_dir(job_id) / protocol.LOG
 
     def log_tail(self, job_id: str, lines: int = 20) -> list[str]:
-        """The last ``lines`` lines of the trainer's log."""
-        path = self.job_dir(job_id) / protocol.LOG
+        """The last ``lines`` lines of the trainer's log (a gang's: rank 0's)."""
+        path = self.log_path(job_id)
         try:
             with open(path, "rb") as f:
                 f.seek(0, os.SEEK_END)

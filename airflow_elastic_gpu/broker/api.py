@@ -223,7 +223,7 @@ def create_app(
                   openapi_extra=request_body(AckIn))
     def ack(job_id: LiveJobAuth, body: Annotated[AckIn, Depends(body_of(AckIn, live_job_auth))],
             b: BrokerDep) -> AckOut:
-        return AckOut(accepted=b.ack(job_id, body.generation))
+        return AckOut(accepted=b.ack(job_id, body.generation, node=body.node))
 
     @sidecar.post("/finish", response_model=JobOut, summary="the trainer exited with 0",
                   openapi_extra=request_body(FinishIn))

@@ -70,6 +70,9 @@ class ProgressIn(_Strict):
 
 class AckIn(_Strict):
     generation: int = Field(ge=1, le=MAX_INT, description="the generation now running")
+    node: str | None = Field(default=None, min_length=1, max_length=253, description=(
+        "a job with one agent per node (a gang of pods): the node whose agent acks; the generation "
+        "is acked once every node of its old and new GPUs has acked it. None: the whole job"))
 
 
 class _Report(_Strict):

@@ -19,7 +19,18 @@ import secrets
 import uuid
 from typing import Any
 
-from sqlalchemy import Connection, Integer, and_, bindparam, delete, func, insert, select, update
+from sqlalchemy import (
+    Connection,
+    Integer,
+    and_,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 
 from airflow_elastic_gpu.broker.models import (
@@ -29,6 +40,7 @@ from airflow_elastic_gpu.broker.models import (
     GpuTarget,
     Job,
     Node,
+    NodeAck,
     ProgressSample,
 )
 from airflow_elastic_gpu.broker.queries import Queries
@@ -102,16 +114,30 @@ def _count_of(table: Any) -> Any:
     return select(func.count()).where(table.job_id == Job.id).scalar_subquery()
 
 
+def _type_of(table: Any) -> Any:
+    """The one GPU type of the job's GPUs in ``table`` (NULL for none, or several types): the type
+    a progress sample was measured on, as :func:`~airflow_elastic_gpu.scheduling.core.gpu_type_of`
+    finds it from node types."""
+    return (select(case((func.min(Gpu.gpu_type) == func.max(Gpu.gpu_type), func.min(Gpu.gpu_type))))
+            .join(table, table.gpu_id == Gpu.id).where(table.job_id == Job.id).scalar_subquery())
+
+
 # a progress report reads, in one statement, the job's row (locked), its latest sample of the
 # generation and how many GPUs the target and the in-use set have
 _PROGRESS_JOB = (
     select(*JOB_COLUMNS, _latest_sample(ProgressSample.time_s).label("prev_time_s"),
            _latest_sample(ProgressSample.step).label("prev_step"),
-           _count_of(GpuTarget).label("num_target"), _count_of(GpuInUse).label("num_in_use"))
+           _count_of(GpuTarget).label("num_target"), _count_of(GpuInUse).label("num_in_use"),
+           _type_of(GpuTarget).label("target_type"), _type_of(GpuInUse).label("in_use_type"))
     .where(Job.id == bindparam("job_id")).with_for_update(key_share=True, of=Job)
 )
 _ADD_SAMPLE = insert(ProgressSample)
 _FREE_IN_USE = delete(GpuInUse).where(GpuInUse.job_id == bindparam("job_id"))
+_FORGET_NODE_ACK = delete(NodeAck).where(NodeAck.job_id == bindparam("job_id"), NodeAck.node == bindparam("node"))
+_ADD_NODE_ACK = insert(NodeAck)
+_NODES_ACKED = select(NodeAck.node).where(NodeAck.job_id == bindparam("job_id"),
+                                          NodeAck.generation == bindparam("generation"))
+_FORGET_NODE_ACKS = delete(NodeAck).where(NodeAck.job_id == bindparam("job_id"))
 _TARGET_TO_IN_USE = insert(GpuInUse).from_select(
     ["gpu_id", "job_id", "generation"],
     select(GpuTarget.gpu_id, GpuTarget.job_id, bindparam("generation", type_=Integer))
@@ -160,10 +186,7 @@ class Lifecycle(Queries):
                         f"min_gpus={spec.min_gpus} is more than GPU pool {spec.pool!r} has ({capacity})"
                     )
                 if spec.backend != "simulated" and spec.max_gpus > largest:
-                    raise InvalidRequest(
-                        f"max_gpus={spec.max_gpus} is larger than any node of pool {spec.pool!r} "
-                        f"(the largest has {largest} GPUs): a job runs on one node"
-                    )
+                    self._check_multi_node(spec, largest)
                 existing = conn.execute(_BY_KEY, {"key": key}).first()
                 if existing is not None:
                     if JobStatus(existing.status) not in TERMINAL:
@@ -179,8 +202,10 @@ class Lifecycle(Queries):
                     "requested_gpus": spec.requested_gpus or spec.max_gpus, "total_steps": spec.total_steps,
                     "priority": spec.priority, "progress_pattern": spec.progress_pattern,
                     "checkpoint_dir": spec.checkpoint_dir, "backend": spec.backend, "status": JobStatus.QUEUED.value,
+                    "preemptible": spec.preemptible,
                     "submit_s": now, "last_heartbeat_s": now, "steps_done": 0.0, "target_generation": 0,
                     "acked_generation": 0, "num_resizes": 0, "gpu_seconds": 0.0, "token_hash": token_hash(token),
+                    "throughput": {"relative_speed": dict(spec.relative_speed)} if spec.relative_speed else None,
                 })
                 self._event(
                     conn, spec.pool, EventKind.SUBMIT,
@@ -197,6 +222,28 @@ class Lifecycle(Queries):
         if new is None:
             return self.job(job_id)
         return self._with_token(self.job(job_id), token)
+
+    @staticmethod
+    def _check_multi_node(spec: JobSpec, largest: int) -> None:
+        """A job larger than any node of its pool runs as a gang, one launcher per node (the local
+        backend: one agent for all of them; Kubernetes: one pod, with its own agent, per node): its
+        command must take the gang's shape from the placeholders.
+
+        :raises InvalidRequest: the backend runs no gang, or the command lacks the placeholders.
+        """
+        where = (f"max_gpus={spec.max_gpus} is larger than any node of pool {spec.pool!r} "
+                 f"(the largest has {largest} GPUs)")
+        if spec.backend not in ("local", "kubernetes"):
+            raise InvalidRequest(f"{where}: jobs on several nodes run on the local and kubernetes backends only")
+        if spec.preemptible:
+            raise InvalidRequest(f"{where}: a job on several nodes cannot be preemptible (yet)")
+        missing = [p for p in ("{nnodes}", "{node_rank}", "{master_addr}", "{master_port}") if p not in spec.command]
+        if missing:
+            raise InvalidRequest(
+                f"{where}: such a job runs on several nodes, so its command must use the gang's "
+                f"placeholders; missing {', '.join(missing)} (e.g. torchrun --nnodes={{nnodes}} "
+                "--node_rank={node_rank} --nproc_per_node={num_gpus} --rdzv_backend=c10d "
+                "--rdzv_endpoint={master_addr}:{master_port} ...)")
 
     @staticmethod
     def _with_token(view: JobView, token: str) -> JobView:
@@ -310,9 +357,11 @@ class Lifecycle(Queries):
                     return
                 gen = job.acked_generation if generation is None else generation
                 now = self.clock() if time_s is None else time_s
-                num_gpus = job.num_target if gen == job.target_generation else job.num_in_use
+                latest = gen == job.target_generation
+                num_gpus = job.num_target if latest else job.num_in_use
                 book = book_of(job)
                 if not record_progress(book, generation=gen, step=step, now_s=now, num_gpus=num_gpus,
+                                       gpu_type=job.target_type if latest else job.in_use_type,
                                        previous=None if job.prev_time_s is None else (job.prev_time_s, job.prev_step)):
                     return
                 update_job(conn, job_id, **book_changes(job, book), last_heartbeat_s=self.clock())
@@ -321,14 +370,24 @@ class Lifecycle(Queries):
 
         self._retrying(run)
 
-    def ack(self, job_id: str, generation: int) -> bool:
+    def ack(self, job_id: str, generation: int, *, node: str | None = None) -> bool:
         """The agent runs the trainer on ``generation``'s GPUs: move the job's in-use set there.
 
         Frees the GPUs the job gave up and asks for a rebalance (a waiting growth may now be
         published). Acking an older generation, or one already acked, changes nothing and returns
         False.
 
+        :param node: a job with one agent per node (a gang of pods on Kubernetes): the node whose
+            agent acks. It runs its part of ``generation``, or, for a node the generation no
+            longer uses, nothing (its trainer stopped). The ack is recorded for the node, and the
+            in-use set moves only once **every** node of the target and of the in-use set has
+            acked the target's generation, so that no GPU is freed while a trainer of the job
+            still runs on it. A repeated ack is recorded again (idempotent); an ack of an older
+            generation (a late one) is ignored. Returns True when the node's ack was recorded
+            (whether or not the generation is now complete). ``None``: one agent acks for the
+            whole job.
         :raises NotFound: unknown job.
+        :raises InvalidRequest: ``node`` holds none of the job's target or in-use GPUs.
         """
 
         def run() -> bool:
@@ -336,7 +395,22 @@ class Lifecycle(Queries):
                 job = self._locked_book(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
                     return False
-                book = book_of(job, *job_gpus(conn, job_id))
+                target, in_use = job_gpus(conn, job_id)
+                book = book_of(job, target, in_use)
+                if node is not None:
+                    if generation != job.target_generation or generation <= job.acked_generation:
+                        return False  # a late ack of an older generation, or a retried one
+                    needed = {g.node for g in target} | {g.node for g in in_use}
+                    if node not in needed:
+                        raise InvalidRequest(
+                            f"node {node!r} has none of job {job_id}'s GPUs, neither in generation "
+                            f"{generation} nor in the one it runs ({', '.join(sorted(needed)) or 'none'})")
+                    conn.execute(_FORGET_NODE_ACK, {"job_id": job_id, "node": node})
+                    conn.execute(_ADD_NODE_ACK, {"job_id": job_id, "node": node, "generation": generation})
+                    acked = set(conn.execute(_NODES_ACKED, {"job_id": job_id, "generation": generation}).scalars())
+                    if not needed <= acked:
+                        return True  # the other nodes' acks will complete the generation
+                    conn.execute(_FORGET_NODE_ACKS, {"job_id": job_id})
                 now = self.clock()
                 if not apply_ack(book, generation, now):
                     return False

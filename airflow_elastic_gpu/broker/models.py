@@ -12,13 +12,37 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy import false as sa_false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from airflow_elastic_gpu.states import TERMINAL, JobStatus
 
-__all__ = ["TERMINAL", "Base", "Event", "Gpu", "GpuInUse", "GpuPool", "GpuTarget", "Job", "JobStatus", "Node",
-           "ProgressSample", "RebalanceRequest"]
+__all__ = [
+    "TERMINAL",
+    "Base",
+    "Event",
+    "Gpu",
+    "GpuInUse",
+    "GpuPool",
+    "GpuTarget",
+    "Job",
+    "JobStatus",
+    "Node",
+    "NodeAck",
+    "ProgressSample",
+    "RebalanceRequest",
+]
 
 
 class Base(DeclarativeBase):
@@ -103,6 +127,9 @@ class Job(Base):
     in_use_since_s: Mapped[float | None] = mapped_column(Float, default=None)
     # sha256 of the job's API bearer token (the token itself is never stored)
     token_hash: Mapped[str | None] = mapped_column(String(64), default=None)
+    preemptible: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
+    last_start_s: Mapped[float | None] = mapped_column(Float, default=None)
+    suspensions: Mapped[list[float] | None] = mapped_column(JSON, default=None)
 
 
 class GpuTarget(Base):
@@ -122,6 +149,21 @@ class GpuInUse(Base):
 
     gpu_id: Mapped[int] = mapped_column(ForeignKey("gpu.id"), primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("job.id"), index=True)
+    generation: Mapped[int] = mapped_column(Integer)
+
+
+class NodeAck(Base):
+    """One node of a job that runs one agent per node (a gang on Kubernetes) runs ``generation``.
+
+    One row per (job, node), replaced by a newer generation's ack; the job's in-use set moves to
+    its target only once every node of the target and of the in-use set has a row of the target's
+    generation (then the job's rows are deleted). See ``Lifecycle.ack``.
+    """
+
+    __tablename__ = "node_ack"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("job.id"), primary_key=True)
+    node: Mapped[str] = mapped_column(String(253), primary_key=True)
     generation: Mapped[int] = mapped_column(Integer)
 
 

@@ -99,8 +99,7 @@ _POOL_HELD = union_all(*(
     for kind, table in (("target", GpuTarget), ("in_use", GpuInUse))
 ))
 _DROP_TARGETS = delete(GpuTarget).where(GpuTarget.job_id.in_(bindparam("job_ids", expanding=True)))
-_PUBLISH = (update(Job).where(Job.id == bindparam("_job_id"))
-            .values(status=JobStatus.RUNNING.value))
+_PUBLISH = update(Job).where(Job.id == bindparam("_job_id"))
 _ADD_EVENT = insert(Event)
 _ADD_TARGET = insert(GpuTarget)
 
@@ -322,14 +321,20 @@ class Rebalancing(BrokerBase):
         targets = [{"gpu_id": id_by_gpu[g], "job_id": p.job_id, "generation": p.generation} for p in pubs for g in p.gpus]
         if targets:
             s.execute(_ADD_TARGET, targets)
+        by_id = {b.job_id: b for b in books}
         s.execute(_PUBLISH, [
             {"_job_id": p.job_id, "target_generation": p.generation, "published_s": now,
-             "last_resize_s": now if p.previous_gpus else locked[p.job_id].last_resize_s}
+             "status": (JobStatus.RUNNING if p.gpus else JobStatus.SUSPENDED).value,
+             "last_resize_s": now if p.previous_gpus else locked[p.job_id].last_resize_s,
+             "last_start_s": by_id[p.job_id].last_start_s, "suspensions": list(by_id[p.job_id].suspensions_s)}
             for p in pubs
         ])
         events, at = [], self.clock()  # written after any reap above, and stamped so
         for p in pubs:
-            kind = EventKind.RESIZE if p.previous_gpus else EventKind.START
+            kind = (EventKind.SUSPEND if not p.gpus
+                    else EventKind.RESIZE if p.previous_gpus
+                    else EventKind.RESUME if by_id[p.job_id].suspensions_s
+                    else EventKind.START)
             message = f"generation {p.generation}: {p.reason}"
             events.append({
                 "time_s": at, "pool": pool, "job_id": p.job_id, "kind": kind.value, "message": message,

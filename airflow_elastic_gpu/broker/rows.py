@@ -44,7 +44,7 @@ Executor = Session | Connection
 
 BOOK_FIELDS = (
     "steps_done", "target_generation", "acked_generation", "num_resizes", "last_resize_s", "published_s",
-    "restart_overhead_s", "gpu_seconds", "in_use_since_s", "start_s",
+    "restart_overhead_s", "gpu_seconds", "in_use_since_s", "start_s", "last_start_s",
 )
 """Job columns the scheduling core may change (written back by :func:`book_changes`)."""
 
@@ -53,7 +53,8 @@ JOB_COLUMNS = tuple(Job.__table__.columns)
 
 BOOK_COLUMNS = (
     Job.id, Job.pool, Job.status, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus,
-    Job.priority, Job.throughput, Job.last_heartbeat_s, *(getattr(Job, name) for name in BOOK_FIELDS),
+    Job.priority, Job.throughput, Job.last_heartbeat_s, Job.preemptible, Job.suspensions,
+    *(getattr(Job, name) for name in BOOK_FIELDS),
 )
 """The job columns :func:`book_of` and :func:`book_changes` read, with the job's pool and status
 (a narrower row than :data:`JOB_COLUMNS`: hot calls read only these)."""
@@ -64,10 +65,19 @@ UNFINISHED = Job.status.in_([literal_column(f"'{status.value}'") for status in A
 is compiled once (a bound list is expanded on every execution)."""
 
 
-def throughput_of(job: Job | Row[Any]) -> ThroughputModel:
-    """The throughput model stored in a job row (``{"observed": [[num_gpus, steps_per_s], ...]}``)."""
-    observed = (job.throughput or {}).get("observed", [])
+def _model(observed: Iterable[Any]) -> ThroughputModel:
     return ThroughputModel(tuple((int(n), float(t)) for n, t in observed))
+
+
+def throughput_of(job: Job | Row[Any]) -> ThroughputModel:
+    """The throughput model stored in a job row's ``throughput`` JSON: ``{"observed": [[num_gpus,
+    steps_per_s], ...], "by_type": {gpu_type: [[num_gpus, steps_per_s], ...]}, "relative_speed":
+    {gpu_type: speed}}`` (each key optional; ``by_type`` and ``relative_speed``: see :func:`book_of`)."""
+    return _model((job.throughput or {}).get("observed", []))
+
+
+def _by_type_of(job: Job | Row[Any]) -> dict[str, ThroughputModel]:
+    return {t: _model(obs) for t, obs in (job.throughput or {}).get("by_type", {}).items()}
 
 
 def book_of(job: Job | Row[Any], target: Iterable[GpuId] = (), in_use: Iterable[GpuId] = ()) -> JobBook:
@@ -80,14 +90,26 @@ def book_of(job: Job | Row[Any], target: Iterable[GpuId] = (), in_use: Iterable[
         last_resize_s=job.last_resize_s, published_s=job.published_s,
         restart_overhead_s=job.restart_overhead_s, throughput=throughput_of(job),
         gpu_seconds=job.gpu_seconds, in_use_since_s=job.in_use_since_s, start_s=job.start_s,
+        preemptible=bool(job.preemptible), last_start_s=job.last_start_s,
+        suspensions_s=tuple(float(t) for t in job.suspensions or ()),
+        throughput_by_type=_by_type_of(job), relative_speed=(job.throughput or {}).get("relative_speed", {}),
     )
 
 
 def book_changes(job: Job | Row[Any], book: JobBook) -> dict[str, Any]:
     """The job columns whose value in ``book`` differs from the row's, ``{column: new value}``."""
     changes = {name: getattr(book, name) for name in BOOK_FIELDS if getattr(job, name) != getattr(book, name)}
-    if throughput_of(job).observed != book.throughput.observed:
-        changes["throughput"] = {"observed": [list(p) for p in book.throughput.observed]}
+    by_type = {t: m.observed for t, m in book.throughput_by_type.items()}
+    if (throughput_of(job).observed != book.throughput.observed
+            or {t: m.observed for t, m in _by_type_of(job).items()} != by_type):
+        stored: dict[str, Any] = {"observed": [list(p) for p in book.throughput.observed]}
+        if by_type:
+            stored["by_type"] = {t: [list(p) for p in observed] for t, observed in by_type.items()}
+        if book.relative_speed:
+            stored["relative_speed"] = dict(book.relative_speed)
+        changes["throughput"] = stored
+    if tuple(job.suspensions or ()) != book.suspensions_s:
+        changes["suspensions"] = list(book.suspensions_s)
     return changes
 
 

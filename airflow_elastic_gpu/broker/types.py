@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,9 @@ MAX_INT32 = 2**31 - 1
 MAX_NAME_CHARS = 256
 MAX_KEY_CHARS = 512
 MAX_POOL_CHARS = 128
+MAX_GPU_TYPES = 64
+"""Most GPU types a job's ``relative_speed`` hint may name."""
+MAX_GPU_TYPE_CHARS = 128
 
 
 def check_text(name: str, value: Any, max_chars: int, *, empty_ok: bool = False) -> None:
@@ -65,6 +70,12 @@ class JobSpec:
         default: JSON lines with a ``"step"`` key.
     :param checkpoint_dir: where the trainer checkpoints (the backend checks it).
     :param backend: one of :data:`BACKENDS`.
+    :param preemptible: the job may be suspended (resized to zero GPUs: checkpoint, stop, keep its
+        place) when its pool allows suspension, and resumed from its checkpoint later. Off by default.
+    :param relative_speed: optional hint for pools of several GPU types: GPU type (as the nodes
+        report it, e.g. ``"NVIDIA A100"``) -> the job's relative single-GPU speed there (a finite
+        number > 0, any unit: only ratios count; e.g. samples/s from a profile). The type-aware
+        policy uses it for the types the job has not run on yet; at most 64 types.
     :raises InvalidRequest: a bad field; the message names it.
     """
 
@@ -80,6 +91,8 @@ class JobSpec:
     progress_pattern: str | None = None
     checkpoint_dir: str | None = None
     backend: str = "local"
+    preemptible: bool = False
+    relative_speed: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         check_text("name", self.name, MAX_NAME_CHARS)
@@ -111,6 +124,27 @@ class JobSpec:
         if self.progress_pattern is not None:
             check_text("progress_pattern", self.progress_pattern, 4096)
         compile_progress_pattern(self.progress_pattern)
+        if not isinstance(self.preemptible, bool):
+            raise InvalidRequest(f"preemptible must be True or False, got {self.preemptible!r}")
+        if self.relative_speed is not None:
+            object.__setattr__(self, "relative_speed", check_relative_speed(self.relative_speed))
+
+
+def check_relative_speed(value: Any) -> dict[str, float]:
+    """``value`` as a ``{gpu_type: speed}`` dict, or raise :class:`InvalidRequest` saying what is wrong
+    (not a mapping, more than :data:`MAX_GPU_TYPES` entries, a bad type name, a speed that is not a
+    finite number > 0)."""
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(f"relative_speed must be a mapping of GPU type to speed, got {type(value).__name__}")
+    if len(value) > MAX_GPU_TYPES:
+        raise InvalidRequest(f"relative_speed may name at most {MAX_GPU_TYPES} GPU types, got {len(value)}")
+    out = {}
+    for gpu_type, speed in value.items():
+        check_text("relative_speed GPU type", gpu_type, MAX_GPU_TYPE_CHARS)
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (math.isfinite(speed) and speed > 0):
+            raise InvalidRequest(f"relative_speed[{gpu_type!r}] must be a finite number > 0, got {speed!r}")
+        out[gpu_type] = float(speed)
+    return out
 
 
 @dataclass(frozen=True)
@@ -148,7 +182,13 @@ class JobView:
     checkpoint_dir: str | None
     backend: str
     backend_ref: str | None
+    preemptible: bool = False
     token: str | None = None  # the job's API bearer token: only in the reply that created it
+
+    @property
+    def suspended(self) -> bool:
+        """True while the job is suspended (resized to zero GPUs; it resumes from its checkpoint)."""
+        return self.status is JobStatus.SUSPENDED
 
     @property
     def jct_s(self) -> float | None:

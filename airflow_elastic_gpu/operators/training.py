@@ -60,6 +60,9 @@ class ElasticTrainingOperator(BaseOperator):
     :param gpu_pool: broker GPU pool name; default the broker connection's *Default GPU pool*, else
         ``[elastic_gpu] default_pool`` (``"default"``).
     :param priority: larger is served first by the broker.
+    :param preemptible: the job may be suspended (resized to zero GPUs: checkpoint, stop, keep its
+        place) to start shorter jobs, when its GPU pool allows suspension (the pool's policy
+        parameter ``suspend``); it resumes from its checkpoint. Off by default.
     :param backend: ``"local"`` (processes on this host) or ``"kubernetes"`` (a pod per job with the
         sidecar; needs ``image`` and the ``kubernetes`` settings, see :class:`KubernetesJobConfig`).
     :param image: the training image (``backend="kubernetes"``).
@@ -84,7 +87,14 @@ class ElasticTrainingOperator(BaseOperator):
         worker slot only for ``execute_complete`` (needs ``deferrable``; a mapped task starts from a
         worker all the same, as its mapped arguments are only known there).
     :param virtual_gpus: for the local backend on a host without GPUs, the pool size to register
-        when the pool does not exist yet (>= 1); default ``[elastic_gpu] virtual_gpus`` (4).
+        when the pool does not exist yet (>= 1); default ``[elastic_gpu] virtual_gpus`` (4); per node
+        with ``virtual_nodes``.
+    :param virtual_nodes: for the local backend on a host without GPUs, split the new pool into this
+        many virtual nodes of ``virtual_gpus`` each (>= 1, default 1); a training larger than a node
+        then runs as a gang, one launcher per node (its command uses ``{nnodes}``, ``{node_rank}``,
+        ``{master_addr}`` and ``{master_port}``).
+    :param relative_speed: optional, for pools of several GPU types: GPU type -> the job's relative
+        single-GPU speed there (a prior for types it has not run on; only ratios count).
     :param outlets: as for any operator; each outlet :class:`~airflow.sdk.Asset` (e.g. the trained
         model or its checkpoint directory) gets an asset event whose ``extra`` holds the job's
         figures (:meth:`asset_metadata`), so a DAG scheduled on the asset can pick the best model.
@@ -107,6 +117,7 @@ class ElasticTrainingOperator(BaseOperator):
         checkpoint_dir: str | None = None,
         gpu_pool: str | None = None,
         priority: int = 0,
+        preemptible: bool = False,
         backend: str = "local",
         env: dict[str, str] | None = None,
         broker_conn_id: str = GpuBrokerHook.default_conn_name,
@@ -114,6 +125,8 @@ class ElasticTrainingOperator(BaseOperator):
         deferrable: bool | None = None,
         start_from_trigger: bool = False,
         virtual_gpus: int | None = None,
+        virtual_nodes: int = 1,
+        relative_speed: dict[str, float] | None = None,
         job_name: str | None = None,
         image: str | None = None,
         kubernetes: dict[str, Any] | None = None,
@@ -140,10 +153,12 @@ class ElasticTrainingOperator(BaseOperator):
                 total_steps=total_steps, requested_gpus=requested_gpus,
                 pool=DEFAULT_POOL if gpu_pool is None else gpu_pool, priority=priority,
                 progress_pattern=progress_pattern, checkpoint_dir=checkpoint_dir, backend=backend,
+                preemptible=preemptible, relative_speed=relative_speed,
             )
             self.kubernetes = backend_settings(backend, image=image, kubernetes=kubernetes)
             if virtual_gpus is not None:
                 check_int("virtual_gpus", virtual_gpus, 1)
+            check_int("virtual_nodes", virtual_nodes, 1)
             env = check_env(env)
         except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
@@ -157,12 +172,15 @@ class ElasticTrainingOperator(BaseOperator):
         self.checkpoint_dir = checkpoint_dir
         self.gpu_pool = gpu_pool
         self.priority = priority
+        self.preemptible = preemptible
         self.backend = backend
         self.env = env or {}
         self.broker_conn_id = broker_conn_id
         self.poll_interval = poll_interval
         self.deferrable = deferrable
         self.virtual_gpus = virtual_gpus
+        self.virtual_nodes = virtual_nodes
+        self.relative_speed = spec.relative_speed
         self.job_name = job_name
         self.broker_api_url_given = bool(kubernetes and "broker_api_url" in kubernetes)
         self.start_from_trigger = start_from_trigger
@@ -180,7 +198,8 @@ class ElasticTrainingOperator(BaseOperator):
 
     def _make_backend(self) -> Backend:
         return make_backend(self.backend, broker=self.hook.broker, work_dir=default_work_dir(conf=airflow_conf()),
-                            kubernetes=self._kubernetes_settings(), virtual_gpus=self.virtual_gpus)
+                            kubernetes=self._kubernetes_settings(), virtual_gpus=self.virtual_gpus,
+                            virtual_nodes=self.virtual_nodes)
 
     def _kubernetes_settings(self) -> dict[str, Any] | None:
         """The pod settings, with the connection's (or the config's) broker API URL unless the
@@ -207,7 +226,9 @@ class ElasticTrainingOperator(BaseOperator):
                 "job_name": self.job_name, "job": {
                     "total_steps": self.total_steps, "min_gpus": self.min_gpus, "max_gpus": self.max_gpus,
                     "requested_gpus": self.requested_gpus, "progress_pattern": self.progress_pattern,
-                    "gpu_pool": self.gpu_pool, "priority": self.priority, "virtual_gpus": self.virtual_gpus,
+                    "gpu_pool": self.gpu_pool, "priority": self.priority, "preemptible": self.preemptible,
+                    "virtual_gpus": self.virtual_gpus, "virtual_nodes": self.virtual_nodes,
+                    "relative_speed": self.relative_speed,
                     "broker_api_url_given": self.broker_api_url_given}}
 
     @staticmethod
@@ -235,6 +256,7 @@ class ElasticTrainingOperator(BaseOperator):
                 requested_gpus=self.requested_gpus, total_steps=self.total_steps, key=self.job_key(context),
                 pool=self.gpu_pool or self.hook.default_pool(), priority=self.priority,
                 progress_pattern=self.progress_pattern, checkpoint_dir=self.checkpoint_dir, backend=self.backend,
+                preemptible=self.preemptible, relative_speed=self.relative_speed,
             )
             job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log).job
         except (BrokerError, BackendError) as exc:

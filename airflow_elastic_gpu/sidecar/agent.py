@@ -9,6 +9,13 @@ it, and reports the trainer's final exit (``finish`` with the metrics line, or
 ``fail`` with the last log lines). If the broker says the job is cancelled or
 lost, it tells the launcher to stop.
 
+In a pod that runs one generation only (``--pod-generation``, the Kubernetes backend's
+``resize_mechanism="recreate"``) a newer target is not applied in place: the backend replaces the
+pod, and the launcher's stop that comes with the pod's deletion is not a failure. SIGTERM (the pod
+is being deleted) ends the agent at its next poll, after reporting a trainer exit it has seen; as a
+container's first process it would otherwise ignore the signal and hold the pod's deletion for its
+whole grace period.
+
 The agent never dies of a broker answer: each call's error is classified by
 :func:`classify`: a rejected report is dropped with a log line, a transient
 failure retried on the next poll, and "the job ended or is unknown" stops the
@@ -23,152 +30,41 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
-import math
 import os
 import re
 import signal
 import sys
+import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from airflow_elastic_gpu.sidecar import protocol
-from airflow_elastic_gpu.sidecar.http_transport import BrokerRejected, JobGone
-from airflow_elastic_gpu.states import InvalidRequest, NotFound, Target
+from airflow_elastic_gpu.sidecar.calls import BrokerTransport, Outcome, classify
+from airflow_elastic_gpu.sidecar.gang import Gang, node_dirs, node_part
+from airflow_elastic_gpu.sidecar.logparse import LogParser
+from airflow_elastic_gpu.states import Target
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-TAIL_LINES = 20
 DEFAULT_LEASE_S = 60.0
 """A new pool's lease in the broker; used when neither the broker's answer nor ``--lease-s`` gives one."""
 
-
-class Outcome(StrEnum):
-    """What a broker call's answer means to the agent."""
-
-    OK = "ok"
-    TRANSIENT = "transient"  # the broker did not answer (DB or HTTP unavailable): retry later
-    REJECTED = "rejected"  # the broker refused this report (invalid): drop it
-    ENDED = "ended"  # the job ended or is unknown to the broker: stop the trainer
-
-
-def classify(exc: BaseException) -> Outcome:
-    """The :class:`Outcome` of a broker call that raised ``exc``.
-
-    :class:`NotFound` (direct DB) and :class:`JobGone` (HTTP 401/403/404/410) mean the job ended
-    or is unknown; :class:`InvalidRequest` and other :class:`BrokerRejected` (HTTP 4xx) a rejected
-    report; anything else (``BrokerUnavailable``, SQLAlchemy's ``OperationalError``, ``OSError``...)
-    is treated as transient: the agent keeps going and never renews the lease on it.
-    """
-    if isinstance(exc, (NotFound, JobGone)):
-        return Outcome.ENDED
-    if isinstance(exc, (InvalidRequest, BrokerRejected)):
-        return Outcome.REJECTED
-    return Outcome.TRANSIENT
-
-
-class BrokerTransport(Protocol):
-    """What the agent needs of the broker: :class:`GpuBroker` itself (direct DB), or an HTTP client."""
-
-    def heartbeat(self, job_id: str) -> Target: ...
-    def progress(self, job_id: str, step: float, *, generation: int | None = None,
-                 time_s: float | None = None) -> None: ...
-    def ack(self, job_id: str, generation: int) -> bool: ...
-    def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None) -> Any: ...
-    def fail(self, job_id: str, reason: str, exit_code: int | None = None,
-             metrics: dict[str, Any] | None = None) -> Any: ...
-
-
-@dataclass
-class LogParser:
-    """Incremental parser of ``train.log``: progress steps per generation, metrics, last lines."""
-
-    pattern: re.Pattern[str] | None = None
-    generation: int = 0
-    metrics: dict[str, Any] | None = None
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    _pos: int = 0
-    _partial: str = ""
-
-    def read(self, path: Path) -> list[tuple[int, float]]:
-        """New ``(generation, step)`` samples appended to ``path`` since the last call."""
-        try:
-            with open(path, "rb") as f:
-                f.seek(self._pos)
-                chunk = f.read()
-                self._pos = f.tell()
-        except FileNotFoundError:
-            return []
-        text = self._partial + chunk.decode("utf-8", "replace")
-        lines = text.split("\n")
-        self._partial = lines.pop()
-        out: list[tuple[int, float]] = []
-        for line in lines:
-            line = line.rstrip("\r")
-            if line:
-                self.tail.append(line)
-            mark = protocol.parse_generation_line(line)
-            if mark is not None:
-                self.generation = mark
-                continue
-            step = self._step(line)
-            if step is not None:
-                out.append((self.generation, step))
-        return out
-
-    def _step(self, line: str) -> float | None:
-        if self.pattern is not None:
-            m = self.pattern.search(line)
-            if not m:
-                return None
-            raw = m.group("step") if "step" in self.pattern.groupindex else m.group(1)
-            try:
-                return _finite_step(float(raw))
-            except (TypeError, ValueError):
-                return None
-        if not line.startswith("{"):
-            return None
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict):
-            return None
-        if obj.get("final"):
-            self.metrics = _finite(obj)
-        step = obj.get("step")
-        if not isinstance(step, (int, float)) or isinstance(step, bool):
-            return None
-        return _finite_step(float(step))
-
-
-def _finite_step(step: float) -> float | None:
-    """``step``, or ``None`` (dropped with a log line) if it is NaN or infinite."""
-    if math.isfinite(step):
-        return step
-    log.warning("dropped a progress line with a non-finite step (%r)", step)
-    return None
-
-
-def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
-    """``metrics`` with non-finite numbers replaced by ``None`` (JSON and the broker refuse them)."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
 
 
 class Agent:
     """Relays one job between ``broker`` and ``shared_dir`` until the job ends.
 
-    :param launcher_pid: the local launcher's pid; if it dies without an exit
-        status the job fails (in Kubernetes the pod status plays this part). Given, it also means
-        the launcher shares this process's pid namespace: the agent's pid goes into ``lease.json``
-        so the launcher can tell when the agent is gone.
+    :param launcher_pid: the local launcher's pid (a gang job: its launchers' pids); if one dies
+        without an exit status the job fails (in Kubernetes the pod status plays this part). Given,
+        it also means the launcher shares this process's pid namespace: the agent's pid goes into
+        ``lease.json`` so the launcher can tell when the agent is gone.
+
+    A ``shared_dir`` with a ``nodes/`` directory is a gang job (:mod:`.gang`): one launcher per
+    node, resized together, acked once every node runs the generation.
     :param lease_s: the broker's lease of the job's pool (seconds); a ``lease_s`` in the
         heartbeat answer, where the broker gives one, wins.
     :param fence_s: no confirmed contact for this long and the launcher stops the trainer
@@ -178,6 +74,12 @@ class Agent:
     :param end_report_timeout_s: how long to retry reporting the trainer's exit through broker
         outages (seconds).
     :param clock: wall clock (epoch seconds) for ``lease.json``; the launcher reads the same clock.
+    :param pod_generation: the one generation this agent's pod runs (a pod re-created per
+        generation); ``None``: every new generation is applied in place.
+    :param node, gang_domain, rendezvous_port: a gang with one agent per node (a pod per node):
+        this agent's node, runs its part (:func:`~.gang.node_part`: the rank-0 node's pod in
+        ``gang_domain`` at ``rendezvous_port``) and acks that node only; a trainer ending with 0
+        without final metrics (not the global rank 0) leaves the report to the one that has them.
     :raises ValueError: fence periods that do not fit in the lease.
     """
 
@@ -190,26 +92,41 @@ class Agent:
         progress_pattern: str | None = None,
         poll_s: float = 1.0,
         stop_timeout_s: float = 60.0,
-        launcher_pid: int | None = None,
+        launcher_pid: int | list[int] | None = None,
         lease_s: float = DEFAULT_LEASE_S,
         fence_s: float | None = None,
         fence_margin_s: float | None = None,
         end_report_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.time,
+        pod_generation: int | None = None,
+        node: str | None = None,
+        gang_domain: str = "",
+        rendezvous_port: int = 29500,
     ) -> None:
         self.broker = broker
         self.job_id = job_id
         self.dir = shared_dir
-        self.parser = LogParser(re.compile(progress_pattern) if progress_pattern else None)
+        pattern = re.compile(progress_pattern) if progress_pattern else None
+        self.parser = LogParser(pattern)
+        dirs = node_dirs(shared_dir)
+        self.gang = Gang(dirs) if dirs else None
+        self.parsers = {node: LogParser(pattern) for node in dirs}  # a gang's: one per node's log
+        self.written = 0  # the last generation written for the launcher(s)
         self.poll_s = poll_s
         self.stop_timeout_s = stop_timeout_s
-        self.launcher_pid = launcher_pid
+        pids = [launcher_pid] if isinstance(launcher_pid, int) else list(launcher_pid or [])
+        self.launcher_pids = pids
+        self.launcher_pid = pids[0] if pids else None
         self.fence_s = fence_s
         self.fence_margin_s = fence_margin_s
         self.periods = protocol.fence_periods(lease_s, fence_s, fence_margin_s)
         self.end_report_timeout_s = end_report_timeout_s
         self.clock = clock
         self.pending: dict[int, float] = {}  # generation -> latest step not reported yet
+        self.pod_generation = pod_generation
+        self.node, self.gang_domain, self.rendezvous_port = node, gang_domain, rendezvous_port
+        self.newest_generation = 0  # the newest target generation the broker has answered
+        self.terminating = threading.Event()
         if poll_s * 3 > self.periods.fence_s:
             log.warning("poll period %gs is long for a fence of %gs: the trainer may be fenced between two "
                         "heartbeats", poll_s, self.periods.fence_s)
@@ -218,18 +135,40 @@ class Agent:
         return protocol.read_json(self.dir / protocol.DESIRED) or {}
 
     def _status(self) -> dict[str, Any]:
+        if self.gang is not None:
+            return self.gang.status(self.written)
         return protocol.read_json(self.dir / protocol.STATUS) or {}
+
+    def _launcher_gone(self) -> int | None:
+        """The pid of a launcher that is no longer alive, if any."""
+        return next((p for p in self.launcher_pids if not protocol.pid_alive(p)), None)
+
+    def terminate(self) -> None:
+        """End :meth:`run` at its next poll (SIGTERM); a trainer exit already written is still reported."""
+        self.terminating.set()
+
+    def _replaced(self) -> bool:
+        """True when this pod runs one generation and the broker has moved past it (the pod is
+        being replaced)."""
+        return self.pod_generation is not None and self.newest_generation > self.pod_generation
 
     def run(self) -> int:
         """Relay until the job ends; 0 when the job's end was reported to the broker (or the broker
         had ended it), 1 when the end could not be reported or the launcher ended from outside."""
-        written = int(self._desired().get("generation", 0))
+        written = self.written = int(self._desired().get("generation", 0))
         acked = 0
-        status = protocol.read_json(self.dir / protocol.STATUS)
-        if status is not None:  # a restarted agent: skip the log already reported
-            self.parser.generation = int(status.get("generation", 0))
-            self.parser.read(self.dir / protocol.LOG)
+        for parser, d in self._logs():  # a restarted agent: skip the log already reported
+            status = protocol.read_json(d / protocol.STATUS)
+            if status is not None:
+                parser.generation = int(status.get("generation", 0))
+                parser.read(d / protocol.LOG)
         while True:
+            if self.terminating.is_set():
+                status = self._status()
+                if status.get("state") == protocol.EXITED:
+                    return self._report_exit(int(status.get("exit_code") or 0))
+                log.info("terminated (the pod is being deleted): the launcher stops the trainer")
+                return 0
             sent_s = self.clock()  # before the call: the broker's record of this contact is later
             outcome, target = self._call("heartbeat", self.broker.heartbeat, self.job_id)
             if outcome is Outcome.ENDED:
@@ -239,14 +178,15 @@ class Agent:
                 if target.status.terminal:
                     return self._stop(f"job is {target.status.value} in the broker")
                 self._renew(sent_s, target)
-                written = self._apply(target, written)
+                self.newest_generation = max(self.newest_generation, target.generation)
+                written = self.written = self._apply(target, written)
             if self._report_progress(contact) is Outcome.ENDED:
                 return self._stop("the broker no longer knows the job as running")
             status = self._status()
             gen = int(status.get("generation", 0))
-            if (contact and status.get("state") == protocol.RUNNING and gen > acked
+            if (contact and status.get("state") in (protocol.RUNNING, protocol.SUSPENDED) and gen > acked
                     and gen == target.generation):
-                ack, _ = self._call(f"ack of generation {gen}", self.broker.ack, self.job_id, gen)
+                ack, _ = self._call(f"ack of generation {gen}", self._ack, gen)
                 if ack is Outcome.ENDED:
                     return self._stop("the broker no longer knows the job as running")
                 if ack is not Outcome.TRANSIENT:  # a rejected ack is not retried
@@ -254,46 +194,114 @@ class Agent:
             if status.get("state") == protocol.EXITED:
                 return self._report_exit(int(status.get("exit_code") or 0))
             if status.get("state") == protocol.STOPPED:
+                if self._replaced():
+                    log.info("the launcher stopped: this pod's generation %d is being replaced", self.pod_generation)
+                    return 0
                 self._report_end("fail", functools.partial(
                     self.broker.fail, self.job_id, "the launcher was stopped from outside the broker"))
                 return 1
-            if self.launcher_pid is not None and not protocol.pid_alive(self.launcher_pid):
+            if (gone := self._launcher_gone()) is not None:
                 time.sleep(self.poll_s)  # it may have written its last status just now
                 status = self._status()
                 if status.get("state") == protocol.EXITED:
                     return self._report_exit(int(status.get("exit_code") or 0))
                 # no launcher to stop it: kill the orphaned trainer and its workers before the GPUs
-                # are released, so nothing runs on GPUs the broker hands to another job
+                # are released, so nothing runs on GPUs the broker hands to another job (a gang:
+                # every node's, and the other launchers are told to stop)
                 orphans = [p for p in [status.get("pid"), *(status.get("workers") or [])] if p]
                 protocol.signal_processes([int(p) for p in orphans], signal.SIGKILL)
-                reason = self._with_tail(f"the launcher (pid {self.launcher_pid}) died without reporting "
+                if self.gang is not None:
+                    self._stop("a launcher of the gang died")
+                reason = self._with_tail(f"the launcher (pid {gone}) died without reporting "
                                          "an exit; its trainer was killed")
                 self._report_end("fail", functools.partial(self.broker.fail, self.job_id, reason))
                 return 1
-            time.sleep(self.poll_s)
+            self.terminating.wait(self.poll_s)
 
     def _apply(self, target: Target, written: int) -> int:
         """Hand a running job's target to the launcher: a newer generation, or the permission to
-        restart a fenced trainer on the generation the broker still runs; the generation written."""
-        if target.generation > written and target.gpus:
-            protocol.write_json(
-                self.dir / protocol.DESIRED,
-                {"generation": target.generation, "gpus": target.device_indices(), "stop": False},
-            )
-            log.info("generation %d -> GPUs %s", target.generation, target.device_indices())
+        restart a fenced trainer on the generation the broker still runs; the generation written.
+        A pod of one generation is given no other GPUs (a suspension, no GPUs, still applies)."""
+        if self.pod_generation is not None and target.generation > self.pod_generation and target.gpus:
+            if written <= self.pod_generation:
+                log.info("generation %d: this pod (generation %d) waits to be replaced", target.generation,
+                         self.pod_generation)
+            return max(written, target.generation)
+        if self.gang is not None:
+            return self._apply_gang(target, written)
+        part = self._part(target)
+        if target.generation > written and (target.gpus or written > 0):
+            # a generation with no GPUs after one with GPUs: the job is suspended (the launcher
+            # stops the trainer, letting it checkpoint, and waits; the ack then frees its GPUs); a
+            # node of a gang that the generation does not use is suspended the same way
+            protocol.write_json(self.dir / protocol.DESIRED, {"generation": target.generation, **part, "stop": False})
+            log.info("generation %d -> GPUs %s", target.generation, part["gpus"] or "none (suspended)")
             return target.generation
         status = self._status()
         fences = int(status.get("fences") or 0)
         desired = self._desired()
         if (status.get("state") == protocol.FENCED and int(status.get("generation", 0)) == target.generation
-                and target.gpus and int(desired.get("resume", 0)) < fences):
-            protocol.write_json(
-                self.dir / protocol.DESIRED,
-                {"generation": target.generation, "gpus": target.device_indices(), "stop": False,
-                 "resume": fences},
-            )
+                and part["gpus"] and int(desired.get("resume", 0)) < fences):
+            protocol.write_json(self.dir / protocol.DESIRED,
+                                {"generation": target.generation, **part, "stop": False, "resume": fences})
             log.info("the broker still runs generation %d: the fenced trainer may restart", target.generation)
         return written
+
+    def _part(self, target: Target) -> dict[str, Any]:
+        """What ``desired.json`` says of ``target`` besides its generation: the GPUs (device
+        indices), and for a node of a gang with one agent per node its shape and rendezvous."""
+        if self.node is None:
+            return {"gpus": target.device_indices()}
+        pairs = [(g.node, g.index) for g in target.gpus]
+        return node_part(pairs, self.node, self.gang_domain, self.rendezvous_port)
+
+    def _ack(self, generation: int) -> bool:
+        node = {} if self.node is None else {"node": self.node}
+        return self.broker.ack(self.job_id, generation, **node)
+
+    def _await_end(self) -> bool:
+        """A gang node's trainer ended with 0 and printed no final metrics: wait (heartbeating) for
+        the node whose trainer did to report the job's end; True once the broker has it, False
+        after ``end_report_timeout_s``."""
+        deadline = time.monotonic() + self.end_report_timeout_s
+        log.info("the trainer ended without final metrics: waiting for the gang's global rank 0 to report")
+        while time.monotonic() < deadline and not self.terminating.is_set():
+            outcome, target = self._call("heartbeat", self.broker.heartbeat, self.job_id)
+            if outcome is Outcome.ENDED or (outcome is Outcome.OK and target.status.terminal):
+                return True
+            self.terminating.wait(self.poll_s)
+        return False
+
+    def _apply_gang(self, target: Target, written: int) -> int:
+        """:meth:`_apply` for a gang: a newer generation goes to every node at once (a gang resize)."""
+        assert self.gang is not None
+        if target.generation > written and target.gpus:
+            pairs = [(g.node, g.index) for g in target.gpus]
+            try:
+                plan = self.gang.publish(target.generation, pairs)
+            except ValueError as exc:  # not runnable here: fail the job rather than run half of it
+                log.error("%s", exc)
+                self._report_end("fail", functools.partial(self.broker.fail, self.job_id, str(exc)))
+                return written
+            protocol.write_json(self.dir / protocol.DESIRED, {"generation": target.generation, "gpus": pairs,
+                                                              "stop": False})
+            log.info("generation %d -> %s", target.generation,
+                     ", ".join(f"{n} (rank {p['node_rank']}): GPUs {p['gpus']}" for n, p in plan.items()))
+            return target.generation
+        for node, status in self.gang.statuses().items():
+            fences = int(status.get("fences") or 0)
+            if (status.get("state") == protocol.FENCED and int(status.get("generation", 0)) == target.generation
+                    and target.gpus and int(self.gang.desired(node).get("resume", 0)) < fences):
+                self.gang.resume(node, fences)
+                log.info("the broker still runs generation %d: node %s's fenced trainer may restart",
+                         target.generation, node)
+        return written
+
+    def _logs(self) -> list[tuple[LogParser, Path]]:
+        """Each log the agent parses, with its launcher directory."""
+        if self.gang is None:
+            return [(self.parser, self.dir)]
+        return [(self.parsers[node], d) for node, d in self.gang.dirs.items()]
 
     def _renew(self, sent_s: float, target: Target) -> None:
         """Record a confirmed contact (sent at ``sent_s``) in ``lease.json`` for the launcher."""
@@ -306,11 +314,14 @@ class Agent:
                 self.periods = protocol.fence_periods(lease_s)
             log.info("broker lease %gs: fence after %gs, kill by %gs", lease_s, self.periods.fence_s,
                      self.periods.kill_s)
-        protocol.write_json(self.dir / protocol.LEASE, {
+        lease = {
             "contact_s": sent_s, "lease_s": self.periods.lease_s, "fence_s": self.periods.fence_s,
             "kill_s": self.periods.kill_s, "generation": target.generation, "status": target.status.value,
             "agent_pid": os.getpid() if self.launcher_pid is not None else None,
-        })
+        }
+        if self.gang is not None:
+            self.gang.write_all(protocol.LEASE, lease)
+        protocol.write_json(self.dir / protocol.LEASE, lease)
 
     def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[Outcome, T | None]:
         """Call the broker; an error is classified (:func:`classify`) and logged, never raised."""
@@ -332,8 +343,14 @@ class Agent:
         """Parse new log lines; with ``contact``, report the latest step of each generation.
         A rejected sample is dropped, a transient failure kept for the next poll; ``ENDED`` if the
         broker no longer knows the job."""
-        for gen, step in self.parser.read(self.dir / protocol.LOG):
-            self.pending[gen] = step
+        if self.gang is None:
+            for gen, step in self.parser.read(self.dir / protocol.LOG):
+                self.pending[gen] = step
+        else:  # every node's log is read: the trainer's global rank 0 prints the progress, and a
+            # rendezvous (torchrun's c10d) may put it on any node of the gang
+            for node, d in self.gang.dirs.items():
+                for gen, step in self.parsers[node].read(d / protocol.LOG):
+                    self.pending[gen] = step
         if not contact:
             return None
         for gen, step in sorted(self.pending.items()):
@@ -346,19 +363,40 @@ class Agent:
                 return outcome
         return None
 
+    def _log_parser(self) -> LogParser:
+        """The parser whose log tells the job's story: a gang's failed node, else the node whose
+        trainer printed the metrics (global rank 0), else the rendezvous host's."""
+        if self.gang is None:
+            return self.parser
+        node = (self._status().get("node")
+                or next((n for n, p in self.parsers.items() if p.metrics is not None), None)
+                or self.gang.rank0.get(self.written) or min(self.gang.dirs))
+        return self.parsers[node]
+
     def _with_tail(self, reason: str) -> str:
-        lines = "\n".join(self.parser.tail)
+        lines = "\n".join(self._log_parser().tail)
         return f"{reason}. Last log lines:\n{lines}" if lines else reason
 
     def _report_exit(self, code: int) -> int:
         self._report_progress(contact=True)
-        metrics = self.parser.metrics
+        if self.gang is not None and code != 0:  # half a job never runs on: stop the other nodes
+            node = self._status().get("node")
+            reason = self._with_tail(f"the trainer on node {node} exited with code {code}; the gang was stopped")
+            self._stop(f"node {node}'s trainer failed")
+            return self._report_end(
+                "fail", lambda: self.broker.fail(self.job_id, reason, code),
+                lambda: self.broker.fail(self.job_id, f"trainer on node {node} exited with code {code}", code),
+            )
+        metrics = self._log_parser().metrics
+        if self.node is not None and code == 0 and metrics is None and self._await_end():
+            return 0
         if code == 0:
             return self._report_end(
                 "finish", lambda: self.broker.finish(self.job_id, 0, metrics),
                 (lambda: self.broker.finish(self.job_id, 0, None)) if metrics else None,
             )
-        reason = self._with_tail(f"trainer exited with code {code}")
+        where = "" if self.node is None else f" on node {self.node}"
+        reason = self._with_tail(f"trainer{where} exited with code {code}")
         return self._report_end(
             "fail", lambda: self.broker.fail(self.job_id, reason, code, metrics),
             lambda: self.broker.fail(self.job_id, f"trainer exited with code {code}", code),
@@ -391,12 +429,17 @@ class Agent:
         desired = self._desired()
         desired["stop"] = True
         protocol.write_json(self.dir / protocol.DESIRED, desired)
+        if self.gang is not None:
+            self.gang.stop()
         deadline = time.monotonic() + self.stop_timeout_s
         while time.monotonic() < deadline:
-            status = self._status()
-            if status.get("state") in (protocol.STOPPED, protocol.EXITED):
+            if self.gang is not None:
+                states = [s.get("state") for s in self.gang.statuses().values()]
+            else:
+                states = [self._status().get("state")]
+            if all(s in (protocol.STOPPED, protocol.EXITED) for s in states):
                 break
-            if self.launcher_pid is not None and not protocol.pid_alive(self.launcher_pid):
+            if self.launcher_pids and all(not protocol.pid_alive(p) for p in self.launcher_pids):
                 break
             time.sleep(0.2)
         return 0
@@ -413,13 +456,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="file holding the job's API token (default: $AIRFLOW_ELASTIC_GPU_JOB_TOKEN)")
     parser.add_argument("--progress-pattern", default=None)
     parser.add_argument("--poll-s", type=float, default=1.0)
-    parser.add_argument("--launcher-pid", type=int, default=None)
+    parser.add_argument("--launcher-pid", type=int, action="append", default=None,
+                        help="a local launcher's pid (repeated for a gang job: one per node)")
     parser.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S,
                         help="the broker's lease of the job's pool, seconds (the broker's answer wins where it gives one)")
     parser.add_argument("--fence-s", type=float, default=None,
                         help="stop the trainer after this long without a confirmed contact (default: lease/2)")
     parser.add_argument("--fence-margin-s", type=float, default=None,
                         help="the trainer is dead this long before the lease ends (default: max(1, lease/10))")
+    parser.add_argument("--pod-generation", type=int, default=None,
+                        help="the one generation this pod runs (a pod re-created per generation): newer ones "
+                             "are left to the backend, which replaces the pod")
+    parser.add_argument("--node", default=None,
+                        help="this pod's node in a gang with one agent per node: run and ack that node's part")
+    parser.add_argument("--gang-domain", default="",
+                        help="with --node: the DNS domain of the gang's pods (SERVICE.NAMESPACE.svc)")
+    parser.add_argument("--rendezvous-port", type=int, default=29500,
+                        help="with --node: the rendezvous port at the rank-0 node's pod")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     broker: BrokerTransport
@@ -432,11 +485,14 @@ def main(argv: list[str] | None = None) -> int:
         from airflow_elastic_gpu.broker.service import GpuBroker
 
         broker = GpuBroker(args.broker_url, migrate=False)
-    return Agent(
+    agent = Agent(
         broker, args.job_id, args.shared_dir, progress_pattern=args.progress_pattern,
         poll_s=args.poll_s, launcher_pid=args.launcher_pid, lease_s=args.lease_s, fence_s=args.fence_s,
-        fence_margin_s=args.fence_margin_s,
-    ).run()
+        fence_margin_s=args.fence_margin_s, pod_generation=args.pod_generation, node=args.node,
+        gang_domain=args.gang_domain, rendezvous_port=args.rendezvous_port,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: agent.terminate())
+    return agent.run()
 
 
 if __name__ == "__main__":

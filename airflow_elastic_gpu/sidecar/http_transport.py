@@ -117,8 +117,11 @@ class HttpBrokerTransport:
                  time_s: float | None = None) -> None:
         self._call("POST", job_id, "progress", {"step": step, "generation": generation, "time_s": time_s})
 
-    def ack(self, job_id: str, generation: int) -> bool:
-        return bool(self._call("POST", job_id, "ack", {"generation": generation})["accepted"])
+    def ack(self, job_id: str, generation: int, *, node: str | None = None) -> bool:
+        body: dict[str, Any] = {"generation": generation}
+        if node is not None:
+            body["node"] = node
+        return bool(self._call("POST", job_id, "ack", body)["accepted"])
 
     def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None) -> Any:
         return self._call("POST", job_id, "finish", {"exit_code": exit_code, "metrics": metrics})

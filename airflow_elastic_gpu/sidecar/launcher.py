@@ -7,9 +7,11 @@ image. Usage::
     python launcher.py --shared-dir DIR [--checkpoint-dir DIR] [--grace-s 30] -- CMD ...
 
 ``CMD`` is split like a shell would (``shlex``) after ``{num_gpus}`` is
-replaced by the generation's GPU count. The trainer gets
-``CUDA_VISIBLE_DEVICES``, ``ELASTIC_GPU_COUNT``, ``ELASTIC_GENERATION`` and
-``ELASTIC_CHECKPOINT_DIR``; it runs in its own process group so that stopping
+replaced by the generation's GPU count on this node (and, for a job on several nodes,
+``{nnodes}``, ``{node_rank}``, ``{master_addr}`` and ``{master_port}``, see
+:data:`protocol.PLACEHOLDERS`). The trainer gets
+``CUDA_VISIBLE_DEVICES``, ``ELASTIC_GPU_COUNT``, ``ELASTIC_GENERATION``,
+``ELASTIC_NNODES``, ``ELASTIC_NODE_RANK`` and ``ELASTIC_CHECKPOINT_DIR``; it runs in its own process group so that stopping
 it (SIGTERM, then SIGKILL after ``--grace-s`` seconds) reaches every worker
 ``torchrun`` started. The launcher exits with the trainer's exit code when the
 trainer ends by itself, 0 after a requested stop, 127 if the command is not found.
@@ -134,6 +136,7 @@ class Launcher:
         self.proc: subprocess.Popen[bytes] | None = None
         self.generation = 0
         self.restarts = 0
+        self.suspended = False
         self.tree: list[int] = []  # the trainer's descendants, refreshed every poll
         self.lease = LeaseWatch()
         self.fences = 0  # how many times the trainer was fenced
@@ -163,13 +166,16 @@ class Launcher:
             f.write(protocol.launcher_line(message))
 
     # -- trainer
-    def _start(self, gpus: list[int]) -> None:
-        argv = shlex.split(self.command.replace("{num_gpus}", str(len(gpus))))
+    def _start(self, desired: dict) -> None:
+        gpus = [int(g) for g in desired["gpus"]]
+        argv = shlex.split(protocol.expand_command(self.command, desired))
         env = dict(os.environ)
         env.update(
             CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
             ELASTIC_GPU_COUNT=str(len(gpus)),
             ELASTIC_GENERATION=str(self.generation),
+            ELASTIC_NNODES=str(desired.get("nnodes", 1)),
+            ELASTIC_NODE_RANK=str(desired.get("node_rank", 0)),
             ELASTIC_CHECKPOINT_DIR=str(self.checkpoint_dir),
             PYTHONUNBUFFERED="1",
         )
@@ -234,10 +240,19 @@ class Launcher:
         self._status(protocol.FENCED)
 
     def run(self) -> int:
+        """Run until the trainer exits or is stopped; its exit code (0 when stopped)."""
         signal.signal(signal.SIGTERM, lambda *_: self._terminated.set())
         signal.signal(signal.SIGINT, lambda *_: self._terminated.set())
-        if self.echo:
-            threading.Thread(target=_follow, args=(self.dir / protocol.LOG,), daemon=True).start()
+        echo = _Echo(self.dir / protocol.LOG) if self.echo else None
+        if echo is not None:
+            threading.Thread(target=echo.follow, daemon=True).start()
+        try:
+            return self._run()
+        finally:
+            if echo is not None:
+                echo.copy()  # the last lines (a stop's checkpoint, a traceback) before this process ends
+
+    def _run(self) -> int:
         self._status(protocol.STARTING)
         while True:
             if self._terminated.is_set():
@@ -254,11 +269,16 @@ class Launcher:
             if fence is not None and self.proc is not None and self.proc.poll() is None:
                 self._fence(fence)
                 continue
-            if self.fenced and self._abandoned():
+            if (self.fenced or self.suspended) and self._abandoned():
                 return EXIT_FENCED
             gen = int(desired.get("generation", 0))
             resume = (self.fenced and gen == self.generation
                       and int(desired.get("resume", 0)) >= self.fences)
+            if fence is None and gen > self.generation and not desired.get("gpus"):
+                # a generation with no GPUs here (the job suspended, or a gang node it does not use):
+                # checkpoint, stop, wait for a generation with GPUs
+                self._suspend(gen)
+                continue
             if fence is None and (gen > self.generation or resume) and desired.get("gpus"):
                 if (self.proc is not None and self._stop() is not None) or self.fenced:
                     self.restarts += 1
@@ -267,8 +287,9 @@ class Launcher:
                                f"on generation {gen}")
                 self.generation = gen
                 self.fenced = False
+                self.suspended = False
                 try:
-                    self._start([int(g) for g in desired["gpus"]])
+                    self._start(desired)
                 except (FileNotFoundError, PermissionError) as exc:
                     self._note(f"command not found or not executable: {exc}")
                     self.proc = None
@@ -288,6 +309,20 @@ class Launcher:
                 return code if code >= 0 else 128 - code
             time.sleep(self.poll_s)
 
+    def _suspend(self, generation: int) -> None:
+        """The broker suspended the job (``generation`` has no GPUs): stop the trainer as for a
+        resize (SIGTERM, the grace period for its checkpoint, then SIGKILL) and wait, holding no GPU,
+        for a generation with GPUs; the agent acks ``generation`` once the status says SUSPENDED."""
+        if self.proc is not None and self._stop() is not None:
+            self.restarts += 1
+        self.proc = None
+        self.fenced = False
+        self.suspended = True
+        self.generation = generation
+        self._note(f"suspended on generation {generation} (no GPUs here): the trainer is stopped and "
+                   "resumes from its checkpoint when a generation gives GPUs back")
+        self._status(protocol.SUSPENDED)
+
     def _check_lease(self) -> str | None:
         """Read ``lease.json``; why the trainer must not run now, or ``None``."""
         try:
@@ -299,7 +334,7 @@ class Launcher:
         return self.lease.fence_reason(now_s, now_mono)
 
     def _abandoned(self) -> bool:
-        """Fenced, and the agent (its pid known) has been gone for a whole lease: by then the
+        """Fenced or suspended, and the agent (its pid known) has been gone for a whole lease: by then the
         broker has declared the job lost, so no agent will resume this trainer."""
         periods = self.lease.periods
         gone = self.lease.agent_gone_s(time.monotonic())
@@ -317,21 +352,32 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def _follow(path: Path) -> None:
-    """Copy what is appended to ``path`` to stdout (so container logs show the trainer)."""
-    pos = 0
-    while True:
-        try:
-            with open(path, "rb") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
-        except FileNotFoundError:
-            chunk = b""
-        if chunk:
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
-        time.sleep(0.5)
+class _Echo:
+    """Copies what is appended to ``path`` to stdout (so container logs show the trainer)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pos = 0
+        self.lock = threading.Lock()
+
+    def copy(self) -> None:
+        """Copy what was appended since the last call."""
+        with self.lock:
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(self.pos)
+                    chunk = f.read()
+                    self.pos = f.tell()
+            except FileNotFoundError:
+                chunk = b""
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+
+    def follow(self, period_s: float = 0.5) -> None:
+        while True:
+            self.copy()
+            time.sleep(period_s)
 
 
 def main(argv: list[str] | None = None) -> int:

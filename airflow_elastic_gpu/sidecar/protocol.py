@@ -9,7 +9,11 @@ file, fsync, ``os.replace``) so a reader never sees half a file:
     ``stop`` means stop the trainer and exit; ``resume`` (optional) lets a fenced
     launcher restart the trainer on the same generation once ``resume`` is at least its
     ``fences`` count (the agent writes it only after the broker confirmed that the job
-    still runs with that generation).
+    still runs with that generation). A job on several nodes (a gang, one launcher per node, see
+    :func:`gang_plan`) adds ``nnodes``, ``node_rank``, ``master_addr`` and ``master_port``
+    (the rendezvous of the generation; the launcher expands :data:`PLACEHOLDERS` with them), and
+    a newer generation with no ``gpus`` tells a node's launcher to stop its trainer and wait
+    (state ``suspended``: the gang shrank to fewer nodes).
 ``status.json`` (launcher -> agent)
     ``{"generation": int, "state": str, "pid": int|null, "exit_code": int|null,
     "restarts": int, "workers": [int, ...], "fences": int, "fenced_s": float|null,
@@ -49,13 +53,52 @@ DESIRED = "desired.json"
 STATUS = "status.json"
 LOG = "train.log"
 LEASE = "lease.json"
+NODES = "nodes"
+"""A gang job's directory holds one launcher directory per node: ``<job dir>/nodes/<node name>/``."""
 
-STARTING, RUNNING, STOPPING, EXITED, STOPPED, FENCED = (
-    "starting", "running", "stopping", "exited", "stopped", "fenced")
-STATES = (STARTING, RUNNING, STOPPING, EXITED, STOPPED, FENCED)
+STARTING, RUNNING, STOPPING, EXITED, STOPPED, FENCED, SUSPENDED = (
+    "starting", "running", "stopping", "exited", "stopped", "fenced", "suspended")
+STATES = (STARTING, RUNNING, STOPPING, EXITED, STOPPED, FENCED, SUSPENDED)
+# SUSPENDED: the broker published a generation with no GPUs (a preemptible job suspended): the
+# trainer was stopped with its grace period for a checkpoint and the launcher waits for a generation
+# with GPUs, on which it restarts the trainer (which resumes from its checkpoint). A gang node that a
+# generation does not use is suspended the same way.
 # EXITED: the trainer ended by itself (exit_code says how); STOPPED: stopped on request;
 # FENCED: stopped by the launcher itself for lack of contact with the broker (the launcher waits
 # for contact to resume, see ``lease.json``).
+
+PLACEHOLDERS = ("{num_gpus}", "{nnodes}", "{node_rank}", "{master_addr}", "{master_port}")
+"""What the launcher replaces in a training command: the node's GPU count, the gang's node count,
+this node's rank (0 on a single node), and the rendezvous address and port of the generation."""
+
+
+def expand_command(command: str, desired: dict[str, Any]) -> str:
+    """``command`` with :data:`PLACEHOLDERS` replaced from ``desired.json`` (a single-node job:
+    ``nnodes`` 1, ``node_rank`` 0, ``master_addr`` 127.0.0.1, ``master_port`` 29500)."""
+    values = {
+        "{num_gpus}": len(desired.get("gpus") or []), "{nnodes}": desired.get("nnodes", 1),
+        "{node_rank}": desired.get("node_rank", 0), "{master_addr}": desired.get("master_addr", "127.0.0.1"),
+        "{master_port}": desired.get("master_port", 29500),
+    }
+    for name, value in values.items():
+        command = command.replace(name, str(value))
+    return command
+
+
+def gang_plan(gpus: list[tuple[str, int]], master_addr: str, master_port: int) -> dict[str, dict[str, Any]]:
+    """Split a generation's GPUs (``(node, device index)`` pairs) into one ``desired.json`` part per node.
+
+    Nodes are ranked by name (rank 0 hosts the rendezvous at ``master_addr:master_port``); each part
+    is ``{"gpus": [indices], "nnodes": int, "node_rank": int, "master_addr": str, "master_port": int}``.
+
+    :returns: node name -> its part (nodes without GPUs in the generation are absent).
+    """
+    by_node: dict[str, list[int]] = {}
+    for node, index in sorted(gpus):
+        by_node.setdefault(node, []).append(index)
+    return {node: {"gpus": indices, "nnodes": len(by_node), "node_rank": rank, "master_addr": master_addr,
+                   "master_port": master_port}
+            for rank, (node, indices) in enumerate(sorted(by_node.items()))}
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ class ElasticTrainingTrigger(BaseTrigger):
     :param job_name: its name in the broker (default the task id, with ``[map_index]``).
     :param job: the other job fields to submit: ``total_steps``, ``min_gpus``, ``max_gpus``,
         ``requested_gpus``, ``progress_pattern``, ``gpu_pool`` (``None``: the connection's
-        default), ``priority``, ``virtual_gpus``, ``broker_api_url_given``.
+        default), ``priority``, ``preemptible``, ``virtual_gpus``, ``virtual_nodes``, ``relative_speed``,
+        ``broker_api_url_given``.
     """
 
     def __init__(self, job_id: str | None, broker_conn_id: str = "elastic_gpu_default",
@@ -110,7 +111,8 @@ class ElasticTrainingTrigger(BaseTrigger):
             if url:
                 self.kubernetes = {**self.kubernetes, "broker_api_url": url}
         backend = make_backend(self.backend, broker=hook.broker, work_dir=self.work_dir,
-                               kubernetes=self.kubernetes, virtual_gpus=job.get("virtual_gpus"))
+                               kubernetes=self.kubernetes, virtual_gpus=job.get("virtual_gpus"),
+                               virtual_nodes=int(job.get("virtual_nodes") or 1))
         map_index = int(ti.map_index)
         name = self.job_name or (ti.task_id if map_index < 0 else f"{ti.task_id}[{map_index}]")
         spec = JobSpec(
@@ -119,7 +121,8 @@ class ElasticTrainingTrigger(BaseTrigger):
             key=f"{ti.dag_id}/{ti.task_id}/{ti.run_id}/{map_index}",
             pool=job.get("gpu_pool") or hook.default_pool(), priority=job.get("priority", 0),
             progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
-            backend=self.backend,
+            backend=self.backend, preemptible=bool(job.get("preemptible", False)),
+            relative_speed=job.get("relative_speed"),
         )
         started = submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log)
         hook.broker.engine.dispose()  # the watcher makes its own client

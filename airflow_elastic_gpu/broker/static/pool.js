@@ -178,6 +178,7 @@ async function refresh() {
     renderEvents(snap, names);
     renderTimeline(tl, names);
     status.textContent = `pool ${pool}: ${jobs.filter(j => j.status === "running").length} running, `
+      + `${jobs.filter(j => j.status === "suspended").length} suspended, `
       + `${jobs.filter(j => j.status === "queued").length} queued; updated ${new Date().toLocaleTimeString()}`;
     document.body.dataset.ready = "1";
   } catch (err) {

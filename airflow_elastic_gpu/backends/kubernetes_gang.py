@@ -1,0 +1,241 @@
+"""Jobs on several nodes on Kubernetes: one pod per node (a *gang*) and a headless Service for the
+rendezvous, created, resized and cleaned up together.
+
+A job whose ``max_gpus`` exceeds every node of its pool runs as a gang (the rule ``submit``
+applies). Each node's pod is the single-pod layout (:class:`~.kubernetes.PodBuilder`) plus:
+
+* ``hostname`` (:func:`~airflow_elastic_gpu.sidecar.gang.pod_hostname` of its node) and
+  ``subdomain`` = the job's headless Service ``elastic-gpu-<job>`` (``clusterIP: None``, selecting
+  the job's pods, ``publishNotReadyAddresses``), so that every pod's DNS name
+  ``HOSTNAME.elastic-gpu-<job>.NAMESPACE.svc`` resolves as soon as it has an address;
+* its agent runs with ``--node NODE --gang-domain elastic-gpu-<job>.NAMESPACE.svc
+  --rendezvous-port PORT``: it writes its node's part of the generation
+  (:func:`~airflow_elastic_gpu.sidecar.protocol.gang_plan`: ``nnodes``, ``node_rank``, the DNS name
+  of the rank-0 node's pod as ``master_addr``, the fixed ``rendezvous_port`` as ``master_port``)
+  and acks *its node*; the broker moves the job's in-use set only once every node of the old and
+  the new allocation has acked (``GpuBroker.ack(..., node=...)``).
+
+Resizes (:meth:`GangPods.sync`):
+
+* ``inplace``: pods stay; each pod's agent restarts its trainer with the new shape. A node the
+  new generation adds gets a new pod; a node it drops keeps its pod, whose agent stops the trainer
+  (suspended) and acks: the pod is deleted once the whole generation is acked.
+* ``recreate``: every pod of an older generation is deleted and the new generation's pods are
+  created together. A dropped node's pod cannot ack (it runs its own generation only): the
+  backend acks that node for it once the pod is gone from the API (its trainer is then dead).
+
+Failures: one pod evicted, failed or deleted from outside is a :class:`~.base.Problem` of the whole
+job (the job watcher fails the job at once and the backend's ``stop`` deletes every pod and the
+Service); one node's trainer exiting non-zero is reported by its agent, and every other agent then
+sees the job ended and stops its trainer. Half a job never runs on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kubernetes.client import models as k8s
+from kubernetes.client.exceptions import ApiException
+
+from airflow_elastic_gpu.backends.base import BackendError, Problem
+from airflow_elastic_gpu.backends.kubernetes_config import (
+    LABEL_GENERATION,
+    LABEL_JOB,
+    LABEL_PREFIX,
+    label_value,
+    resource_name,
+)
+from airflow_elastic_gpu.broker.types import JobView
+from airflow_elastic_gpu.sidecar.gang import pod_hostname
+
+if TYPE_CHECKING:
+    from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, PodBuilder
+
+LABEL_NODE = f"{LABEL_PREFIX}node"
+"""The node a gang's pod runs on (a label value; the pod's ``nodeName`` is the node itself)."""
+
+
+def service_name(job_id: str) -> str:
+    """The job's headless Service (and the pods' ``subdomain``): ``elastic-gpu-<job>``."""
+    return resource_name("elastic-gpu", job_id)
+
+
+def gang_domain(job_id: str, namespace: str) -> str:
+    """The DNS domain of the job's pods: ``elastic-gpu-<job>.NAMESPACE.svc``."""
+    return f"{service_name(job_id)}.{namespace}.svc"
+
+
+def gang_pod_name(job_id: str, node: str, generation: int) -> str:
+    """``elastic-gpu-<job>-<node's host name>-g<generation>`` (a DNS subdomain: at most 253 characters)."""
+    return f"{service_name(job_id)}-{pod_hostname(node)}-g{generation}"
+
+
+def generation_of(pod: Any) -> int:
+    return int((pod.metadata.labels or {}).get(LABEL_GENERATION, 0))
+
+
+def _live(pods: list[Any]) -> list[Any]:
+    """The pods not being deleted (a deleted pod stays listed while it terminates)."""
+    return [p for p in pods if p.metadata.deletion_timestamp is None]
+
+
+class GangBuilder:
+    """Builds a gang's Service and pods (pure: no API calls) on top of a :class:`PodBuilder`."""
+
+    def __init__(self, builder: PodBuilder) -> None:
+        self.builder = builder
+        self.config = builder.config
+
+    def service(self, job_id: str, context: Mapping[str, str] | None = None) -> k8s.V1Service:
+        """The headless Service that gives each pod of the gang its DNS name."""
+        context = {k: v for k, v in (context or {}).items() if k != "run_id"}
+        port = self.config.rendezvous_port
+        return k8s.V1Service(
+            api_version="v1", kind="Service",
+            metadata=k8s.V1ObjectMeta(name=service_name(job_id), namespace=self.config.namespace,
+                                      labels=self.builder._labels(job_id, None, context)),
+            spec=k8s.V1ServiceSpec(
+                cluster_ip="None", selector={LABEL_JOB: label_value(job_id)},
+                publish_not_ready_addresses=True,  # DNS before readiness: the rendezvous comes first
+                ports=[k8s.V1ServicePort(name="rendezvous", port=port, target_port=port, protocol="TCP")]))
+
+    def pod(self, job_id: str, command: str, node: str, generation: int, *,
+            progress_pattern: str | None = None, checkpoint_dir: str | None = None,
+            env: Mapping[str, str] | None = None, context: Mapping[str, str] | None = None) -> k8s.V1Pod:
+        """The pod of ``job_id``'s gang on ``node``, created for ``generation``."""
+        pod = self.builder.pod(job_id, command, node, generation, progress_pattern=progress_pattern,
+                               checkpoint_dir=checkpoint_dir, env=env, context=context)
+        c = self.config
+        pod.metadata.name = gang_pod_name(job_id, node, generation)
+        pod.metadata.labels[LABEL_NODE] = label_value(node)
+        pod.spec.hostname = pod_hostname(node)
+        pod.spec.subdomain = service_name(job_id)
+        (agent,) = [x for x in pod.spec.init_containers if x.name == "elastic-agent"]
+        agent.args = [*agent.args, "--node", node, "--gang-domain", gang_domain(job_id, c.namespace),
+                      "--rendezvous-port", str(c.rendezvous_port)]
+        (trainer,) = [x for x in pod.spec.containers if x.name == "trainer"]
+        trainer.ports = [k8s.V1ContainerPort(name="rendezvous", container_port=c.rendezvous_port, protocol="TCP")]
+        return pod
+
+
+class GangPods:
+    """The gang half of :class:`~.kubernetes.KubernetesBackend`: its pods, Service and acks."""
+
+    def __init__(self, backend: KubernetesBackend) -> None:
+        self.backend = backend
+        self.builder = GangBuilder(backend.builder)
+
+    @property
+    def namespace(self) -> str:
+        return self.backend.config.namespace
+
+    def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
+             context: Mapping[str, str] | None = None) -> str:
+        """Make the gang's pods match the broker's target; returns what it did: ``wait`` (no GPUs
+        published), ``keep``, ``create`` (pods added: the first generation, or a growth to more
+        nodes), ``recreate`` (the pods of an older generation replaced), ``shrink`` (pods of nodes
+        the acked generation no longer uses deleted), joined with ``+`` when several.
+
+        A node that has acked a generation and lost its pod gets no new one while no resize is
+        under way (that is a failure, see :meth:`problem`); during a resize it does (a pod
+        re-created mid-resize starts on the new generation and acks it).
+
+        :raises BackendError: an API error other than 404/409.
+        """
+        b = self.backend
+        target = b.broker.target(job.id)
+        if target.status.terminal or not target.gpus:
+            return "wait"
+        nodes = sorted({g.node for g in target.gpus})
+        in_use_nodes = {g.node for g in job.in_use_gpus}
+        resizing = job.acked_generation < target.generation
+        self._ensure_service(job.id, context)
+        pods = b.pods(job.id)
+        live = _live(pods)
+        done: list[str] = []
+        if b.config.resize_mechanism == "recreate":
+            old = [p for p in live if generation_of(p) < target.generation]
+            for pod in old:
+                b._delete_pod(pod.metadata.name)
+            if old:
+                done.append("recreate")
+            live = [p for p in live if p not in old]
+        elif not resizing:
+            dropped = [p for p in live if p.spec.node_name not in nodes]
+            for pod in dropped:  # its agent acked the suspension: the generation runs without it
+                b._delete_pod(pod.metadata.name)
+            if dropped:
+                done.append("shrink")
+        created = False
+        for node in nodes:
+            if any(p.spec.node_name == node for p in live):
+                continue
+            if node in in_use_nodes and not resizing:
+                continue  # lost while it ran: a failure of the gang, not a pod to re-create silently
+            self._create_pod(job, node, target.generation, env, context)
+            created = True
+        if created and "recreate" not in done:
+            done.insert(0, "create")
+        if resizing:
+            self._ack_gone_nodes(job, target.generation, nodes, in_use_nodes, b.pods(job.id))
+        return "+".join(done) or "keep"
+
+    def _ack_gone_nodes(self, job: JobView, generation: int, nodes: list[str], in_use_nodes: set[str],
+                        pods: list[Any]) -> None:
+        """Ack ``generation`` for every node the job gives up whose pod is gone from the API (not
+        even terminating): nothing of the job runs there any more, and no agent is left to ack."""
+        listed = {p.spec.node_name for p in pods}
+        for node in sorted(in_use_nodes - set(nodes) - listed):
+            self.backend.broker.ack(job.id, generation, node=node)
+
+    def _create_pod(self, job: JobView, node: str, generation: int, env: Mapping[str, str] | None,
+                    context: Mapping[str, str] | None) -> None:
+        pod = self.builder.pod(job.id, job.command, node, generation, progress_pattern=job.progress_pattern,
+                               checkpoint_dir=job.checkpoint_dir, env=env, context=context)
+        try:
+            self.backend.core_v1.create_namespaced_pod(self.namespace, pod)
+        except ApiException as exc:
+            if exc.status != 409:  # 409: this generation's pod exists already (a retried call)
+                raise BackendError(f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}") from None
+
+    def _ensure_service(self, job_id: str, context: Mapping[str, str] | None) -> None:
+        try:
+            self.backend.core_v1.create_namespaced_service(self.namespace, self.builder.service(job_id, context))
+        except ApiException as exc:
+            if exc.status != 409:
+                raise BackendError(f"cannot create the job's headless Service: {exc.status} {exc.reason}") from None
+
+    def problem(self, job: JobView) -> Problem | None:
+        """Why the gang cannot go on: one pod broken (evicted, failed, its trainer terminated, its
+        image not pulled), or the pod of a node that runs the acked generation gone from the API
+        while no resize is under way. Either fails the whole job."""
+        from airflow_elastic_gpu.backends.kubernetes import pod_problem
+
+        pods = _live(self.backend.pods(job.id))
+        for pod in pods:
+            reason = pod_problem(pod)
+            if reason is not None:
+                return Problem(f"{reason} (node {pod.spec.node_name} of the gang; every pod of the job is stopped)")
+        if job.acked_generation < max(job.target_generation, 1):
+            return None
+        running = {g.node for g in job.in_use_gpus}
+        missing = sorted(running - {p.spec.node_name for p in self.backend.pods(job.id)})
+        if missing:
+            return Problem(f"the pod of node {missing[0]} was deleted from outside the broker "
+                           "(every pod of the job is stopped)")
+        return None
+
+    def log_pod(self, job_id: str) -> Any | None:
+        """The pod whose trainer log tells the story: a broken one, else the first by node."""
+        from airflow_elastic_gpu.backends.kubernetes import pod_problem
+
+        pods = sorted(self.backend.pods(job_id), key=lambda p: (pod_problem(p) is None, p.spec.node_name or ""))
+        return pods[0] if pods else None
+
+    def delete_service(self, job_id: str) -> None:
+        try:
+            self.backend.core_v1.delete_namespaced_service(service_name(job_id), self.namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise BackendError(f"cannot delete the job's headless Service: {exc.status} {exc.reason}") from None

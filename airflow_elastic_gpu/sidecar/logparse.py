@@ -1,0 +1,100 @@
+"""The agent's incremental reader of a trainer's log: progress steps per generation, metrics, last lines.
+
+Progress lines: by default JSON objects with a ``"step"`` key (a JSON object with ``"final": true``
+is kept as the job's metrics); or any line matching ``progress_pattern`` (group ``step``, or its
+only group). A line of :func:`~.protocol.generation_line` marks where a generation starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from airflow_elastic_gpu.sidecar import protocol
+
+log = logging.getLogger(__name__)
+
+TAIL_LINES = 20
+"""Lines of the log kept for a failure's reason."""
+
+
+@dataclass
+class LogParser:
+    """Incremental parser of ``train.log``: progress steps per generation, metrics, last lines."""
+
+    pattern: re.Pattern[str] | None = None
+    generation: int = 0
+    metrics: dict[str, Any] | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    _pos: int = 0
+    _partial: str = ""
+
+    def read(self, path: Path) -> list[tuple[int, float]]:
+        """New ``(generation, step)`` samples appended to ``path`` since the last call."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+                self._pos = f.tell()
+        except FileNotFoundError:
+            return []
+        text = self._partial + chunk.decode("utf-8", "replace")
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        out: list[tuple[int, float]] = []
+        for line in lines:
+            line = line.rstrip("\r")
+            if line:
+                self.tail.append(line)
+            mark = protocol.parse_generation_line(line)
+            if mark is not None:
+                self.generation = mark
+                continue
+            step = self._step(line)
+            if step is not None:
+                out.append((self.generation, step))
+        return out
+
+    def _step(self, line: str) -> float | None:
+        if self.pattern is not None:
+            m = self.pattern.search(line)
+            if not m:
+                return None
+            raw = m.group("step") if "step" in self.pattern.groupindex else m.group(1)
+            try:
+                return _finite_step(float(raw))
+            except (TypeError, ValueError):
+                return None
+        if not line.startswith("{"):
+            return None
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if obj.get("final"):
+            self.metrics = _finite(obj)
+        step = obj.get("step")
+        if not isinstance(step, (int, float)) or isinstance(step, bool):
+            return None
+        return _finite_step(float(step))
+
+
+def _finite_step(step: float) -> float | None:
+    """``step``, or ``None`` (dropped with a log line) if it is NaN or infinite."""
+    if math.isfinite(step):
+        return step
+    log.warning("dropped a progress line with a non-finite step (%r)", step)
+    return None
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with non-finite numbers replaced by ``None`` (JSON and the broker refuse them)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}

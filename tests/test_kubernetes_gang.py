@@ -1,0 +1,285 @@
+"""Jobs on several nodes on Kubernetes (one pod per node and a headless Service): manifests
+validated strictly against the official schema, their semantics, the gang's life against a fake of
+the CoreV1 API, and each pod's agent running its node's part."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from kubernetes.client import models as k8s
+from kubernetes.client.exceptions import ApiException
+from test_kubernetes import CONTEXT, FakeCoreV1, config, validate
+
+from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, PodBuilder, to_dict
+from airflow_elastic_gpu.backends.kubernetes_gang import LABEL_NODE, GangBuilder, service_name
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.agent import Agent
+from airflow_elastic_gpu.states import Target
+
+GANG = "torchrun --nnodes={nnodes} --node_rank={node_rank} --nproc_per_node={num_gpus} " \
+       "--rdzv_backend=c10d --rdzv_endpoint={master_addr}:{master_port} train.py"
+NODES = ("gpu-node-0", "gpu-node-1", "ip-10-0-3-7.ec2.internal")
+
+
+class FakeCoreV1WithServices(FakeCoreV1):
+    """:class:`FakeCoreV1` with the Service calls a gang needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.services: dict[str, k8s.V1Service] = {}
+
+    def create_namespaced_service(self, namespace, body):
+        self._maybe_fail("create_namespaced_service")
+        if body.metadata.name in self.services:
+            raise ApiException(status=409, reason="AlreadyExists")
+        self.services[body.metadata.name] = copy.deepcopy(body)
+        self.calls.append(("create service", body.metadata.name))
+
+    def delete_namespaced_service(self, name, namespace):
+        if self.services.pop(name, None) is None:
+            raise ApiException(status=404, reason="NotFound")
+        self.calls.append(("delete service", name))
+
+
+def agent_args(pod: dict) -> list[str]:
+    (agent,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "elastic-agent"]
+    return agent["args"]
+
+
+def arg(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+@pytest.mark.parametrize("mechanism", ["inplace", "recreate"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_gang_manifests_validate_strictly_against_the_kubernetes_schema(size, mechanism):
+    builder = GangBuilder(PodBuilder(config(resize_mechanism=mechanism)))
+    service = to_dict(builder.service("3f1c-job", CONTEXT))
+    validate(service)
+    pods = [to_dict(builder.pod("3f1c-job", GANG, node, 4, progress_pattern=r"step (?P<step>\d+)",
+                                checkpoint_dir="/ckpt/run1", env={"NCCL_DEBUG": "INFO"}, context=CONTEXT))
+            for node in NODES[:size]]
+    for pod in pods:
+        validate(pod)
+    # what the schema cannot check: one pod per node, each with its own DNS name under the Service
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["ports"] == [{"name": "rendezvous", "port": 29500, "targetPort": 29500,
+                                         "protocol": "TCP"}]
+    assert [p["spec"]["nodeName"] for p in pods] == list(NODES[:size])
+    hostnames = [p["spec"]["hostname"] for p in pods]
+    assert len(set(hostnames)) == size and all(len(h) <= 63 for h in hostnames)
+    assert len({p["metadata"]["name"] for p in pods}) == size
+    for pod, node in zip(pods, NODES, strict=False):
+        assert pod["spec"]["subdomain"] == service["metadata"]["name"] == service_name("3f1c-job")
+        assert all(pod["metadata"]["labels"][k] == v for k, v in service["spec"]["selector"].items())
+        args = agent_args(pod)
+        assert arg(args, "--node") == node and arg(args, "--rendezvous-port") == "29500"
+        assert arg(args, "--gang-domain") == f"{service_name('3f1c-job')}.ml.svc"
+        assert ("--pod-generation" in args) == (mechanism == "recreate")
+        assert pod["metadata"]["labels"][LABEL_NODE]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    for node in NODES:
+        broker.register_node(node, 4, gpu_type="NVIDIA A100")
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    yield broker, FakeCoreV1WithServices()
+    broker.engine.dispose()
+
+
+def submit_gang(broker, lo=8, hi=12):
+    return broker.submit(JobSpec("gang", GANG, lo, hi, total_steps=1000, backend="kubernetes"))
+
+
+def nodes_of(gpus) -> list[str]:
+    return sorted({g.node for g in gpus})
+
+
+def pods_by_node(api) -> dict[str, str]:
+    return {p.spec.node_name: name for name, p in api.pods.items()}
+
+
+def ack_all(broker, job_id, generation, nodes):
+    for node in nodes:
+        broker.ack(job_id, generation, node=node)
+
+
+def test_a_gang_is_created_resized_in_place_and_cleaned_up_together(cluster):
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit_gang(broker)
+    backend.start(job, context=CONTEXT)
+    assert backend.is_gang(broker.job(job.id))
+    assert list(api.services) == [service_name(job.id)]
+    assert sorted(pods_by_node(api)) == list(NODES)  # one pod per node of the 12-GPU target
+    ack_all(broker, job.id, 1, NODES)
+    assert broker.job(job.id).acked_generation == 1
+    first_pods = dict(api.pods)
+    other = broker.submit(JobSpec("other", "python train.py", 4, 4, total_steps=100, backend="kubernetes"))
+    target = broker.target(job.id)
+    kept = nodes_of(target.gpus)
+    (dropped,) = set(NODES) - set(kept)
+    assert target.generation == 2 and len(kept) == 2  # the gang shrinks to two nodes for the other job
+    assert backend.sync(broker.job(job.id)) == "keep"  # in place: every pod stays while they resize
+    assert api.pods == first_pods
+    ack_all(broker, job.id, 2, kept)
+    assert broker.job(other.id).target_gpus == ()  # the dropped node's trainer has not stopped yet
+    broker.ack(job.id, 2, node=dropped)  # its agent suspended the trainer and acked
+    assert nodes_of(broker.job(other.id).target_gpus) == [dropped]
+    assert backend.sync(broker.job(job.id)) == "shrink"  # the generation runs without it: pod deleted
+    assert sorted(pods_by_node(api)) == kept
+    assert backend.problem(broker.job(job.id)) is None
+    broker.cancel(other.id)
+    grown = broker.target(job.id)
+    assert grown.generation == 3 and nodes_of(grown.gpus) == list(NODES)
+    assert backend.sync(broker.job(job.id)) == "create"  # the node it grows to gets a pod
+    assert sorted(pods_by_node(api)) == list(NODES)
+    ack_all(broker, job.id, 3, NODES)
+    broker.finish(job.id, 0, {"accuracy": 0.9})
+    backend.stop(job.id, succeeded=True)
+    assert api.pods == {} and api.services == {} and api.secrets == {}
+
+
+def test_a_gang_in_recreate_mode_replaces_every_pod_together(cluster):
+    broker, api = cluster
+    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    broker.submit(JobSpec("other", "python train.py", 4, 4, total_steps=100, backend="kubernetes"))
+    kept = nodes_of(broker.target(job.id).gpus)
+    (dropped,) = set(NODES) - set(kept)
+    assert backend.sync(broker.job(job.id)) == "recreate"
+    assert all(name.endswith("-g2") for name in api.pods) and sorted(pods_by_node(api)) == kept
+    assert sum(1 for call, _ in api.calls if call == "delete pod") == 3  # the old generation's three
+    # the dropped node's pod is gone from the API: nothing runs there, the backend acks it
+    assert broker.job(job.id).acked_generation == 1
+    ack_all(broker, job.id, 2, kept)
+    assert broker.job(job.id).acked_generation == 2
+    assert backend.sync(broker.job(job.id)) == "keep"  # idempotent
+    args = api.pods[pods_by_node(api)[kept[0]]].spec.init_containers[1].args
+    assert arg(args, "--pod-generation") == "2" and arg(args, "--node") == kept[0]
+    assert dropped not in pods_by_node(api)
+
+
+def test_one_evicted_pod_fails_the_job_and_the_whole_gang_is_deleted(cluster):
+    from airflow_elastic_gpu.triggers.watcher import JobWatcher
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    victim = pods_by_node(api)[NODES[1]]
+    api.set_phase(victim, "Failed", reason="Evicted", message="The node was low on resource: memory.")
+    problem = backend.problem(broker.job(job.id))
+    assert "Evicted" in problem.reason and NODES[1] in problem.reason and not problem.gone
+    JobWatcher(broker, backend, job.id).poll()  # what the trigger does each poll
+    failed = broker.job(job.id)
+    assert failed.status is JobStatus.FAILED and "Evicted" in failed.reason
+    assert failed.in_use_gpus == ()
+    assert api.pods == {} and api.services == {} and api.secrets == {}  # every node's pod, not half
+
+
+def test_a_pod_of_a_running_gang_deleted_from_outside_fails_the_job(cluster):
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    api.delete_namespaced_pod(pods_by_node(api)[NODES[0]], "ml")
+    assert backend.sync(broker.job(job.id)) == "keep"  # not re-created behind the other nodes' backs
+    assert f"the pod of node {NODES[0]} was deleted" in backend.problem(broker.job(job.id)).reason
+
+
+def test_a_job_that_fits_on_one_node_keeps_its_single_pod(cluster):
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = broker.submit(JobSpec("small", "python train.py", 1, 4, total_steps=10, backend="kubernetes"))
+    backend.start(job)
+    assert not backend.is_gang(broker.job(job.id)) and api.services == {}
+    (pod,) = api.pods.values()
+    assert pod.spec.subdomain is None and LABEL_NODE not in pod.metadata.labels
+
+
+# --------------------------------------------------------------------------- one agent per pod
+
+
+class FakeBroker:
+    """What a pod's agent calls; heartbeats answer ``answers`` in turn (the last one for ever);
+    records acks and reports."""
+
+    def __init__(self, *answers: Target) -> None:
+        self.answers = list(answers)
+        self.acks: list[tuple[int, str | None]] = []
+        self.reports: list[tuple] = []
+
+    def heartbeat(self, job_id):
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+    def progress(self, job_id, step, *, generation=None, time_s=None):
+        self.reports.append(("progress", step))
+
+    def ack(self, job_id, generation, *, node=None):
+        self.acks.append((generation, node))
+        return True
+
+    def finish(self, job_id, exit_code=0, metrics=None):
+        self.reports.append(("finish", metrics))
+
+    def fail(self, job_id, reason, exit_code=None, metrics=None):
+        self.reports.append(("fail", reason))
+
+
+def target(generation, pairs, status=JobStatus.RUNNING):
+    return Target("j", status, generation, tuple(sorted(GpuId(n, i) for n, i in pairs)), 60.0)
+
+
+def node_agent(tmp_path, broker, node):
+    return Agent(broker, "j", tmp_path, poll_s=0.01, node=node, gang_domain="elastic-gpu-j.ml.svc",
+                 rendezvous_port=29500, end_report_timeout_s=60)
+
+
+def test_each_pods_agent_writes_its_nodes_part_with_the_rank0_pods_dns_name(tmp_path):
+    gen = target(2, [("gpu-node-1", 0), ("gpu-node-1", 1), ("ip-10-0-3-7.ec2.internal", 3)])
+    agent = node_agent(tmp_path, FakeBroker(gen), "ip-10-0-3-7.ec2.internal")
+    assert agent._apply(gen, 1) == 2
+    desired = protocol.read_json(tmp_path / protocol.DESIRED)
+    assert desired == {"generation": 2, "gpus": [3], "nnodes": 2, "node_rank": 1, "stop": False,
+                       "master_addr": "gpu-node-1.elastic-gpu-j.ml.svc", "master_port": 29500}
+    dropped = target(3, [("gpu-node-1", 0), ("gpu-node-1", 1)])
+    agent._apply(dropped, 2)  # a generation without this node: suspended, then acked like any other
+    assert protocol.read_json(tmp_path / protocol.DESIRED) == {"generation": 3, "gpus": [], "stop": False}
+
+
+def test_a_pods_agent_acks_its_node_only(tmp_path):
+    gen = target(1, [("gpu-node-0", 0), ("gpu-node-1", 0)])
+    broker = FakeBroker(gen)
+    agent = node_agent(tmp_path, broker, "gpu-node-1")
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, "exit_code": 0})
+    (tmp_path / protocol.LOG).write_text(json.dumps({"final": True, "step": 10, "loss": 0.1}) + "\n")
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    assert agent._ack(1) and broker.acks == [(1, "gpu-node-1")]
+    assert agent.run() == 0  # this node's trainer printed the final metrics: it reports the end
+    assert ("finish", {"final": True, "step": 10, "loss": 0.1}) in broker.reports
+
+
+def test_a_pod_whose_trainer_ends_without_metrics_leaves_the_report_to_rank0s_pod(tmp_path):
+    running = target(1, [("gpu-node-0", 0), ("gpu-node-1", 0)])
+    ended = target(1, [], status=JobStatus.SUCCEEDED)  # the other pod's agent reported it, with metrics
+    broker = FakeBroker(running, running, ended)
+    agent = node_agent(tmp_path, broker, "gpu-node-0")
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, "exit_code": 0})
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    (tmp_path / protocol.LOG).write_text(json.dumps({"step": 10}) + "\n")  # not the global rank 0's metrics
+    assert agent.run() == 0
+    assert broker.answers == [ended]  # it waited, heartbeating, until the job had ended
+    assert not [r for r in broker.reports if r[0] in ("finish", "fail")]

@@ -1,0 +1,127 @@
+"""Per-node acks of a gang with one agent per node (a pod per node on Kubernetes), on SQLite and
+PostgreSQL: the job's in-use set moves only once every node of its old and new GPUs has acked the
+target generation, so that no GPU is freed while a trainer of the job still runs on it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from airflow_elastic_gpu.broker.api import create_app
+from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec
+from airflow_elastic_gpu.states import EventKind, JobStatus
+
+GANG = "torchrun --nnodes={nnodes} --node_rank={node_rank} --rdzv_endpoint={master_addr}:{master_port} train.py"
+NODES = ("node-a", "node-b", "node-c")
+
+
+@pytest.fixture
+def pool(broker):
+    for node in NODES:
+        broker.register_node(node, 2)
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    return broker
+
+
+def gang(broker, lo=6, hi=6, name="gang"):
+    return broker.submit(JobSpec(name, GANG, lo, hi, total_steps=1000, backend="kubernetes"))
+
+
+def nodes_of(gpus):
+    return sorted({g.node for g in gpus})
+
+
+def test_a_generation_is_acked_only_once_every_node_has_acked_it(pool):
+    broker = pool
+    job = gang(broker)
+    target = broker.target(job.id)
+    assert target.generation == 1 and nodes_of(target.gpus) == list(NODES)
+    assert broker.ack(job.id, 1, node="node-a") is True
+    assert broker.ack(job.id, 1, node="node-a") is True  # a retry: recorded again, nothing more
+    assert broker.ack(job.id, 1, node="node-b") is True
+    half = broker.job(job.id)
+    assert half.acked_generation == 0 and half.in_use_gpus == ()  # node-c's trainer does not run yet
+    assert broker.ack(job.id, 1, node="node-c") is True
+    done = broker.job(job.id)
+    assert done.acked_generation == 1 and done.in_use_gpus == target.gpus
+    assert broker.ack(job.id, 1, node="node-a") is False  # already acked
+    acks = [e for e in broker.events(job_id=job.id) if e.kind == EventKind.ACK.value]
+    assert len(acks) == 1
+
+
+def test_a_dropped_node_must_ack_before_its_gpus_go_to_another_job(pool):
+    broker = pool
+    job = gang(broker, lo=4, hi=6)
+    for node in NODES:
+        broker.ack(job.id, 1, node=node)
+    other = broker.submit(JobSpec("other", "python train.py", 2, 2, total_steps=100, backend="kubernetes"))
+    target = broker.target(job.id)
+    assert target.generation == 2 and len(nodes_of(target.gpus)) == 2  # the gang shrinks to two nodes
+    (dropped,) = set(NODES) - set(nodes_of(target.gpus))
+    assert broker.ack(job.id, 1, node=dropped) is False  # a late ack of the older generation: ignored
+    for node in nodes_of(target.gpus):
+        broker.ack(job.id, 2, node=node)
+    mid = broker.job(job.id)
+    assert mid.acked_generation == 1 and len(mid.in_use_gpus) == 6  # the dropped node's trainer may still run
+    assert broker.job(other.id).target_gpus == ()  # so its GPUs are not published to anyone
+    assert broker.ack(job.id, 2, node=dropped) is True  # its agent stopped the trainer (suspended)
+    after = broker.job(job.id)
+    assert after.acked_generation == 2 and after.in_use_gpus == target.gpus
+    assert nodes_of(broker.job(other.id).target_gpus) == [dropped]
+
+
+def test_an_ack_of_a_node_without_the_jobs_gpus_is_rejected(pool):
+    broker = pool
+    job = gang(broker, lo=4, hi=4)
+    (unused,) = set(NODES) - set(nodes_of(broker.target(job.id).gpus))
+    with pytest.raises(InvalidRequest, match=f"node '{unused}' has none of job"):
+        broker.ack(job.id, 1, node=unused)
+
+
+def test_node_acks_of_an_ended_job_change_nothing(pool):
+    broker = pool
+    job = gang(broker)
+    broker.ack(job.id, 1, node="node-a")
+    broker.fail(job.id, "node-b's pod was evicted")
+    assert broker.ack(job.id, 1, node="node-b") is False
+    assert broker.job(job.id).status is JobStatus.FAILED and broker.job(job.id).in_use_gpus == ()
+
+
+def test_concurrent_node_acks_complete_the_generation_exactly_once(pool):
+    broker = pool
+    job = gang(broker)
+    barrier = threading.Barrier(len(NODES))
+    errors: list[BaseException] = []
+
+    def ack(node: str) -> None:
+        try:
+            barrier.wait()
+            broker.ack(job.id, 1, node=node)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ack, args=(n,)) for n in NODES]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert broker.job(job.id).acked_generation == 1
+    assert len([e for e in broker.events(job_id=job.id) if e.kind == EventKind.ACK.value]) == 1
+
+
+def test_the_http_api_takes_the_node_of_an_ack(pool):
+    broker = pool
+    job = gang(broker)
+    client = TestClient(create_app(broker))
+    auth = {"Authorization": f"Bearer {job.token}"}
+    for node in NODES[:2]:
+        answer = client.post(f"/api/v1/jobs/{job.id}/ack", json={"generation": 1, "node": node}, headers=auth)
+        assert answer.status_code == 200 and answer.json() == {"accepted": True}
+    assert broker.job(job.id).acked_generation == 0
+    bad = client.post(f"/api/v1/jobs/{job.id}/ack", json={"generation": 1, "node": "elsewhere"}, headers=auth)
+    assert bad.status_code == 422
+    client.post(f"/api/v1/jobs/{job.id}/ack", json={"generation": 1, "node": NODES[2]}, headers=auth)
+    assert broker.job(job.id).acked_generation == 1
