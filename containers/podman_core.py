@@ -2,17 +2,22 @@
 
 :class:`PodmanCoreV1` lets the project's own :class:`~airflow_elastic_gpu.backends.kubernetes.KubernetesBackend`
 create, watch and delete real pods on this host. The generated manifest is played as it is, except
-for what podman 4.3 cannot express (see :func:`podman_manifest`).
+for what podman 4.3 cannot express (see :func:`podman_manifest`). Each pod has its own network
+namespace (:data:`NETWORK`). A deleted pod's container logs are kept (with podman's timestamps)
+for the measurements of ``run_job.py``.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
+import re
 import subprocess
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,13 @@ from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 
 from airflow_elastic_gpu.backends.kubernetes import to_dict
+
+NETWORK = "slirp4netns:allow_host_loopback=true"
+"""The pod's network: its own namespace (own IP; ``/etc/hosts`` names the pod, as the kubelet's
+does), and the host's loopback reachable at :data:`HOST_FROM_POD`, so that the broker API on the
+host can listen on 127.0.0.1 only."""
+HOST_FROM_POD = "10.0.2.2"
+_STAMPED = re.compile(r"(?P<time>[0-9-]+T[0-9:]+)(?:\.(?P<fraction>\d+))?(?P<zone>Z|[+-]\d\d:\d\d) (?P<line>.*)")
 
 
 def podman_env() -> dict[str, str]:
@@ -44,9 +56,6 @@ def podman_manifest(pod: dict[str, Any], secrets_dir: Path) -> dict[str, Any]:
     - A ``secret`` volume becomes a ``hostPath`` directory holding the same key file (podman 4.3
       maps secret volumes to its own secret store, not to Secret objects created through the API).
     - ``nodeName`` and ``runtimeClassName`` are dropped (one host, the default runtime).
-    - The pod's name resolves to 127.0.0.1 (``hostAliases``): the kubelet writes the pod's hostname
-      into its ``/etc/hosts``, podman with ``--network host`` does not, and ``torchrun --standalone``
-      resolves it.
     """
     pod = copy.deepcopy(pod)
     spec = pod["spec"]
@@ -61,7 +70,6 @@ def podman_manifest(pod: dict[str, Any], secrets_dir: Path) -> dict[str, Any]:
             volume["hostPath"] = {"path": str(secrets_dir / name), "type": "Directory"}
     spec.pop("nodeName", None)
     spec.pop("runtimeClassName", None)
-    spec["hostAliases"] = [{"ip": "127.0.0.1", "hostnames": [pod["metadata"]["name"]]}]
     return pod
 
 
@@ -70,11 +78,29 @@ class Listing:
         self.items = items
 
 
+def log_lines(text: str) -> list[tuple[float, str]]:
+    """``podman logs --timestamps`` output (RFC 3339 with nanoseconds) as ``(epoch seconds, line)``
+    pairs: the time podman read each line from the container."""
+    out = []
+    for raw in text.splitlines():
+        m = _STAMPED.match(raw)
+        if m:
+            zone = "+00:00" if m["zone"] == "Z" else m["zone"]
+            when = datetime.fromisoformat(f"{m['time']}.{(m['fraction'] or '0').ljust(6, '0')[:6]}{zone}")
+            out.append((when.timestamp(), m["line"]))
+    return out
+
+
 class PodmanCoreV1:
     """The ``CoreV1Api`` methods :class:`KubernetesBackend` calls, on this host's podman.
 
     :param work_dir: where Secrets (as files) and the played manifests go.
     :param run_as_user: owner of the Secret files (the pod's ``runAsUser``).
+
+    Recorded for measurements (epoch seconds): ``created_at`` (``kube play`` called),
+    ``deleted_at`` (deletion called), ``delete_s`` (seconds the deletion took: the containers'
+    SIGTERM, their grace, removal) and ``logs`` (each deleted pod's ``podman logs --timestamps``
+    text by container name).
     """
 
     def __init__(self, work_dir: Path, run_as_user: int = 1000) -> None:
@@ -83,8 +109,10 @@ class PodmanCoreV1:
         self.secrets_dir.mkdir(parents=True, exist_ok=True)
         self.run_as_user = run_as_user
         self.pods: dict[str, k8s.V1Pod] = {}
-        self.created_s: dict[str, float] = {}
-        self.deleted_s: dict[str, float] = {}
+        self.created_at: dict[str, float] = {}
+        self.deleted_at: dict[str, float] = {}
+        self.delete_s: dict[str, float] = {}
+        self.logs: dict[str, dict[str, str]] = {}
 
     # -- secrets: one directory per Secret, one file per key
     def create_namespaced_secret(self, namespace: str, body: k8s.V1Secret) -> None:
@@ -117,18 +145,40 @@ class PodmanCoreV1:
         manifest = podman_manifest(to_dict(body), self.secrets_dir)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=self.work_dir, delete=False) as f:
             yaml.safe_dump(manifest, f)
-        self.created_s[name] = time.monotonic()
-        done = podman("kube", "play", "--network", "host", f.name, check=False)
+        self.created_at[name] = time.time()
+        done = podman("kube", "play", "--network", NETWORK, f.name, check=False)
         if done.returncode != 0:
+            podman("pod", "rm", "--force", name, check=False)  # a half-played pod
             raise ApiException(status=500, reason=f"podman kube play failed: {done.stderr.strip()[-600:]}")
         self.pods[name] = copy.deepcopy(body)
 
     def delete_namespaced_pod(self, name: str, namespace: str) -> None:
-        if self.pods.pop(name, None) is None:
+        """Terminate the pod in the kubelet's order: its main containers, then its native sidecars in
+        reverse order, each with SIGTERM and what is left of the pod's
+        ``terminationGracePeriodSeconds`` before SIGKILL; then the pod's sandbox (podman's infra
+        container, which holds the network namespace). Keep the containers' logs."""
+        pod = self.pods.pop(name, None)
+        if pod is None:
             raise ApiException(status=404, reason="NotFound")
-        started = time.monotonic()
-        podman("pod", "rm", "--force", "--time", "30", name, check=False)
-        self.deleted_s[name] = time.monotonic() - started
+        grace_s = pod.spec.termination_grace_period_seconds or 30
+        sidecars = [c.name for c in pod.spec.init_containers or [] if c.restart_policy == "Always"]
+        self.deleted_at[name] = time.time()
+        deadline = time.monotonic() + grace_s
+        for container in [*(c.name for c in pod.spec.containers), *reversed(sidecars)]:
+            left_s = max(0, math.ceil(deadline - time.monotonic()))
+            podman("stop", "--time", str(left_s), f"{name}-{container}", check=False)
+        podman("pod", "stop", "--time", "0", name, check=False)
+        self.delete_s[name] = time.time() - self.deleted_at[name]
+        containers = [c.name for c in [*(pod.spec.init_containers or []), *pod.spec.containers]]
+        self.logs[name] = {c: podman("logs", "--timestamps", f"{name}-{c}", check=False).stdout for c in containers}
+        started = time.time()
+        podman("pod", "rm", "--force", name, check=False)
+        self.delete_s[name] += time.time() - started
+
+    def delete_all(self) -> None:
+        """Delete every pod still here (clean-up, also after a failure)."""
+        for name in list(self.pods):
+            self.delete_namespaced_pod(name, "default")
 
     def list_namespaced_pod(self, namespace: str, label_selector: str) -> Listing:
         key, value = label_selector.split("=", 1)
@@ -157,5 +207,9 @@ class PodmanCoreV1:
             k8s.V1ContainerStatus(name="trainer", image="", image_id="", ready=False, restart_count=0,
                                   state=k8s.V1ContainerState(terminated=terminated))])
 
-    def trainer_log(self, name: str) -> str:
-        return podman("logs", f"{name}-trainer", check=False).stdout
+    def trainer_log(self, name: str) -> list[tuple[float, str]]:
+        """The trainer container's log lines of pod ``name`` (deleted or not) with their times."""
+        text = self.logs.get(name, {}).get("trainer")
+        if text is None:
+            text = podman("logs", "--timestamps", f"{name}-trainer", check=False).stdout
+        return log_lines(text)

@@ -1,7 +1,7 @@
 """Real containers (opt-in, ``make test-containers``): the generated pod runs with podman.
 
-Needs podman, runc and the images of ``make images``; deselected by ``make test`` (marker
-``containers``). See docs/kubernetes.md, "Real containers with podman".
+Needs podman, runc, slirp4netns and the images of ``make images``; deselected by ``make test``
+(marker ``containers``). See docs/kubernetes.md, "Real containers with podman".
 """
 
 from __future__ import annotations
@@ -27,17 +27,20 @@ def images():
         pytest.fail(f"images {missing} are missing: run make images")
 
 
-@pytest.mark.xfail(reason="not passing yet: torchrun's rendezvous cannot resolve the pod's host name under "
-                          "podman kube play --network host (podman 4.3 ignores hostAliases); next step: "
-                          "mount an /etc/hosts that names it (docs/kubernetes.md)", strict=False)
 @pytest.mark.parametrize("mechanism", ["inplace", "recreate"])
 def test_a_real_job_trains_in_the_generated_pod_and_resumes_across_resizes(images, mechanism):
     from run_job import run
 
-    result = run(mechanism, total_steps=300)
+    result = run(mechanism, total_steps=600)
+    print(result.to_dict())
     assert result.status == "succeeded", result
     assert result.accuracy is not None and result.accuracy >= 0.9
     assert result.steps_done == result.total_steps
-    assert result.num_resizes >= 2 and result.generations >= 3  # 2 -> 1 -> 2 GPUs
-    expected_pods = 1 if mechanism == "inplace" else result.generations
+    assert result.num_resizes == 2 and result.generations == 3  # 2 -> 1 -> 2 GPUs
+    assert [(r.from_gpus, r.to_gpus) for r in result.resizes] == [(2, 1), (1, 2)]
+    expected_pods = 1 if mechanism == "inplace" else result.generations  # the pod stays, or one per generation
     assert result.pods_created == expected_pods
+    for resize in result.resizes:  # each trainer checkpointed on SIGTERM and the next resumed there
+        assert resize.stopped_step is not None and resize.stopped_step > 0, resize
+        assert resize.resumed_step == resize.stopped_step, resize
+        assert resize.first_step_at is not None, resize
