@@ -42,12 +42,14 @@ test-all: $(STAMP) browser
 test-slow: $(STAMP) browser
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "slow and not containers" $(XDIST) $(PYTEST_ARGS)
 
-## podman: Debian's podman, runc (crun fails on hybrid cgroups) and debootstrap (installed once, with apt-get)
+## podman: Debian's podman, runc (crun fails on hybrid cgroups), slirp4netns (the pods' network) and debootstrap (installed once, with apt-get)
+PODMAN_PACKAGES := podman runc slirp4netns debootstrap
 podman:
-	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || { \
+	@command -v podman >/dev/null && command -v runc >/dev/null && command -v slirp4netns >/dev/null && \
+	  command -v debootstrap >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get install -y -q podman runc debootstrap >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q podman runc debootstrap >/dev/null; }; }
+	  $$SUDO apt-get install -y -q $(PODMAN_PACKAGES) >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q $(PODMAN_PACKAGES) >/dev/null; }; }
 
 ## make images: build the base image (debootstrap, cached) and docker/'s agent and trainer images with podman
 images: $(STAMP) podman
@@ -69,7 +71,7 @@ demo-stop: $(STAMP)
 	$(BIN)/python -m airflow_elastic_gpu.demo --stop
 
 lint: $(STAMP)
-	$(BIN)/pip install -q ruff && $(BIN)/ruff check airflow_elastic_gpu tests examples benchmarks
+	$(BIN)/pip install -q ruff==0.17.6 && $(BIN)/ruff check airflow_elastic_gpu tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) .demo .demo-distributed .pytest_cache .hypothesis

@@ -39,6 +39,8 @@ from airflow_elastic_gpu.broker.types import (
     NotFound,
     PoolSnapshot,
 )
+from airflow_elastic_gpu.cli_simulator import add_simulator_commands
+from airflow_elastic_gpu.cli_simulator import console as simulator_console
 from airflow_elastic_gpu.config import default_broker_url, default_work_dir, get_option, mask_url
 
 console = Console()
@@ -160,6 +162,24 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _param_value(item: str, key: str, value: str) -> bool | int | float:
+    """A policy parameter from the command line: ``true``/``false``, an integer, or a number.
+
+    :raises BrokerError: anything else (the message names the parameter).
+    """
+    if value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return float(value)
+    except ValueError:
+        raise BrokerError(f"--param {item!r}: the value of {key} must be a number, true or false, "
+                          f"got {value!r}") from None
+
+
 def cmd_pool(args: argparse.Namespace) -> int:
     broker = _broker(args)
     params: dict[str, Any] = {}
@@ -167,10 +187,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             raise BrokerError(f"--param {item!r}: expected NAME=VALUE")
-        try:
-            params[key] = float(value)
-        except ValueError:
-            raise BrokerError(f"--param {item!r}: the value of {key} must be a number, got {value!r}") from None
+        params[key] = _param_value(item, key, value)
     broker.configure_pool(args.pool, policy=args.policy, policy_params=params or None,
                           lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
     console.print(f"pool {args.pool!r}: policy {broker.pool_policy(args.pool)}")
@@ -256,7 +273,8 @@ def cmd_run_local(args: argparse.Namespace) -> int:
         raise BrokerError("no command given: airflow-elastic-gpu run-local [options] -- CMD ...")
     cmd = command[0] if len(command) == 1 else shlex.join(command)
     broker = _broker(args)
-    backend = make_backend("local", broker=broker, work_dir=work_dir, virtual_gpus=args.virtual_gpus)
+    backend = make_backend("local", broker=broker, work_dir=work_dir, virtual_gpus=args.virtual_gpus,
+                           virtual_nodes=args.virtual_nodes)
     registered = backend.ensure_pool(args.pool)
     if registered:
         console.print(registered)
@@ -275,86 +293,6 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     if view.status.value != "succeeded":
         console.print(f"[red]job {view.status.value}:[/red] {view.reason}")
         return 1
-    return 0
-
-
-def cmd_workload(args: argparse.Namespace) -> int:
-    from airflow_elastic_gpu.simulator.profiles import load_profiles
-    from airflow_elastic_gpu.simulator.trace import load_trace, write_trace
-    from airflow_elastic_gpu.simulator.workload import generate_workload
-
-    jobs = generate_workload(
-        load_trace(args.trace), gpus=args.gpus, hours=args.hours, load=args.load, seed=args.seed,
-        start_hour=args.start_hour, max_gpu_hours=args.max_gpu_hours,
-        profiles=load_profiles(args.profiles, args.profile_source),
-    )
-    write_trace(args.out, jobs)
-    gpu_h = sum(j.gpu_time_s for j in jobs) / 3600
-    console.print(f"wrote {len(jobs)} jobs ({gpu_h:.1f} GPU-hours) to {args.out}")
-    return 0
-
-
-def comparison_table(summaries: list[dict[str, Any]], baseline: str = "static") -> Table:
-    """Rich table of simulation summaries, with avg-JCT and makespan ratios to ``baseline``."""
-    base = next((s for s in summaries if s["policy"] == baseline), None)
-    table = Table(
-        title="policies compared" + (f" (x: ratio to {baseline}; LB: lower bound)" if base else ""),
-    )
-    for col in ("policy", "JCT h", "p95 h", "mksp h", "queue h", "util", "resizes",
-                "JCT/LB", "JCT x", "mksp x"):
-        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
-
-    def hours(value: float) -> str:
-        return f"{value / 3600:.2f}"
-
-    for s in summaries:
-        ratio = (lambda k, s=s: f"{s[k] / base[k]:.2f}") if base else (lambda k: "-")
-        table.add_row(
-            s["policy"], hours(s["avg_jct_s"]), hours(s["p95_jct_s"]), hours(s["makespan_s"]),
-            hours(s["avg_queueing_s"]), f"{s['gpu_utilisation']:.0%}", str(s["resizes"] + s["preemptions"]),
-            f"{s['avg_jct_over_bound']:.2f}", ratio("avg_jct_s"), ratio("makespan_s"),
-        )
-    return table
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from airflow_elastic_gpu.simulator import report
-    from airflow_elastic_gpu.simulator.engine import ClusterShape, RestartOverheads, simulate
-    from airflow_elastic_gpu.simulator.profiles import load_profiles
-    from airflow_elastic_gpu.simulator.trace import load_trace
-
-    trace = load_trace(args.trace)
-    cluster = ClusterShape.parse(args.cluster)
-    profiles = load_profiles(args.profiles, args.profile_source)
-    overheads = RestartOverheads(
-        args.inplace_overhead_s if args.inplace_overhead_s is not None else RestartOverheads().inplace_s,
-        args.recreate_overhead_s if args.recreate_overhead_s is not None else RestartOverheads().recreate_s,
-    )
-    names = [p.strip() for p in args.policy.split(",") if p.strip()]
-    results = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TimeElapsedColumn(), console=console) as bar:
-        for name in names:
-            task = bar.add_task(f"{name:<12}", total=1.0)
-            results.append(simulate(
-                trace, cluster, name, profiles=profiles, overheads=overheads, mechanism=args.mechanism,
-                rebalance_interval_s=args.rebalance_interval_s, seed=args.seed,
-                progress=lambda f, task=task: bar.update(task, completed=f),
-            ))
-            bar.update(task, completed=1.0)
-    summaries = [r.summary() for r in results]
-    Console(width=max(console.width, 110)).print(comparison_table(summaries))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        for r in results:
-            report.write_jobs_csv(r, out / f"jobs_{r.policy}.csv")
-        report.write_summary(summaries, out / "summary.csv")
-        report.plot_jct_cdf(results, out / "jct_cdf.png", f"JCT CDF: {Path(args.trace).name} on {cluster}")
-        report.plot_gpus_in_use(results, out / "gpus_in_use.png", f"GPUs in use on {cluster}")
-        focus = next((r for r in results if r.policy == args.timeline_policy), results[0])
-        report.plot_allocation_timeline(focus, out / f"timeline_{focus.policy}.png")
-        console.print(f"per-job CSVs, summary.csv and plots written to {out}")
     return 0
 
 
@@ -464,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pool", help="set a pool's policy and timing")
     p.add_argument("--pool", default=DEFAULT_POOL, help=f"the pool to configure (default {DEFAULT_POOL!r})")
     p.add_argument("--policy", default=None, help="adaptive (default), static or termination")
-    p.add_argument("--param", action="append", help="policy parameter NAME=VALUE, e.g. hysteresis=2")
+    p.add_argument("--param", action="append",
+                   help="policy parameter NAME=VALUE (a number, true or false), e.g. hysteresis=2 or suspend=true")
     p.add_argument("--lease-s", type=float, default=None,
                    help="seconds without a heartbeat after which a job is lost and its GPUs reclaimed")
     p.add_argument("--rebalance-interval-s", type=float, default=None,
@@ -506,7 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="idempotency key: submitting the same key again returns the existing job")
     p.add_argument("--virtual-gpus", type=int, default=None,
                    help="size of the pool of virtual GPUs made when this host has no NVIDIA GPU "
-                        "and the pool no node (default $AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS, else 4)")
+                        "and the pool no node (default $AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS, else 4), per node")
+    p.add_argument("--virtual-nodes", type=int, default=1,
+                   help="split the virtual GPUs into this many nodes of --virtual-gpus each; a job larger "
+                        "than a node then runs on several, one launcher per node (its command uses "
+                        "{nnodes} {node_rank} {master_addr} {master_port})")
     p.add_argument("--work-dir", default=None,
                    help="parent of the job directories (default: $AIRFLOW_ELASTIC_GPU_WORK_DIR, else "
                         "elastic_gpu_jobs in $AIRFLOW_HOME or ~/airflow)")
@@ -530,55 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "$AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES or 16384)")
     p.set_defaults(fn=cmd_broker)
 
-    from airflow_elastic_gpu.simulator.engine import RestartOverheads
-    from airflow_elastic_gpu.simulator.profiles import DEFAULT_SOURCE
-
-    overheads = RestartOverheads()
-
-    p = sub.add_parser("workload", help="cut a paper-scale workload from a raw job trace")
-    p.add_argument("--trace", required=True, help="trace CSV (job_id, submit_time_s, num_gpus, duration_s)")
-    p.add_argument("--gpus", type=int, default=16, help="cluster size; larger jobs are dropped")
-    p.add_argument("--hours", type=float, default=8.0, help="arrival window length")
-    p.add_argument("--load", type=float, default=1.0, help="GPU-time offered, as a multiple of gpus x hours")
-    p.add_argument("--seed", type=int, default=0, help="seeds the choice of jobs and models (default 0)")
-    p.add_argument("--start-hour", type=float, default=0.0, help="window start, hour of the trace's day")
-    p.add_argument("--max-gpu-hours", type=float, default=None, help="largest job kept (default gpus*hours/8)")
-    p.add_argument("--profiles", default=None, help="throughput profile CSV (default: bundled)")
-    p.add_argument("--profile-source", default=DEFAULT_SOURCE,
-                   help=f"which measurements of the profile CSV to use (default {DEFAULT_SOURCE!r})")
-    p.add_argument("--out", required=True, help="output trace CSV")
-    p.set_defaults(fn=cmd_workload)
-
-    p = sub.add_parser("simulate", help="replay a trace under several policies and compare them")
-    p.add_argument("--trace", required=True,
-                   help="workload CSV (job_id, submit_time_s, num_gpus, duration_s[, model]), e.g. from workload")
-    p.add_argument("--cluster", default="4x4", help="NODESxGPUS_PER_NODE (default 4x4)")
-    p.add_argument("--policy", default="adaptive,static",
-                   help="comma-separated: adaptive, static, termination, tiresias, optimus, afs_l")
-    p.add_argument("--seed", type=int, default=0, help="seeds the model draw for jobs without one")
-    p.add_argument("--out", default=None, help="directory for per-job CSVs, summary.csv and PNG plots")
-    p.add_argument("--mechanism", choices=["inplace", "recreate"], default=None,
-                   help="force one resize mechanism for every policy (default: each policy's own)")
-    p.add_argument("--inplace-overhead-s", type=float, default=None,
-                   help="seconds a resize costs a job restarted in place, in its pod "
-                        f"(default {overheads.inplace_s:g})")
-    p.add_argument("--recreate-overhead-s", type=float, default=None,
-                   help="seconds a resize costs a job whose pod is re-created "
-                        f"(default {overheads.recreate_s:g})")
-    p.add_argument("--rebalance-interval-s", type=float, default=60.0,
-                   help="seconds between two scheduling decisions besides those on arrivals and ends "
-                        "(default 60)")
-    p.add_argument("--profiles", default=None, help="throughput profile CSV (default: bundled)")
-    p.add_argument("--profile-source", default=DEFAULT_SOURCE,
-                   help=f"which measurements of the profile CSV to use (default {DEFAULT_SOURCE!r})")
-    p.add_argument("--timeline-policy", default="adaptive", help="policy whose per-job timeline is plotted")
-    p.set_defaults(fn=cmd_simulate)
+    add_simulator_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _full_width_unless_terminal(console, notes)
+    _full_width_unless_terminal(console, notes, simulator_console)
     try:
         return args.fn(args)
     except (BrokerError, BackendError, ValueError) as exc:

@@ -125,17 +125,35 @@ def airflow(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess
                           capture_output=True, text=True, timeout=timeout)
 
 
+def session_members(sid: int) -> list[int]:
+    """Pids of the live processes in session ``sid`` (Linux ``/proc``; zombies left out; empty elsewhere)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # after the command: state, ppid, pgrp, session
+            out.append(int(stat.parent.name))
+    return out
+
+
 def stop() -> None:
+    """Stop the demo's ``airflow standalone`` and everything it started: it runs in a session of its
+    own, and some of its children (the scheduler's log server and executor workers) move to process
+    groups of their own, so every process of the session is signalled, not only its group."""
     if PID_FILE.exists():
         pid = int(PID_FILE.read_text())
-        try:
-            os.killpg(pid, signal.SIGTERM)
-            for _ in range(30):
-                os.killpg(pid, 0)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for member in session_members(pid) or [pid]:
+                try:
+                    os.kill(member, sig)
+                except ProcessLookupError:
+                    pass
+            for _ in range(30 if sig == signal.SIGTERM else 4):
+                if not session_members(pid):
+                    break
                 time.sleep(0.5)
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         PID_FILE.unlink(missing_ok=True)
         console.print("stopped the demo's Airflow")
 

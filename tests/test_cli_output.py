@@ -63,3 +63,14 @@ def test_tables_written_to_a_pipe_are_not_cut_to_80_columns(tmp_path):
     assert len(rows) == 1, out.stdout  # the name on one line, whole
     assert "0/1,000,000" in rows[0] and len(rows[0]) > 80
     assert "job files in" in out.stderr  # where it reads and writes, on stderr
+
+
+def test_pool_params_from_the_command_line_keep_their_types(tmp_path, monkeypatch, capsys):
+    from airflow_elastic_gpu.cli import main
+
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", f"sqlite:///{tmp_path / 'b.db'}")
+    assert main(["nodes", "add", "n1", "--gpus", "2"]) == 0
+    assert main(["pool", "--param", "suspend=true", "--param", "max_suspensions_per_hour=3",
+                 "--param", "hysteresis=1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "suspend=True" in out and "max_suspensions_per_hour=3," in out and "hysteresis=1.5" in out
