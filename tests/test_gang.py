@@ -174,6 +174,23 @@ def test_gang_plan_ranks_nodes_and_suspends_the_unused_one(tmp_path):
 
 
 
+def test_a_gang_runs_a_shrink_only_once_the_dropped_node_has_stopped_its_trainer(tmp_path):
+    """A shrink from two nodes to one: the broker frees the dropped node's GPUs on the ack, so the
+    gang must not report the generation running while that node's old trainer still runs (a real
+    DDP run found a newcomer started on GPUs whose old trainer was still checkpointing)."""
+    dirs = {n: tmp_path / n for n in ("localhost-0", "localhost-1")}
+    for d in dirs.values():
+        d.mkdir()
+    gang = Gang(dirs)
+    gang.publish(3, [("localhost-0", 0), ("localhost-0", 1)])
+    protocol.write_json(dirs["localhost-0"] / protocol.STATUS, {"state": "running", "generation": 3, "pid": 11})
+    for old in ({"state": "running", "generation": 2, "pid": 12}, {"state": "stopping", "generation": 2, "pid": 12},
+                {"state": "starting", "generation": 0}):
+        protocol.write_json(dirs["localhost-1"] / protocol.STATUS, old)
+        assert gang.status(3)["state"] == "starting", old
+    protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "suspended", "generation": 3})
+    assert gang.status(3)["state"] == "running"
+
 def test_a_gang_shrinks_to_one_node_for_a_newcomer_and_grows_back_to_two(tmp_path):
     broker, backend = gang_setup(tmp_path, grace_s=5)
     trainer = tmp_path / "gang_trainer.py"

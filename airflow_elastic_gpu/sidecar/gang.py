@@ -142,8 +142,9 @@ class Gang:
         ``state`` is ``exited`` with the first non-zero exit code of any node (``node`` names it),
         or with 0 once every node of the generation has exited 0; ``stopped`` if a launcher was
         stopped from outside; ``fenced`` if a node of the generation is fenced; ``running`` once
-        every node of the generation runs it; else ``starting``. ``pid`` and ``workers``: every
-        node's trainer processes (to kill orphans).
+        every node of the generation runs it **and** every other node is suspended on it (its
+        previous trainer stopped: the broker frees that node's GPUs on the ack); else ``starting``.
+        ``pid`` and ``workers``: every node's trainer processes (to kill orphans).
         """
         statuses = self.statuses()
         using = [n for n, d in self.dirs.items() if (protocol.read_json(d / protocol.DESIRED) or {}).get("gpus")]
@@ -161,7 +162,12 @@ class Gang:
             return {**base, "state": protocol.EXITED, "exit_code": 0}
         if any(s.get("state") == protocol.FENCED for s in of_gen):
             return {**base, "state": protocol.FENCED}
-        if of_gen and all(s.get("state") == protocol.RUNNING and int(s.get("generation", 0)) == generation
-                          for s in of_gen):
+        # a node the generation no longer uses may still run the previous generation's trainer on
+        # GPUs the broker frees on the ack: the gang runs the generation only once those stopped too
+        dropped = [statuses[n] for n in self.dirs if n not in using]
+        if (of_gen and all(s.get("state") == protocol.RUNNING and int(s.get("generation", 0)) == generation
+                           for s in of_gen)
+                and all(s.get("state") == protocol.SUSPENDED and int(s.get("generation", 0)) >= generation
+                        for s in dropped)):
             return {**base, "state": protocol.RUNNING}
         return {**base, "state": protocol.STARTING}
