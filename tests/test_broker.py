@@ -301,3 +301,31 @@ def test_a_submit_redone_after_its_commit_went_through_still_returns_the_token(p
     other = pool.submit(spec("redo"))
     assert other.id == first.id and other.token is None
     assert pool.verify_token(first.id, "the-same-token")
+
+
+@pytest.mark.parametrize("last_run_steps_per_s, first", [(1000.0, "nightly"), (1.0, "other")])
+def test_a_scheduled_retraining_is_ranked_by_its_last_runs_measured_throughput(pool, clock,
+                                                                              last_run_steps_per_s, first):
+    """Two waiting jobs: one of 100,000 steps named like a finished job, one of 50,000 steps. The
+    pool's median throughput (10 steps/s) would rank the shorter one first; the finished run of
+    the same name says how fast a step of that training is."""
+    def whole_pool(name, key, steps):
+        return JobSpec(name=name, command="python train.py", key=key, min_gpus=4, max_gpus=4, total_steps=steps)
+
+    last = pool.submit(whole_pool("nightly.train", "run-1", 10_000))
+    pool.ack(last.id, 1)
+    pool.progress(last.id, 0, generation=1)
+    clock.advance(10)
+    pool.progress(last.id, 10 * last_run_steps_per_s, generation=1)
+    pool.finish(last.id)
+    hog = pool.submit(whole_pool("hog", "hog", 1_000_000))
+    pool.ack(hog.id, 1)
+    pool.progress(hog.id, 0, generation=1)
+    clock.advance(10)
+    pool.progress(hog.id, 100, generation=1)
+    jobs = {"other": pool.submit(whole_pool("other", "other", 50_000)),
+            "nightly": pool.submit(whole_pool("nightly.train", "run-2", 100_000))}
+    assert all(not pool.job(j.id).target_gpus for j in jobs.values())
+    pool.finish(hog.id)
+    started = {name for name, j in jobs.items() if pool.job(j.id).target_gpus}
+    assert started == {first}

@@ -52,3 +52,24 @@ def test_bad_prior_is_rejected():
     with pytest.raises(ValueError, match="num_gpus"):
         ThroughputModel().steps_per_s(0)
     assert math.isfinite(ThroughputModel().steps_per_s(1000))
+
+
+def test_a_job_not_yet_measured_gets_its_familys_prior_then_the_pools():
+    from airflow_elastic_gpu.scheduling.throughput import with_pool_prior
+
+    fast, slow = ThroughputModel().with_sample(1, 1000.0), ThroughputModel().with_sample(1, 2.0)
+    models = {"a": fast, "b": slow, "c": ThroughputModel().with_sample(1, 3.0),
+              "new-ncf": ThroughputModel(), "new-bert": ThroughputModel(), "new-other": ThroughputModel(),
+              "new-rerun": ThroughputModel()}
+    families = {"a": "ncf", "b": "bert", "c": "bert", "new-ncf": "ncf", "new-bert": "bert", "new-rerun": "nightly"}
+    out = with_pool_prior(models, families, {"nightly": 40.0, "ncf": 1.0})
+    assert out["a"] is fast and out["b"] is slow  # measured jobs keep their own model
+    assert out["new-ncf"].steps_per_s(1) == pytest.approx(1000.0)  # a measured unfinished one beats history
+    assert out["new-bert"].steps_per_s(1) == pytest.approx(3.0)  # the family's median (upper of two)
+    assert out["new-rerun"].steps_per_s(1) == pytest.approx(40.0)  # only history knows the family
+    assert out["new-other"].steps_per_s(1) == pytest.approx(3.0)  # no family: the pool's median
+    # no family: the pool median, as before; no measured job and no history: unchanged
+    assert with_pool_prior(models)["new-ncf"].steps_per_s(1) == pytest.approx(3.0)
+    empty = {"x": ThroughputModel()}
+    assert with_pool_prior(empty, {"x": "f"}) == empty
+    assert with_pool_prior(empty, {"x": "f"}, {"f": 7.0})["x"].steps_per_s(1) == pytest.approx(7.0)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,6 +46,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    literal_column,
     select,
     union_all,
     update,
@@ -73,12 +74,13 @@ from airflow_elastic_gpu.broker.rows import (
     job_gpus,
     read_pool,
     request_rebalance,
+    throughput_of,
     try_lock_pool,
     update_job,
 )
 from airflow_elastic_gpu.broker.transactions import BrokerBase, transient_kind
 from airflow_elastic_gpu.broker.types import DEFAULT_POOL, NotFound
-from airflow_elastic_gpu.scheduling.core import SchedulingCore, account_gpu_time
+from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore, account_gpu_time
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
 from airflow_elastic_gpu.states import ACTIVE, EventKind, JobStatus
@@ -89,6 +91,31 @@ log = logging.getLogger(__name__)
 _SERVED = delete(RebalanceRequest).where(RebalanceRequest.pool == bindparam("pool"))
 _ACTIVE_JOBS = (select(*BOOK_COLUMNS).where(Job.pool == bindparam("pool"), UNFINISHED)
                 .order_by(Job.submit_s, Job.id))
+_FAMILY_HISTORY = (
+    select(Job.name, Job.throughput)
+    .where(Job.pool == bindparam("pool"), Job.name.in_(bindparam("names", expanding=True)),
+           Job.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"), Job.throughput.is_not(None))
+    .order_by(Job.end_s)
+)
+
+
+def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str, float]:
+    """Name -> single-GPU steps/s of the latest finished job of that name in ``pool``, for the
+    names of jobs not yet measured that no measured unfinished job shares (the prior of a
+    scheduled retraining's next run: :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`).
+    One indexed query (``ix_job_pool_name``), none when every such name has a measured job."""
+    measured = {b.family for b in books if b.throughput.observed}
+    names = sorted({b.family for b in books if not b.throughput.observed and b.family is not None} - measured)
+    if not names:
+        return {}
+    out: dict[str, float] = {}
+    for row in s.execute(_FAMILY_HISTORY, {"pool": pool, "names": names}):
+        model = throughput_of(row)
+        if model.observed:
+            out[row.name] = model.steps_per_s(1)  # ordered by end time: the latest wins
+    return out
+
+
 _POOL_GPUS = (
     select(Node.name, Node.schedulable, Gpu.id, Gpu.index, Gpu.gpu_type, Gpu.healthy)
     .join(Gpu, Gpu.node_id == Node.id).where(Node.pool == bindparam("pool")).order_by(Node.name, Gpu.index)
@@ -302,7 +329,7 @@ class Rebalancing(BrokerBase):
             held[kind][job_id].append(gpu_by_id[gpu_id])
         books = [book_of(j, held["target"][j.id], held["in_use"][j.id]) for j in jobs]
         publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
-            nodes, books, now)
+            nodes, books, now, family_history(s, pool, books))
         locked = self._locked_active(s, [p.job_id for p in publications])
         # A job that acked while we decided now runs on GPUs the decision may have given away (a
         # GPU only in its old target is free to go in the same round): decide again next time.

@@ -52,7 +52,7 @@ JOB_COLUMNS = tuple(Job.__table__.columns)
 """Every column of the job table, for ``select(*JOB_COLUMNS)`` (rows with the ORM's attribute names)."""
 
 BOOK_COLUMNS = (
-    Job.id, Job.pool, Job.status, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus,
+    Job.id, Job.pool, Job.name, Job.status, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus,
     Job.priority, Job.throughput, Job.last_heartbeat_s, Job.preemptible, Job.suspensions,
     *(getattr(Job, name) for name in BOOK_FIELDS),
 )
@@ -93,6 +93,7 @@ def book_of(job: Job | Row[Any], target: Iterable[GpuId] = (), in_use: Iterable[
         preemptible=bool(job.preemptible), last_start_s=job.last_start_s,
         suspensions_s=tuple(float(t) for t in job.suspensions or ()),
         throughput_by_type=_by_type_of(job), relative_speed=(job.throughput or {}).get("relative_speed", {}),
+        family=job.name,
     )
 
 

@@ -90,6 +90,7 @@ class JobBook:
         return self.target_generation > 0 and not self.target and bool(self.suspensions_s)
     throughput_by_type: dict[str, ThroughputModel] = field(default_factory=dict)
     relative_speed: Mapping[str, float] = field(default_factory=dict)
+    family: str | None = None
 
     def attained_gpu_s(self, now_s: float) -> float:
         """GPU-seconds the job has held up to ``now_s`` (Tiresias' attained service)."""
@@ -236,16 +237,21 @@ class SchedulingCore:
         self.policy = policy
         self.default_restart_overhead_s = default_restart_overhead_s
 
-    def cluster_state(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float) -> ClusterState:
-        """The policy's input: every job's state, unmeasured jobs with the pool-median prior."""
-        models = with_pool_prior({b.job_id: b.throughput for b in books})
+    def cluster_state(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float,
+                      history: Mapping[str, float] | None = None) -> ClusterState:
+        """The policy's input: every job's state, unmeasured jobs with their family's or the
+        pool-median prior (:func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`;
+        ``history``: family -> single-GPU steps/s of its last finished job)."""
+        models = with_pool_prior({b.job_id: b.throughput for b in books},
+                                 {b.job_id: b.family for b in books}, history)
         return ClusterState(
             tuple(nodes),
             tuple(b.job_state(now_s, self.default_restart_overhead_s, models[b.job_id]) for b in books),
             now_s,
         )
 
-    def rebalance(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float) -> list[Publication]:
+    def rebalance(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float,
+                  history: Mapping[str, float] | None = None) -> list[Publication]:
         """Decide new targets and publish what the two-phase protocol allows now.
 
         A published job's book gets its new target and generation (``published_s`` and, for a
@@ -257,11 +263,13 @@ class SchedulingCore:
 
         :param nodes: the pool's schedulable nodes (healthy GPUs only).
         :param books: the pool's unfinished jobs, in the order ties are served (submit time, id).
+        :param history: family -> single-GPU steps/s measured on its last finished job (the prior
+            of its jobs not yet measured).
         :returns: the publications, in publishing order (shrinks first).
         """
         if not books:
             return []
-        decision = self.policy.decide(self.cluster_state(nodes, books, now_s))
+        decision = self.policy.decide(self.cluster_state(nodes, books, now_s, history))
         by_id = {b.job_id: b for b in books}
         out = []
         for job_id, new in publishable(

@@ -14,7 +14,7 @@ not starved of GPUs it may well use.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -150,23 +150,48 @@ RESTART_OVERHEAD_EMA = 0.5
 """Weight of a new measurement in a job's moving average of restart overhead."""
 
 
-def with_pool_prior(models: dict[str, ThroughputModel]) -> dict[str, ThroughputModel]:
-    """Give every job not yet measured the single-GPU throughput of the pool's median measured job.
+def with_pool_prior(
+    models: dict[str, ThroughputModel],
+    families: Mapping[str, str | None] | None = None,
+    history: Mapping[str, float] | None = None,
+) -> dict[str, ThroughputModel]:
+    """Give every job not yet measured a single-GPU throughput prior: its family's, else the pool's.
 
-    A new job is assumed as fast as a typical one until its own samples
-    arrive; with no measured job at all, the models are returned unchanged.
+    A job's **family** is the training it repeats (the broker: the job's name, e.g. ``dag.task``
+    of a scheduled retraining; the simulator: the trace job's model). A job not yet measured is
+    assumed as fast as its family's median measured job (the unfinished ones of the pool, else
+    ``history``: the family's last measured throughput of a finished job), and otherwise as fast
+    as the pool's median measured job. The prior matters most for waiting jobs: the policy ranks
+    them by predicted remaining time (steps / throughput) before they have run, and steps of
+    different trainings differ by orders of magnitude (an NCF step is not a BERT step).
+    With no measured job and no history, the models are returned unchanged.
 
     :param models: job id -> model; not modified.
+    :param families: job id -> family (``None``: none); default no families.
+    :param history: family -> single-GPU steps/s measured on a finished job of it (> 0).
     :returns: job id -> model (measured ones are the same objects).
     """
+    families = families or {}
     known_t1 = sorted(m.steps_per_s(1) for m in models.values() if m.observed)
-    if not known_t1:
+    by_family: dict[str, list[float]] = {}
+    for k, m in models.items():
+        family = families.get(k)
+        if family is not None and m.observed:
+            by_family.setdefault(family, []).append(m.steps_per_s(1))
+    if not known_t1 and not history:
         return dict(models)
-    prior = known_t1[len(known_t1) // 2]
-    return {
-        k: m if m.observed else ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=prior)
-        for k, m in models.items()
-    }
+    pool = known_t1[len(known_t1) // 2] if known_t1 else None
+
+    def prior(job_id: str, m: ThroughputModel) -> ThroughputModel:
+        family = families.get(job_id)
+        seen = sorted(by_family.get(family, ())) if family is not None else []
+        t1 = seen[len(seen) // 2] if seen else (history or {}).get(family) if family is not None else None
+        t1 = t1 if t1 is not None and t1 > 0 else pool
+        if t1 is None:
+            return m
+        return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=t1)
+
+    return {k: m if m.observed else prior(k, m) for k, m in models.items()}
 
 
 def update_restart_overhead(current_s: float | None, measured_s: float) -> float:

@@ -307,7 +307,7 @@ def simulate(
             j = pending.pop()
             j.sid = sched.submit(j.record.job_id, j.min_gpus, j.max_gpus, j.record.requested_gpus,
                                  max(1, math.ceil(j.work)), now, preemptible,
-                                 getattr(j.profile, "relative_speed", None))
+                                 getattr(j.profile, "relative_speed", None), j.record.model)
             active[j.sid] = j
         # 5. the periodic report and rebalance
         if active and now >= next_tick:

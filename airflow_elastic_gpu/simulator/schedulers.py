@@ -34,7 +34,7 @@ class Scheduler(Protocol):
 
     def submit(self, job_id: str, min_gpus: int, max_gpus: int, requested_gpus: int,
                total_steps: int, now: float, preemptible: bool = False,
-               relative_speed: Mapping[str, float] | None = None) -> str: ...
+               relative_speed: Mapping[str, float] | None = None, family: str | None = None) -> str: ...
     def current(self, sid: str) -> tuple[int, tuple[GpuId, ...]]: ...
     def progress(self, sid: str, step: float, generation: int, now: float) -> None: ...
     def ack(self, sid: str, generation: int, now: float) -> None: ...
@@ -82,6 +82,7 @@ class PolicyScheduler:
         self.nodes = tuple(nodes)
         self._node_types = {n.name: n.gpu_type for n in self.nodes}
         self.jobs: dict[str, JobBook] = {}
+        self.history: dict[str, float] = {}  # family -> single-GPU steps/s of its last finished job
         self._last_sample: dict[str, tuple[int, float, float]] = {}  # job -> (generation, time_s, step)
         # re-queued job -> (its resize's publish time, its own min, max and requested GPUs)
         self._requeued: dict[str, tuple[float | None, int, int, int | None]] = {}
@@ -96,9 +97,10 @@ class PolicyScheduler:
 
     def submit(self, job_id: str, min_gpus: int, max_gpus: int, requested_gpus: int,
                total_steps: int, now: float, preemptible: bool = False,
-               relative_speed: Mapping[str, float] | None = None) -> str:
+               relative_speed: Mapping[str, float] | None = None, family: str | None = None) -> str:
         self.jobs[job_id] = JobBook(job_id, min_gpus, max_gpus, total_steps, now, requested_gpus=requested_gpus,
-                                    preemptible=preemptible, relative_speed=dict(relative_speed or {}))
+                                    preemptible=preemptible, relative_speed=dict(relative_speed or {}),
+                                    family=family)
         self.rebalance(now)
         return job_id
 
@@ -122,7 +124,10 @@ class PolicyScheduler:
             self.rebalance(now)
 
     def finish(self, sid: str, now: float) -> None:
-        if self.jobs.pop(sid, None) is not None:
+        book = self.jobs.pop(sid, None)
+        if book is not None:
+            if book.family is not None and book.throughput.observed:
+                self.history[book.family] = book.throughput.steps_per_s(1)
             self._last_sample.pop(sid, None)
             self._requeued.pop(sid, None)
             self.rebalance(now)
@@ -155,7 +160,7 @@ class PolicyScheduler:
 
     def rebalance(self, now: float) -> None:
         books = sorted(self.jobs.values(), key=lambda b: (b.submit_s, b.job_id))
-        for pub in self.core.rebalance(self.nodes, books, now):
+        for pub in self.core.rebalance(self.nodes, books, now, self.history):
             if pub.job_id in self._requeued and pub.gpus:
                 book = self.jobs[pub.job_id]
                 book.published_s, book.min_gpus, book.max_gpus, book.requested_gpus = self._requeued.pop(
@@ -197,12 +202,12 @@ class BrokerScheduler:
 
     def submit(self, job_id: str, min_gpus: int, max_gpus: int, requested_gpus: int,
                total_steps: int, now: float, preemptible: bool = False,
-               relative_speed: Mapping[str, float] | None = None) -> str:
+               relative_speed: Mapping[str, float] | None = None, family: str | None = None) -> str:
         from airflow_elastic_gpu.broker.types import JobSpec
 
         self.now = now
         view = self.broker.submit(JobSpec(
-            name=job_id, command="simulated", min_gpus=min_gpus, max_gpus=max_gpus,
+            name=family or job_id, command="simulated", min_gpus=min_gpus, max_gpus=max_gpus,
             requested_gpus=requested_gpus, total_steps=total_steps, key=job_id, backend="simulated",
             preemptible=preemptible, relative_speed=relative_speed,
         ))
