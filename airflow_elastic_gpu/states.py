@@ -60,6 +60,7 @@ class EventKind(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     LOST = "lost"
+    RELEASE = "release"  # an ended job's held GPUs freed (a cancelled job's trainer stopped)
 
     @classmethod
     def ended(cls, status: JobStatus) -> EventKind:

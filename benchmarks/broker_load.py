@@ -75,7 +75,14 @@ CHECKS = {
     "ended job holds a GPU": (
         "SELECT count(*) FROM (SELECT job_id FROM gpu_in_use UNION ALL SELECT job_id FROM gpu_target) h "
         "JOIN job j ON j.id = h.job_id "
-        "WHERE j.pool = :pool AND j.status IN ('succeeded','failed','cancelled','lost')"),
+        "WHERE j.pool = :pool AND j.status IN ('succeeded','failed','lost')"),
+    # a cancelled job holds its GPUs until its trainer stopped (its agent's report), or a lease
+    # without heartbeat (freed by the next rebalance after it)
+    "cancelled job holds a GPU past its lease": (
+        "SELECT count(*) FROM (SELECT job_id FROM gpu_in_use UNION ALL SELECT job_id FROM gpu_target) h "
+        "JOIN job j ON j.id = h.job_id JOIN gpu_pool p ON p.name = j.pool "
+        "WHERE j.pool = :pool AND j.status = 'cancelled' "
+        "AND :now - j.last_heartbeat_s > p.lease_s + p.rebalance_interval_s + 5"),
     "running job below its minimum": (
         "SELECT count(*) FROM job j WHERE j.pool = :pool AND j.status = 'running' AND j.acked_generation >= 1 AND "
         "(SELECT count(*) FROM gpu_in_use u WHERE u.job_id = j.id) < j.min_gpus"),
@@ -90,7 +97,9 @@ def check(engine, pool: str) -> dict[str, int]:
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
             conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
-        return {name: int(conn.execute(text(sql), {"pool": pool}).scalar() or 0) for name, sql in CHECKS.items()}
+        now = time.time()
+        return {name: int(conn.execute(text(sql), {"pool": pool, "now": now}).scalar() or 0)
+                for name, sql in CHECKS.items()}
 
 
 def _client(n: int, url: str, pool: str, seed: int, remaining: Any, results: Any, compiled: Any) -> None:
@@ -142,8 +151,9 @@ def _client(n: int, url: str, pool: str, seed: int, remaining: Any, results: Any
                 elif op == "fail":
                     broker.fail(job_id, "load test failure")
                     mine.remove(job_id)
-                elif op == "cancel":
+                elif op == "cancel":  # and, as the job's agent would once the trainer stopped, its report
                     broker.cancel(job_id, "load test cancel")
+                    broker.fail(job_id, "the trainer stopped")
                     mine.remove(job_id)
         except BrokerError as exc:  # e.g. a job too large for the pool: counted, not fatal
             errors[f"{op}: {type(exc).__name__}"] += 1

@@ -329,3 +329,45 @@ def test_a_scheduled_retraining_is_ranked_by_its_last_runs_measured_throughput(p
     pool.finish(hog.id)
     started = {name for name, j in jobs.items() if pool.job(j.id).target_gpus}
     assert started == {first}
+
+
+def test_a_cancelled_job_s_gpus_go_to_nobody_until_its_trainer_has_stopped(pool, clock):
+    """Cancel ends the job at once, but its trainer stops only after the agent's next heartbeat
+    and the grace period: its GPUs wait for the agent's report (or for the lease)."""
+    pool.configure_pool(lease_s=30)
+    a = pool.submit(spec("a", min_gpus=4))
+    pool.ack(a.id, 1)
+    waiting = pool.submit(spec("waiting", min_gpus=4))
+    cancelled = pool.cancel(a.id)
+    assert cancelled.status is JobStatus.CANCELLED and len(cancelled.in_use_gpus) == 4
+    pool.rebalance()
+    assert pool.job(waiting.id).target_gpus == ()
+    assert pool.heartbeat(a.id).status is JobStatus.CANCELLED  # the agent is told to stop
+    clock.advance(5)
+    pool.fail(a.id, "the trainer stopped")  # its report once the trainer is gone
+    after = pool.job(a.id)
+    assert after.status is JobStatus.CANCELLED and after.in_use_gpus == () and after.reason == "cancelled by user"
+    assert len(pool.job(waiting.id).target_gpus) == 4
+    (release,) = [e for e in pool.events(job_id=a.id) if e.kind == "release"]
+    assert "its trainer stopped" in release.message and len(release.data["gpus"]) == 4
+
+
+def test_a_cancelled_job_whose_agent_is_silent_frees_its_gpus_after_the_lease(pool, clock):
+    pool.configure_pool(lease_s=30)
+    a = pool.submit(spec("a", min_gpus=4))
+    pool.ack(a.id, 1)
+    pool.heartbeat(a.id)
+    waiting = pool.submit(spec("waiting", min_gpus=4))
+    pool.cancel(a.id)
+    clock.advance(29)
+    pool.heartbeat(a.id)  # a heartbeat of the ended job does not extend its hold
+    pool.heartbeat(waiting.id)
+    pool.rebalance()
+    assert pool.job(waiting.id).target_gpus == ()
+    clock.advance(2)
+    pool.rebalance()
+    assert len(pool.job(waiting.id).target_gpus) == 4 and pool.job(a.id).in_use_gpus == ()
+    (release,) = [e for e in pool.events(job_id=a.id) if e.kind == "release"]
+    assert "no heartbeat" in release.message
+    pool.cancel(a.id)  # idempotent, holds nothing again
+    assert pool.job(a.id).status is JobStatus.CANCELLED

@@ -40,13 +40,18 @@ def test_the_checker_sees_a_planted_violation(tmp_path):
     with broker.engine.begin() as conn:  # bypass the broker: end job a but leave it holding its GPU
         gpu = conn.execute(text("SELECT gpu_id FROM gpu_target WHERE job_id = :a"), {"a": a.id}).scalar_one()
         conn.execute(text("DELETE FROM gpu_target WHERE job_id = :a"), {"a": a.id})
-        conn.execute(text("UPDATE job SET status = 'cancelled' WHERE id = :a"), {"a": a.id})
+        conn.execute(text("UPDATE job SET status = 'failed' WHERE id = :a"), {"a": a.id})
         conn.execute(text("INSERT INTO gpu_in_use (gpu_id, job_id, generation) VALUES (:g, :a, 1)"),
                      {"g": gpu, "a": a.id})
     found = check(broker.engine, "default")
     assert found["ended job holds a GPU"] == 1
     assert found["gpu in two jobs' in-use sets"] == 0
     assert broker.job(b.id).in_use_gpus == ()
+    with broker.engine.begin() as conn:  # a cancelled job may hold it while its trainer stops, not a lease later
+        conn.execute(text("UPDATE job SET status = 'cancelled', last_heartbeat_s = last_heartbeat_s - 1000 "
+                          "WHERE id = :a"), {"a": a.id})
+    found = check(broker.engine, "default")
+    assert found["ended job holds a GPU"] == 0 and found["cancelled job holds a GPU past its lease"] == 1
 
 
 @pytest.mark.skipif(not private_postgres.available(), reason="initdb/pg_ctl (PostgreSQL server) not installed")

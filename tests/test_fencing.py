@@ -466,3 +466,47 @@ def test_local_backend_refuses_a_fence_longer_than_the_pool_s_lease(one_gpu, tra
     with pytest.raises(BackendError, match="fence_s: fence_s=5 leaves no time"):
         backend.start(job)
     assert backend.handle(job.id) is None  # nothing was started
+
+
+SLOW_STOPPING_TRAINER = """
+import json, signal, sys, time
+marker = sys.argv[1]
+def stop(*_):
+    time.sleep(1.5)  # a checkpoint that takes a while
+    with open(marker, "w") as f:
+        f.write(repr(time.time()))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+step = 0
+while True:
+    print(json.dumps({"step": step}), flush=True)
+    step += 1
+    time.sleep(0.1)
+"""
+
+
+def test_a_cancelled_job_s_gpu_goes_to_the_next_job_only_once_its_trainer_has_stopped(one_gpu, tmp_path):
+    """Cancel ends the job at once; its trainer still checkpoints for 1.5 s after the agent's next
+    heartbeat. A broker rebalancing every 50 ms must not hand the GPU to the waiting job before
+    the trainer is gone: the agent's report of the stop frees it (well before the lease)."""
+    broker, backend, started = one_gpu
+    broker.configure_pool(lease_s=10.0)
+    script, marker = tmp_path / "slow_stop.py", tmp_path / "stopped_at"
+    script.write_text(SLOW_STOPPING_TRAINER)
+    job = broker.submit(JobSpec("cancelled", f"{sys.executable} {script} {marker}", 1, 1, total_steps=10**6))
+    broker.start(job.id, backend.start(job))
+    started.append(job.id)
+    wait_for(lambda: broker.job(job.id).acked_generation == 1, 30, "the job to run")
+    waiting = broker.submit(JobSpec("next", "sleep 1000", 1, 1, total_steps=10))
+    with EagerReaper(broker, waiting.id):
+        cancelled_s = broker.cancel(job.id).end_s
+        assert broker.job(job.id).in_use_gpus == (GpuId("localhost", 0),)  # held while it stops
+        wait_for(lambda: broker.job(waiting.id).target_gpus, 20, "the GPU to be handed to the next job")
+    stopped_s = float(marker.read_text())
+    (release,) = [e for e in broker.events(job_id=job.id) if e.kind == "release"]
+    (handed,) = [e for e in broker.events(job_id=waiting.id) if e.kind == "start"]
+    assert cancelled_s + 1.5 < stopped_s <= release.time_s <= handed.time_s < cancelled_s + 10.0, (
+        cancelled_s, stopped_s, release.time_s, handed.time_s)
+    assert "its trainer stopped" in release.message, release.message
+    assert broker.job(job.id).status is JobStatus.CANCELLED and broker.job(job.id).in_use_gpus == ()
+    broker.cancel(waiting.id)

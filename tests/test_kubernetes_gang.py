@@ -138,6 +138,8 @@ def test_a_gang_is_created_resized_in_place_and_cleaned_up_together(cluster):
     assert sorted(pods_by_node(api)) == kept
     assert backend.problem(broker.job(job.id)) is None
     broker.cancel(other.id)
+    assert broker.target(job.id).generation == 2  # its GPUs are held until its pod's agent reports the stop
+    broker.fail(other.id, "the trainer stopped")  # that report (the pod's agent, over the API)
     grown = broker.target(job.id)
     assert grown.generation == 3 and nodes_of(grown.gpus) == list(NODES)
     assert backend.sync(broker.job(job.id)) == "create"  # the node it grows to gets a pod

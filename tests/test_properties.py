@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.states import JobStatus
 from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
 from airflow_elastic_gpu.scheduling.policy import get_policy
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
@@ -91,7 +92,9 @@ class BrokerMachine(RuleBasedStateMachine):
                 if x.id != y.id:
                     assert not set(x.target_gpus) & set(y.in_use_gpus), (x.name, y.name)
         for j in jobs:
-            if j.status.terminal:
+            if j.status is JobStatus.CANCELLED:  # held until its trainer stops: at most a lease
+                assert not (j.in_use_gpus or j.target_gpus) or self.clock() - j.last_heartbeat_s <= 120
+            elif j.status.terminal:
                 assert j.in_use_gpus == () and j.target_gpus == ()
             elif j.target_gpus:
                 assert j.min_gpus <= len(j.target_gpus) <= j.max_gpus

@@ -19,6 +19,7 @@ trainer cannot reach the broker, nor Airflow's database, connections or variable
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -42,6 +43,8 @@ from airflow_elastic_gpu.sidecar import protocol
 
 if TYPE_CHECKING:
     from airflow_elastic_gpu.broker.service import GpuBroker
+
+log = logging.getLogger(__name__)
 
 LOCAL_NODE = "localhost"
 """The node name under which this host's GPUs are registered (``localhost-<i>`` for virtual nodes)."""
@@ -419,12 +422,29 @@ class LocalBackend:
         while time.monotonic() < deadline and any(map(protocol.pid_alive, h.launcher_pids)):
             time.sleep(0.2)
         statuses = [protocol.read_json(d / protocol.STATUS) or {} for d in h.launcher_dirs()]
-        for pid in (*h.launcher_pids, h.agent_pid, *(s.get("pid") for s in statuses)):
-            if pid and protocol.pid_alive(pid):
+        pids = [int(p) for p in (*h.launcher_pids, h.agent_pid, *(s.get("pid") for s in statuses)) if p]
+        for pid in pids:
+            if protocol.pid_alive(pid):
                 _kill_group(pid)
         # workers that run in their own sessions (torchrun's), recorded by the launcher
-        protocol.signal_processes([int(p) for s in statuses for p in s.get("workers") or []
-                                   if protocol.pid_alive(int(p))], signal.SIGKILL)
+        workers = [int(p) for s in statuses for p in s.get("workers") or []]
+        protocol.signal_processes([p for p in workers if protocol.pid_alive(p)], signal.SIGKILL)
+        self._report_stopped(job_id, pids + workers)
+
+    def _report_stopped(self, job_id: str, pids: list[int]) -> None:
+        """Once every process of an ended job (cancelled: the broker holds its GPUs until its
+        trainer stops) is gone, tell the broker, so that the GPUs go to other jobs now."""
+        gone_by = time.monotonic() + 2.0  # SIGKILLed processes vanish within milliseconds
+        while any(map(protocol.pid_alive, pids)):
+            if time.monotonic() > gone_by:
+                return  # the broker frees the GPUs a lease after the job's last heartbeat
+            time.sleep(0.02)
+        try:
+            job = self.broker.job(job_id)
+            if job.status.terminal and (job.in_use_gpus or job.target_gpus):
+                self.broker.fail(job_id, "its processes were stopped by the backend")
+        except Exception as exc:  # noqa: BLE001 - the lease frees them anyway
+            log.warning("could not report job %s's stopped processes to the broker: %s", job_id, exc)
 
     def log_path(self, job_id: str) -> Path:
         """The trainer's log: the job directory's, or, of a gang, the longest node log (the node

@@ -431,27 +431,36 @@ class Lifecycle(Queries):
     # ------------------------------------------------------------------ the end
 
     def _end(self, job_id: str, status: JobStatus, reason: str | None, exit_code: int | None,
-             metrics: dict[str, Any] | None) -> JobView:
+             metrics: dict[str, Any] | None, *, hold: bool = False) -> JobView:
         def run() -> None:
             with self.engine.begin() as conn:
                 job = self._locked_book(conn, job_id)
                 if JobStatus(job.status) in TERMINAL:
+                    # the agent's report of a trainer that stopped after its job ended (cancelled)
+                    if not hold and self._release_held(conn, job, f"its trainer stopped ({reason})"):
+                        self._ask_rebalance(conn, job.pool, self._due(job, added=1))
                     return
-                self._release(conn, job, status, reason, exit_code, metrics)
+                self._release(conn, job, status, reason, exit_code, metrics, hold=hold)
                 self._ask_rebalance(conn, job.pool, self._due(job, added=1))
 
         self._retrying(run)
         return self.job(job_id)
 
     def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None) -> JobView:
-        """The trainer exited with 0: SUCCEEDED, GPUs released. Idempotent on an ended job."""
+        """The trainer exited with 0: SUCCEEDED, GPUs released. On an ended job it changes nothing
+        but frees the GPUs the job still holds (its trainer has stopped: see :meth:`cancel`)."""
         return self._end(job_id, JobStatus.SUCCEEDED, "trainer finished", exit_code, metrics)
 
     def fail(self, job_id: str, reason: str, exit_code: int | None = None,
              metrics: dict[str, Any] | None = None) -> JobView:
-        """The job cannot go on (``reason`` says why): FAILED, GPUs released."""
+        """The job cannot go on (``reason`` says why): FAILED, GPUs released. On an ended job: as
+        :meth:`finish`."""
         return self._end(job_id, JobStatus.FAILED, reason, exit_code, metrics)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobView:
-        """Stop the job: CANCELLED, GPUs released; its agent sees the status and stops the trainer."""
-        return self._end(job_id, JobStatus.CANCELLED, reason, None, None)
+        """Stop the job: CANCELLED at once; its agent sees the status on its next heartbeat and
+        stops the trainer (SIGTERM, the grace period). Its GPUs stay out of every allocation until
+        the agent reports the trainer stopped (:meth:`fail` or :meth:`finish` on the ended job), or
+        until no heartbeat came for the pool's ``lease_s`` (the launcher has fenced the trainer
+        by then): no other job starts on a GPU the cancelled trainer may still use."""
+        return self._end(job_id, JobStatus.CANCELLED, reason, None, None, hold=True)

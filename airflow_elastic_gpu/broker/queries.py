@@ -89,8 +89,10 @@ class Queries(Rebalancing):
         return {k: tuple(sorted(v)) for k, v in found.items()}
 
     def _views(self, s: Executor, jobs: Sequence[Job | Row[Any]]) -> list[JobView]:
-        # ended jobs hold no GPU; nor does one that was never published a generation (a new job)
-        ids = [j.id for j in jobs if JobStatus(j.status) in ACTIVE and j.target_generation > 0]
+        # ended jobs hold no GPU, but a cancelled one until its trainer has stopped; nor does one
+        # that was never published a generation (a new job)
+        ids = [j.id for j in jobs if (JobStatus(j.status) in ACTIVE or j.status == JobStatus.CANCELLED)
+               and j.target_generation > 0]
         if not ids:
             targets, in_use = {}, {}
         elif len(ids) == 1:

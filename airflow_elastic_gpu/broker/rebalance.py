@@ -125,6 +125,7 @@ _POOL_HELD = union_all(*(
     .where(Job.pool == bindparam("pool"))
     for kind, table in (("target", GpuTarget), ("in_use", GpuInUse))
 ))
+_ENDED_HOLDING = select(Job.id, Job.pool, Job.last_heartbeat_s).where(Job.id.in_(bindparam("job_ids", expanding=True)))
 _DROP_TARGETS = delete(GpuTarget).where(GpuTarget.job_id.in_(bindparam("job_ids", expanding=True)))
 _PUBLISH = update(Job).where(Job.id == bindparam("_job_id"))
 _ADD_EVENT = insert(Event)
@@ -146,17 +147,60 @@ class Rebalancing(BrokerBase):
     # ------------------------------------------------------------------ rows <-> books
 
     def _release(self, s: Executor, job: Job | Row[Any], status: JobStatus, reason: str | None,
-                 exit_code: int | None, metrics: dict[str, Any] | None = None) -> None:
+                 exit_code: int | None, metrics: dict[str, Any] | None = None, *, hold: bool = False) -> None:
         """End ``job`` with ``status``: account its GPU time, free its in-use and target GPUs (the
-        caller holds the job's row lock)."""
+        caller holds the job's row lock).
+
+        :param hold: keep the GPUs (a cancelled job whose trainer may still run): they stay out of
+            every allocation until :meth:`_release_held` frees them, when the job's agent reports
+            its trainer stopped, or a rebalance finds no heartbeat for ``lease_s`` (by then the
+            launcher has fenced the trainer, as for a lost job).
+        """
         now = self.clock()
-        book = book_of(job, *job_gpus(s, job.id))
+        target, in_use = job_gpus(s, job.id)
+        book = book_of(job, target, in_use)
         account_gpu_time(book, now)
-        free_gpus(s, job.id)
+        held = hold and bool(target or in_use)
+        if not held:
+            free_gpus(s, job.id)
         extra = {"metrics": dict(metrics)} if metrics else {}
         update_job(s, job.id, **book_changes(job, book), status=status.value, reason=reason, exit_code=exit_code,
                    end_s=now, **extra)
-        self._event(s, job.pool, EventKind.ended(status), reason or status.value, job.id, exit_code=exit_code)
+        message = reason or status.value
+        if held:
+            message += ("; its GPUs stay held until its trainer has stopped (its agent reports it, or "
+                        "no heartbeat for the lease)")
+        self._event(s, job.pool, EventKind.ended(status), message, job.id, exit_code=exit_code)
+
+    def _release_held(self, s: Executor, job: Job | Row[Any], why: str) -> bool:
+        """Free the GPUs an ended job still holds (see :meth:`_release`'s ``hold``); False if none."""
+        target, in_use = job_gpus(s, job.id)
+        gpus = sorted(set(target) | set(in_use))
+        if not gpus:
+            return False
+        free_gpus(s, job.id)
+        self._event(s, job.pool, EventKind.RELEASE, f"{len(gpus)} GPU(s) released: {why}", job.id,
+                    gpus=[str(g) for g in gpus])
+        return True
+
+    def _draining(self, s: Executor, held: dict[str, dict[str, list[int]]], active: set[str], now: float,
+                  lease_s: float) -> set[int]:
+        """GPU ids (``gpu.id``) of ``held`` (kind -> job id -> GPU ids) that jobs not in ``active``
+        (ended ones: a cancelled job's trainer may still be stopping) still hold, after freeing
+        those of jobs with no heartbeat for ``lease_s`` seconds (their launchers have fenced their
+        trainers by then, as for a lost job)."""
+        ended = {j for by_job in held.values() for j in by_job} - active
+        if not ended:
+            return set()
+        out: set[int] = set()
+        for job in s.execute(_ENDED_HOLDING, {"job_ids": sorted(ended)}):
+            silent_s = now - job.last_heartbeat_s
+            if silent_s > lease_s:
+                self._release_held(s, job, f"no heartbeat from its agent for {silent_s:.0f}s (lease {lease_s:.0f}s) "
+                                           "since the job ended: its trainer is fenced")
+            else:
+                out.update(i for by_job in held.values() for i in by_job.get(job.id, ()))
+        return out
 
     # ------------------------------------------------------------------ requests and coalescing
 
@@ -310,6 +354,11 @@ class Rebalancing(BrokerBase):
                 reaped.add(job.id)
         jobs = [j for j in jobs if j.id not in reaped]
         self.rebalances += 1  # counted once it has read the pool (a failure after this is logged)
+        held_ids: dict[str, dict[str, list[int]]] = {"target": defaultdict(list), "in_use": defaultdict(list)}
+        for kind, job_id, gpu_id in s.execute(_POOL_HELD, {"pool": pool}):
+            held_ids[kind][job_id].append(gpu_id)
+        # GPUs an ended job still holds (cancelled, its trainer maybe still stopping) go to nobody
+        draining = self._draining(s, held_ids, {j.id for j in jobs}, now, row.lease_s)
         if not jobs:
             return {}
         gpu_by_id: dict[int, GpuId] = {}
@@ -320,13 +369,12 @@ class Rebalancing(BrokerBase):
             if schedulable:
                 gpu_types.setdefault(node, gpu_type)
                 indices = usable.setdefault(node, [])
-                if healthy:
+                if healthy and gpu_id not in draining:
                     indices.append(index)
         nodes = [NodeState(name, tuple(indices), gpu_types[name]) for name, indices in usable.items()]
         id_by_gpu = {g: i for i, g in gpu_by_id.items()}
-        held: dict[str, dict[str, list[GpuId]]] = {"target": defaultdict(list), "in_use": defaultdict(list)}
-        for kind, job_id, gpu_id in s.execute(_POOL_HELD, {"pool": pool}):
-            held[kind][job_id].append(gpu_by_id[gpu_id])
+        held = {kind: {j: [gpu_by_id[i] for i in ids] for j, ids in by_job.items()} for kind, by_job in held_ids.items()}
+        held = {kind: defaultdict(list, by_job) for kind, by_job in held.items()}
         books = [book_of(j, held["target"][j.id], held["in_use"][j.id]) for j in jobs]
         publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
             nodes, books, now, family_history(s, pool, books))
@@ -338,8 +386,13 @@ class Rebalancing(BrokerBase):
             request_rebalance(s, pool, now)
             self.stale_rebalances += 1
             return {}
-        # jobs that ended while we decided are left out: their GPUs are free already
-        pubs = [p for p in publications if p.job_id in locked]
+        # A job that ended while we decided may still hold its GPUs (a cancelled one, until its
+        # trainer stops), some of which the decision gave to others: decide again next time.
+        if any(p.job_id not in locked for p in publications):
+            request_rebalance(s, pool, now)
+            self.stale_rebalances += 1
+            return {}
+        pubs = publications
         if not pubs:
             return {}
         # one statement per kind of write for all publications (old targets dropped before any new

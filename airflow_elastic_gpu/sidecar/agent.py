@@ -172,23 +172,23 @@ class Agent:
             sent_s = self.clock()  # before the call: the broker's record of this contact is later
             outcome, target = self._call("heartbeat", self.broker.heartbeat, self.job_id)
             if outcome is Outcome.ENDED:
-                return self._stop("the broker no longer knows the job as running")
+                return self._stop_ended("the broker no longer knows the job as running")
             contact = outcome is Outcome.OK
             if contact:
                 if target.status.terminal:
-                    return self._stop(f"job is {target.status.value} in the broker")
+                    return self._stop_ended(f"job is {target.status.value} in the broker")
                 self._renew(sent_s, target)
                 self.newest_generation = max(self.newest_generation, target.generation)
                 written = self.written = self._apply(target, written)
             if self._report_progress(contact) is Outcome.ENDED:
-                return self._stop("the broker no longer knows the job as running")
+                return self._stop_ended("the broker no longer knows the job as running")
             status = self._status()
             gen = int(status.get("generation", 0))
             if (contact and status.get("state") in (protocol.RUNNING, protocol.SUSPENDED) and gen > acked
                     and gen == target.generation):
                 ack, _ = self._call(f"ack of generation {gen}", self._ack, gen)
                 if ack is Outcome.ENDED:
-                    return self._stop("the broker no longer knows the job as running")
+                    return self._stop_ended("the broker no longer knows the job as running")
                 if ack is not Outcome.TRANSIENT:  # a rejected ack is not retried
                     acked = gen
             if status.get("state") == protocol.EXITED:
@@ -211,7 +211,7 @@ class Agent:
                 orphans = [p for p in [status.get("pid"), *(status.get("workers") or [])] if p]
                 protocol.signal_processes([int(p) for p in orphans], signal.SIGKILL)
                 if self.gang is not None:
-                    self._stop("a launcher of the gang died")
+                    self._stopped("a launcher of the gang died")
                 reason = self._with_tail(f"the launcher (pid {gone}) died without reporting "
                                          "an exit; its trainer was killed")
                 self._report_end("fail", functools.partial(self.broker.fail, self.job_id, reason))
@@ -382,7 +382,7 @@ class Agent:
         if self.gang is not None and code != 0:  # half a job never runs on: stop the other nodes
             node = self._status().get("node")
             reason = self._with_tail(f"the trainer on node {node} exited with code {code}; the gang was stopped")
-            self._stop(f"node {node}'s trainer failed")
+            self._stopped(f"node {node}'s trainer failed")
             return self._report_end(
                 "fail", lambda: self.broker.fail(self.job_id, reason, code),
                 lambda: self.broker.fail(self.job_id, f"trainer on node {node} exited with code {code}", code),
@@ -424,7 +424,19 @@ class Agent:
                 return 1
             time.sleep(self.poll_s)
 
-    def _stop(self, why: str) -> int:
+    def _stop_ended(self, why: str) -> int:
+        """The broker ended the job (cancelled, lost): stop the trainer, then tell the broker it
+        stopped, so that the GPUs it holds for the trainer go to other jobs now rather than after
+        the lease (a gang of pods, one agent per node, leaves that to the lease: one node's report
+        would free every node's GPUs); 0."""
+        if self._stopped(why) and self.node is None:
+            self._call("report of the stopped trainer", self.broker.fail, self.job_id,
+                       f"the trainer stopped ({why})")
+        return 0
+
+    def _stopped(self, why: str) -> bool:
+        """Stop every launcher's trainer and wait (``stop_timeout_s``) for them; True once every
+        launcher reports its trainer stopped or exited, or is gone."""
         log.info("%s: stopping the trainer", why)
         desired = self._desired()
         desired["stop"] = True
@@ -438,11 +450,13 @@ class Agent:
             else:
                 states = [self._status().get("state")]
             if all(s in (protocol.STOPPED, protocol.EXITED) for s in states):
-                break
+                return True
             if self.launcher_pids and all(not protocol.pid_alive(p) for p in self.launcher_pids):
-                break
+                return True
             time.sleep(0.2)
-        return 0
+        log.warning("the trainer did not stop within %.0fs: the broker keeps its GPUs until the lease ends",
+                    self.stop_timeout_s)
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -194,8 +194,15 @@ class Launcher:
 
     def _stop(self, grace_s: float | None = None) -> int | None:
         """SIGTERM the trainer's process group, SIGKILL it after ``grace_s`` (default ``--grace-s``)
-        seconds, and every worker found below it; its exit code."""
+        seconds, and every worker found below it; its exit code.
+
+        The grace period never runs past the lease's ``kill_s`` as of now (the agent may stop
+        renewing it during the stop: a cancelled job's agent does, and the broker frees the GPUs
+        a lease after the last heartbeat)."""
         grace_s = self.grace_s if grace_s is None else max(0.0, grace_s)
+        periods = self.lease.periods
+        if periods is not None:
+            grace_s = max(0.0, min(grace_s, periods.kill_s - self.lease.age_s(time.time(), time.monotonic())))
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return None if proc is None else proc.returncode
@@ -227,11 +234,10 @@ class Launcher:
         no later than the lease's ``kill_s`` (the grace period is cut to fit)."""
         periods = self.lease.periods
         assert periods is not None
-        age = self.lease.age_s(time.time(), time.monotonic())
-        grace = min(self.grace_s, periods.kill_s - age)
+        grace = periods.kill_s - self.lease.age_s(time.time(), time.monotonic())
         self._note(f"fencing the trainer: {reason}; it must be dead within {max(0.0, grace):.1f}s, "
                    "before the broker may give its GPUs to another job")
-        self._stop(grace)
+        self._stop()  # the grace period cut to the lease's kill_s
         self.proc = None
         self.fences += 1
         self.fenced = True
