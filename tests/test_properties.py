@@ -18,12 +18,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
-from airflow_elastic_gpu.states import JobStatus
 from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
 from airflow_elastic_gpu.scheduling.policy import get_policy
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
 from airflow_elastic_gpu.scheduling.static import StaticPolicy
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+from airflow_elastic_gpu.states import JobStatus
 
 NODES = (("n0", 4), ("n1", 2))
 CAPACITY = sum(n for _, n in NODES)

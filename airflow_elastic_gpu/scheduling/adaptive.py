@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -163,6 +164,9 @@ class AdaptivePolicy:
         num_gpus = len(job.allocation)
         if not num_gpus or count == num_gpus:
             return False
+        speed = job.throughput.steps_per_s
+        if count < num_gpus and (count <= 0 or speed(count) <= speed(num_gpus)):
+            return False  # a shrink that slows the job down (no gain), or a suspension: judged elsewhere
         gain = job.remaining_time_s(num_gpus) - job.remaining_time_s(count)
         return (count > num_gpus or gain > 0) and gain <= self.hysteresis * job.restart_overhead_s
 
@@ -383,48 +387,71 @@ class AdaptivePolicy:
 
     def _reasons(
         self, order: list[JobState], allocations: dict[str, tuple[GpuId, ...]]
-    ) -> dict[str, str]:
-        """One line per ranked job whose GPUs change, saying why.
+    ) -> Mapping[str, str]:
+        """One line per ranked job whose GPUs change, saying why (a mapping that writes each line
+        when it is read: a broker publishes only some of the changes at once, the others wait for
+        GPUs to be given back).
 
         A job's GPUs are a set: no job lists a GPU twice, so equal sets have equal sizes.
         """
-        reasons: dict[str, str] = {}
-        hysteresis = f"{self.hysteresis:g}"
+        changed: dict[str, int] = {}
         for r, j in enumerate(order):
             current, new = j.allocation, allocations[j.job_id]
-            num_gpus, size = len(current), len(new)
-            if size == num_gpus and (new == current or set(new) == set(current)):
-                continue
-            if not num_gpus:
-                verb = "resume from its checkpoint" if j.suspended else "start"
-                reasons[j.job_id] = f"{verb} on {size} GPU(s)"
-                continue
-            if not size:
-                reasons[j.job_id] = (
-                    f"suspend (checkpoint, stop, keep its place): predicted remaining time "
-                    f"{j.remaining_time_s(num_gpus):.0f}s; jobs with less remaining work start "
-                    f"(rank {r + 1} of {len(order)})"
-                )
-                continue
-            if size == num_gpus:
-                reasons[j.job_id] = f"move to {', '.join(map(str, new))} (placement)"
-                continue
-            before_s, after_s = j.remaining_time_s(num_gpus), j.remaining_time_s(size)
-            if size > num_gpus:
-                reasons[j.job_id] = (
-                    f"grow {num_gpus}->{size} GPUs: predicted remaining time "
-                    f"{before_s:.0f}s->{after_s:.0f}s, "
-                    f"gain {before_s - after_s:.0f}s > {hysteresis} x restart overhead "
-                    f"{j.restart_overhead_s:.0f}s"
-                )
-            elif after_s < before_s:
-                reasons[j.job_id] = (
-                    f"shrink {num_gpus}->{size} GPUs: measured faster on fewer GPUs, predicted "
-                    f"remaining time {before_s:.0f}s->{after_s:.0f}s"
-                )
-            else:
-                reasons[j.job_id] = (
-                    f"shrink {num_gpus}->{size} GPUs: the GPUs gain more elsewhere "
-                    f"(rank {r + 1} of {len(order)} by remaining work)"
-                )
-        return reasons
+            if len(new) != len(current) or (new != current and set(new) != set(current)):
+                changed[j.job_id] = r
+        return _Reasons(changed, order, allocations, f"{self.hysteresis:g}")
+
+
+class _Reasons(Mapping[str, str]):
+    """:meth:`AdaptivePolicy._reasons`' lines, written on first read."""
+
+    def __init__(self, changed: dict[str, int], order: list[JobState],
+                 allocations: Mapping[str, tuple[GpuId, ...]], hysteresis: str) -> None:
+        self._changed, self._order, self._allocations, self._hysteresis = changed, order, allocations, hysteresis
+        self._lines: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._changed)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._changed)
+
+    def __getitem__(self, job_id: str) -> str:
+        line = self._lines.get(job_id)
+        if line is None:
+            line = self._lines[job_id] = self._line(self._changed[job_id])  # KeyError: unchanged
+        return line
+
+    def _line(self, r: int) -> str:
+        order = self._order
+        j = order[r]
+        num_gpus, new = len(j.allocation), self._allocations[j.job_id]
+        size = len(new)
+        if not num_gpus:
+            verb = "resume from its checkpoint" if j.suspended else "start"
+            return f"{verb} on {size} GPU(s)"
+        if not size:
+            return (
+                f"suspend (checkpoint, stop, keep its place): predicted remaining time "
+                f"{j.remaining_time_s(num_gpus):.0f}s; jobs with less remaining work start "
+                f"(rank {r + 1} of {len(order)})"
+            )
+        if size == num_gpus:
+            return f"move to {', '.join(map(str, new))} (placement)"
+        before_s, after_s = j.remaining_time_s(num_gpus), j.remaining_time_s(size)
+        if size > num_gpus:
+            return (
+                f"grow {num_gpus}->{size} GPUs: predicted remaining time "
+                f"{before_s:.0f}s->{after_s:.0f}s, "
+                f"gain {before_s - after_s:.0f}s > {self._hysteresis} x restart overhead "
+                f"{j.restart_overhead_s:.0f}s"
+            )
+        if after_s < before_s:
+            return (
+                f"shrink {num_gpus}->{size} GPUs: measured faster on fewer GPUs, predicted "
+                f"remaining time {before_s:.0f}s->{after_s:.0f}s"
+            )
+        return (
+            f"shrink {num_gpus}->{size} GPUs: the GPUs gain more elsewhere "
+            f"(rank {r + 1} of {len(order)} by remaining work)"
+        )

@@ -85,6 +85,7 @@ def place_with_leftover(
     # GPUs of requests[i], homes[i]: a node they are all on (None: none, or not known)
     result: list[list[GpuId]] = []
     homes: list[str | None] = []
+    touched: list[bool] = []  # whether a request's GPUs may be out of order (spread, or grown)
     for _, target, _, current in requests:
         kept: list[GpuId] = []
         home = None
@@ -109,6 +110,7 @@ def place_with_leftover(
                     home = kept[0].node
         result.append(kept)
         homes.append(home)
+        touched.append(home is None)
 
     # nodes by free-GPU count, each list sorted by name: best fit without scanning every node
     by_free: list[list[str]] = [[] for _ in range(max_node + 1)]
@@ -165,6 +167,7 @@ def place_with_leftover(
         need = target - len(kept)
         if need <= 0:
             continue
+        touched[i] = True
         home = homes[i]
         if target <= max_node:
             if home is not None and len(free[home]) >= need:
@@ -215,9 +218,12 @@ def place_with_leftover(
             need -= len(got)
 
     allocations: dict[str, tuple[GpuId, ...]] = {}
-    for req, gpus, home in zip(requests, result, homes):
+    for req, gpus, home, grown in zip(requests, result, homes, touched):
         if len(gpus) >= req.min_gpus:  # on one node, sorting by index is sorting (ints compare fast)
-            allocations[req.job_id] = tuple(sorted(gpus, key=_index_of) if home else sorted(gpus))
+            if not grown:  # kept GPUs on one node only: a prefix of the sorted current ones
+                allocations[req.job_id] = tuple(gpus)
+            else:
+                allocations[req.job_id] = tuple(sorted(gpus, key=_index_of) if home else sorted(gpus))
         else:  # too few to run: the job waits and its GPUs stay free
             allocations[req.job_id] = ()
             for g in gpus:
