@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState, NodeState
@@ -228,11 +228,9 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
         for t in redo:
             decisions[t] = decide(t)
     allocations: dict[str, tuple[GpuId, ...]] = {}
-    reasons: dict[str, str] = {}
-    for t, d in decisions.items():
+    for d in decisions.values():
         allocations.update(d.allocations)
-        for job_id, why in d.reasons.items():
-            reasons[job_id] = f"{why} [{t}]"
+    moves: dict[str, str] = {}
     by_id = {j.job_id: j for j in cluster.jobs}
     for job_id, old in moved.items():
         t, job = chosen[job_id], by_id[job_id]
@@ -240,6 +238,29 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
         (m_old, f_old), (m_new, f_new) = speeds[job_id][old], speeds[job_id][t]
         before_s = job.remaining_steps / (m_old.steps_per_s(n) * f_old)
         after_s = job.remaining_steps / (m_new.steps_per_s(n) * f_new)
-        reasons[job_id] = (f"move {old}->{t} on {len(allocations[job_id])} GPU(s): predicted remaining "
-                           f"time on {n} GPU(s) {before_s:.0f}s->{after_s:.0f}s")
-    return Decision(allocations, reasons)
+        moves[job_id] = (f"move {old}->{t} on {len(allocations[job_id])} GPU(s): predicted remaining "
+                         f"time on {n} GPU(s) {before_s:.0f}s->{after_s:.0f}s")
+    return Decision(allocations, _TypedReasons({t: d.reasons for t, d in decisions.items()}, moves))
+
+
+class _TypedReasons(Mapping[str, str]):
+    """The per-type decisions' reason lines, each suffixed with its type (``[V100]``), and the
+    moves' own lines; written when read, as the per-type ones are."""
+
+    def __init__(self, by_type: dict[str, Mapping[str, str]], moves: dict[str, str]) -> None:
+        self._by_type, self._moves = by_type, moves
+        self._type_of = {job_id: t for t, reasons in by_type.items() for job_id in reasons}
+
+    def __len__(self) -> int:
+        return len(self._type_of.keys() | self._moves.keys())
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._type_of
+        yield from (job_id for job_id in self._moves if job_id not in self._type_of)
+
+    def __getitem__(self, job_id: str) -> str:
+        line = self._moves.get(job_id)
+        if line is not None:
+            return line
+        t = self._type_of[job_id]  # KeyError: unchanged
+        return f"{self._by_type[t][job_id]} [{t}]"
