@@ -120,7 +120,9 @@ class AdaptivePolicy:
     def _ranked(cluster: ClusterState) -> tuple[list[JobState], list[float]]:
         """:meth:`rank`'s order, and each ranked job's ``remaining_time_s(1)`` (seconds), computed once."""
         jobs = cluster.jobs
-        keys = [(-j.priority, j.remaining_time_s(1), j.submit_time_s, j.job_id) for j in jobs]
+        # remaining_time_s(1), inlined (a decision ranks every job): steps left / steps/s on one GPU
+        keys = [(-j.priority, max(0.0, j.total_steps - j.steps_done) / j.throughput.steps_per_s(1),
+                 j.submit_time_s, j.job_id) for j in jobs]
         ranked = sorted(range(len(jobs)), key=keys.__getitem__)  # stable, as sorting the jobs by key
         return [jobs[i] for i in ranked], [keys[i][1] for i in ranked]
 
@@ -140,7 +142,8 @@ class AdaptivePolicy:
         """
         order, remaining_1_s = self._ranked(cluster)
         now_s, interval_s = cluster.now_s, self.min_resize_interval_s
-        resized = [j.resized_within(now_s, interval_s) for j in order]
+        resized = [bool(j.allocation) and j.last_resize_s is not None and now_s - j.last_resize_s < interval_s
+                   for j in order]  # JobState.resized_within, inlined (every job, every decision)
         frozen = list(resized)
         while True:
             counts = self._hand_out(cluster, order, remaining_1_s, frozen)
@@ -167,7 +170,8 @@ class AdaptivePolicy:
         speed = job.throughput.steps_per_s
         if count < num_gpus and (count <= 0 or speed(count) <= speed(num_gpus)):
             return False  # a shrink that slows the job down (no gain), or a suspension: judged elsewhere
-        gain = job.remaining_time_s(num_gpus) - job.remaining_time_s(count)
+        steps = max(0.0, job.total_steps - job.steps_done)
+        gain = steps / speed(num_gpus) - steps / speed(count)
         return (count > num_gpus or gain > 0) and gain <= self.hysteresis * job.restart_overhead_s
 
     def _hand_out(
@@ -378,9 +382,10 @@ class AdaptivePolicy:
 
             return decide_by_type(self, cluster)
         order, _, counts, resized = self._counts(cluster)
+        new_request = tuple.__new__  # new_request(PlacementRequest, fields): a named tuple built in C
         allocations, leftover = place_with_leftover(
             cluster.nodes,
-            [PlacementRequest(j.job_id, c, j.min_gpus, j.allocation) for j, c in zip(order, counts)],
+            [new_request(PlacementRequest, (j.job_id, c, j.min_gpus, j.allocation)) for j, c in zip(order, counts)],
         )
         allocations = self._fill(order, resized, allocations, leftover)
         return Decision(allocations, self._reasons(order, allocations))
