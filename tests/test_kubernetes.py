@@ -249,6 +249,7 @@ class FakeCoreV1:
         self.nodes: list[k8s.V1Node] = []
         self.fail: dict[str, int] = {}
         self.calls: list[tuple[str, str]] = []
+        self.graceful = False  # deletions take effect at once unless set
 
     def _maybe_fail(self, method: str) -> None:
         status = self.fail.pop(method, None)
@@ -282,9 +283,18 @@ class FakeCoreV1:
 
     def delete_namespaced_pod(self, name, namespace):
         self._maybe_fail("delete_namespaced_pod")
-        if self.pods.pop(name, None) is None:
+        if name not in self.pods:
             raise ApiException(status=404, reason="NotFound")
+        if self.graceful:  # like a real API server: terminating (its grace period) until terminated()
+            self.pods[name].metadata.deletion_timestamp = self.pods[name].metadata.deletion_timestamp or "now"
+        else:
+            del self.pods[name]
         self.calls.append(("delete pod", name))
+
+    def terminated(self) -> None:
+        """The deleted pods' containers have ended: the pods are gone."""
+        for name in [n for n, p in self.pods.items() if p.metadata.deletion_timestamp]:
+            del self.pods[name]
 
     def list_namespaced_pod(self, namespace, label_selector):
         self._maybe_fail("list_namespaced_pod")
@@ -363,6 +373,30 @@ def test_recreate_mode_deletes_the_pod_and_creates_one_per_generation(cluster):
     assert backend.sync(broker.job(big.id)) == "keep"  # idempotent
     (agent,) = [c for c in api.pods[f"elastic-gpu-{big.id}-g2"].spec.init_containers if c.name == "elastic-agent"]
     assert agent.args[agent.args.index("--pod-generation") + 1] == "2"  # never a newer one in place
+
+
+def test_a_new_generation_s_pod_starts_only_once_the_old_pod_is_gone(cluster):
+    """A deleted pod's trainer runs on through its grace period (it checkpoints), and the broker
+    frees its GPUs once the new pod's agent acks: so the new pod is created only once the old one
+    has terminated, in recreate mode and when an in-place job moves to another node."""
+    broker, api = cluster
+    api.graceful = True
+    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
+    big = submit(broker, "big", 1, 4)
+    backend.start(big)
+    broker.ack(big.id, 1)
+    (first,) = api.pods
+    submit(broker, "x", 4, 4)
+    submit(broker, "y", 2, 2)  # big shrinks on its node: generation 2, a new pod
+    assert backend.sync(broker.job(big.id)) == "wait"  # the old pod is terminating
+    assert backend.sync(broker.job(big.id)) == "wait" and list(api.pods) == [first]
+    assert api.pods[first].metadata.deletion_timestamp
+    api.terminated()
+    assert backend.sync(broker.job(big.id)) == "create"
+    assert list(api.pods) == [f"elastic-gpu-{big.id}-g2"]
+    (agent,) = [c for c in api.pods[f"elastic-gpu-{big.id}-g2"].spec.init_containers if c.name == "elastic-agent"]
+    node = api.pods[f"elastic-gpu-{big.id}-g2"].spec.node_name
+    assert agent.args[agent.args.index("--host-node") + 1] == node  # a generation elsewhere is not run here
 
 
 def test_waiting_job_gets_no_pod_until_placed(cluster):

@@ -172,6 +172,29 @@ def test_a_gang_in_recreate_mode_replaces_every_pod_together(cluster):
     assert dropped not in pods_by_node(api)
 
 
+def test_a_gang_s_new_pod_on_a_node_waits_for_the_old_one_there_to_be_gone(cluster):
+    """Recreate mode, on an API server where a deleted pod terminates through its grace period:
+    the new generation's pod on a node starts only once the old one there is gone (the new pod's
+    ack frees GPUs the old trainer may still use), and the dropped node is acked only then too."""
+    broker, api = cluster
+    api.graceful = True
+    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    broker.submit(JobSpec("other", "python train.py", 4, 4, total_steps=100, backend="kubernetes"))
+    kept = nodes_of(broker.target(job.id).gpus)
+    assert backend.sync(broker.job(job.id)) == "recreate+wait+wait"
+    assert all(p.metadata.deletion_timestamp for p in api.pods.values())  # only terminating pods
+    assert not [n for n in api.pods if n.endswith("-g2")]
+    assert broker.job(job.id).acked_generation == 1  # nothing acked for the terminating pods' nodes
+    api.terminated()
+    assert backend.sync(broker.job(job.id)) == "create"
+    assert all(name.endswith("-g2") for name in api.pods) and sorted(pods_by_node(api)) == kept
+    ack_all(broker, job.id, 2, kept)  # the dropped node, its pod gone, was acked by the backend
+    assert broker.job(job.id).acked_generation == 2
+
+
 def test_one_evicted_pod_fails_the_job_and_the_whole_gang_is_deleted(cluster):
     from airflow_elastic_gpu.triggers.watcher import JobWatcher
 

@@ -305,6 +305,23 @@ def test_a_pod_of_one_generation_leaves_a_newer_one_to_its_replacement(tmp_path)
     assert not [c for c in broker.calls if c.startswith(("ack", "fail"))]
 
 
+def test_an_in_place_pod_leaves_a_generation_on_another_node_to_its_replacement(tmp_path):
+    """The job moved to another node: the generation's device indices name that node's GPUs, so the
+    pod's trainer is not restarted on them here (on this node they may be another job's), and the
+    pod's deletion does not fail the job. A generation on its own node is applied as usual."""
+    running(tmp_path, 1)
+    broker = MovedOnBroker(2, gpus=(GpuId("other-node", 0),))
+    agent = Agent(broker, "job", tmp_path, poll_s=0.01, host_node="this-node")
+    threading.Timer(0.3, lambda: protocol.write_json(
+        tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.STOPPED})).start()
+    assert agent.run() == 0
+    assert protocol.read_json(tmp_path / protocol.DESIRED)["generation"] == 1
+    assert not [c for c in broker.calls if c.startswith(("ack", "fail"))]
+    here = Agent(MovedOnBroker(2, gpus=(GpuId("this-node", 3),)), "job", tmp_path, host_node="this-node")
+    assert here._apply(here.broker.heartbeat("job"), 1) == 2
+    assert protocol.read_json(tmp_path / protocol.DESIRED) == {"generation": 2, "gpus": [3], "stop": False}
+
+
 def test_a_pod_of_one_generation_still_applies_a_suspension(tmp_path):
     """A generation with no GPUs (a preemptible job suspended) is applied in the pod: the trainer
     checkpoints and stops, and the ack frees its GPUs; the pod is re-created on resume."""

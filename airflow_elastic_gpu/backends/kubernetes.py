@@ -133,6 +133,7 @@ class PodBuilder:
             agent_args += ["--progress-pattern", progress_pattern]
         if c.resize_mechanism == "recreate":  # this pod runs this generation only; the next is a new pod
             agent_args += ["--pod-generation", str(generation)]
+        agent_args += ["--host-node", node]  # a generation on another node is left to a new pod there
         sidecar_context = _model("V1SecurityContext", hardened_security_context(read_only_root=True))
         copy_launcher = k8s.V1Container(
             name="copy-launcher", image=c.agent_image, command=["python", "-c", _COPY_LAUNCHER],
@@ -345,7 +346,8 @@ class KubernetesBackend:
         - no GPUs published yet: wait;
         - no pod: create it on the target's node;
         - the target moved to another node, or (``recreate`` mode) a new generation: delete the pod,
-          create one for the new generation;
+          and create one for the new generation once the old one is gone (``wait`` while it is
+          still terminating: its trainer may still use the GPUs the new generation frees);
         - otherwise (in place): keep; the sidecar applies the new generation.
 
         A job on several nodes is synced as a gang (:meth:`.kubernetes_gang.GangPods.sync`).
@@ -371,6 +373,11 @@ class KubernetesBackend:
         action = "create" if current is None else "recreate"
         if current is not None:
             self._delete_pod(current.name)
+        # A deleted pod's trainer runs on through its grace period (it checkpoints). The broker frees
+        # the GPUs it ran on once the new pod's agent acks, so the new pod starts only once no other
+        # pod of the job is left: on a later sync, while one is still terminating.
+        if self.pods(job_id):
+            return "wait"
         pod = self.builder.pod(job_id, job.command, node, target.generation,
                                progress_pattern=job.progress_pattern, checkpoint_dir=job.checkpoint_dir,
                                env=env, context=context)

@@ -135,7 +135,8 @@ class GangPods:
         """Make the gang's pods match the broker's target; returns what it did: ``wait`` (no GPUs
         published), ``keep``, ``create`` (pods added: the first generation, or a growth to more
         nodes), ``recreate`` (the pods of an older generation replaced), ``shrink`` (pods of nodes
-        the acked generation no longer uses deleted), joined with ``+`` when several.
+        the acked generation no longer uses deleted), ``wait`` as well when a node's new pod waits
+        for the job's terminating pod there to be gone, joined with ``+`` when several.
 
         A node that has acked a generation and lost its pod gets no new one while no resize is
         under way (that is a failure, see :meth:`problem`); during a resize it does (a pod
@@ -168,11 +169,17 @@ class GangPods:
             if dropped:
                 done.append("shrink")
         created = False
+        # a deleted pod's trainer runs on through its grace period: a node gets its new pod only once
+        # the job's old one there is gone (the new pod's ack would free GPUs the old trainer may use)
+        terminating = {p.spec.node_name for p in b.pods(job.id) if p.metadata.deletion_timestamp is not None}
         for node in nodes:
             if any(p.spec.node_name == node for p in live):
                 continue
             if node in in_use_nodes and not resizing:
                 continue  # lost while it ran: a failure of the gang, not a pod to re-create silently
+            if node in terminating:
+                done.append("wait")
+                continue
             self._create_pod(job, node, target.generation, env, context)
             created = True
         if created and "recreate" not in done:

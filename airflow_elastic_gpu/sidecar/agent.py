@@ -76,6 +76,9 @@ class Agent:
     :param clock: wall clock (epoch seconds) for ``lease.json``; the launcher reads the same clock.
     :param pod_generation: the one generation this agent's pod runs (a pod re-created per
         generation); ``None``: every new generation is applied in place.
+    :param host_node: the node this agent's pod runs on (one pod per job): a generation with GPUs on
+        another node is not applied here (device indices name other GPUs on each node); the
+        backend replaces the pod.
     :param node, gang_domain, rendezvous_port: a gang with one agent per node (a pod per node):
         this agent's node, runs its part (:func:`~.gang.node_part`: the rank-0 node's pod in
         ``gang_domain`` at ``rendezvous_port``) and acks that node only; a trainer ending with 0
@@ -99,6 +102,7 @@ class Agent:
         end_report_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.time,
         pod_generation: int | None = None,
+        host_node: str | None = None,
         node: str | None = None,
         gang_domain: str = "",
         rendezvous_port: int = 29500,
@@ -124,6 +128,7 @@ class Agent:
         self.clock = clock
         self.pending: dict[int, float] = {}  # generation -> latest step not reported yet
         self.pod_generation = pod_generation
+        self.host_node, self.moved_away = host_node, False
         self.node, self.gang_domain, self.rendezvous_port = node, gang_domain, rendezvous_port
         self.newest_generation = 0  # the newest target generation the broker has answered
         self.terminating = threading.Event()
@@ -148,9 +153,9 @@ class Agent:
         self.terminating.set()
 
     def _replaced(self) -> bool:
-        """True when this pod runs one generation and the broker has moved past it (the pod is
-        being replaced)."""
-        return self.pod_generation is not None and self.newest_generation > self.pod_generation
+        """True when this pod runs one generation and the broker has moved past it, or the job moved
+        to another node (the pod is being replaced)."""
+        return self.moved_away or (self.pod_generation is not None and self.newest_generation > self.pod_generation)
 
     def run(self) -> int:
         """Relay until the job ends; 0 when the job's end was reported to the broker (or the broker
@@ -195,7 +200,9 @@ class Agent:
                 return self._report_exit(int(status.get("exit_code") or 0))
             if status.get("state") == protocol.STOPPED:
                 if self._replaced():
-                    log.info("the launcher stopped: this pod's generation %d is being replaced", self.pod_generation)
+                    log.info("the launcher stopped: this pod is being replaced (%s)",
+                             "the job moved to another node" if self.moved_away
+                             else f"it runs generation {self.pod_generation} only")
                     return 0
                 self._report_end("fail", functools.partial(
                     self.broker.fail, self.job_id, "the launcher was stopped from outside the broker"))
@@ -229,6 +236,13 @@ class Agent:
             return max(written, target.generation)
         if self.gang is not None:
             return self._apply_gang(target, written)
+        if (self.host_node is not None and self.node is None and target.gpus
+                and any(g.node != self.host_node for g in target.gpus)):
+            if not self.moved_away:  # its device indices name GPUs of another node: never run them here
+                log.info("generation %d is on another node: this pod (node %s) waits to be replaced",
+                         target.generation, self.host_node)
+            self.moved_away = True
+            return max(written, target.generation)
         part = self._part(target)
         if target.generation > written and (target.gpus or written > 0):
             # a generation with no GPUs after one with GPUs: the job is suspended (the launcher
@@ -478,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop the trainer after this long without a confirmed contact (default: lease/2)")
     parser.add_argument("--fence-margin-s", type=float, default=None,
                         help="the trainer is dead this long before the lease ends (default: max(1, lease/10))")
+    parser.add_argument("--host-node", default=None,
+                        help="the node this pod runs on: a generation on another node is left to a new pod there")
     parser.add_argument("--pod-generation", type=int, default=None,
                         help="the one generation this pod runs (a pod re-created per generation): newer ones "
                              "are left to the backend, which replaces the pod")
@@ -503,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         broker, args.job_id, args.shared_dir, progress_pattern=args.progress_pattern,
         poll_s=args.poll_s, launcher_pid=args.launcher_pid, lease_s=args.lease_s, fence_s=args.fence_s,
         fence_margin_s=args.fence_margin_s, pod_generation=args.pod_generation, node=args.node,
+        host_node=args.host_node,
         gang_domain=args.gang_domain, rendezvous_port=args.rendezvous_port,
     )
     signal.signal(signal.SIGTERM, lambda *_: agent.terminate())
