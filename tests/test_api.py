@@ -103,6 +103,10 @@ def test_read_only_views_show_holders_progress_timeline_and_reasons(broker, clie
     assert resize["job_id"] == a.id and "shrink" in resize["message"]
     assert resize["time_s"] == second["start_s"]  # where alpha's smaller bar starts
     assert client.get("/api/v1/jobs", params={"active": True}).json()[0]["steps_done"] == 10.0
+    suspendable = broker.submit(JobSpec("gamma", "train", 1, 4, total_steps=10, preemptible=True))
+    opted_in = {j["name"]: j["preemptible"] for j in client.get("/api/v1/jobs").json()}
+    assert opted_in == {"alpha": False, "beta": False, "gamma": True}
+    broker.cancel(suspendable.id)
     assert client.get("/api/v1/pools/nope/snapshot").status_code == 404
     assert client.get("/api/v1/events", params={"limit": 0}).status_code == 422
     page = client.get("/ui")

@@ -136,6 +136,8 @@ class JobOut(BaseModel):
     exit_code: int | None
     reason: str | None
     metrics: dict[str, Any] | None
+    preemptible: bool = Field(False, description="the job may be suspended (resized to zero GPUs) in a pool "
+                                                 "that allows it")
 
 
 class GpuOut(BaseModel):
@@ -195,7 +197,7 @@ def job_out(j: JobView) -> JobOut:
         num_resizes=j.num_resizes, gpu_seconds=j.gpu_seconds, restart_overhead_s=j.restart_overhead_s,
         throughput=[(int(n), float(t)) for n, t in j.throughput if math.isfinite(t)], submit_s=j.submit_s, start_s=j.start_s,
         end_s=j.end_s, jct_s=j.jct_s, queueing_delay_s=j.queueing_delay_s, exit_code=j.exit_code,
-        reason=j.reason, metrics=j.metrics,
+        reason=j.reason, metrics=j.metrics, preemptible=j.preemptible,
     )
 
 
