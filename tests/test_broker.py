@@ -371,3 +371,21 @@ def test_a_cancelled_job_whose_agent_is_silent_frees_its_gpus_after_the_lease(po
     assert "no heartbeat" in release.message
     pool.cancel(a.id)  # idempotent, holds nothing again
     assert pool.job(a.id).status is JobStatus.CANCELLED
+
+
+def test_request_ids_past_32_bits_still_find_their_rebalance(pool, broker_url):
+    """Every allocation-changing call inserts a rebalance request; a long-lived broker's ids pass
+    2^31 (weeks at full load). Past it, a submit still inserts its request and is served."""
+    from sqlalchemy import text
+
+    with pool.engine.begin() as conn:
+        if pool.engine.dialect.name == "postgresql":
+            conn.execute(text("SELECT setval(pg_get_serial_sequence('rebalance_request', 'id'), 3000000000)"))
+        else:
+            conn.execute(text("UPDATE sqlite_sequence SET seq = 3000000000 WHERE name = 'rebalance_request'"))
+            conn.execute(text("INSERT INTO sqlite_sequence (name, seq) SELECT 'rebalance_request', 3000000000 "
+                              "WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'rebalance_request')"))
+    a = pool.submit(spec("a"))
+    assert pool.job(a.id).target_gpus, "the submit's request was served"
+    with pool.engine.connect() as conn:
+        assert conn.execute(text("SELECT served_request_id FROM gpu_pool")).scalar() > 2**31

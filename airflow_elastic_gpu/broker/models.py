@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Float,
     ForeignKey,
@@ -63,7 +64,8 @@ class GpuPool(Base):
     lease_s: Mapped[float] = mapped_column(Float, default=60.0)
     rebalance_interval_s: Mapped[float] = mapped_column(Float, default=10.0)
     # the highest rebalance request id the last rebalance served: pending ones are above it
-    served_request_id: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    served_request_id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), default=0,
+                                                   server_default="0")
 
 
 class Node(Base):
@@ -178,7 +180,10 @@ class RebalanceRequest(Base):
     # ids only grow (SQLite: AUTOINCREMENT), so that pending requests are those above the watermark
     __table_args__ = (Index("ix_rebalance_request_pool_id", "pool", "id"), {"sqlite_autoincrement": True})
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # 64-bit: every allocation-changing call inserts one (2^31 of them are weeks at full load);
+    # SQLite's rowid is 64-bit already, and AUTOINCREMENT needs the INTEGER type there
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
     pool: Mapped[str] = mapped_column(ForeignKey("gpu_pool.name"))
     time_s: Mapped[float] = mapped_column(Float)
 
