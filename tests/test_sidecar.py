@@ -254,7 +254,8 @@ def test_stopping_reaches_workers_that_run_in_their_own_session(tmp_path):
 def test_the_sidecar_loads_nothing_of_the_broker():
     """The agent and launcher run with only their transport: importing them loads no broker module
     (the database transport is imported by whoever chooses it)."""
-    code = ("import sys, airflow_elastic_gpu.sidecar.agent, airflow_elastic_gpu.sidecar.launcher, "
+    code = ("import sys, airflow_elastic_gpu.sidecar.agent, airflow_elastic_gpu.sidecar.agent_cli, "
+            "airflow_elastic_gpu.sidecar.launcher, "
             "airflow_elastic_gpu.sidecar.http_transport; "
             "print(sorted(m for m in sys.modules if m.startswith('airflow_elastic_gpu.broker')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
