@@ -25,7 +25,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import statistics
 import time
 from pathlib import Path
@@ -33,10 +32,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from scheduling import synthetic_pool  # benchmarks/ is on sys.path: a script's own directory
 
 from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
-from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
-from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+from airflow_elastic_gpu.scheduling.state import ClusterState
 from airflow_elastic_gpu.simulator import report
 from airflow_elastic_gpu.simulator.engine import simulate
 from airflow_elastic_gpu.simulator.mixed import MixedCluster, load_typed_profiles
@@ -69,29 +68,9 @@ def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, r
     ``first_decision_median_s``: the first decision over an arbitrary placement (a quarter of the
     jobs move type); ``median_s``: the next one, in steady state (its allocations in place).
     """
-    rng = random.Random(0)
     types = ("V100", "K80")
-    node_states = tuple(NodeState(f"n{i:05d}", tuple(range(gpus_per_node)), types[i % 2]) for i in range(nodes))
-    states, node, used = [], 0, 0
-    for k in range(jobs):
-        count = rng.choice([1, 2, 4, 8])
-        alloc: tuple[GpuId, ...] = ()
-        if k < jobs * 3 // 4 and node < nodes:
-            if used + count > gpus_per_node:
-                node, used = node + 1, 0
-            if node < nodes:
-                alloc = tuple(GpuId(node_states[node].name, used + i) for i in range(count))
-                used += count
-        t1 = rng.uniform(10, 100)
-        model = ThroughputModel(((1, t1), (max(2, count), t1 * max(2, count) * rng.uniform(0.6, 0.95))))
-        hint = {"V100": rng.uniform(2.0, 10.0), "K80": 1.0}
-        on = node_states[int(alloc[0].node[1:])].gpu_type if alloc else None
-        states.append(JobState(
-            f"job-{k:05d}", 1, 16, 1_000_000, requested_gpus=count, steps_done=rng.uniform(0, 9e5),
-            submit_time_s=float(k), allocation=alloc, last_resize_s=0.0, throughput=model,
-            throughput_by_type={on: model} if on else {}, relative_speed=hint,
-        ))
-    cluster = ClusterState(node_states, tuple(states), 1000.0)
+    cluster = synthetic_pool(jobs, nodes, gpus_per_node, types)
+    node_states, states = cluster.nodes, cluster.jobs
     policy = AdaptivePolicy()
 
     def timed(c: ClusterState) -> list[float]:

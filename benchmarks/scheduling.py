@@ -71,10 +71,16 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
-def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, repeats: int = 5) -> dict:
-    """Median wall time of one adaptive decision on a busy synthetic pool (seconds)."""
+def synthetic_pool(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8,
+                   types: tuple[str, ...] = ("virtual",)) -> ClusterState:
+    """A busy synthetic pool for decision-time figures: ``nodes`` nodes of ``gpus_per_node`` GPUs
+    (node ``i`` of type ``types[i % len(types)]``), ``jobs`` jobs of 1-16 GPUs (seeded), three
+    quarters of them packed onto the nodes in order, each measured at two counts; with several
+    types each job also has a relative-speed hint (the first type 2-10x the others) and its model
+    recorded for the type it runs on."""
     rng = random.Random(0)
-    node_states = tuple(NodeState(f"n{i:05d}", tuple(range(gpus_per_node))) for i in range(nodes))
+    node_states = tuple(NodeState(f"n{i:05d}", tuple(range(gpus_per_node)), types[i % len(types)])
+                        for i in range(nodes))
     states, node, used = [], 0, 0
     for k in range(jobs):
         count = rng.choice([1, 2, 4, 8])
@@ -87,11 +93,21 @@ def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, r
                 used += count
         t1 = rng.uniform(10, 100)
         model = ThroughputModel(((1, t1), (max(2, count), t1 * max(2, count) * rng.uniform(0.6, 0.95))))
+        typed = {}
+        if len(types) > 1:
+            on = node_states[int(alloc[0].node[1:])].gpu_type if alloc else None
+            hint = {types[0]: rng.uniform(2.0, 10.0), **{t: 1.0 for t in types[1:]}}
+            typed = {"throughput_by_type": {on: model} if on else {}, "relative_speed": hint}
         states.append(JobState(
             f"job-{k:05d}", 1, 16, 1_000_000, requested_gpus=count, steps_done=rng.uniform(0, 9e5),
-            submit_time_s=float(k), allocation=alloc, last_resize_s=0.0, throughput=model,
+            submit_time_s=float(k), allocation=alloc, last_resize_s=0.0, throughput=model, **typed,
         ))
-    cluster = ClusterState(node_states, tuple(states), 1000.0)
+    return ClusterState(node_states, tuple(states), 1000.0)
+
+
+def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, repeats: int = 5) -> dict:
+    """Median wall time of one adaptive decision on a busy synthetic pool (seconds)."""
+    cluster = synthetic_pool(jobs, nodes, gpus_per_node)
     policy = AdaptivePolicy()
     times = []
     for _ in range(repeats):
