@@ -155,23 +155,25 @@ class GangPods:
         pods = b.pods(job.id)
         live = _live(pods)
         done: list[str] = []
+        deleted: list[Any] = []
         if b.config.resize_mechanism == "recreate":
-            old = [p for p in live if generation_of(p) < target.generation]
-            for pod in old:
+            deleted = [p for p in live if generation_of(p) < target.generation]
+            for pod in deleted:
                 b._delete_pod(pod.metadata.name)
-            if old:
+            if deleted:
                 done.append("recreate")
-            live = [p for p in live if p not in old]
+            live = [p for p in live if p not in deleted]
         elif not resizing:
-            dropped = [p for p in live if p.spec.node_name not in nodes]
-            for pod in dropped:  # its agent acked the suspension: the generation runs without it
+            deleted = [p for p in live if p.spec.node_name not in nodes]
+            for pod in deleted:  # its agent acked the suspension: the generation runs without it
                 b._delete_pod(pod.metadata.name)
-            if dropped:
+            if deleted:
                 done.append("shrink")
         created = False
         # a deleted pod's trainer runs on through its grace period: a node gets its new pod only once
         # the job's old one there is gone (the new pod's ack would free GPUs the old trainer may use)
-        terminating = {p.spec.node_name for p in b.pods(job.id) if p.metadata.deletion_timestamp is not None}
+        listed = b.pods(job.id) if deleted else pods  # listed again only to see what this sync deleted
+        terminating = {p.spec.node_name for p in listed if p.metadata.deletion_timestamp is not None}
         for node in nodes:
             if any(p.spec.node_name == node for p in live):
                 continue

@@ -373,8 +373,8 @@ class Rebalancing(BrokerBase):
                     indices.append(index)
         nodes = [NodeState(name, tuple(indices), gpu_types[name]) for name, indices in usable.items()]
         id_by_gpu = {g: i for i, g in gpu_by_id.items()}
-        held = {kind: {j: [gpu_by_id[i] for i in ids] for j, ids in by_job.items()} for kind, by_job in held_ids.items()}
-        held = {kind: defaultdict(list, by_job) for kind, by_job in held.items()}
+        held = {kind: defaultdict(list, {j: [gpu_by_id[i] for i in ids] for j, ids in by_job.items()})
+                for kind, by_job in held_ids.items()}
         books = [book_of(j, held["target"][j.id], held["in_use"][j.id]) for j in jobs]
         publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
             nodes, books, now, family_history(s, pool, books))
