@@ -65,35 +65,56 @@ UNFINISHED = Job.status.in_([literal_column(f"'{status.value}'") for status in A
 is compiled once (a bound list is expanded on every execution)."""
 
 
+_UNMEASURED = ThroughputModel()  # immutable: shared by every job not measured yet (most queued jobs)
+
+
 def _model(observed: Iterable[Any]) -> ThroughputModel:
-    return ThroughputModel(tuple((int(n), float(t)) for n, t in observed))
+    return ThroughputModel(tuple((int(n), float(t)) for n, t in observed)) if observed else _UNMEASURED
 
 
 def throughput_of(job: Job | Row[Any]) -> ThroughputModel:
     """The throughput model stored in a job row's ``throughput`` JSON: ``{"observed": [[num_gpus,
     steps_per_s], ...], "by_type": {gpu_type: [[num_gpus, steps_per_s], ...]}, "relative_speed":
     {gpu_type: speed}}`` (each key optional; ``by_type`` and ``relative_speed``: see :func:`book_of`)."""
-    return _model((job.throughput or {}).get("observed", []))
+    stored = job.throughput
+    return _model(stored.get("observed")) if stored else _UNMEASURED
 
 
 def _by_type_of(job: Job | Row[Any]) -> dict[str, ThroughputModel]:
-    return {t: _model(obs) for t, obs in (job.throughput or {}).get("by_type", {}).items()}
+    stored = job.throughput
+    if not stored or "by_type" not in stored:
+        return {}
+    return {t: _model(obs) for t, obs in stored["by_type"].items()}
+
+
+_BOOK_READS = (
+    "id", "min_gpus", "max_gpus", "total_steps", "submit_s", "requested_gpus", "priority", "throughput",
+    "preemptible", "suspensions", "name", *BOOK_FIELDS,
+)
 
 
 def book_of(job: Job | Row[Any], target: Iterable[GpuId] = (), in_use: Iterable[GpuId] = ()) -> JobBook:
     """A job (ORM object or row) and its GPUs as the core's :class:`JobBook`."""
+    # a row's columns by key (a mapping look-up is several times cheaper than a row's attribute:
+    # a rebalance builds a book for every unfinished job of the pool)
+    v = job._mapping if isinstance(job, Row) else {name: getattr(job, name) for name in _BOOK_READS}
+    stored = v["throughput"]
+    suspensions = v["suspensions"]
     return JobBook(
-        job_id=job.id, min_gpus=job.min_gpus, max_gpus=job.max_gpus, total_steps=job.total_steps,
-        submit_s=job.submit_s, requested_gpus=job.requested_gpus, priority=job.priority,
-        steps_done=job.steps_done, target=tuple(sorted(target)), target_generation=job.target_generation,
-        in_use=tuple(sorted(in_use)), acked_generation=job.acked_generation, num_resizes=job.num_resizes,
-        last_resize_s=job.last_resize_s, published_s=job.published_s,
-        restart_overhead_s=job.restart_overhead_s, throughput=throughput_of(job),
-        gpu_seconds=job.gpu_seconds, in_use_since_s=job.in_use_since_s, start_s=job.start_s,
-        preemptible=bool(job.preemptible), last_start_s=job.last_start_s,
-        suspensions_s=tuple(float(t) for t in job.suspensions or ()),
-        throughput_by_type=_by_type_of(job), relative_speed=(job.throughput or {}).get("relative_speed", {}),
-        family=job.name,
+        job_id=v["id"], min_gpus=v["min_gpus"], max_gpus=v["max_gpus"], total_steps=v["total_steps"],
+        submit_s=v["submit_s"], requested_gpus=v["requested_gpus"], priority=v["priority"],
+        steps_done=v["steps_done"], target=tuple(sorted(target)), target_generation=v["target_generation"],
+        in_use=tuple(sorted(in_use)), acked_generation=v["acked_generation"], num_resizes=v["num_resizes"],
+        last_resize_s=v["last_resize_s"], published_s=v["published_s"],
+        restart_overhead_s=v["restart_overhead_s"],
+        throughput=_model(stored.get("observed")) if stored else _UNMEASURED,
+        gpu_seconds=v["gpu_seconds"], in_use_since_s=v["in_use_since_s"], start_s=v["start_s"],
+        preemptible=bool(v["preemptible"]), last_start_s=v["last_start_s"],
+        suspensions_s=tuple([float(t) for t in suspensions]) if suspensions else (),
+        throughput_by_type=({t: _model(obs) for t, obs in stored["by_type"].items()}
+                            if stored and "by_type" in stored else {}),
+        relative_speed=stored.get("relative_speed", {}) if stored else {},
+        family=v["name"],
     )
 
 
