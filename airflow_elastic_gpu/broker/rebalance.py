@@ -40,18 +40,20 @@ from typing import Any
 
 from sqlalchemy import (
     Row,
+    String,
+    any_,
     bindparam,
     case,
     delete,
     func,
     insert,
-    literal,
     literal_column,
     select,
-    union_all,
     update,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.orm import Session
 
 from airflow_elastic_gpu.broker.models import (
     Event,
@@ -91,12 +93,20 @@ log = logging.getLogger(__name__)
 _SERVED = delete(RebalanceRequest).where(RebalanceRequest.pool == bindparam("pool"))
 _ACTIVE_JOBS = (select(*BOOK_COLUMNS).where(Job.pool == bindparam("pool"), UNFINISHED)
                 .order_by(Job.submit_s, Job.id))
-_FAMILY_HISTORY = (
-    select(Job.name, Job.throughput)
-    .where(Job.pool == bindparam("pool"), Job.name.in_(bindparam("names", expanding=True)),
-           Job.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"), Job.throughput.is_not(None))
-    .order_by(Job.end_s)
-)
+_FINISHED_MEASURED = (Job.pool == bindparam("pool"), Job.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"),
+                      Job.throughput.is_not(None))
+_FAMILY_HISTORY = {
+    # PostgreSQL: the names as one array parameter (``name = ANY(:names)``), so the statement is
+    # compiled and parsed once; an expanding IN list is re-rendered for every length of the list
+    "postgresql": select(Job.name, Job.throughput).where(
+        Job.name == any_(bindparam("names", type_=postgresql.ARRAY(String))), *_FINISHED_MEASURED).order_by(Job.end_s),
+    "default": select(Job.name, Job.throughput).where(
+        Job.name.in_(bindparam("names", expanding=True)), *_FINISHED_MEASURED).order_by(Job.end_s),
+}
+
+
+def _dialect(s: Executor) -> str:
+    return (s.get_bind() if isinstance(s, Session) else s).dialect.name
 
 
 def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str, float]:
@@ -109,22 +119,23 @@ def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str
     if not names:
         return {}
     out: dict[str, float] = {}
-    for row in s.execute(_FAMILY_HISTORY, {"pool": pool, "names": names}):
+    statement = _FAMILY_HISTORY.get(_dialect(s), _FAMILY_HISTORY["default"])
+    for row in s.execute(statement, {"pool": pool, "names": names}):
         model = throughput_of(row)
         if model.observed:
             out[row.name] = model.steps_per_s(1)  # ordered by end time: the latest wins
     return out
 
 
+# every GPU of the pool with the jobs whose target and in-use set name it (at most one each: the
+# GPU is the primary key of both tables; a job holds only GPUs of its own pool's nodes)
 _POOL_GPUS = (
-    select(Node.name, Node.schedulable, Gpu.id, Gpu.index, Gpu.gpu_type, Gpu.healthy)
-    .join(Gpu, Gpu.node_id == Node.id).where(Node.pool == bindparam("pool")).order_by(Node.name, Gpu.index)
+    select(Node.name, Node.schedulable, Gpu.id, Gpu.index, Gpu.gpu_type, Gpu.healthy,
+           GpuTarget.job_id.label("target_job"), GpuInUse.job_id.label("in_use_job"))
+    .join(Gpu, Gpu.node_id == Node.id)
+    .outerjoin(GpuTarget, GpuTarget.gpu_id == Gpu.id).outerjoin(GpuInUse, GpuInUse.gpu_id == Gpu.id)
+    .where(Node.pool == bindparam("pool")).order_by(Node.name, Gpu.index)
 )
-_POOL_HELD = union_all(*(
-    select(literal(kind).label("kind"), table.job_id, table.gpu_id).join(Job, Job.id == table.job_id)
-    .where(Job.pool == bindparam("pool"))
-    for kind, table in (("target", GpuTarget), ("in_use", GpuInUse))
-))
 _ENDED_HOLDING = select(Job.id, Job.pool, Job.last_heartbeat_s).where(Job.id.in_(bindparam("job_ids", expanding=True)))
 _DROP_TARGETS = delete(GpuTarget).where(GpuTarget.job_id.in_(bindparam("job_ids", expanding=True)))
 _PUBLISH = update(Job).where(Job.id == bindparam("_job_id"))
@@ -138,6 +149,14 @@ _TOUCH_POOL = update(GpuPool).where(GpuPool.name == bindparam("pool")).values(
     served_request_id=case(  # never lowered (only leftovers below it may be visible)
         (_MAX_REQUEST > GpuPool.served_request_id, _MAX_REQUEST), else_=GpuPool.served_request_id),
 )
+# PostgreSQL: both in one statement (one round trip less under the pool lock): the requests are
+# deleted and the watermark set to the highest id deleted, from one snapshot
+_SERVED_IDS = _SERVED.returning(RebalanceRequest.id).cte("served")
+_MAX_SERVED = select(func.max(_SERVED_IDS.c.id)).scalar_subquery()
+_TOUCH_AND_SERVE = update(GpuPool).where(GpuPool.name == bindparam("pool")).values(
+    last_rebalance_s=bindparam("now"),
+    served_request_id=case((_MAX_SERVED > GpuPool.served_request_id, _MAX_SERVED), else_=GpuPool.served_request_id),
+).add_cte(_SERVED_IDS)
 _POOL_SHARED = select(GpuPool.last_rebalance_s).where(GpuPool.name == bindparam("pool")).with_for_update(read=True)
 
 
@@ -338,8 +357,11 @@ class Rebalancing(BrokerBase):
         jobs and publish its decisions (the caller holds the lock of the pool, ``row``)."""
         now = self.clock()
         pool = row.name
-        s.execute(_TOUCH_POOL, {"pool": pool, "now": now})  # the watermark first: the delete sees as much
-        s.execute(_SERVED, {"pool": pool})
+        if _dialect(s) == "postgresql":
+            s.execute(_TOUCH_AND_SERVE, {"pool": pool, "now": now})
+        else:
+            s.execute(_TOUCH_POOL, {"pool": pool, "now": now})  # the watermark first: the delete sees as much
+            s.execute(_SERVED, {"pool": pool})
         jobs = s.execute(_ACTIVE_JOBS, {"pool": pool}).all()
         silent = [j.id for j in jobs if now - j.last_heartbeat_s > row.lease_s]
         reaped = set()
@@ -355,8 +377,12 @@ class Rebalancing(BrokerBase):
         jobs = [j for j in jobs if j.id not in reaped]
         self.rebalances += 1  # counted once it has read the pool (a failure after this is logged)
         held_ids: dict[str, dict[str, list[int]]] = {"target": defaultdict(list), "in_use": defaultdict(list)}
-        for kind, job_id, gpu_id in s.execute(_POOL_HELD, {"pool": pool}):
-            held_ids[kind][job_id].append(gpu_id)
+        gpus = s.execute(_POOL_GPUS, {"pool": pool}).all()
+        for *_, gpu_id, _index, _type, _healthy, target_job, in_use_job in gpus:
+            if target_job is not None:
+                held_ids["target"][target_job].append(gpu_id)
+            if in_use_job is not None:
+                held_ids["in_use"][in_use_job].append(gpu_id)
         # GPUs an ended job still holds (cancelled, its trainer maybe still stopping) go to nobody
         draining = self._draining(s, held_ids, {j.id for j in jobs}, now, row.lease_s)
         if not jobs:
@@ -364,7 +390,7 @@ class Rebalancing(BrokerBase):
         gpu_by_id: dict[int, GpuId] = {}
         usable: dict[str, list[int]] = {}
         gpu_types: dict[str, str] = {}
-        for node, schedulable, gpu_id, index, gpu_type, healthy in s.execute(_POOL_GPUS, {"pool": pool}):
+        for node, schedulable, gpu_id, index, gpu_type, healthy, *_ in gpus:
             gpu_by_id[gpu_id] = GpuId(node, index)
             if schedulable:
                 gpu_types.setdefault(node, gpu_type)
