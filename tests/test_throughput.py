@@ -73,3 +73,19 @@ def test_a_job_not_yet_measured_gets_its_familys_prior_then_the_pools():
     empty = {"x": ThroughputModel()}
     assert with_pool_prior(empty, {"x": "f"}) == empty
     assert with_pool_prior(empty, {"x": "f"}, {"f": 7.0})["x"].steps_per_s(1) == pytest.approx(7.0)
+
+
+def test_a_prior_says_whether_it_comes_from_the_same_training_or_the_pool_guess():
+    from airflow_elastic_gpu.scheduling.throughput import with_pool_prior
+
+    measured = ThroughputModel().with_sample(1, 50.0)
+    models = {"a": measured, "b": ThroughputModel(), "c": ThroughputModel(), "d": ThroughputModel()}
+    families = {"a": "bert", "b": "bert", "c": "ncf", "d": "cifar"}
+    out = with_pool_prior(models, families, history={"ncf": 900.0})
+    assert out["a"] is measured and out["a"].from_own_training
+    assert (out["b"].prior_steps_per_s, out["b"].prior_source) == (50.0, "family")
+    assert (out["c"].prior_steps_per_s, out["c"].prior_source) == (900.0, "family")
+    assert (out["d"].prior_steps_per_s, out["d"].prior_source) == (50.0, "pool")
+    assert out["b"].from_own_training and out["c"].from_own_training and not out["d"].from_own_training
+    assert out["d"] == ThroughputModel(prior_steps_per_s=50.0), "the source is not part of the model's value"
+    assert out["c"].scaled(2.0).prior_source == "family"

@@ -11,15 +11,23 @@ linear-scaling jobs are served shortest-first, poorly scaling ones share.
 Steps of one decision:
 
 1. Jobs resized less than ``min_resize_interval_s`` ago are frozen at their count.
-2. Other running jobs start from ``min_gpus``; waiting jobs are admitted at
-   ``min_gpus`` in rank order (priority, then least remaining work) while GPUs last.
+2. Other running jobs start from ``min_gpus``. A waiting job whose rank rests on a guess (not
+   measured, and no measured job of its training: the pool-median prior), that has waited
+   ``admission_patience`` times its predicted run time on ``min_gpus``, or that ran before and
+   was not suspended (a running job moved, e.g. to another GPU type), is admitted at
+   ``min_gpus`` in rank order (priority, then least remaining work) while GPUs last. Any other
+   waiting job is admitted in step 3, when its start gains more than growing a running job.
    With suspension on (``suspend=True``, a pool setting), a waiting job that does
    not fit may suspend preemptible running jobs ranked after it, when the SRPT
    exchange pays its restart overheads (:mod:`~airflow_elastic_gpu.scheduling.suspension`);
    a suspended job waits in rank order like any other and resumes when admitted.
-3. Remaining GPUs go one at a time to the job with the highest
-   ``weight * (throughput(n+1) - throughput(n)) / throughput(1)``, where
-   ``weight`` is the number of unfinished jobs ranked at or after it.
+3. Remaining GPUs go to the job with the highest
+   ``weight * (throughput(n+k) - throughput(n)) / throughput(1) / k`` for its next step of ``k``
+   GPUs (a waiting job's start: ``k = min_gpus`` from zero throughput), where ``weight`` is the
+   number of unfinished jobs ranked at or after it. This is heSRPT's rule in discrete form: a
+   job's start competes with the growth of the jobs ranked before it, so a burst of arrivals is
+   served a few at a time on more GPUs each (shortest first), not all at once on one GPU each,
+   which would share the GPUs like a processor-sharing queue and finish every job late.
 4. GPUs nobody gained go back to the running jobs that gave them up, so no job
    is shrunk for nothing (unless it was measured slower on them).
 5. Hysteresis: a running job is resized for its own sake (a growth, or a
@@ -84,6 +92,12 @@ class AdaptivePolicy:
     :param type_aware: on a pool of several GPU types, choose each job's type first
         (:func:`~airflow_elastic_gpu.scheduling.heterogeneous.decide_by_type`); False: treat all
         GPUs alike (a job may then span types and run at its slowest GPU's pace).
+    :param admission_by_gain: a waiting job ranked on its own training's measurements starts only
+        when its start gains more than the growth of a running job (step 3); False: every waiting
+        job is admitted at ``min_gpus`` before any job grows (the first releases' rule).
+    :param admission_patience: a waiting job that has waited this many times its predicted run
+        time on ``min_gpus`` is admitted before any growth (> 0): the bound on how long
+        shortest-first admission may hold a long job back.
     :raises ValueError: a parameter out of range.
     """
 
@@ -97,6 +111,8 @@ class AdaptivePolicy:
     elastic: bool = True
     _suspension: SuspensionRule | None = field(init=False, repr=False, compare=False, default=None)
     type_aware: bool = True
+    admission_by_gain: bool = True
+    admission_patience: float = 0.5
     preemptive: ClassVar[bool] = False
     resize_mechanism: ClassVar[str] = "inplace"
 
@@ -107,6 +123,8 @@ class AdaptivePolicy:
             raise ValueError(
                 f"min_resize_interval_s must be >= 0, got {self.min_resize_interval_s}"
             )
+        if not self.admission_patience > 0:
+            raise ValueError(f"admission_patience must be > 0, got {self.admission_patience!r}")
         if not isinstance(self.suspend, bool):
             raise ValueError(f"suspend must be true or false, got {self.suspend!r}")
         rule = SuspensionRule(self.min_runtime_s, self.max_suspensions_per_hour, self.hysteresis)
@@ -201,19 +219,36 @@ class AdaptivePolicy:
                 continue
             free -= counts[r]
         rule = self._suspension
+        # waiting jobs whose start competes with growth in step 3 (None: all admitted here)
+        by_gain: list[bool] | None = [False] * num_jobs if self.admission_by_gain else None
+        now_s, patience = cluster.now_s, self.admission_patience
+        reserved = 0  # GPUs the starts of such jobs would take: not for jobs ranked after them here
         for r, j in enumerate(order):  # admit waiting jobs at their minimum
             if not j.allocation:
                 if free < j.min_gpus and rule is not None:  # suspend later-ranked jobs, if that pays
-                    for v in rule.victims(order, counts, frozen, r, j.min_gpus - free, cluster.now_s):
+                    victims = rule.victims(order, counts, frozen, r, j.min_gpus - free, now_s)
+                    for v in victims:
                         free += counts[v]
                         counts[v] = 0
                         suspended[v] = True
-                counts[r] = j.min_gpus if free >= j.min_gpus else 0
+                    if victims:  # GPUs freed for this job: it starts now
+                        counts[r] = j.min_gpus
+                        free -= counts[r]
+                        continue
+                if free - reserved < j.min_gpus:
+                    continue
+                if (by_gain is not None and j.throughput.from_own_training
+                        and (j.first_start_s is None or j.suspensions_s)  # not a running job moved
+                        and now_s - j.submit_time_s < patience * j.remaining_time_s(j.min_gpus)):
+                    by_gain[r] = True  # admitted in step 3 instead, if its start gains most
+                    reserved += j.min_gpus
+                    continue
+                counts[r] = j.min_gpus
                 free -= counts[r]
 
         node = cluster.max_node_gpus
         if free > 0:  # step 3 (free > 0 implies node > 0)
-            free = self._grant(order, remaining_1_s, frozen, counts, free, node)
+            free = self._grant(order, remaining_1_s, frozen, counts, free, node, by_gain)
         if free > 0 and self.explore:  # step 4a: idle GPUs try a count no job has been measured on
             by_need = sorted(
                 range(num_jobs), key=lambda r: -order[r].remaining_time_s(max(1, order[r].num_gpus))
@@ -248,6 +283,7 @@ class AdaptivePolicy:
         counts: list[int],
         free: int,
         node: int,
+        by_gain: list[bool] | None = None,
     ) -> int:
         """Step 3: hand ``free`` GPUs (> 0) out by weighted marginal speed-up, updating ``counts``.
 
@@ -255,6 +291,8 @@ class AdaptivePolicy:
         GPUs is ``weight * (throughput(n + k) - throughput(n)) / throughput(1) / k``
         for its next growth of ``k`` GPUs (one while it fits a node, then up to
         the next whole node); ``weight`` is the number of jobs ranked at or after it.
+        A waiting job marked in ``by_gain`` (at 0 GPUs) competes with its start:
+        ``k = min_gpus`` and zero throughput at 0 GPUs.
 
         The best job has the highest score, then the least ``remaining_time_s(1)``,
         then the least job id (ids are unique). Hot path (thousands of grants per
@@ -279,9 +317,15 @@ class AdaptivePolicy:
                 k = 1 if n < node else min(node - n % node, max_gpus - n)
                 speed_next = speed(n + k)
                 neg_score = -((num_jobs - r) * (speed_next - speed(n)) / speed_1 / k)
-                _wait(waiting, neg_score, (remaining_1_s[r], j.job_id, k, speed_next,
-                                           (r, speed, speed_1, max_gpus)))
-                heap.append(neg_score)
+            elif n == 0 and by_gain is not None and by_gain[r]:  # a waiting job's start
+                speed = j.throughput.steps_per_s
+                speed_1, max_gpus, k = speed(1), j.max_gpus, j.min_gpus
+                speed_next = speed(k)
+                neg_score = -((num_jobs - r) * speed_next / speed_1 / k)
+            else:
+                continue
+            _wait(waiting, neg_score, (remaining_1_s[r], j.job_id, k, speed_next, (r, speed, speed_1, max_gpus)))
+            heap.append(neg_score)
         if not heap:
             return free
         heapq.heapify(heap)

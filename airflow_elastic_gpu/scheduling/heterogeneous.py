@@ -44,12 +44,19 @@ if TYPE_CHECKING:
 _new_job = JobState.__new__
 
 
-def _on_type(job: JobState, throughput: ThroughputModel, allocation: tuple[GpuId, ...]) -> JobState:
-    """``job`` with another ``throughput`` and ``allocation`` (a copy without re-validation: hot path)."""
+def _on_type(job: JobState, throughput: ThroughputModel, allocation: tuple[GpuId, ...], now_s: float) -> JobState:
+    """``job`` with another ``throughput`` and ``allocation`` (a copy without re-validation: hot path).
+
+    A job that holds GPUs (of another type, when it moves) is marked started (``first_start_s``, if
+    not known: ``now_s``): without GPUs of this type it is a running job to admit, not a waiting
+    one whose start competes with growth (:class:`~airflow_elastic_gpu.scheduling.adaptive.AdaptivePolicy`,
+    step 2)."""
     copy = _new_job(JobState)
     copy.__dict__.update(job.__dict__)
     copy.__dict__["throughput"] = throughput
     copy.__dict__["allocation"] = allocation
+    if job.allocation and job.first_start_s is None:
+        copy.__dict__["first_start_s"] = now_s
     return copy
 
 
@@ -209,7 +216,7 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
             alloc = j.allocation
             if alloc and (alloc[0].node != alloc[-1].node or node_type[alloc[0].node] != t):
                 alloc = tuple(g for g in alloc if node_type[g.node] == t)
-            jobs.append(_on_type(j, model.scaled(factor), alloc))
+            jobs.append(_on_type(j, model.scaled(factor), alloc, cluster.now_s))
         return policy.decide(ClusterState(tuple(nodes_of[t]), tuple(jobs), cluster.now_s))
 
     decisions = {t: decide(t) for t in types if jobs_of[t]}

@@ -15,7 +15,7 @@ not starved of GPUs it may well use.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 DEFAULT_PRIOR_ALPHA = 0.05
@@ -32,11 +32,21 @@ class ThroughputModel:
     :param prior_alpha: serial fraction assumed before two counts are seen,
         in ``[0, 1)``; 0 means linear scaling.
     :param prior_steps_per_s: single-GPU throughput assumed before any sample.
+    :param prior_source: where ``prior_steps_per_s`` comes from: ``"family"`` (measured jobs of the
+        same training: :func:`with_pool_prior`), ``"pool"`` (the pool's median measured job: a
+        guess), or ``""`` (the default). Not part of the model's value (equality ignores it).
     """
 
     observed: tuple[tuple[int, float], ...] = ()
     prior_alpha: float = DEFAULT_PRIOR_ALPHA
     prior_steps_per_s: float = DEFAULT_PRIOR_STEPS_PER_S
+    prior_source: str = field(default="", compare=False)
+
+    @property
+    def from_own_training(self) -> bool:
+        """True if the model rests on measurements of this training: its own samples, or a prior
+        from measured jobs of the same family (not the pool-wide guess)."""
+        return bool(self.observed) or self.prior_source == "family"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior_alpha < 1.0:
@@ -72,7 +82,8 @@ class ThroughputModel:
             return self
         model = object.__new__(ThroughputModel)  # valid by construction: skip the checks (hot path)
         model.__dict__.update(observed=tuple([(n, t * factor) for n, t in self.observed]),
-                              prior_alpha=self.prior_alpha, prior_steps_per_s=self.prior_steps_per_s * factor)
+                              prior_alpha=self.prior_alpha, prior_steps_per_s=self.prior_steps_per_s * factor,
+                              prior_source=self.prior_source)
         return model
 
     @cached_property
@@ -181,15 +192,16 @@ def with_pool_prior(
     if not known_t1 and not history:
         return dict(models)
     pool = known_t1[len(known_t1) // 2] if known_t1 else None
+    family_t1 = {f: sorted(t1s)[len(t1s) // 2] for f, t1s in by_family.items()}  # medians, once
 
     def prior(job_id: str, m: ThroughputModel) -> ThroughputModel:
         family = families.get(job_id)
-        seen = sorted(by_family.get(family, ())) if family is not None else []
-        t1 = seen[len(seen) // 2] if seen else (history or {}).get(family) if family is not None else None
-        t1 = t1 if t1 is not None and t1 > 0 else pool
-        if t1 is None:
+        t1 = family_t1.get(family) or (history or {}).get(family) if family is not None else None
+        if t1 is not None and t1 > 0:
+            return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=t1, prior_source="family")
+        if pool is None:
             return m
-        return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=t1)
+        return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=pool, prior_source="pool")
 
     return {k: m if m.observed else prior(k, m) for k, m in models.items()}
 
