@@ -389,3 +389,28 @@ def test_request_ids_past_32_bits_still_find_their_rebalance(pool, broker_url):
     assert pool.job(a.id).target_gpus, "the submit's request was served"
     with pool.engine.connect() as conn:
         assert conn.execute(text("SELECT served_request_id FROM gpu_pool")).scalar() > 2**31
+
+
+@pytest.mark.parametrize("by_gain", [False, True])
+def test_a_pool_can_start_measured_jobs_shortest_first(pool, clock, by_gain):
+    """With the pool setting ``admission_by_gain``, two new runs of a training measured before (the
+    finished run of the same name) start one after the other on all GPUs, shortest first; by
+    default both start at once and share them."""
+    pool.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0,
+                                       "admission_by_gain": by_gain})
+    last = pool.submit(spec("run-1", min_gpus=4))
+    pool.ack(last.id, 1)
+    pool.progress(last.id, 0, generation=1)
+    clock.advance(10)
+    pool.progress(last.id, 100, generation=1)  # 10 steps/s on 4 GPUs
+    pool.finish(last.id)
+    hog = pool.submit(spec("hog", min_gpus=4))  # holds the GPUs while both arrive
+    pool.ack(hog.id, 1)
+    jobs = [pool.submit(JobSpec(name="run-1", command="python train.py", key=f"run-{n}", min_gpus=1, max_gpus=4,
+                                total_steps=steps)) for n, steps in ((2, 2000), (3, 1000))]
+    pool.finish(hog.id)
+    sizes = [len(pool.job(j.id).target_gpus) for j in jobs]
+    if by_gain:
+        assert sizes == [0, 4]  # the shorter one first, on every GPU; the other waits for them
+    else:
+        assert all(sizes) and sum(sizes) == 4

@@ -145,6 +145,7 @@ def test_a_job_measured_slower_on_more_gpus_is_shrunk_back():
 
 
 MEASURED_LINEAR = ThroughputModel(((1, 1.0), (2, 2.0)), prior_alpha=0.0)  # run on 1 and 2 GPUs: linear
+BY_GAIN = AdaptivePolicy(admission_by_gain=True)  # a pool setting, off by default
 
 
 def test_a_burst_of_measured_jobs_starts_shortest_first_on_more_gpus():
@@ -152,10 +153,10 @@ def test_a_burst_of_measured_jobs_starts_shortest_first_on_more_gpus():
     share the pool like a processor-sharing queue (every job late); by gain (heSRPT), the shortest
     takes the GPUs first and the others wait for them. The first releases' rule admits all four."""
     jobs = tuple(job(f"j{i}", steps=1000 * (i + 1), model=MEASURED_LINEAR) for i in range(4))
-    d = AdaptivePolicy().decide(ClusterState((node(),), jobs, 0.0))
+    d = BY_GAIN.decide(ClusterState((node(),), jobs, 0.0))
     assert len(d.allocations["j0"]) == 4 and not any(d.allocations[f"j{i}"] for i in (1, 2, 3))
     assert "start on 4 GPU(s)" in d.reasons["j0"]
-    everyone = AdaptivePolicy(admission_by_gain=False).decide(ClusterState((node(),), jobs, 0.0))
+    everyone = AdaptivePolicy().decide(ClusterState((node(),), jobs, 0.0))
     assert [len(everyone.allocations[f"j{i}"]) for i in range(4)] == [1, 1, 1, 1]
 
 
@@ -166,10 +167,10 @@ def test_a_job_ranked_on_a_guess_is_started_at_once_but_not_before_a_measured_sh
     guess = ThroughputModel(prior_alpha=0.0, prior_steps_per_s=1.0, prior_source="pool")
     short = job("short", steps=1000, model=MEASURED_LINEAR)
     guessed = job("guessed", steps=5000, model=guess)
-    d = AdaptivePolicy().decide(ClusterState((node(),), (short, guessed), 0.0))
+    d = BY_GAIN.decide(ClusterState((node(),), (short, guessed), 0.0))
     assert len(d.allocations["guessed"]) == 1 and len(d.allocations["short"]) == 3
     whole = job("short", min_gpus=4, steps=1000, model=MEASURED_LINEAR)
-    d = AdaptivePolicy().decide(ClusterState((node(),), (whole, guessed), 0.0))
+    d = BY_GAIN.decide(ClusterState((node(),), (whole, guessed), 0.0))
     assert len(d.allocations["short"]) == 4 and d.allocations["guessed"] == ()
 
 
@@ -178,9 +179,9 @@ def test_a_long_job_held_back_past_its_patience_is_started_before_any_growth():
     times its own predicted run time on its minimum (here 0.5 x 10,000 s)."""
     long = job("long", steps=10_000, model=MEASURED_LINEAR, submit=0.0)
     short = job("short", steps=1000, model=MEASURED_LINEAR, submit=0.0)
-    early = AdaptivePolicy().decide(ClusterState((node(),), (long, short), 4_000.0))
+    early = BY_GAIN.decide(ClusterState((node(),), (long, short), 4_000.0))
     assert early.allocations["long"] == () and len(early.allocations["short"]) == 4
-    late = AdaptivePolicy().decide(ClusterState((node(),), (long, short), 6_000.0))
+    late = BY_GAIN.decide(ClusterState((node(),), (long, short), 6_000.0))
     assert len(late.allocations["long"]) == 1 and len(late.allocations["short"]) == 3
     with pytest.raises(ValueError, match="admission_patience must be > 0"):
         AdaptivePolicy(admission_patience=0)

@@ -13,7 +13,6 @@ import pytest
 from airflow_elastic_gpu.cli import main as cli_main
 from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
 from airflow_elastic_gpu.scheduling.policy import get_policy, policy_classes
-from airflow_elastic_gpu.scheduling.termination import TerminationPolicy
 from airflow_elastic_gpu.simulator.engine import (
     ClusterShape,
     RecreateModel,
@@ -120,10 +119,8 @@ def test_tiresias_demotes_a_long_job_and_preempts_it_for_a_new_one():
 def test_termination_pays_recreate_overhead_adaptive_pays_in_place():
     overheads = RestartOverheads(inplace_s=5.0, recreate_s=100.0)
     trace = [TraceJob("long", 0, 1, 20_000, "imagenet"), TraceJob("short", 3000, 1, 1200, "imagenet")]
-    # every job admitted at once (a re-created pod competing for its start could wait, and a resize
-    # cut short by the next one would lose less than the whole overhead: not what is measured here)
-    a = simulate(trace, ClusterShape(1, 4), AdaptivePolicy(admission_by_gain=False), overheads=overheads)
-    t = simulate(trace, ClusterShape(1, 4), TerminationPolicy(admission_by_gain=False), overheads=overheads)
+    a = simulate(trace, ClusterShape(1, 4), "adaptive", overheads=overheads)
+    t = simulate(trace, ClusterShape(1, 4), "termination", overheads=overheads)
     assert a.mechanism == "inplace" and t.mechanism == "recreate"
     lost_a = sum(j.restart_lost_s for j in a.jobs) / max(1, sum(j.resizes for j in a.jobs))
     lost_t = sum(j.restart_lost_s for j in t.jobs) / max(1, sum(j.resizes for j in t.jobs))
@@ -149,9 +146,7 @@ def test_a_recreated_job_waits_for_gpus_that_others_took_meanwhile():
     trace = [TraceJob("long", 0, 1, 20_000, "imagenet")] + [
         TraceJob(f"s{i}", 3000 + 5 * i, 1, 1200, "imagenet") for i in range(4)]
     slow_stop = RestartOverheads(recreate=RecreateModel(grace_period_s=30.0))
-    # every waiting job admitted at once, so that the four hold every GPU (admitted by gain, the
-    # first short job grows instead and is itself re-created: GPUs idle through its grace period)
-    t = simulate(trace, ClusterShape(1, 4), TerminationPolicy(admission_by_gain=False), overheads=slow_stop)
+    t = simulate(trace, ClusterShape(1, 4), "termination", overheads=slow_stop)
     long = next(j for j in t.jobs if j.job_id == "long")
     assert long.recreate_wait_s > 0
     gone = next(time for time, job, n in t.allocations if job == "long" and n == 0)
@@ -386,8 +381,8 @@ def test_a_burst_of_a_measured_training_finishes_sooner_started_shortest_first()
     a much lower average JCT, a last finish within a few per cent."""
     trace = [TraceJob("first", 0, 1, 600, "bert")] + [
         TraceJob(f"b{i}", 1000, 1, 2400 + 300 * i, "bert") for i in range(4)]
-    by_gain = simulate(trace, ClusterShape(1, 4), "adaptive")
-    at_once = simulate(trace, ClusterShape(1, 4), AdaptivePolicy(admission_by_gain=False))
+    by_gain = simulate(trace, ClusterShape(1, 4), AdaptivePolicy(admission_by_gain=True))
+    at_once = simulate(trace, ClusterShape(1, 4), "adaptive")
     assert by_gain.summary()["avg_jct_s"] < 0.8 * at_once.summary()["avg_jct_s"]
     assert max(n for _, job, n in by_gain.allocations if job == "b0") == 4
     assert by_gain.summary()["makespan_s"] <= 1.05 * at_once.summary()["makespan_s"]

@@ -11,23 +11,27 @@ linear-scaling jobs are served shortest-first, poorly scaling ones share.
 Steps of one decision:
 
 1. Jobs resized less than ``min_resize_interval_s`` ago are frozen at their count.
-2. Other running jobs start from ``min_gpus``. A waiting job whose rank rests on a guess (not
+2. Other running jobs start from ``min_gpus``; waiting jobs are admitted at ``min_gpus`` in
+   rank order (priority, then least remaining work) while GPUs last. With the pool setting
+   ``admission_by_gain`` (off by default), only a waiting job whose rank rests on a guess (not
    measured, and no measured job of its training: the pool-median prior), that has waited
    ``admission_patience`` times its predicted run time on ``min_gpus``, or that ran before and
-   was not suspended (a running job moved, e.g. to another GPU type), is admitted at
-   ``min_gpus`` in rank order (priority, then least remaining work) while GPUs last. Any other
-   waiting job is admitted in step 3, when its start gains more than growing a running job.
+   was not suspended (a running job moved, e.g. to another GPU type) is admitted here; any
+   other waiting job is admitted in step 3, when its start gains more than growing a running job.
    With suspension on (``suspend=True``, a pool setting), a waiting job that does
    not fit may suspend preemptible running jobs ranked after it, when the SRPT
    exchange pays its restart overheads (:mod:`~airflow_elastic_gpu.scheduling.suspension`);
    a suspended job waits in rank order like any other and resumes when admitted.
 3. Remaining GPUs go to the job with the highest
    ``weight * (throughput(n+k) - throughput(n)) / throughput(1) / k`` for its next step of ``k``
-   GPUs (a waiting job's start: ``k = min_gpus`` from zero throughput), where ``weight`` is the
-   number of unfinished jobs ranked at or after it. This is heSRPT's rule in discrete form: a
-   job's start competes with the growth of the jobs ranked before it, so a burst of arrivals is
-   served a few at a time on more GPUs each (shortest first), not all at once on one GPU each,
-   which would share the GPUs like a processor-sharing queue and finish every job late.
+   GPUs (with ``admission_by_gain``, a waiting job's start: ``k = min_gpus`` from zero
+   throughput), where ``weight`` is the number of unfinished jobs ranked at or after it. With
+   ``admission_by_gain`` this is heSRPT's rule for the first GPUs too: a job's start competes
+   with the growth of the jobs ranked before it, so a burst of arrivals is served a few at a time
+   on more GPUs each (shortest first), not all at once on one GPU each, which shares the GPUs
+   like a processor-sharing queue and finishes every job late. The price is throughput: growth
+   is less efficient than a start, and long jobs start later, so the last job finishes later
+   (``docs/benchmarks.md``: -5% average JCT, +12% makespan on the generated workloads).
 4. GPUs nobody gained go back to the running jobs that gave them up, so no job
    is shrunk for nothing (unless it was measured slower on them).
 5. Hysteresis: a running job is resized for its own sake (a growth, or a
@@ -93,8 +97,9 @@ class AdaptivePolicy:
         (:func:`~airflow_elastic_gpu.scheduling.heterogeneous.decide_by_type`); False: treat all
         GPUs alike (a job may then span types and run at its slowest GPU's pace).
     :param admission_by_gain: a waiting job ranked on its own training's measurements starts only
-        when its start gains more than the growth of a running job (step 3); False: every waiting
-        job is admitted at ``min_gpus`` before any job grows (the first releases' rule).
+        when its start gains more than the growth of a running job (step 3): lower average JCT,
+        later makespan. False (the default): every waiting job is admitted at ``min_gpus`` before
+        any job grows.
     :param admission_patience: a waiting job that has waited this many times its predicted run
         time on ``min_gpus`` is admitted before any growth (> 0): the bound on how long
         shortest-first admission may hold a long job back.
@@ -111,7 +116,7 @@ class AdaptivePolicy:
     elastic: bool = True
     _suspension: SuspensionRule | None = field(init=False, repr=False, compare=False, default=None)
     type_aware: bool = True
-    admission_by_gain: bool = True
+    admission_by_gain: bool = False
     admission_patience: float = 0.5
     preemptive: ClassVar[bool] = False
     resize_mechanism: ClassVar[str] = "inplace"
