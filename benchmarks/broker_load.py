@@ -180,13 +180,16 @@ def _process(first: int, count: int, url: str, pool: str, seed: int, remaining: 
 
 def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool: str = "load",
              nodes: int = 4, gpus_per_node: int = 8, processes: int = 4,
-             restart: Callable[[], float] | None = None, restart_after_s: float = 5.0) -> dict:
+             restart: Callable[[], float] | None = None, restart_after_s: float = 5.0,
+             restart_after_ops: int | None = None) -> dict:
     """Run the load and return the figures (see the module docstring).
 
     :param processes: the clients are spread over this many processes (threads within each), as
         agents and triggerers are separate processes; 1 runs every client in this one.
     :param restart: restarts the database server (see ``private_postgres.PrivatePostgres.restart``),
-        called once, ``restart_after_s`` seconds into the run; every client must ride it out.
+        called once, ``restart_after_s`` seconds into the run or once ``restart_after_ops``
+        operations (default half of them) are done, whichever comes first, so that it falls
+        inside the run however fast the machine; every client must ride it out.
     """
     engine = create_broker_engine(url)
     migrate(engine)
@@ -232,10 +235,15 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
     watch.start()
     restarts: list[dict[str, float]] = []
 
+    after_ops = ops // 2 if restart_after_ops is None else restart_after_ops
+
     def restarter() -> None:
-        if not stop.wait(restart_after_s):
-            took = restart()
-            restarts.append({"at_s": time.perf_counter() - t0, "took_s": took})
+        while not stop.wait(0.01):
+            if time.perf_counter() - t0 >= restart_after_s or ops - remaining.value >= after_ops:
+                at_s, done = time.perf_counter() - t0, ops - remaining.value
+                took = restart()
+                restarts.append({"at_s": at_s, "after_ops": done, "took_s": took})
+                return
 
     restart_thread = threading.Thread(target=restarter, name="restarter") if restart else None
     if restart_thread:
@@ -263,7 +271,15 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
     watch.join()
     if restart_thread:
         restart_thread.join()
-    for name, count in check(engine, pool).items():
+    for attempt in range(50):  # the server may have dropped this engine's pooled connections
+        try:
+            found = check(engine, pool)
+            break
+        except OperationalError:
+            if attempt == 49:
+                raise
+            time.sleep(0.1)
+    for name, count in found.items():
         violations[name] += count
     checks[0] += 1
     done = sum(len(v) for v in latencies.values())
@@ -306,7 +322,9 @@ def main() -> int:
     ap.add_argument("--restart-server", action="store_true",
                     help="run against a private PostgreSQL server (initdb/pg_ctl in a temporary directory, "
                          "not --url) and restart it (pg_ctl restart -m fast) during the run")
-    ap.add_argument("--restart-after-s", type=float, default=5.0)
+    ap.add_argument("--restart-after-s", type=float, default=5.0,
+                    help="with --restart-server: restart this many seconds into the run, or once half the "
+                         "operations are done if that comes first")
     ap.add_argument("--out", type=Path, default=None,
                     help=f"results file (default {RESULTS.name}, or {RESTART_RESULTS.name} with --restart-server)")
     args = ap.parse_args()
