@@ -137,15 +137,44 @@ def ensure_schema(engine: Engine) -> None:
 
 def migrate(engine: Engine) -> None:
     """Create or upgrade the broker schema to the latest Alembic revision (safe to call concurrently)."""
-    cfg = _alembic_config()
-    head = ScriptDirectory.from_config(cfg).get_current_head()
+    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
     with engine.connect() as conn:
         if MigrationContext.configure(conn).get_current_revision() == head:
             return
-    with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.execute(text("SELECT pg_advisory_xact_lock(724101)"))
-        if MigrationContext.configure(conn).get_current_revision() == head:
-            return
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+    run_migration(engine, "upgrade", head)
+
+
+def run_migration(engine: Engine, direction: str, revision: str) -> None:
+    """Move the broker schema ``"upgrade"`` or ``"downgrade"`` to ``revision`` in one transaction
+    (PostgreSQL: under an advisory lock, so concurrent callers migrate once).
+
+    SQLite alters a table by copying it (Alembic's batch mode): with foreign keys enforced, dropping
+    the old ``job`` table fails while other tables' rows refer to it, so, as Alembic's documentation
+    advises, enforcement is off during the migration (the pragma works only outside a transaction)
+    and ``PRAGMA foreign_key_check`` must find no dangling reference before the commit.
+
+    :raises RuntimeError: a migration left rows that refer to missing ones (SQLite).
+    """
+    cfg = _alembic_config()
+    step = {"upgrade": command.upgrade, "downgrade": command.downgrade}[direction]
+    sqlite = engine.dialect.name == "sqlite"
+    with engine.connect() as conn:
+        # on the driver's connection, not in a SQLAlchemy transaction (which would begin one)
+        pragma = conn.connection.driver_connection.execute if sqlite else None
+        if pragma:
+            pragma("PRAGMA foreign_keys=OFF")
+        try:
+            with conn.begin():
+                if engine.dialect.name == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(724101)"))
+                current = MigrationContext.configure(conn).get_current_revision()
+                if direction == "upgrade" and current == revision:
+                    return
+                cfg.attributes["connection"] = conn
+                step(cfg, revision)
+                if sqlite and (dangling := conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()):
+                    raise RuntimeError(f"the broker schema migration left rows that refer to missing ones: "
+                                       f"{dangling[:5]}")
+        finally:
+            if pragma:
+                pragma("PRAGMA foreign_keys=ON")
