@@ -4,6 +4,7 @@ deployment goes through the same steps)."""
 
 import pytest
 from alembic.script import ScriptDirectory
+from sqlalchemy import text
 
 from airflow_elastic_gpu.broker.db import _alembic_config, run_migration, schema_is_current
 from airflow_elastic_gpu.broker.service import GpuBroker
@@ -54,3 +55,21 @@ def test_every_migration_step_down_and_up_keeps_the_data(broker, clock, revision
 def _previous(revision: str) -> str:
     script = ScriptDirectory.from_config(_alembic_config())
     return script.get_revision(revision).down_revision
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("broker_url", ["postgresql"], indirect=True)
+def test_event_and_sample_ids_are_64_bit_on_postgresql(broker, clock):
+    """Events and progress samples accumulate for a deployment's whole life: past 2^31 rows their
+    ids (and their sequences) must keep going."""
+    with broker.engine.begin() as conn:
+        for table in ("event", "progress_sample"):
+            conn.execute(text(f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), 3000000000)"))
+    broker.register_node("n0", 1)
+    job = broker.submit(JobSpec(name="train", command="python train.py", key="a", total_steps=100))
+    broker.ack(job.id, 1)
+    broker.progress(job.id, 10, generation=1)
+    assert broker.events()[-1].id > 2**31
+    assert broker.events(after_id=2**31 + 5)[-1].id > 2**31
+    with broker.engine.connect() as conn:
+        assert conn.execute(text("SELECT max(id) FROM progress_sample")).scalar() > 2**31

@@ -46,7 +46,7 @@ from airflow_elastic_gpu.broker.api_guards import (
     parse_body,
 )
 from airflow_elastic_gpu.broker.api_models import (
-    MAX_INT,
+    MAX_ID,
     AckIn,
     AckOut,
     EventOut,
@@ -265,7 +265,7 @@ def create_app(
 
     @ui.get("/events", response_model=list[EventOut])
     def events(b: BrokerDep, pool: str | None = None, job_id: str | None = None,
-               after_id: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
+               after_id: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[EventOut]:
         return [event_out(e) for e in b.events(pool, job_id=job_id, after_id=after_id, limit=limit)]
 

@@ -16,7 +16,8 @@ from airflow_elastic_gpu.broker.history import applied_resizes
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import EventView, JobView, PoolSnapshot, Target
 
-MAX_INT = 2**31 - 1  # ids and generations are 32-bit integers in PostgreSQL
+MAX_INT = 2**31 - 1  # generations are 32-bit integers in PostgreSQL
+MAX_ID = 2**63 - 1  # event ids are 64-bit (migration 0009)
 MAX_STEP = 2**53  # the largest step a double counts exactly
 MAX_METRICS_BYTES = 16 * 1024  # default; the app passes its own limit in the validation context
 MAX_METRICS_DEPTH = 32

@@ -191,7 +191,8 @@ class RebalanceRequest(Base):
 class ProgressSample(Base):
     __tablename__ = "progress_sample"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # 64-bit on PostgreSQL (migration 0009); SQLite's INTEGER PRIMARY KEY is 64-bit already
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("job.id"), index=True)
     time_s: Mapped[float] = mapped_column(Float)
     step: Mapped[float] = mapped_column(Float)
@@ -204,7 +205,8 @@ class Event(Base):
 
     __tablename__ = "event"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # 64-bit on PostgreSQL (migration 0009); SQLite's INTEGER PRIMARY KEY is 64-bit already
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     time_s: Mapped[float] = mapped_column(Float, index=True)
     pool: Mapped[str] = mapped_column(String(128))
     job_id: Mapped[str | None] = mapped_column(String(36), index=True, default=None)
