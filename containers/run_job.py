@@ -275,6 +275,9 @@ def _train(broker: GpuBroker, backend: KubernetesBackend, job_id: str, total_ste
         elif shrunk_at_step is not None and not broker.job(filler.id).status.terminal and \
                 view.steps_done >= shrunk_at_step + total_steps / 5:
             broker.cancel(filler.id)
+            # the filler has no trainer (nothing ever ran it): report it stopped, as its agent would
+            # once its trainer was gone; until then the broker keeps a cancelled job's GPUs
+            broker.fail(filler.id, "its trainer stopped (it never ran one)")
             resizes.update(_published(broker, job_id, view, "it is cancelled"))
         time.sleep(0.5)
     raise RuntimeError(f"job {job_id} did not end in time")
