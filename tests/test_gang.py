@@ -261,7 +261,6 @@ def test_a_real_ddp_job_on_two_virtual_nodes_is_resized_across_nodes_and_resumes
         job_ids.append(a)
         sampler.start()
         wait("the DDP job trains on one node", lambda: trains_on(a, 2, 100), deadline)
-        at_release = broker.job(a).steps_done
         release[0].touch()  # the first job ends: the DDP job grows onto both nodes
         wait("the DDP job runs on two nodes", lambda: trains_on(a, 4, 0), deadline)
         at_grow = broker.job(a).steps_done  # from here on, steps of the 4-GPU generation only

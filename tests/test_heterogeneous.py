@@ -180,11 +180,12 @@ def test_a_job_moved_to_another_type_is_admitted_there_when_starts_go_by_gain():
     moves type holds no GPU of its new type yet, but it is running: it is admitted there at once,
     not left without GPUs behind a shorter job's growth (and the type choice redone)."""
     cluster = nodes(fast=1, slow=1, gpus=4)
-    mover = job("mover", {FAST: 10.0, SLOW: 1.0}, steps=1_000_000, alloc=[GpuId("s0", 0)],
-                restart_overhead_s=10.0, last_resize_s=0.0, first_start_s=0.0)
     short = job("short", {FAST: 10.0, SLOW: 1.0}, steps=10_000)
-    for policy in (AdaptivePolicy(), AdaptivePolicy(admission_by_gain=True)):
-        state = ClusterState(cluster, (mover, short), 1000.0)
-        d = policy.decide(state)
-        assert type_of(d.allocations["mover"], state) == {FAST}, policy
-        assert d.allocations["short"], policy
+    for history in ({}, {"first_start_s": 0.0, "suspensions_s": (500.0,)}):  # started unknown; resumed once
+        mover = job("mover", {FAST: 10.0, SLOW: 1.0}, steps=1_000_000, alloc=[GpuId("s0", 0)],
+                    restart_overhead_s=10.0, last_resize_s=0.0, **history)
+        for policy in (AdaptivePolicy(), AdaptivePolicy(admission_by_gain=True)):
+            state = ClusterState(cluster, (mover, short), 1000.0)
+            d = policy.decide(state)
+            assert type_of(d.allocations["mover"], state) == {FAST}, (policy, history)
+            assert d.allocations["short"], (policy, history)

@@ -128,6 +128,9 @@ class AdaptivePolicy:
             raise ValueError(
                 f"min_resize_interval_s must be >= 0, got {self.min_resize_interval_s}"
             )
+        if not isinstance(self.admission_by_gain, bool):
+            raise ValueError(  # noqa: TRY004 - reported like every other bad policy parameter
+                f"admission_by_gain must be true or false, got {self.admission_by_gain!r}")
         if not self.admission_patience > 0:
             raise ValueError(f"admission_patience must be > 0, got {self.admission_patience!r}")
         if not isinstance(self.suspend, bool):
@@ -230,8 +233,9 @@ class AdaptivePolicy:
         reserved = 0  # GPUs the starts of such jobs would take: not for jobs ranked after them here
         for r, j in enumerate(order):  # admit waiting jobs at their minimum
             if not j.allocation:
-                if free < j.min_gpus and rule is not None:  # suspend later-ranked jobs, if that pays
-                    victims = rule.victims(order, counts, frozen, r, j.min_gpus - free, now_s)
+                if free - reserved < j.min_gpus and rule is not None:  # suspend later-ranked jobs, if that pays
+                    # (not the GPUs set aside for better-ranked jobs admitted by gain)
+                    victims = rule.victims(order, counts, frozen, r, j.min_gpus - (free - reserved), now_s)
                     for v in victims:
                         free += counts[v]
                         counts[v] = 0

@@ -47,14 +47,17 @@ _new_job = JobState.__new__
 def _on_type(job: JobState, throughput: ThroughputModel, allocation: tuple[GpuId, ...], now_s: float) -> JobState:
     """``job`` with another ``throughput`` and ``allocation`` (a copy without re-validation: hot path).
 
-    A job that holds GPUs (of another type, when it moves) is marked started (``first_start_s``, if
-    not known: ``now_s``): without GPUs of this type it is a running job to admit, not a waiting
-    one whose start competes with growth (:class:`~airflow_elastic_gpu.scheduling.adaptive.AdaptivePolicy`,
-    step 2)."""
+    A job that holds GPUs of another type (it moves) is shown started (``first_start_s``, if not
+    known: ``now_s``) and not suspended (no suspension history in this view: it holds no GPU to
+    be suspended from here): without GPUs of this type it is a running job to admit at once, not
+    a waiting or suspended one whose start competes with growth
+    (:class:`~airflow_elastic_gpu.scheduling.adaptive.AdaptivePolicy`, step 2)."""
     copy = _new_job(JobState)
     copy.__dict__.update(job.__dict__)
     copy.__dict__["throughput"] = throughput
     copy.__dict__["allocation"] = allocation
+    if job.allocation and not allocation:
+        copy.__dict__["suspensions_s"] = ()
     if job.allocation and job.first_start_s is None:
         copy.__dict__["first_start_s"] = now_s
     return copy
