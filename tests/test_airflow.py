@@ -145,6 +145,8 @@ def test_dag_with_a_training_and_a_mapped_training_over_three_configs_succeeds(a
     broker = GpuBroker(airflow_env["AIRFLOW_ELASTIC_GPU_BROKER_URL"])
     jobs = broker.jobs()
     assert sorted(j.name for j in jobs) == ["mapped[0]", "mapped[1]", "mapped[2]", "single"]
+    # one family per task, whatever the map index: the prior of each other's first steps
+    assert sorted({j.family for j in jobs}) == ["elastic_test.mapped", "elastic_test.single"]
     for j in jobs:
         assert j.status is JobStatus.SUCCEEDED and j.metrics["accuracy"] >= 0.9, j
         assert j.in_use_gpus == () and j.key.startswith("elastic_test/")

@@ -331,6 +331,36 @@ def test_a_scheduled_retraining_is_ranked_by_its_last_runs_measured_throughput(p
     assert started == {first}
 
 
+@pytest.mark.parametrize("last, waiting, shared", [
+    (("sweep[0]", None), ("sweep[3]", None), True),  # the instances of one mapped task: one training
+    (("train", "dag_a.train"), ("train", "dag_b.train"), False),  # one task id in two DAGs: two trainings
+    (("nightly", "etl.train"), ("nightly, v2", "etl.train"), True),  # a task renamed its jobs
+])
+def test_a_waiting_job_s_prior_comes_from_its_family_not_its_name(pool, clock, last, waiting, shared):
+    """As above, with a fast last run (1,000 steps/s): its speed ranks the longer waiting job first
+    only when both are of one family."""
+    def whole_pool(name, family, key, steps):
+        return JobSpec(name=name, family=family, command="python train.py", key=key, min_gpus=4, max_gpus=4,
+                       total_steps=steps)
+
+    done = pool.submit(whole_pool(*last, "run-1", 10_000))
+    pool.ack(done.id, 1)
+    pool.progress(done.id, 0, generation=1)
+    clock.advance(10)
+    pool.progress(done.id, 10_000, generation=1)
+    pool.finish(done.id)
+    hog = pool.submit(whole_pool("hog", None, "hog", 1_000_000))
+    pool.ack(hog.id, 1)
+    pool.progress(hog.id, 0, generation=1)
+    clock.advance(10)
+    pool.progress(hog.id, 100, generation=1)
+    jobs = {"other": pool.submit(whole_pool("other", None, "other", 50_000)),
+            "next": pool.submit(whole_pool(*waiting, "run-2", 100_000))}
+    pool.finish(hog.id)
+    started = {name for name, j in jobs.items() if pool.job(j.id).target_gpus}
+    assert started == ({"next"} if shared else {"other"})
+
+
 def test_a_cancelled_job_s_gpus_go_to_nobody_until_its_trainer_has_stopped(pool, clock):
     """Cancel ends the job at once, but its trainer stops only after the agent's next heartbeat
     and the grace period: its GPUs wait for the agent's report (or for the lease)."""

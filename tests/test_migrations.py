@@ -52,6 +52,18 @@ def test_every_migration_step_down_and_up_keeps_the_data(broker, clock, revision
     assert len(held) == len(set(held)) <= 4
 
 
+def test_the_family_column_is_filled_from_the_names_of_existing_jobs(broker):
+    """Migration 0010: jobs submitted before it get their name without a map index as family."""
+    broker.register_node("n0", 1)
+    for key, name in (("a", "sweep[3]"), ("b", "train"), ("c", "odd[name]")):
+        broker.submit(JobSpec(name=name, command="python train.py", key=key, total_steps=10))
+    run_migration(broker.engine, "downgrade", "0009")
+    run_migration(broker.engine, "upgrade", "head")
+    with broker.engine.connect() as conn:
+        families = dict(conn.execute(text("SELECT name, family FROM job")).all())
+    assert families == {"sweep[3]": "sweep", "train": "train", "odd[name]": "odd[name]"}
+
+
 def _previous(revision: str) -> str:
     script = ScriptDirectory.from_config(_alembic_config())
     return script.get_revision(revision).down_revision

@@ -139,6 +139,8 @@ class JobOut(BaseModel):
     metrics: dict[str, Any] | None
     preemptible: bool = Field(False, description="the job may be suspended (resized to zero GPUs) in a pool "
                                                  "that allows it")
+    family: str | None = Field(None, description="the training the job repeats: an unmeasured job is assumed "
+                                                 "as fast as the jobs of its family")
 
 
 class GpuOut(BaseModel):
@@ -198,7 +200,7 @@ def job_out(j: JobView) -> JobOut:
         num_resizes=j.num_resizes, gpu_seconds=j.gpu_seconds, restart_overhead_s=j.restart_overhead_s,
         throughput=[(int(n), float(t)) for n, t in j.throughput if math.isfinite(t)], submit_s=j.submit_s, start_s=j.start_s,
         end_s=j.end_s, jct_s=j.jct_s, queueing_delay_s=j.queueing_delay_s, exit_code=j.exit_code,
-        reason=j.reason, metrics=j.metrics, preemptible=j.preemptible,
+        reason=j.reason, metrics=j.metrics, preemptible=j.preemptible, family=j.family,
     )
 
 

@@ -197,7 +197,8 @@ class Lifecycle(Queries):
                 now = self.clock()
                 job_id = str(uuid.uuid4())
                 conn.execute(_ADD_JOB, {
-                    "id": job_id, "key": key, "pool": spec.pool, "name": spec.name, "command": spec.command,
+                    "id": job_id, "key": key, "pool": spec.pool, "name": spec.name, "family": spec.family,
+                    "command": spec.command,
                     "min_gpus": spec.min_gpus, "max_gpus": spec.max_gpus,
                     "requested_gpus": spec.requested_gpus or spec.max_gpus, "total_steps": spec.total_steps,
                     "priority": spec.priority, "progress_pattern": spec.progress_pattern,

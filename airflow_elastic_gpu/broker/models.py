@@ -93,12 +93,14 @@ class Gpu(Base):
 
 class Job(Base):
     __tablename__ = "job"
-    __table_args__ = (Index("ix_job_pool_status", "pool", "status"), Index("ix_job_pool_name", "pool", "name"))
+    __table_args__ = (Index("ix_job_pool_status", "pool", "status"), Index("ix_job_pool_family", "pool", "family"))
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     key: Mapped[str] = mapped_column(String(512), unique=True)
     pool: Mapped[str] = mapped_column(ForeignKey("gpu_pool.name"))
     name: Mapped[str] = mapped_column(String(256))
+    # the training it repeats (throughput prior of unmeasured jobs); always set at submit
+    family: Mapped[str | None] = mapped_column(String(256), default=None)
     command: Mapped[str] = mapped_column(Text)
     min_gpus: Mapped[int] = mapped_column(Integer)
     max_gpus: Mapped[int] = mapped_column(Integer)

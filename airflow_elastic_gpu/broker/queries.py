@@ -113,7 +113,7 @@ class Queries(Rebalancing):
                 end_s=job.end_s, last_heartbeat_s=job.last_heartbeat_s, exit_code=job.exit_code,
                 reason=job.reason, metrics=job.metrics, progress_pattern=job.progress_pattern,
                 checkpoint_dir=job.checkpoint_dir, backend=job.backend, backend_ref=job.backend_ref,
-                preemptible=bool(job.preemptible),
+                preemptible=bool(job.preemptible), family=job.family,
             )
             for job in jobs
         ]

@@ -96,12 +96,12 @@ _ACTIVE_JOBS = (select(*BOOK_COLUMNS).where(Job.pool == bindparam("pool"), UNFIN
 _FINISHED_MEASURED = (Job.pool == bindparam("pool"), Job.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"),
                       Job.throughput.is_not(None))
 _FAMILY_HISTORY = {
-    # PostgreSQL: the names as one array parameter (``name = ANY(:names)``), so the statement is
+    # PostgreSQL: the families as one array parameter (``family = ANY(:names)``), so the statement is
     # compiled and parsed once; an expanding IN list is re-rendered for every length of the list
-    "postgresql": select(Job.name, Job.throughput).where(
-        Job.name == any_(bindparam("names", type_=postgresql.ARRAY(String))), *_FINISHED_MEASURED).order_by(Job.end_s),
-    "default": select(Job.name, Job.throughput).where(
-        Job.name.in_(bindparam("names", expanding=True)), *_FINISHED_MEASURED).order_by(Job.end_s),
+    "postgresql": select(Job.family, Job.throughput).where(
+        Job.family == any_(bindparam("names", type_=postgresql.ARRAY(String))), *_FINISHED_MEASURED).order_by(Job.end_s),
+    "default": select(Job.family, Job.throughput).where(
+        Job.family.in_(bindparam("names", expanding=True)), *_FINISHED_MEASURED).order_by(Job.end_s),
 }
 
 
@@ -110,10 +110,10 @@ def _dialect(s: Executor) -> str:
 
 
 def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str, float]:
-    """Name -> single-GPU steps/s of the latest finished job of that name in ``pool``, for the
-    names of jobs not yet measured that no measured unfinished job shares (the prior of a
+    """Family -> single-GPU steps/s of the latest finished job of that family in ``pool``, for the
+    families of jobs not yet measured that no measured unfinished job shares (the prior of a
     scheduled retraining's next run: :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`).
-    One indexed query (``ix_job_pool_name``), none when every such name has a measured job."""
+    One indexed query (``ix_job_pool_family``), none when every such family has a measured job."""
     measured = {b.family for b in books if b.throughput.observed}
     names = sorted({b.family for b in books if not b.throughput.observed and b.family is not None} - measured)
     if not names:
@@ -123,7 +123,7 @@ def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str
     for row in s.execute(statement, {"pool": pool, "names": names}):
         model = throughput_of(row)
         if model.observed:
-            out[row.name] = model.steps_per_s(1)  # ordered by end time: the latest wins
+            out[row.family] = model.steps_per_s(1)  # ordered by end time: the latest wins
     return out
 
 

@@ -35,6 +35,7 @@ from airflow_elastic_gpu.broker.models import (
     Node,
     RebalanceRequest,
 )
+from airflow_elastic_gpu.broker.types import family_of
 from airflow_elastic_gpu.scheduling.core import JobBook
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
@@ -52,7 +53,7 @@ JOB_COLUMNS = tuple(Job.__table__.columns)
 """Every column of the job table, for ``select(*JOB_COLUMNS)`` (rows with the ORM's attribute names)."""
 
 BOOK_COLUMNS = (
-    Job.id, Job.pool, Job.name, Job.status, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus,
+    Job.id, Job.pool, Job.name, Job.family, Job.status, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus,
     Job.priority, Job.throughput, Job.last_heartbeat_s, Job.preemptible, Job.suspensions,
     *(getattr(Job, name) for name in BOOK_FIELDS),
 )
@@ -89,7 +90,7 @@ def _by_type_of(job: Job | Row[Any]) -> dict[str, ThroughputModel]:
 
 _BOOK_READS = (
     "id", "min_gpus", "max_gpus", "total_steps", "submit_s", "requested_gpus", "priority", "throughput",
-    "preemptible", "suspensions", "name", *BOOK_FIELDS,
+    "preemptible", "suspensions", "name", "family", *BOOK_FIELDS,
 )
 
 
@@ -114,7 +115,7 @@ def book_of(job: Job | Row[Any], target: Iterable[GpuId] = (), in_use: Iterable[
         throughput_by_type=({t: _model(obs) for t, obs in stored["by_type"].items()}
                             if stored and "by_type" in stored else {}),
         relative_speed=stored.get("relative_speed", {}) if stored else {},
-        family=v["name"],
+        family=v["family"] or family_of(v["name"]),  # always set at submit and by migration 0010
     )
 
 

@@ -14,6 +14,7 @@ from airflow_elastic_gpu.states import BrokerError, InvalidRequest, JobStatus, N
 __all__ = [
     "BACKENDS", "DEFAULT_POOL", "BrokerError", "EventView", "GpuView", "InvalidRequest", "JobSpec", "JobStatus",
     "JobView", "NodeView", "NotFound", "PoolSnapshot", "Target", "check_int", "check_text", "compile_progress_pattern",
+    "family_of", "task_family",
 ]
 
 DEFAULT_POOL = "default"
@@ -27,6 +28,19 @@ MAX_POOL_CHARS = 128
 MAX_GPU_TYPES = 64
 """Most GPU types a job's ``relative_speed`` hint may name."""
 MAX_GPU_TYPE_CHARS = 128
+_MAP_INDEX = re.compile(r"\[\d+\]$")
+
+
+def family_of(name: str) -> str:
+    """The default family of a job named ``name``: the name without a trailing map index
+    (``"train[3]"`` -> ``"train"``), so the instances of one mapped task share a family."""
+    return _MAP_INDEX.sub("", name) or name
+
+
+def task_family(dag_id: str, task_id: str) -> str:
+    """The family of an Airflow task's jobs: ``dag_id.task_id`` (every run and every map index of the
+    task trains the same model), cut to the 256 characters a family may have."""
+    return f"{dag_id}.{task_id}"[:MAX_NAME_CHARS]
 
 
 def check_text(name: str, value: Any, max_chars: int, *, empty_ok: bool = False) -> None:
@@ -76,6 +90,10 @@ class JobSpec:
         report it, e.g. ``"NVIDIA A100"``) -> the job's relative single-GPU speed there (a finite
         number > 0, any unit: only ratios count; e.g. samples/s from a profile). The type-aware
         policy uses it for the types the job has not run on yet; at most 64 types.
+    :param family: the training this job repeats, at most 256 characters: until the job is
+        measured, the broker assumes it runs as fast as the other jobs of its family (the running
+        ones, else the latest finished one). The operator sets ``dag_id.task_id``; default: the name
+        without a trailing map index (:func:`family_of`).
     :raises InvalidRequest: a bad field; the message names it.
     """
 
@@ -93,9 +111,13 @@ class JobSpec:
     backend: str = "local"
     preemptible: bool = False
     relative_speed: Mapping[str, float] | None = None
+    family: str | None = None
 
     def __post_init__(self) -> None:
         check_text("name", self.name, MAX_NAME_CHARS)
+        if self.family is None:
+            object.__setattr__(self, "family", family_of(self.name))
+        check_text("family", self.family, MAX_NAME_CHARS)
         check_text("command", self.command, 64 * 1024)
         check_int("min_gpus", self.min_gpus, 1)
         if self.max_gpus is None:
@@ -183,6 +205,7 @@ class JobView:
     backend: str
     backend_ref: str | None
     preemptible: bool = False
+    family: str | None = None  # the training it repeats (see JobSpec.family)
     token: str | None = None  # the job's API bearer token: only in the reply that created it
 
     @property

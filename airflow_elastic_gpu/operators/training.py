@@ -29,6 +29,7 @@ from airflow_elastic_gpu.broker.types import (
     JobSpec,
     JobView,
     check_int,
+    task_family,
 )
 from airflow_elastic_gpu.compat import AirflowException, Asset, BaseOperator, StartTriggerArgs
 from airflow_elastic_gpu.config import (
@@ -95,6 +96,10 @@ class ElasticTrainingOperator(BaseOperator):
         ``{master_addr}`` and ``{master_port}``).
     :param relative_speed: optional, for pools of several GPU types: GPU type -> the job's relative
         single-GPU speed there (a prior for types it has not run on; only ratios count).
+    :param job_name: the job's name in the broker, the UI and the CLI (templated); default the task
+        id, with ``[map_index]`` for a mapped task. Whatever the name, the jobs of one task form one
+        family, ``dag_id.task_id``: until a job is measured, the broker assumes it runs as fast as
+        the task's running or latest finished job (the prior that ranks it among waiting jobs).
     :param outlets: as for any operator; each outlet :class:`~airflow.sdk.Asset` (e.g. the trained
         model or its checkpoint directory) gets an asset event whose ``extra`` holds the job's
         figures (:meth:`asset_metadata`), so a DAG scheduled on the asset can pick the best model.
@@ -257,6 +262,7 @@ class ElasticTrainingOperator(BaseOperator):
                 pool=self.gpu_pool or self.hook.default_pool(), priority=self.priority,
                 progress_pattern=self.progress_pattern, checkpoint_dir=self.checkpoint_dir, backend=self.backend,
                 preemptible=self.preemptible, relative_speed=self.relative_speed,
+                family=task_family(ti.dag_id, ti.task_id),
             )
             job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log).job
         except (BrokerError, BackendError) as exc:

@@ -168,8 +168,8 @@ def with_pool_prior(
 ) -> dict[str, ThroughputModel]:
     """Give every job not yet measured a single-GPU throughput prior: its family's, else the pool's.
 
-    A job's **family** is the training it repeats (the broker: the job's name, e.g. ``dag.task``
-    of a scheduled retraining; the simulator: the trace job's model). A job not yet measured is
+    A job's **family** is the training it repeats (the broker: the job's family, ``dag_id.task_id``
+    of a scheduled retraining's operator; the simulator: the trace job's model). A job not yet measured is
     assumed as fast as its family's median measured job (the unfinished ones of the pool, else
     ``history``: the family's last measured throughput of a finished job), and otherwise as fast
     as the pool's median measured job. The prior matters most for waiting jobs: the policy ranks

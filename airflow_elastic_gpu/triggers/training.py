@@ -23,7 +23,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from airflow_elastic_gpu.broker.types import BrokerError, JobSpec, JobView
+from airflow_elastic_gpu.broker.types import BrokerError, JobSpec, JobView, task_family
 from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
 from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
@@ -122,7 +122,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             pool=job.get("gpu_pool") or hook.default_pool(), priority=job.get("priority", 0),
             progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
             backend=self.backend, preemptible=bool(job.get("preemptible", False)),
-            relative_speed=job.get("relative_speed"),
+            relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
         )
         started = submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log)
         hook.broker.engine.dispose()  # the watcher makes its own client
