@@ -144,6 +144,21 @@ def test_a_job_measured_slower_on_more_gpus_is_shrunk_back():
     assert "measured faster on fewer GPUs" in d.reasons["a"]
 
 
+def test_a_job_a_hair_faster_on_fewer_gpus_gives_up_the_gpus_others_need():
+    """Measured as fast on 3 GPUs as on 4 (a hair faster): shrinking it saves it too little to pay
+    a restart, so with nobody else it keeps its 4 GPUs; but once a waiting job needs one, the
+    shrink serves that job and is made (it was held at 4 before, the newcomer left waiting)."""
+    flat = ThroughputModel().with_sample(1, 40.0).with_sample(3, 100.0).with_sample(4, 99.9)
+    a = job("a", steps=100_000, alloc=gpus("n0", 0, 1, 2, 3), model=flat, done=10)
+    policy = AdaptivePolicy(min_resize_interval_s=0)
+    alone = policy.decide(ClusterState((node(),), (a,), 100.0))
+    assert len(alone.allocations["a"]) == 4 and "a" not in alone.reasons
+    b = job("b", max_gpus=1, steps=1_000, submit=50.0)
+    d = policy.decide(ClusterState((node(),), (a, b), 100.0))
+    assert len(d.allocations["a"]) == 3 and len(d.allocations["b"]) == 1
+    assert no_double_booking(d)
+
+
 MEASURED_LINEAR = ThroughputModel(((1, 1.0), (2, 2.0)), prior_alpha=0.0)  # run on 1 and 2 GPUs: linear
 BY_GAIN = AdaptivePolicy(admission_by_gain=True)  # a pool setting, off by default
 

@@ -171,31 +171,35 @@ class AdaptivePolicy:
         resized = [bool(j.allocation) and j.last_resize_s is not None and now_s - j.last_resize_s < interval_s
                    for j in order]  # JobState.resized_within, inlined (every job, every decision)
         frozen = list(resized)
+        capacity = cluster.capacity
         while True:
             counts = self._hand_out(cluster, order, remaining_1_s, frozen)
+            spare = capacity - sum(counts)
             unpaid = [
                 r for r, j in enumerate(order)
                 if not frozen[r] and j.allocation and counts[r] != len(j.allocation)
-                and self._unpaid(j, counts[r])
+                and self._unpaid(j, counts[r], spare)
             ]
             if not unpaid:
                 return order, remaining_1_s, counts, resized
             for r in unpaid:
                 frozen[r] = True
 
-    def _unpaid(self, job: JobState, count: int) -> bool:
+    def _unpaid(self, job: JobState, count: int, spare: float = float("inf")) -> bool:
         """True if resizing running ``job`` to ``count`` is for its own sake but saves too little.
 
         A growth, or a shrink that speeds the job up (it was measured slower on
-        more GPUs), must save more than ``hysteresis`` restart overheads. A
-        shrink that slows the job down serves other jobs and is not judged here.
+        more GPUs) while the GPUs it gives up would stay idle, must save more than
+        ``hysteresis`` restart overheads. A shrink that other jobs need the GPUs of
+        (more than ``spare``, the GPUs the decision leaves idle), or that slows the
+        job down, serves other jobs and is not judged here.
         """
         num_gpus = len(job.allocation)
         if not num_gpus or count == num_gpus:
             return False
         speed = job.throughput.steps_per_s
-        if count < num_gpus and (count <= 0 or speed(count) <= speed(num_gpus)):
-            return False  # a shrink that slows the job down (no gain), or a suspension: judged elsewhere
+        if count < num_gpus and (count <= 0 or speed(count) <= speed(num_gpus) or num_gpus - count > spare):
+            return False  # a shrink that serves others (or slows the job down), or a suspension: judged elsewhere
         steps = max(0.0, job.total_steps - job.steps_done)
         gain = steps / speed(num_gpus) - steps / speed(count)
         return (count > num_gpus or gain > 0) and gain <= self.hysteresis * job.restart_overhead_s
