@@ -204,13 +204,15 @@ def test_a_long_job_held_back_past_its_patience_is_started_before_any_growth():
 
 def test_a_suspension_never_takes_gpus_set_aside_for_a_better_ranked_start_by_gain():
     """With suspension and ``admission_by_gain`` on: ``a`` (ranked first) is held for step 3 with
-    its 3 GPUs set aside; ``b`` (ranked second, needs all 4) may not suspend ``r`` to take them."""
+    its 3 GPUs set aside; ``b`` (ranked second, needs all 4) may not suspend ``r`` to take them.
+    (``r`` may be suspended for ``a``, which then grows onto its GPU: ``a`` is ranked first.)"""
     r = JobState("r", 1, 4, 1_000_000, steps_done=0, allocation=gpus("n0", 0), last_resize_s=0.0,
                  throughput=MEASURED_LINEAR, preemptible=True, last_start_s=0.0, first_start_s=0.0)
     a = job("a", min_gpus=3, steps=300, model=MEASURED_LINEAR, submit=9_990.0)
     b = job("b", min_gpus=4, steps=400, model=MEASURED_LINEAR, submit=9_990.0)
     policy = AdaptivePolicy(suspend=True, admission_by_gain=True, min_runtime_s=0.0, min_resize_interval_s=0.0)
     d = policy.decide(ClusterState((node(),), (r, a, b), 10_000.0))
-    assert len(d.allocations["a"]) == 3 and d.allocations["b"] == () and len(d.allocations["r"]) == 1
+    assert d.allocations["b"] == () and len(d.allocations["a"]) >= 3
+    assert len(d.allocations["a"]) + len(d.allocations["r"]) == 4
     with pytest.raises(ValueError, match="admission_by_gain must be true or false"):
         AdaptivePolicy(admission_by_gain="false")

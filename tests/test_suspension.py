@@ -48,6 +48,42 @@ def test_suspension_is_off_by_default_and_needs_the_job_to_opt_in():
     assert decide(SUSPEND, long_job(preemptible=False), short_job()).allocations["long"] == BOTH
 
 
+def test_a_preemptible_long_job_gives_its_gpus_to_a_shorter_running_job_that_can_use_them():
+    """Not only for waiting jobs: a shorter running job that scales grows onto the long job's GPUs
+    (heSRPT's allocation), when the exchange pays the restart overheads. Without opt-in, or when
+    the long job is only a little longer and slow to restart, the long job keeps its minimum."""
+    node = NodeState("n0", (0, 1, 2, 3))
+    running_short = JobState("short", 1, 4, 2_000, allocation=(GpuId("n0", 0), GpuId("n0", 1)), last_start_s=0.0,
+                             last_resize_s=0.0, throughput=LINEAR, restart_overhead_s=10.0)
+    long = long_job(allocation=(GpuId("n0", 2), GpuId("n0", 3)))
+    d = SUSPEND.decide(ClusterState((node,), (running_short, long), 3600.0))
+    assert d.allocations["long"] == () and len(d.allocations["short"]) == 4
+    assert d.reasons["long"].startswith("suspend")
+    kept = SUSPEND.decide(ClusterState((node,), (running_short, long_job(allocation=long.allocation,
+                                                                         preemptible=False)), 3600.0))
+    assert len(kept.allocations["long"]) == 2 and len(kept.allocations["short"]) == 2
+    # 1,100 s left on 2 GPUs, a 300 s restart: 1,100 - 500 - 310 does not exceed 2 x 310
+    near = long_job(allocation=long.allocation, steps_done=20_000 - 2_200, restart_overhead_s=300.0)
+    assert len(SUSPEND.decide(ClusterState((node,), (running_short, near), 3600.0)).allocations["long"]) == 2
+
+
+def test_a_job_is_never_suspended_for_the_growth_of_a_later_ranked_one():
+    """A preemptible job that scales poorly (its 4 GPUs are 1.2x one) ranked before a long linear
+    job: giving its GPUs to the long job's growth would score higher in the hand-out (and the
+    exchange with the first job, which could grow by one, pays), but SRPT suspends a job only for
+    better-ranked ones, so it keeps them."""
+    node = NodeState("n0", tuple(range(6)))
+    first = JobState("first", 1, 2, 100, allocation=(GpuId("n0", 0),), last_start_s=0.0, last_resize_s=0.0,
+                     throughput=LINEAR, restart_overhead_s=10.0)
+    poor = ThroughputModel(((1, 1.0), (4, 1.2)))
+    middle = JobState("middle", 4, 4, 5_000, allocation=tuple(GpuId("n0", i) for i in (1, 2, 3, 4)),
+                      last_start_s=0.0, last_resize_s=0.0, preemptible=True, throughput=poor, restart_overhead_s=10.0)
+    last = JobState("last", 1, 4, 1_000_000, allocation=(GpuId("n0", 5),), last_start_s=0.0, last_resize_s=0.0,
+                    throughput=LINEAR, restart_overhead_s=10.0)
+    d = SUSPEND.decide(ClusterState((node,), (first, middle, last), 3600.0))
+    assert len(d.allocations["middle"]) == 4 and len(d.allocations["last"]) == 1
+
+
 def test_a_job_is_not_suspended_before_its_minimum_runtime():
     d = decide(SUSPEND, long_job(last_start_s=3100.0), short_job())
     assert d.allocations["long"] == BOTH and d.allocations["short"] == ()

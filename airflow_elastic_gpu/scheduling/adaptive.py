@@ -21,7 +21,12 @@ Steps of one decision:
    With suspension on (``suspend=True``, a pool setting), a waiting job that does
    not fit may suspend preemptible running jobs ranked after it, when the SRPT
    exchange pays its restart overheads (:mod:`~airflow_elastic_gpu.scheduling.suspension`);
-   a suspended job waits in rank order like any other and resumes when admitted.
+   a suspended job waits in rank order like any other and resumes when admitted. With
+   suspension on, a preemptible running job that may be suspended (past its minimum runtime,
+   under its hourly cap) is not given its minimum here either: its minimum competes in step 3
+   like a start, so its GPUs may go to the growth of better-ranked jobs (heSRPT's allocation, as a
+   re-created pod that goes back to the queue would give them up); it is suspended only if that
+   exchange pays against the better-ranked job that gained and no later-ranked job gained GPUs.
 3. Remaining GPUs go to the job with the highest
    ``weight * (throughput(n+k) - throughput(n)) / throughput(1) / k`` for its next step of ``k``
    GPUs (with ``admission_by_gain``, a waiting job's start: ``k = min_gpus`` from zero
@@ -172,8 +177,36 @@ class AdaptivePolicy:
                    for j in order]  # JobState.resized_within, inlined (every job, every decision)
         frozen = list(resized)
         capacity = cluster.capacity
+        # running jobs that keep their minimum although their suspension could be weighed (suspend)
+        kept = [False] * len(order)
         while True:
-            counts = self._hand_out(cluster, order, remaining_1_s, frozen)
+            counts = self._hand_out(cluster, order, remaining_1_s, frozen, kept)
+            rule = self._suspension
+            if rule is not None:
+                # a running job left at zero by the hand-out keeps its minimum unless its suspension
+                # pays (SRPT exchange, against the better-ranked job that gained GPUs and finishes
+                # first) and no later-ranked job gained GPUs (they may be its GPUs: suspension serves
+                # only better-ranked jobs, never a lower priority)
+                num_jobs = len(order)
+                gained = [counts[r] > (min(j.min_gpus, len(j.allocation)) if j.allocation else 0)
+                          for r, j in enumerate(order)]
+                later_gained = [False] * num_jobs
+                for r in range(num_jobs - 2, -1, -1):
+                    later_gained[r] = later_gained[r + 1] or gained[r + 1]
+                bad, best, best_s = [], None, float("inf")
+                for r, j in enumerate(order):
+                    if j.allocation and counts[r] == 0 and not frozen[r] and not kept[r] and (
+                            later_gained[r] or best is None
+                            or not rule.pays(j, len(j.allocation), order[best], counts[best])):
+                        bad.append(r)
+                    if gained[r] and counts[r] > 0:
+                        left_s = j.remaining_time_s(counts[r])
+                        if left_s < best_s:
+                            best, best_s = r, left_s
+                if bad:
+                    for r in bad:
+                        kept[r] = True
+                    continue
             spare = capacity - sum(counts)
             unpaid = [
                 r for r, j in enumerate(order)
@@ -210,6 +243,7 @@ class AdaptivePolicy:
         order: list[JobState],
         remaining_1_s: list[float],
         frozen: list[bool],
+        kept: list[bool] | None = None,
     ) -> list[int]:
         """Steps 2-4: GPU count per ranked job (a list indexed by rank), frozen jobs kept at theirs.
 
@@ -222,18 +256,21 @@ class AdaptivePolicy:
         counts = [0] * num_jobs
         suspended = [False] * num_jobs
         free = cluster.capacity
+        rule = self._suspension
+        # waiting jobs whose start competes with growth in step 3 (None: all admitted here)
+        by_gain: list[bool] | None = [False] * num_jobs if (self.admission_by_gain or rule is not None) else None
+        now_s, patience = cluster.now_s, self.admission_patience
         for r, j in enumerate(order):  # frozen jobs keep their count, running jobs their minimum
             if frozen[r]:
                 counts[r] = len(j.allocation)
             elif j.allocation:
+                if rule is not None and r > 0 and not (kept and kept[r]) and rule.eligible(j, now_s):
+                    by_gain[r] = True  # its minimum competes with the growth of better-ranked jobs
+                    continue
                 counts[r] = min(j.min_gpus, len(j.allocation))
             else:
                 continue
             free -= counts[r]
-        rule = self._suspension
-        # waiting jobs whose start competes with growth in step 3 (None: all admitted here)
-        by_gain: list[bool] | None = [False] * num_jobs if self.admission_by_gain else None
-        now_s, patience = cluster.now_s, self.admission_patience
         reserved = 0  # GPUs the starts of such jobs would take: not for jobs ranked after them here
         for r, j in enumerate(order):  # admit waiting jobs at their minimum
             if not j.allocation:
@@ -250,7 +287,7 @@ class AdaptivePolicy:
                         continue
                 if free - reserved < j.min_gpus:
                     continue
-                if (by_gain is not None and j.throughput.from_own_training
+                if (self.admission_by_gain and j.throughput.from_own_training
                         and (j.first_start_s is None or j.suspensions_s)  # not a running job moved
                         and now_s - j.submit_time_s < patience * j.remaining_time_s(j.min_gpus)):
                     by_gain[r] = True  # admitted in step 3 instead, if its start gains most
@@ -281,7 +318,7 @@ class AdaptivePolicy:
             if free <= 0:
                 break
             back = min(free, len(j.allocation) - counts[r]) if j.allocation and not suspended[r] else 0
-            if back > 0:
+            if back > 0 and counts[r] + back >= j.min_gpus:
                 speed = j.throughput.steps_per_s
                 if speed(counts[r] + back) >= speed(counts[r]):
                     counts[r] += back
