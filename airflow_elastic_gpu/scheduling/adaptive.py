@@ -36,7 +36,7 @@ Steps of one decision:
    on more GPUs each (shortest first), not all at once on one GPU each, which shares the GPUs
    like a processor-sharing queue and finishes every job late. The price is throughput: growth
    is less efficient than a start, and long jobs start later, so the last job finishes later
-   (``docs/benchmarks.md``: -5% average JCT, +12% makespan on the generated workloads).
+   (``docs/benchmarks.md``: -6% average JCT, +9% makespan on the generated workloads).
 4. GPUs nobody gained go back to the running jobs that gave them up, so no job
    is shrunk for nothing (unless it was measured slower on them).
 5. Hysteresis: a running job is resized for its own sake (a growth, or a
