@@ -260,8 +260,8 @@ class FakeBroker:
     def finish(self, job_id, exit_code=0, metrics=None):
         self.reports.append(("finish", metrics))
 
-    def fail(self, job_id, reason, exit_code=None, metrics=None):
-        self.reports.append(("fail", reason))
+    def fail(self, job_id, reason, exit_code=None, metrics=None, *, node=None):
+        self.reports.append(("fail", reason) if node is None else ("fail", reason, node))
 
 
 def target(generation, pairs, status=JobStatus.RUNNING):
@@ -308,3 +308,17 @@ def test_a_pod_whose_trainer_ends_without_metrics_leaves_the_report_to_rank0s_po
     assert agent.run() == 0
     assert broker.answers == [ended]  # it waited, heartbeating, until the job had ended
     assert not [r for r in broker.reports if r[0] in ("finish", "fail")]
+
+
+def test_a_cancelled_gang_s_pod_agent_reports_its_own_node_stopped(tmp_path):
+    """After a cancel each pod's agent stops its node's trainer and reports that node, so the
+    broker frees that node's GPUs now (not after the lease) and the others' when they report."""
+    cancelled = target(1, [], status=JobStatus.CANCELLED)
+    broker = FakeBroker(cancelled)
+    agent = node_agent(tmp_path, broker, "gpu-node-1")
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.STOPPED})
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    assert agent.run() == 0
+    assert protocol.read_json(tmp_path / protocol.DESIRED)["stop"] is True
+    (report,) = [r for r in broker.reports if r[0] == "fail"]
+    assert report[2] == "gpu-node-1" and "stopped" in report[1]

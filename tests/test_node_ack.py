@@ -125,3 +125,64 @@ def test_the_http_api_takes_the_node_of_an_ack(pool):
     assert bad.status_code == 422
     client.post(f"/api/v1/jobs/{job.id}/ack", json={"generation": 1, "node": NODES[2]}, headers=auth)
     assert broker.job(job.id).acked_generation == 1
+
+
+def test_after_a_cancel_each_node_s_stop_report_frees_that_node_s_gpus(pool):
+    """A cancelled gang's GPUs are held until its trainers have stopped; each pod's agent reports
+    its own node, and only that node's GPUs go to other jobs (not the nodes still stopping)."""
+    broker = pool
+    job = gang(broker)
+    for node in NODES:
+        broker.ack(job.id, 1, node=node)
+    broker.cancel(job.id)
+    waiting = broker.submit(JobSpec("waiting", "python train.py", 2, 2, total_steps=100, backend="kubernetes"))
+    broker.rebalance()
+    assert broker.job(waiting.id).target_gpus == ()
+    broker.fail(job.id, "the trainer stopped (cancelled)", node="node-b")
+    assert nodes_of(broker.job(job.id).in_use_gpus) == ["node-a", "node-c"]
+    broker.rebalance()
+    assert nodes_of(broker.job(waiting.id).target_gpus) == ["node-b"]
+    broker.fail(job.id, "the trainer stopped (cancelled)", node="node-a")
+    broker.fail(job.id, "the trainer stopped (cancelled)", node="node-c")
+    ended = broker.job(job.id)
+    assert ended.status is JobStatus.CANCELLED and ended.in_use_gpus == () and ended.target_gpus == ()
+    releases = [e for e in broker.events(job_id=job.id) if e.kind == EventKind.RELEASE.value]
+    assert [sorted({g.split(":")[0] for g in e.data["gpus"]}) for e in releases] == [["node-b"], ["node-a"],
+                                                                                        ["node-c"]]
+    assert all("node" in e.message for e in releases)
+
+
+def test_one_node_s_failure_fails_the_gang_and_holds_the_other_nodes_until_they_stop(pool, clock):
+    """One pod's trainer dies: its agent fails the job for its node. The other nodes' trainers run
+    until their agents see the end, so their GPUs stay held until they report, or until the
+    lease passes without a heartbeat."""
+    broker = pool
+    broker.configure_pool(lease_s=30)
+    job = gang(broker)
+    for node in NODES:
+        broker.ack(job.id, 1, node=node)
+    broker.fail(job.id, "trainer on node node-c exited with code 1", 1, node="node-c")
+    failed = broker.job(job.id)
+    assert failed.status is JobStatus.FAILED and failed.exit_code == 1
+    assert nodes_of(failed.in_use_gpus) == ["node-a", "node-b"]
+    broker.fail(job.id, "the trainer stopped (failed)", node="node-a")
+    assert nodes_of(broker.job(job.id).in_use_gpus) == ["node-b"]
+    assert broker.job(job.id).reason == "trainer on node node-c exited with code 1"  # the first report stays
+    clock.advance(31)  # node-b's agent is silent: its launcher has fenced the trainer by now
+    broker.rebalance()
+    assert broker.job(job.id).in_use_gpus == ()
+
+
+def test_the_http_api_takes_the_node_of_a_failure(pool):
+    broker = pool
+    job = gang(broker)
+    for node in NODES:
+        broker.ack(job.id, 1, node=node)
+    client = TestClient(create_app(broker))
+    auth = {"Authorization": f"Bearer {job.token}"}
+    answer = client.post(f"/api/v1/jobs/{job.id}/fail", json={"reason": "oom", "exit_code": 1, "node": "node-a"},
+                         headers=auth)
+    assert answer.status_code == 200 and answer.json()["status"] == "failed"
+    assert nodes_of(broker.job(job.id).in_use_gpus) == ["node-b", "node-c"]
+    bad = client.post(f"/api/v1/jobs/{job.id}/fail", json={"reason": "x", "node": ""}, headers=auth)
+    assert bad.status_code == 422

@@ -235,7 +235,7 @@ def create_app(
                   openapi_extra=request_body(FailIn))
     def fail(job_id: JobAuth, body: Annotated[FailIn, Depends(body_of(FailIn, job_auth))],
              b: BrokerDep) -> JobOut:
-        return job_out(b.fail(job_id, body.reason, body.exit_code, body.metrics))
+        return job_out(b.fail(job_id, body.reason, body.exit_code, body.metrics, node=body.node))
 
     ui = APIRouter(prefix=API_PREFIX, tags=["ui"], dependencies=guards)
 

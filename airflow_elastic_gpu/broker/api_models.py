@@ -94,6 +94,10 @@ class FinishIn(_Report):
 class FailIn(_Report):
     reason: str = Field(min_length=1, max_length=20_000, description="why the job cannot go on")
     exit_code: int | None = Field(default=None, ge=-255, le=255)
+    node: str | None = Field(default=None, min_length=1, max_length=253, description=(
+        "a job with one agent per node (a gang of pods): the node whose agent reports, whose trainer "
+        "has stopped; only its GPUs are released, the other nodes' when their agents report. None: "
+        "the whole job"))
 
 
 class TargetOut(BaseModel):

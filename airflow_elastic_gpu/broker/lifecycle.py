@@ -432,16 +432,21 @@ class Lifecycle(Queries):
     # ------------------------------------------------------------------ the end
 
     def _end(self, job_id: str, status: JobStatus, reason: str | None, exit_code: int | None,
-             metrics: dict[str, Any] | None, *, hold: bool = False) -> JobView:
+             metrics: dict[str, Any] | None, *, hold: bool = False, node: str | None = None) -> JobView:
         def run() -> None:
             with self.engine.begin() as conn:
                 job = self._locked_book(conn, job_id)
+                where = "its trainer stopped" if node is None else f"its trainer on node {node} stopped"
                 if JobStatus(job.status) in TERMINAL:
                     # the agent's report of a trainer that stopped after its job ended (cancelled)
-                    if not hold and self._release_held(conn, job, f"its trainer stopped ({reason})"):
+                    if not hold and self._release_held(conn, job, f"{where} ({reason})", node):
                         self._ask_rebalance(conn, job.pool, self._due(job, added=1))
                     return
-                self._release(conn, job, status, reason, exit_code, metrics, hold=hold)
+                # a gang of pods: one node's agent reports; the other nodes' trainers may still
+                # run until their agents see the end, so their GPUs stay held until they report
+                self._release(conn, job, status, reason, exit_code, metrics, hold=hold or node is not None)
+                if node is not None and not hold:
+                    self._release_held(conn, job, f"{where} ({reason})", node)
                 self._ask_rebalance(conn, job.pool, self._due(job, added=1))
 
         self._retrying(run)
@@ -453,10 +458,17 @@ class Lifecycle(Queries):
         return self._end(job_id, JobStatus.SUCCEEDED, "trainer finished", exit_code, metrics)
 
     def fail(self, job_id: str, reason: str, exit_code: int | None = None,
-             metrics: dict[str, Any] | None = None) -> JobView:
+             metrics: dict[str, Any] | None = None, *, node: str | None = None) -> JobView:
         """The job cannot go on (``reason`` says why): FAILED, GPUs released. On an ended job: as
-        :meth:`finish`."""
-        return self._end(job_id, JobStatus.FAILED, reason, exit_code, metrics)
+        :meth:`finish`.
+
+        :param node: a job with one agent per node (a gang of pods): the node whose agent reports,
+            whose trainer has stopped. Only that node's GPUs are released; the other nodes' stay
+            out of every allocation until their agents report their trainers stopped (the same
+            call) or until no heartbeat came for the pool's ``lease_s``, as after :meth:`cancel`.
+            None: the whole job's trainers have stopped.
+        """
+        return self._end(job_id, JobStatus.FAILED, reason, exit_code, metrics, node=node)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobView:
         """Stop the job: CANCELLED at once; its agent sees the status on its next heartbeat and

@@ -191,13 +191,14 @@ class Rebalancing(BrokerBase):
                         "no heartbeat for the lease)")
         self._event(s, job.pool, EventKind.ended(status), message, job.id, exit_code=exit_code)
 
-    def _release_held(self, s: Executor, job: Job | Row[Any], why: str) -> bool:
-        """Free the GPUs an ended job still holds (see :meth:`_release`'s ``hold``); False if none."""
+    def _release_held(self, s: Executor, job: Job | Row[Any], why: str, node: str | None = None) -> bool:
+        """Free the GPUs an ended job still holds (see :meth:`_release`'s ``hold``), or only those on
+        ``node`` (a gang of pods: that node's trainer has stopped); False if none."""
         target, in_use = job_gpus(s, job.id)
-        gpus = sorted(set(target) | set(in_use))
+        gpus = sorted(g for g in set(target) | set(in_use) if node is None or g.node == node)
         if not gpus:
             return False
-        free_gpus(s, job.id)
+        free_gpus(s, job.id, None if node is None else (job.pool, node))
         self._event(s, job.pool, EventKind.RELEASE, f"{len(gpus)} GPU(s) released: {why}", job.id,
                     gpus=[str(g) for g in gpus])
         return True

@@ -172,6 +172,10 @@ _LOCK_BOOK = (
 _POOL_TRY_LOCK = _POOL.with_for_update(skip_locked=True, key_share=True)
 _FREE_IN_USE = delete(GpuInUse).where(GpuInUse.job_id == bindparam("job_id"))
 _FREE_TARGET = delete(GpuTarget).where(GpuTarget.job_id == bindparam("job_id"))
+_GPUS_OF_NODE = select(Gpu.id).join(Node, Node.id == Gpu.node_id).where(
+    Node.name == bindparam("node"), Node.pool == bindparam("pool")).scalar_subquery()
+_FREE_IN_USE_ON = delete(GpuInUse).where(GpuInUse.job_id == bindparam("job_id"), GpuInUse.gpu_id.in_(_GPUS_OF_NODE))
+_FREE_TARGET_ON = delete(GpuTarget).where(GpuTarget.job_id == bindparam("job_id"), GpuTarget.gpu_id.in_(_GPUS_OF_NODE))
 
 
 def read_pool(s: Executor, pool: str) -> Row[Any] | None:
@@ -187,10 +191,16 @@ def try_lock_pool(s: Executor, pool: str) -> Row[Any] | None:
     return s.execute(_POOL_TRY_LOCK, {"pool": pool}).first()
 
 
-def free_gpus(s: Executor, job_id: str) -> None:
-    """Delete the job's in-use and target GPUs (it ended)."""
-    s.execute(_FREE_IN_USE, {"job_id": job_id})
-    s.execute(_FREE_TARGET, {"job_id": job_id})
+def free_gpus(s: Executor, job_id: str, node: tuple[str, str] | None = None) -> None:
+    """Delete the job's in-use and target GPUs (it ended); with ``node`` (``(pool, node name)``),
+    only those on that node (its trainer there has stopped)."""
+    if node is None:
+        s.execute(_FREE_IN_USE, {"job_id": job_id})
+        s.execute(_FREE_TARGET, {"job_id": job_id})
+        return
+    params = {"job_id": job_id, "pool": node[0], "node": node[1]}
+    s.execute(_FREE_IN_USE_ON, params)
+    s.execute(_FREE_TARGET_ON, params)
 
 
 def read_job(s: Executor, job_id: str, *, lock: bool = False) -> Row[Any] | None:

@@ -410,9 +410,10 @@ class Agent:
             )
         where = "" if self.node is None else f" on node {self.node}"
         reason = self._with_tail(f"trainer{where} exited with code {code}")
+        node = {} if self.node is None else {"node": self.node}  # the other nodes' GPUs stay held
         return self._report_end(
-            "fail", lambda: self.broker.fail(self.job_id, reason, code, metrics),
-            lambda: self.broker.fail(self.job_id, f"trainer exited with code {code}", code),
+            "fail", lambda: self.broker.fail(self.job_id, reason, code, metrics, **node),
+            lambda: self.broker.fail(self.job_id, f"trainer{where} exited with code {code}", code, **node),
         )
 
     def _report_end(self, what: str, call: Callable[[], Any], fallback: Callable[[], Any] | None = None) -> int:
@@ -440,11 +441,11 @@ class Agent:
     def _stop_ended(self, why: str) -> int:
         """The broker ended the job (cancelled, lost): stop the trainer, then tell the broker it
         stopped, so that the GPUs it holds for the trainer go to other jobs now rather than after
-        the lease (a gang of pods, one agent per node, leaves that to the lease: one node's report
-        would free every node's GPUs); 0."""
-        if self._stopped(why) and self.node is None:
+        the lease (a gang of pods, one agent per node: this node's GPUs only); 0."""
+        if self._stopped(why):
+            node = {} if self.node is None else {"node": self.node}
             self._call("report of the stopped trainer", self.broker.fail, self.job_id,
-                       f"the trainer stopped ({why})")
+                       f"the trainer stopped ({why})", **node)
         return 0
 
     def _stopped(self, why: str) -> bool:

@@ -127,5 +127,8 @@ class HttpBrokerTransport:
         return self._call("POST", job_id, "finish", {"exit_code": exit_code, "metrics": metrics})
 
     def fail(self, job_id: str, reason: str, exit_code: int | None = None,
-             metrics: dict[str, Any] | None = None) -> Any:
-        return self._call("POST", job_id, "fail", {"reason": reason, "exit_code": exit_code, "metrics": metrics})
+             metrics: dict[str, Any] | None = None, *, node: str | None = None) -> Any:
+        body = {"reason": reason, "exit_code": exit_code, "metrics": metrics}
+        if node is not None:
+            body["node"] = node
+        return self._call("POST", job_id, "fail", body)
