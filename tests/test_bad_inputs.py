@@ -45,8 +45,8 @@ HOSTILE_NAME = "x'); DROP TABLE job; --"
     (dict(total_steps=None), "total_steps must be an integer >= 1, got None"),
     (dict(command="   "), "command must not be empty"),
     (dict(name=""), "name must not be empty"),
-    (dict(family=" "), "family must not be empty"),
-    (dict(family="f" * 257), "family must be at most 256 characters, got 257"),
+    ({"family": " "}, "family must not be empty"),
+    ({"family": "f" * 257}, "family must be at most 256 characters, got 257"),
     (dict(progress_pattern="(?P<step>"), "not a valid regex"),
     (dict(backend="../../bin/sh"), "backend must be one of local, kubernetes, simulated"),
     # what the database would refuse (PostgreSQL) or store silently (SQLite): refused alike, by name
