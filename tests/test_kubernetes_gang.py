@@ -210,8 +210,13 @@ def test_one_evicted_pod_fails_the_job_and_the_whole_gang_is_deleted(cluster):
     JobWatcher(broker, backend, job.id).poll()  # what the trigger does each poll
     failed = broker.job(job.id)
     assert failed.status is JobStatus.FAILED and "Evicted" in failed.reason
-    assert failed.in_use_gpus == ()
+    # the evicted node's GPUs are free; the other nodes' stay held until their trainers have
+    # stopped (their agents report it, or the lease passes): they ran until their pods were deleted
+    assert {g.node for g in failed.in_use_gpus} == {NODES[0], NODES[2]}
     assert api.pods == {} and api.services == {} and api.secrets == {}  # every node's pod, not half
+    for node in (NODES[0], NODES[2]):  # what each pod's agent reports once its trainer has stopped
+        broker.fail(job.id, "the trainer stopped (job is failed in the broker)", node=node)
+    assert broker.job(job.id).in_use_gpus == ()
 
 
 def test_a_pod_of_a_running_gang_deleted_from_outside_fails_the_job(cluster):
@@ -246,6 +251,7 @@ class FakeBroker:
         self.answers = list(answers)
         self.acks: list[tuple[int, str | None]] = []
         self.reports: list[tuple] = []
+        self.report_nodes: list[str | None] = []  # the node of each finish/fail report
 
     def heartbeat(self, job_id):
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
@@ -257,11 +263,13 @@ class FakeBroker:
         self.acks.append((generation, node))
         return True
 
-    def finish(self, job_id, exit_code=0, metrics=None):
+    def finish(self, job_id, exit_code=0, metrics=None, *, node=None):
         self.reports.append(("finish", metrics))
+        self.report_nodes.append(node)
 
     def fail(self, job_id, reason, exit_code=None, metrics=None, *, node=None):
-        self.reports.append(("fail", reason) if node is None else ("fail", reason, node))
+        self.reports.append(("fail", reason))
+        self.report_nodes.append(node)
 
 
 def target(generation, pairs, status=JobStatus.RUNNING):
@@ -295,6 +303,7 @@ def test_a_pods_agent_acks_its_node_only(tmp_path):
     assert agent._ack(1) and broker.acks == [(1, "gpu-node-1")]
     assert agent.run() == 0  # this node's trainer printed the final metrics: it reports the end
     assert ("finish", {"final": True, "step": 10, "loss": 0.1}) in broker.reports
+    assert broker.report_nodes == ["gpu-node-1"]  # its node's GPUs: the others' when their agents report
 
 
 def test_a_pod_whose_trainer_ends_without_metrics_leaves_the_report_to_rank0s_pod(tmp_path):
@@ -307,7 +316,9 @@ def test_a_pod_whose_trainer_ends_without_metrics_leaves_the_report_to_rank0s_po
     (tmp_path / protocol.LOG).write_text(json.dumps({"step": 10}) + "\n")  # not the global rank 0's metrics
     assert agent.run() == 0
     assert broker.answers == [ended]  # it waited, heartbeating, until the job had ended
-    assert not [r for r in broker.reports if r[0] in ("finish", "fail")]
+    # then it reports only that its own node's trainer has stopped (no end of its own)
+    assert [r[0] for r in broker.reports if r[0] in ("finish", "fail")] == ["fail"]
+    assert broker.report_nodes == ["gpu-node-0"]
 
 
 def test_a_cancelled_gang_s_pod_agent_reports_its_own_node_stopped(tmp_path):
@@ -321,4 +332,16 @@ def test_a_cancelled_gang_s_pod_agent_reports_its_own_node_stopped(tmp_path):
     assert agent.run() == 0
     assert protocol.read_json(tmp_path / protocol.DESIRED)["stop"] is True
     (report,) = [r for r in broker.reports if r[0] == "fail"]
-    assert report[2] == "gpu-node-1" and "stopped" in report[1]
+    assert broker.report_nodes == ["gpu-node-1"] and "stopped" in report[1]
+
+
+def test_a_gang_pod_deleted_after_its_job_ended_reports_its_node_stopped(tmp_path):
+    """The trigger deletes a failed gang's pods: each pod's agent (SIGTERM) sees the job ended, stops
+    its node's trainer and reports the node, so those GPUs need not wait for the lease."""
+    broker = FakeBroker(target(1, [], status=JobStatus.FAILED))
+    agent = node_agent(tmp_path, broker, "gpu-node-2")
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.STOPPED})
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    agent.terminating.set()
+    assert agent.run() == 0
+    assert [r[0] for r in broker.reports] == ["fail"] and broker.report_nodes == ["gpu-node-2"]

@@ -186,3 +186,25 @@ def test_the_http_api_takes_the_node_of_a_failure(pool):
     assert nodes_of(broker.job(job.id).in_use_gpus) == ["node-b", "node-c"]
     bad = client.post(f"/api/v1/jobs/{job.id}/fail", json={"reason": "x", "node": ""}, headers=auth)
     assert bad.status_code == 422
+
+
+def test_a_gang_s_end_reported_by_one_node_holds_the_others_until_they_report(pool):
+    """The pod whose trainer printed the final metrics reports the end for its node; the other
+    pods' trainers end about then, and each pod's agent reports its own node once it sees the end."""
+    broker = pool
+    job = gang(broker)
+    for node in NODES:
+        broker.ack(job.id, 1, node=node)
+    done = broker.finish(job.id, 0, {"accuracy": 0.9}, node="node-a")
+    assert done.status is JobStatus.SUCCEEDED and nodes_of(done.in_use_gpus) == ["node-b", "node-c"]
+    for node in NODES[1:]:
+        broker.fail(job.id, "the trainer finished", node=node)
+    assert broker.job(job.id).in_use_gpus == () and broker.job(job.id).status is JobStatus.SUCCEEDED
+
+
+def test_an_end_report_naming_a_node_outside_the_pool_is_rejected_and_changes_nothing(pool):
+    broker = pool
+    job = gang(broker)
+    with pytest.raises(InvalidRequest, match="'elsewhere' is not a node of GPU pool"):
+        broker.fail(job.id, "oops", node="elsewhere")
+    assert broker.job(job.id).status is JobStatus.RUNNING

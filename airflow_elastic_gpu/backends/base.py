@@ -38,10 +38,14 @@ class Problem:
         being re-created, a trainer that has just exited and whose exit the broker has not recorded
         yet), so the job watcher fails the job only after several polls in a row say so; any
         other problem fails it at once.
+    :param node: a gang of pods: the node whose pod is broken (its trainer no longer runs); the
+        broker then frees that node's GPUs only, and the other nodes' once their trainers have
+        stopped (their agents report it, or the lease passes). None: the job's only pod or process.
     """
 
     reason: str
     gone: bool = False
+    node: str | None = None
 
 
 @runtime_checkable

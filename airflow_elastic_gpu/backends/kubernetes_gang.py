@@ -225,14 +225,15 @@ class GangPods:
         for pod in pods:
             reason = pod_problem(pod)
             if reason is not None:
-                return Problem(f"{reason} (node {pod.spec.node_name} of the gang; every pod of the job is stopped)")
+                return Problem(f"{reason} (node {pod.spec.node_name} of the gang; every pod of the job is stopped)",
+                               node=pod.spec.node_name)
         if job.acked_generation < max(job.target_generation, 1):
             return None
         running = {g.node for g in job.in_use_gpus}
         missing = sorted(running - {p.spec.node_name for p in self.backend.pods(job.id)})
         if missing:
             return Problem(f"the pod of node {missing[0]} was deleted from outside the broker "
-                           "(every pod of the job is stopped)")
+                           "(every pod of the job is stopped)", node=missing[0])
         return None
 
     def log_pod(self, job_id: str) -> Any | None:

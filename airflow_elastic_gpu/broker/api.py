@@ -229,7 +229,7 @@ def create_app(
                   openapi_extra=request_body(FinishIn))
     def finish(job_id: JobAuth, body: Annotated[FinishIn, Depends(body_of(FinishIn, job_auth))],
                b: BrokerDep) -> JobOut:
-        return job_out(b.finish(job_id, body.exit_code, body.metrics))
+        return job_out(b.finish(job_id, body.exit_code, body.metrics, node=body.node))
 
     @sidecar.post("/fail", response_model=JobOut, summary="the job cannot go on",
                   openapi_extra=request_body(FailIn))

@@ -89,6 +89,10 @@ class _Report(_Strict):
 
 class FinishIn(_Report):
     exit_code: int = Field(default=0, ge=0, le=255)
+    node: str | None = Field(default=None, min_length=1, max_length=253, description=(
+        "a job with one agent per node (a gang of pods): the node whose agent reports, whose trainer "
+        "has stopped; only its GPUs are released, the other nodes' when their agents report. None: "
+        "the whole job"))
 
 
 class FailIn(_Report):

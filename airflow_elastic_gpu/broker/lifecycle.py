@@ -138,6 +138,7 @@ _ADD_NODE_ACK = insert(NodeAck)
 _NODES_ACKED = select(NodeAck.node).where(NodeAck.job_id == bindparam("job_id"),
                                           NodeAck.generation == bindparam("generation"))
 _FORGET_NODE_ACKS = delete(NodeAck).where(NodeAck.job_id == bindparam("job_id"))
+_NODE_OF_POOL = select(Node.id).where(Node.pool == bindparam("pool"), Node.name == bindparam("node"))
 _TARGET_TO_IN_USE = insert(GpuInUse).from_select(
     ["gpu_id", "job_id", "generation"],
     select(GpuTarget.gpu_id, GpuTarget.job_id, bindparam("generation", type_=Integer))
@@ -436,6 +437,8 @@ class Lifecycle(Queries):
         def run() -> None:
             with self.engine.begin() as conn:
                 job = self._locked_book(conn, job_id)
+                if node is not None and conn.execute(_NODE_OF_POOL, {"pool": job.pool, "node": node}).first() is None:
+                    raise InvalidRequest(f"node {node!r} is not a node of GPU pool {job.pool!r}")
                 where = "its trainer stopped" if node is None else f"its trainer on node {node} stopped"
                 if JobStatus(job.status) in TERMINAL:
                     # the agent's report of a trainer that stopped after its job ended (cancelled)
@@ -452,10 +455,16 @@ class Lifecycle(Queries):
         self._retrying(run)
         return self.job(job_id)
 
-    def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None) -> JobView:
+    def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None, *,
+               node: str | None = None) -> JobView:
         """The trainer exited with 0: SUCCEEDED, GPUs released. On an ended job it changes nothing
-        but frees the GPUs the job still holds (its trainer has stopped: see :meth:`cancel`)."""
-        return self._end(job_id, JobStatus.SUCCEEDED, "trainer finished", exit_code, metrics)
+        but frees the GPUs the job still holds (its trainer has stopped: see :meth:`cancel`).
+
+        :param node: as for :meth:`fail`: a gang of pods' node whose agent reports; the other
+            nodes' GPUs stay held until their agents report their trainers stopped.
+        :raises InvalidRequest: ``node`` is not a node of the job's pool.
+        """
+        return self._end(job_id, JobStatus.SUCCEEDED, "trainer finished", exit_code, metrics, node=node)
 
     def fail(self, job_id: str, reason: str, exit_code: int | None = None,
              metrics: dict[str, Any] | None = None, *, node: str | None = None) -> JobView:
@@ -467,6 +476,7 @@ class Lifecycle(Queries):
             out of every allocation until their agents report their trainers stopped (the same
             call) or until no heartbeat came for the pool's ``lease_s``, as after :meth:`cancel`.
             None: the whole job's trainers have stopped.
+        :raises InvalidRequest: ``node`` is not a node of the job's pool.
         """
         return self._end(job_id, JobStatus.FAILED, reason, exit_code, metrics, node=node)
 

@@ -38,7 +38,7 @@ from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.states import ACTIVE, JobStatus
 
-_MAY_HOLD = (JobStatus.CANCELLED.value, JobStatus.FAILED.value)  # ended jobs that may still hold GPUs
+_MAY_HOLD = (JobStatus.CANCELLED.value, JobStatus.FAILED.value, JobStatus.SUCCEEDED.value)  # may hold GPUs
 
 
 def event_view(e: Event) -> EventView:
@@ -91,9 +91,9 @@ class Queries(Rebalancing):
         return {k: tuple(sorted(v)) for k, v in found.items()}
 
     def _views(self, s: Executor, jobs: Sequence[Job | Row[Any]]) -> list[JobView]:
-        # ended jobs hold no GPU, but a cancelled one until its trainer has stopped, and a failed
-        # gang of pods until every node's trainer has; nor does one that was never published a
-        # generation (a new job)
+        # ended jobs hold no GPU, but a cancelled one until its trainer has stopped, and a gang of
+        # pods whose end one node reported until every node's trainer has; nor does one that was
+        # never published a generation (a new job)
         ids = [j.id for j in jobs if (JobStatus(j.status) in ACTIVE or j.status in _MAY_HOLD)
                and j.target_generation > 0]
         if not ids:

@@ -171,6 +171,10 @@ class Agent:
                 status = self._status()
                 if status.get("state") == protocol.EXITED:
                     return self._report_exit(int(status.get("exit_code") or 0))
+                if self.node is not None:  # a gang's pod deleted after the job ended: report its node's stop
+                    outcome, target = self._call("heartbeat", self.broker.heartbeat, self.job_id)
+                    if outcome is Outcome.ENDED or (outcome is Outcome.OK and target.status.terminal):
+                        return self._stop_ended("the pod is being deleted after the job ended")
                 log.info("terminated (the pod is being deleted): the launcher stops the trainer")
                 return 0
             sent_s = self.clock()  # before the call: the broker's record of this contact is later
@@ -204,7 +208,8 @@ class Agent:
                              else f"it runs generation {self.pod_generation} only")
                     return 0
                 self._report_end("fail", functools.partial(
-                    self.broker.fail, self.job_id, "the launcher was stopped from outside the broker"))
+                    self.broker.fail, self.job_id, "the launcher was stopped from outside the broker",
+                    **self._node_kw))
                 return 1
             if (gone := self._launcher_gone()) is not None:
                 time.sleep(self.poll_s)  # it may have written its last status just now
@@ -220,7 +225,7 @@ class Agent:
                     self._stopped("a launcher of the gang died")
                 reason = self._with_tail(f"the launcher (pid {gone}) died without reporting "
                                          "an exit; its trainer was killed")
-                self._report_end("fail", functools.partial(self.broker.fail, self.job_id, reason))
+                self._report_end("fail", functools.partial(self.broker.fail, self.job_id, reason, **self._node_kw))
                 return 1
             self.terminating.wait(self.poll_s)
 
@@ -271,6 +276,12 @@ class Agent:
     def _ack(self, generation: int) -> bool:
         node = {} if self.node is None else {"node": self.node}
         return self.broker.ack(self.job_id, generation, **node)
+
+    @property
+    def _node_kw(self) -> dict[str, str]:
+        """The ``node`` argument of this agent's end reports: a gang of pods reports its own node
+        (the broker frees that node's GPUs only), one agent for the whole job none."""
+        return {} if self.node is None else {"node": self.node}
 
     def _await_end(self) -> bool:
         """A gang node's trainer ended with 0 and printed no final metrics: wait (heartbeating) for
@@ -401,16 +412,19 @@ class Agent:
                 lambda: self.broker.fail(self.job_id, f"trainer on node {node} exited with code {code}", code),
             )
         metrics = self._log_parser().metrics
+        node = self._node_kw  # a gang of pods: this node's GPUs only, the others' stay held until they report
         if self.node is not None and code == 0 and metrics is None and self._await_end():
+            # the node that printed the metrics reported the end: this node's trainer has stopped too
+            self._call("report of the stopped trainer", self.broker.fail, self.job_id,
+                       "the trainer finished", **node)
             return 0
         if code == 0:
             return self._report_end(
-                "finish", lambda: self.broker.finish(self.job_id, 0, metrics),
-                (lambda: self.broker.finish(self.job_id, 0, None)) if metrics else None,
+                "finish", lambda: self.broker.finish(self.job_id, 0, metrics, **node),
+                (lambda: self.broker.finish(self.job_id, 0, None, **node)) if metrics else None,
             )
         where = "" if self.node is None else f" on node {self.node}"
         reason = self._with_tail(f"trainer{where} exited with code {code}")
-        node = {} if self.node is None else {"node": self.node}  # the other nodes' GPUs stay held
         return self._report_end(
             "fail", lambda: self.broker.fail(self.job_id, reason, code, metrics, **node),
             lambda: self.broker.fail(self.job_id, f"trainer{where} exited with code {code}", code, **node),
@@ -443,9 +457,8 @@ class Agent:
         stopped, so that the GPUs it holds for the trainer go to other jobs now rather than after
         the lease (a gang of pods, one agent per node: this node's GPUs only); 0."""
         if self._stopped(why):
-            node = {} if self.node is None else {"node": self.node}
             self._call("report of the stopped trainer", self.broker.fail, self.job_id,
-                       f"the trainer stopped ({why})", **node)
+                       f"the trainer stopped ({why})", **self._node_kw)
         return 0
 
     def _stopped(self, why: str) -> bool:

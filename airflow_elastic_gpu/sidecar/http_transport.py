@@ -123,8 +123,12 @@ class HttpBrokerTransport:
             body["node"] = node
         return bool(self._call("POST", job_id, "ack", body)["accepted"])
 
-    def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None) -> Any:
-        return self._call("POST", job_id, "finish", {"exit_code": exit_code, "metrics": metrics})
+    def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None, *,
+               node: str | None = None) -> Any:
+        body = {"exit_code": exit_code, "metrics": metrics}
+        if node is not None:
+            body["node"] = node
+        return self._call("POST", job_id, "finish", body)
 
     def fail(self, job_id: str, reason: str, exit_code: int | None = None,
              metrics: dict[str, Any] | None = None, *, node: str | None = None) -> Any:
