@@ -84,6 +84,19 @@ def test_a_job_is_never_suspended_for_the_growth_of_a_later_ranked_one():
     assert len(d.allocations["middle"]) == 4 and len(d.allocations["last"]) == 1
 
 
+def test_a_job_is_not_suspended_when_most_of_its_gpus_would_stay_idle():
+    """A shorter job could grow by one GPU onto the long job's four: the other three would be left
+    to nobody (the long job needs all four), so the long job keeps them."""
+    node = NodeState("n0", tuple(range(8)))
+    short = JobState("a", 1, 5, 4_000, allocation=tuple(GpuId("n0", i) for i in range(4)), last_start_s=0.0,
+                     last_resize_s=0.0, throughput=LINEAR, restart_overhead_s=10.0)
+    long = JobState("r", 4, 4, 1_000_000, allocation=tuple(GpuId("n0", i) for i in range(4, 8)),
+                    last_start_s=0.0, last_resize_s=0.0, preemptible=True, throughput=LINEAR,
+                    restart_overhead_s=10.0)
+    d = SUSPEND.decide(ClusterState((node,), (short, long), 3600.0))
+    assert len(d.allocations["r"]) == 4 and len(d.allocations["a"]) == 4
+
+
 def test_a_job_is_not_suspended_before_its_minimum_runtime():
     d = decide(SUSPEND, long_job(last_start_s=3100.0), short_job())
     assert d.allocations["long"] == BOTH and d.allocations["short"] == ()

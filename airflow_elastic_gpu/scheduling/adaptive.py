@@ -185,18 +185,20 @@ class AdaptivePolicy:
             if rule is not None:
                 # a running job left at zero by the hand-out keeps its minimum unless its suspension
                 # pays (SRPT exchange, against the better-ranked job that gained GPUs and finishes
-                # first) and no later-ranked job gained GPUs (they may be its GPUs: suspension serves
-                # only better-ranked jobs, never a lower priority)
+                # first), every GPU is used (a minimum larger than what others could take would
+                # leave the rest idle) and no later-ranked job gained GPUs (they may be its GPUs:
+                # suspension serves only better-ranked jobs, never a lower priority)
                 num_jobs = len(order)
                 gained = [counts[r] > (min(j.min_gpus, len(j.allocation)) if j.allocation else 0)
                           for r, j in enumerate(order)]
                 later_gained = [False] * num_jobs
                 for r in range(num_jobs - 2, -1, -1):
                     later_gained[r] = later_gained[r + 1] or gained[r + 1]
+                idle = capacity > sum(counts)  # GPUs nobody took: a suspension would not be used in full
                 bad, best, best_s = [], None, float("inf")
                 for r, j in enumerate(order):
                     if j.allocation and counts[r] == 0 and not frozen[r] and not kept[r] and (
-                            later_gained[r] or best is None
+                            idle or later_gained[r] or best is None
                             or not rule.pays(j, len(j.allocation), order[best], counts[best])):
                         bad.append(r)
                     if gained[r] and counts[r] > 0:
