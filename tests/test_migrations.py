@@ -53,15 +53,20 @@ def test_every_migration_step_down_and_up_keeps_the_data(broker, clock, revision
 
 
 def test_the_family_column_is_filled_from_the_names_of_existing_jobs(broker):
-    """Migration 0010: jobs submitted before it get their name without a map index as family."""
+    """Migration 0010: jobs submitted before it get the family they would get now."""
     broker.register_node("n0", 1)
-    for key, name in (("a", "sweep[3]"), ("b", "train"), ("c", "odd[name]")):
+    for key, name in (("a", "sweep[3]"), ("b", "train"), ("c", "odd[name]"), ("d", "[3]"),
+                      ("nightly/train/scheduled__2026-11-24T00:00:00+00:00/-1", "train"),
+                      ("nightly/sweep/manual__1/2@8f3c", "sweep[2]")):
         broker.submit(JobSpec(name=name, command="python train.py", key=key, total_steps=10))
     run_migration(broker.engine, "downgrade", "0009")
     run_migration(broker.engine, "upgrade", "head")
     with broker.engine.connect() as conn:
-        families = dict(conn.execute(text("SELECT name, family FROM job")).all())
-    assert families == {"sweep[3]": "sweep", "train": "train", "odd[name]": "odd[name]"}
+        families = dict(conn.execute(text("SELECT key, family FROM job")).all())
+    assert families == {"a": "sweep", "b": "train", "c": "odd[name]", "d": "[3]",  # as JobSpec sets them
+                        # the operator's jobs: dag_id.task_id, as the operator now sets it
+                        "nightly/train/scheduled__2026-11-24T00:00:00+00:00/-1": "nightly.train",
+                        "nightly/sweep/manual__1/2@8f3c": "nightly.sweep"}
 
 
 def _previous(revision: str) -> str:

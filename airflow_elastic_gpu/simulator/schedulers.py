@@ -209,7 +209,7 @@ class BrokerScheduler:
         view = self.broker.submit(JobSpec(
             name=family or job_id, command="simulated", min_gpus=min_gpus, max_gpus=max_gpus,
             requested_gpus=requested_gpus, total_steps=total_steps, key=job_id, backend="simulated",
-            preemptible=preemptible, relative_speed=relative_speed,
+            preemptible=preemptible, relative_speed=relative_speed, family=family,
         ))
         return view.id
 
