@@ -175,6 +175,25 @@ def test_a_burst_of_measured_jobs_starts_shortest_first_on_more_gpus():
     assert [len(everyone.allocations[f"j{i}"]) for i in range(4)] == [1, 1, 1, 1]
 
 
+def test_with_admission_min_waiting_a_lone_waiting_job_starts_at_once():
+    """``admission_min_waiting=2``: shortest-first admission holds jobs back only while there is an
+    order to choose (two or more waiting); a lone waiting job starts at its minimum as by default."""
+    a = job("a", steps=2_000, done=0, alloc=gpus("n0", 0, 1), last_resize=0.0, model=MEASURED_LINEAR)
+    lone = job("w", steps=6_000, model=MEASURED_LINEAR, submit=900.0)
+    cluster = ClusterState((node(),), (a, lone), 1000.0)
+    always = AdaptivePolicy(admission_by_gain=True).decide(cluster)
+    assert always.allocations["w"] == () and len(always.allocations["a"]) == 4
+    two = AdaptivePolicy(admission_by_gain=True, admission_min_waiting=2)
+    d = two.decide(cluster)
+    assert len(d.allocations["w"]) == 1 and len(d.allocations["a"]) == 3
+    burst = tuple(job(f"j{i}", steps=1000 * (i + 1), model=MEASURED_LINEAR) for i in range(4))
+    d = two.decide(ClusterState((node(),), burst, 0.0))  # four waiting: shortest first, as always
+    assert len(d.allocations["j0"]) == 4 and not any(d.allocations[f"j{i}"] for i in (1, 2, 3))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="admission_min_waiting must be an integer >= 1"):
+            AdaptivePolicy(admission_min_waiting=bad)
+
+
 def test_a_job_ranked_on_a_guess_is_started_at_once_but_not_before_a_measured_shorter_one():
     """A job whose throughput is the pool-median guess may be much shorter than it looks: it starts
     at its minimum as soon as GPUs are free (its first progress reports rank it), but only from

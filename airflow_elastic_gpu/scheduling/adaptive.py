@@ -17,7 +17,8 @@ Steps of one decision:
    measured, and no measured job of its training: the pool-median prior), that has waited
    ``admission_patience`` times its predicted run time on ``min_gpus``, or that ran before and
    was not suspended (a running job moved, e.g. to another GPU type) is admitted here; any
-   other waiting job is admitted in step 3, when its start gains more than growing a running job.
+   other waiting job is admitted in step 3, when its start gains more than growing a running job
+   (with ``admission_min_waiting`` = k > 1, only while at least k jobs wait).
    With suspension on (``suspend=True``, a pool setting), a waiting job that does
    not fit may suspend preemptible running jobs ranked after it, when the SRPT
    exchange pays its restart overheads (:mod:`~airflow_elastic_gpu.scheduling.suspension`);
@@ -108,6 +109,10 @@ class AdaptivePolicy:
     :param admission_patience: a waiting job that has waited this many times its predicted run
         time on ``min_gpus`` is admitted before any growth (> 0): the bound on how long
         shortest-first admission may hold a long job back.
+    :param admission_min_waiting: with ``admission_by_gain``, jobs are held back only while at
+        least this many jobs wait (an integer >= 1; 1: always). With 2 a lone waiting job starts at
+        once (there is no order to choose): less average-JCT gain, little makespan loss
+        (``docs/benchmarks.md``).
     :raises ValueError: a parameter out of range.
     """
 
@@ -123,6 +128,7 @@ class AdaptivePolicy:
     type_aware: bool = True
     admission_by_gain: bool = False
     admission_patience: float = 0.5
+    admission_min_waiting: int = 1
     preemptive: ClassVar[bool] = False
     resize_mechanism: ClassVar[str] = "inplace"
 
@@ -138,6 +144,9 @@ class AdaptivePolicy:
                 f"admission_by_gain must be true or false, got {self.admission_by_gain!r}")
         if not self.admission_patience > 0:
             raise ValueError(f"admission_patience must be > 0, got {self.admission_patience!r}")
+        if (isinstance(self.admission_min_waiting, bool) or not isinstance(self.admission_min_waiting, int)
+                or self.admission_min_waiting < 1):
+            raise ValueError(f"admission_min_waiting must be an integer >= 1, got {self.admission_min_waiting!r}")
         if not isinstance(self.suspend, bool):
             raise ValueError(f"suspend must be true or false, got {self.suspend!r}")
         rule = SuspensionRule(self.min_runtime_s, self.max_suspensions_per_hour, self.hysteresis)
@@ -274,6 +283,9 @@ class AdaptivePolicy:
                 continue
             free -= counts[r]
         reserved = 0  # GPUs the starts of such jobs would take: not for jobs ranked after them here
+        by_gain_admission = self.admission_by_gain and (
+            self.admission_min_waiting <= 1
+            or sum(1 for j in order if not j.allocation) >= self.admission_min_waiting)
         for r, j in enumerate(order):  # admit waiting jobs at their minimum
             if not j.allocation:
                 if free - reserved < j.min_gpus and rule is not None:  # suspend later-ranked jobs, if that pays
@@ -289,7 +301,7 @@ class AdaptivePolicy:
                         continue
                 if free - reserved < j.min_gpus:
                     continue
-                if (self.admission_by_gain and j.throughput.from_own_training
+                if (by_gain_admission and j.throughput.from_own_training
                         and (j.first_start_s is None or j.suspensions_s)  # not a running job moved
                         and now_s - j.submit_time_s < patience * j.remaining_time_s(j.min_gpus)):
                     by_gain[r] = True  # admitted in step 3 instead, if its start gains most
