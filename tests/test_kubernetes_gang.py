@@ -345,3 +345,17 @@ def test_a_gang_pod_deleted_after_its_job_ended_reports_its_node_stopped(tmp_pat
     agent.terminating.set()
     assert agent.run() == 0
     assert [r[0] for r in broker.reports] == ["fail"] and broker.report_nodes == ["gpu-node-2"]
+
+
+def test_a_pod_of_a_node_the_gang_gave_up_stops_quietly_when_deleted(tmp_path):
+    """A gang shrinks off this pod's node: the pod is deleted once every node has acked, and its
+    launcher stops first (the agent is a native sidecar). That is the resize, not a failure: the
+    agent reports nothing (before, it failed the running job: "stopped from outside")."""
+    shrunk = target(2, [("gpu-node-0", 0)])
+    broker = FakeBroker(shrunk)
+    agent = node_agent(tmp_path, broker, "gpu-node-1")
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 2, "state": protocol.STOPPED})
+    assert agent.run() == 0
+    assert protocol.read_json(tmp_path / protocol.DESIRED)["gpus"] == []
+    assert not [r for r in broker.reports if r[0] in ("finish", "fail")]

@@ -128,6 +128,7 @@ class Agent:
         self.pending: dict[int, float] = {}  # generation -> latest step not reported yet
         self.pod_generation = pod_generation
         self.host_node, self.moved_away = host_node, False
+        self.dropped = False  # a gang's pod: the newest generation runs on other nodes only
         self.node, self.gang_domain, self.rendezvous_port = node, gang_domain, rendezvous_port
         self.newest_generation = 0  # the newest target generation the broker has answered
         self.terminating = threading.Event()
@@ -152,9 +153,11 @@ class Agent:
         self.terminating.set()
 
     def _replaced(self) -> bool:
-        """True when this pod runs one generation and the broker has moved past it, or the job moved
-        to another node (the pod is being replaced)."""
-        return self.moved_away or (self.pod_generation is not None and self.newest_generation > self.pod_generation)
+        """True when this pod runs one generation and the broker has moved past it, the job moved
+        to another node (the pod is being replaced), or the gang's newest generation left this
+        pod's node out (the pod is deleted once every node has acked it)."""
+        return self.moved_away or self.dropped or (
+            self.pod_generation is not None and self.newest_generation > self.pod_generation)
 
     def run(self) -> int:
         """Relay until the job ends; 0 when the job's end was reported to the broker (or the broker
@@ -205,11 +208,16 @@ class Agent:
                 if self._replaced():
                     log.info("the launcher stopped: this pod is being replaced (%s)",
                              "the job moved to another node" if self.moved_away
+                             else "the gang no longer uses this node" if self.dropped
                              else f"it runs generation {self.pod_generation} only")
                     return 0
-                self._report_end("fail", functools.partial(
-                    self.broker.fail, self.job_id, "the launcher was stopped from outside the broker",
-                    **self._node_kw))
+                # a gang of launchers on this host: the others may still run their trainers
+                if self.gang is None or self._stopped("a launcher of the gang was stopped from outside"):
+                    self._report_end("fail", functools.partial(
+                        self.broker.fail, self.job_id, "the launcher was stopped from outside the broker",
+                        **self._node_kw))
+                else:  # they did not stop: their GPUs must not be freed, the lease ends the job
+                    log.error("the gang's other launchers did not stop: the broker's lease will end the job")
                 return 1
             if (gone := self._launcher_gone()) is not None:
                 time.sleep(self.poll_s)  # it may have written its last status just now
@@ -248,6 +256,8 @@ class Agent:
             self.moved_away = True
             return max(written, target.generation)
         part = self._part(target)
+        if self.node is not None and target.gpus and target.generation > written:
+            self.dropped = not part["gpus"]  # the gang goes on without this node
         if target.generation > written and (target.gpus or written > 0):
             # a generation with no GPUs after one with GPUs: the job is suspended (the launcher
             # stops the trainer, letting it checkpoint, and waits; the ack then frees its GPUs); a
@@ -406,7 +416,10 @@ class Agent:
         if self.gang is not None and code != 0:  # half a job never runs on: stop the other nodes
             node = self._status().get("node")
             reason = self._with_tail(f"the trainer on node {node} exited with code {code}; the gang was stopped")
-            self._stopped(f"node {node}'s trainer failed")
+            if not self._stopped(f"node {node}'s trainer failed"):
+                # the other nodes' trainers still run: freeing the job's GPUs now could double-book them
+                log.error("the gang's other trainers did not stop: the broker's lease will end the job")
+                return 1
             return self._report_end(
                 "fail", lambda: self.broker.fail(self.job_id, reason, code),
                 lambda: self.broker.fail(self.job_id, f"trainer on node {node} exited with code {code}", code),
