@@ -97,6 +97,19 @@ def test_a_job_is_not_suspended_when_most_of_its_gpus_would_stay_idle():
     assert len(d.allocations["r"]) == 4 and len(d.allocations["a"]) == 4
 
 
+def test_gpus_idle_either_way_do_not_keep_a_job_from_a_suspension_that_uses_all_of_its_own():
+    """Nodes of 4, 4 and 3 GPUs: the shorter job grows onto all 4 of the long job's GPUs (a whole
+    node) and the 3-GPU node stays idle whether or not the long job is suspended."""
+    nodes = (NodeState("n0", (0, 1, 2, 3)), NodeState("n1", (0, 1, 2, 3)), NodeState("n2", (0, 1, 2)))
+    short = JobState("a", 4, 8, 4_000, allocation=tuple(GpuId("n0", i) for i in range(4)), last_start_s=0.0,
+                     last_resize_s=0.0, throughput=LINEAR, restart_overhead_s=10.0)
+    long = JobState("r", 4, 4, 1_000_000, allocation=tuple(GpuId("n1", i) for i in range(4)),
+                    last_start_s=0.0, last_resize_s=0.0, preemptible=True, throughput=LINEAR,
+                    restart_overhead_s=10.0)
+    d = SUSPEND.decide(ClusterState(nodes, (short, long), 3600.0))
+    assert d.allocations["r"] == () and len(d.allocations["a"]) == 8
+
+
 def test_a_job_is_not_suspended_before_its_minimum_runtime():
     d = decide(SUSPEND, long_job(last_start_s=3100.0), short_job())
     assert d.allocations["long"] == BOTH and d.allocations["short"] == ()

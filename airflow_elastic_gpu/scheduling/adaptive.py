@@ -194,21 +194,23 @@ class AdaptivePolicy:
             if rule is not None:
                 # a running job left at zero by the hand-out keeps its minimum unless its suspension
                 # pays (SRPT exchange, against the better-ranked job that gained GPUs and finishes
-                # first), every GPU is used (a minimum larger than what others could take would
-                # leave the rest idle) and no later-ranked job gained GPUs (they may be its GPUs:
-                # suspension serves only better-ranked jobs, never a lower priority)
+                # first), leaves no more GPUs idle than keeping it (a minimum larger than what the
+                # others could take would leave the rest unused) and no later-ranked job gained GPUs
+                # (they may be its GPUs: suspension serves only better-ranked jobs, never a lower
+                # priority)
                 num_jobs = len(order)
                 gained = [counts[r] > (min(j.min_gpus, len(j.allocation)) if j.allocation else 0)
                           for r, j in enumerate(order)]
                 later_gained = [False] * num_jobs
                 for r in range(num_jobs - 2, -1, -1):
                     later_gained[r] = later_gained[r + 1] or gained[r + 1]
-                idle = capacity > sum(counts)  # GPUs nobody took: a suspension would not be used in full
+                idle = capacity - sum(counts)  # GPUs nobody took
                 bad, best, best_s = [], None, float("inf")
                 for r, j in enumerate(order):
                     if j.allocation and counts[r] == 0 and not frozen[r] and not kept[r] and (
-                            idle or later_gained[r] or best is None
-                            or not rule.pays(j, len(j.allocation), order[best], counts[best])):
+                            later_gained[r] or best is None
+                            or not rule.pays(j, len(j.allocation), order[best], counts[best])
+                            or (idle > 0 and self._idles_more(cluster, order, remaining_1_s, frozen, kept, r, idle))):
                         bad.append(r)
                     if gained[r] and counts[r] > 0:
                         left_s = j.remaining_time_s(counts[r])
@@ -228,6 +230,14 @@ class AdaptivePolicy:
                 return order, remaining_1_s, counts, resized
             for r in unpaid:
                 frozen[r] = True
+
+    def _idles_more(self, cluster: ClusterState, order: list[JobState], remaining_1_s: list[float],
+                    frozen: list[bool], kept: list[bool], r: int, idle: int) -> bool:
+        """Whether suspending the job at rank ``r`` leaves more GPUs idle (``idle`` now) than keeping
+        it at its minimum: a minimum larger than what the others could take leaves the rest unused."""
+        with_r = list(kept)
+        with_r[r] = True
+        return cluster.capacity - sum(self._hand_out(cluster, order, remaining_1_s, frozen, with_r)) < idle
 
     def _unpaid(self, job: JobState, count: int, spare: float = float("inf")) -> bool:
         """True if resizing running ``job`` to ``count`` is for its own sake but saves too little.
