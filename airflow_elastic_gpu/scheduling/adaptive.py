@@ -58,33 +58,16 @@ and steps 1-7 run per type: :mod:`airflow_elastic_gpu.scheduling.heterogeneous`.
 
 from __future__ import annotations
 
-import bisect
 import heapq
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from airflow_elastic_gpu.scheduling.grant import grant
 from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place_with_leftover
+from airflow_elastic_gpu.scheduling.reasons import Reasons
 from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState
 from airflow_elastic_gpu.scheduling.suspension import SuspensionRule
-
-
-def _wait(waiting: dict[float, tuple | list[tuple]], neg_score: float, entry: tuple) -> None:
-    """File ``entry`` under ``neg_score`` in :meth:`AdaptivePolicy._grant`'s ``waiting``."""
-    held = waiting.get(neg_score)
-    if held is None:
-        waiting[neg_score] = entry
-    elif type(held) is list:
-        bisect.insort(held, entry)
-    else:
-        waiting[neg_score] = sorted((held, entry))
-
-
-def _untie(waiting: dict[float, tuple | list[tuple]], neg_score: float, tied: list[tuple]) -> tuple:
-    """The best of ``tied`` (popped from ``waiting[neg_score]``); the others are filed back."""
-    best = tied.pop(0)
-    waiting[neg_score] = tied if len(tied) > 1 else tied[0]
-    return best
 
 
 @dataclass(frozen=True)
@@ -146,7 +129,8 @@ class AdaptivePolicy:
             raise ValueError(f"admission_patience must be > 0, got {self.admission_patience!r}")
         if (isinstance(self.admission_min_waiting, bool) or not isinstance(self.admission_min_waiting, int)
                 or self.admission_min_waiting < 1):
-            raise ValueError(f"admission_min_waiting must be an integer >= 1, got {self.admission_min_waiting!r}")
+            raise ValueError(
+                f"admission_min_waiting must be an integer >= 1, got {self.admission_min_waiting!r}")
         if not isinstance(self.suspend, bool):
             raise ValueError(f"suspend must be true or false, got {self.suspend!r}")
         rule = SuspensionRule(self.min_runtime_s, self.max_suspensions_per_hour, self.hysteresis)
@@ -322,7 +306,7 @@ class AdaptivePolicy:
 
         node = cluster.max_node_gpus
         if free > 0:  # step 3 (free > 0 implies node > 0)
-            free = self._grant(order, remaining_1_s, frozen, counts, free, node, by_gain)
+            free = grant(order, remaining_1_s, frozen, counts, free, node, by_gain)
         if free > 0 and self.explore:  # step 4a: idle GPUs try a count no job has been measured on
             by_need = sorted(
                 range(num_jobs), key=lambda r: -order[r].remaining_time_s(max(1, order[r].num_gpus))
@@ -348,101 +332,6 @@ class AdaptivePolicy:
                     counts[r] += back
                     free -= back
         return counts
-
-    @staticmethod
-    def _grant(
-        order: list[JobState],
-        remaining_1_s: list[float],
-        frozen: list[bool],
-        counts: list[int],
-        free: int,
-        node: int,
-        by_gain: list[bool] | None = None,
-    ) -> int:
-        """Step 3: hand ``free`` GPUs (> 0) out by weighted marginal speed-up, updating ``counts``.
-
-        ``node`` is the largest node's GPU count (> 0). A job's score at ``n``
-        GPUs is ``weight * (throughput(n + k) - throughput(n)) / throughput(1) / k``
-        for its next growth of ``k`` GPUs (one while it fits a node, then up to
-        the next whole node); ``weight`` is the number of jobs ranked at or after it.
-        A waiting job marked in ``by_gain`` (at 0 GPUs) competes with its start:
-        ``k = min_gpus`` and zero throughput at 0 GPUs.
-
-        The best job has the highest score, then the least ``remaining_time_s(1)``,
-        then the least job id (ids are unique). Hot path (thousands of grants per
-        decision on a large pool), so the heap holds bare ``-score`` floats, which
-        compare several times faster than tuples, and ``waiting`` maps each to its
-        job's entry ``(remaining_time_s(1), job_id, k, throughput(n + k), job)``, or
-        to a sorted list of the entries that tie on it (the heap then holds the
-        score once per entry). ``k`` and ``throughput(n + k)`` save the grant and the
-        job's next score from working them out again; ``job`` is
-        ``(rank, throughput.steps_per_s, throughput(1), max_gpus)``.
-
-        :returns: the GPUs still free.
-        """
-        num_jobs = len(order)
-        heap: list[float] = []
-        waiting: dict[float, tuple | list[tuple]] = {}
-        for r, j in enumerate(order):
-            n = counts[r]
-            if not frozen[r] and 0 < n < j.max_gpus:
-                speed = j.throughput.steps_per_s
-                speed_1, max_gpus = speed(1), j.max_gpus
-                k = 1 if n < node else min(node - n % node, max_gpus - n)
-                speed_next = speed(n + k)
-                neg_score = -((num_jobs - r) * (speed_next - speed(n)) / speed_1 / k)
-            elif n == 0 and by_gain is not None and by_gain[r]:  # a waiting job's start
-                speed = j.throughput.steps_per_s
-                speed_1, max_gpus, k = speed(1), j.max_gpus, j.min_gpus
-                speed_next = speed(k)
-                neg_score = -((num_jobs - r) * speed_next / speed_1 / k)
-            else:
-                continue
-            _wait(waiting, neg_score, (remaining_1_s[r], j.job_id, k, speed_next, (r, speed, speed_1, max_gpus)))
-            heap.append(neg_score)
-        if not heap:
-            return free
-        heapq.heapify(heap)
-        heappop, heapreplace = heapq.heappop, heapq.heapreplace
-        neg_score = heappop(heap)
-        best = waiting.pop(neg_score)
-        if type(best) is list:
-            best = _untie(waiting, neg_score, best)
-        while True:
-            if neg_score >= 0.0:
-                return free  # nobody gains from another GPU
-            _, job_id, k, speed_next, job = best
-            if k <= free:  # else a whole node is not free; smaller growths of others may still fit
-                r, speed, speed_1, max_gpus = job
-                n = counts[r] = counts[r] + k
-                free -= k
-                if free <= 0:
-                    return free
-                if n < max_gpus:  # its next growth, and the best again?
-                    k = 1 if n < node else min(node - n % node, max_gpus - n)
-                    speed_n, speed_next = speed_next, speed(n + k)
-                    next_neg = -((num_jobs - r) * (speed_next - speed_n) / speed_1 / k)
-                    best = (remaining_1_s[r], job_id, k, speed_next, job)
-                    if not heap or next_neg < heap[0]:
-                        neg_score = next_neg  # still the best: no heap traffic
-                        continue
-                    if next_neg > heap[0] and next_neg not in waiting:  # the common case: no tie
-                        neg_score = heapreplace(heap, next_neg)
-                        waiting[next_neg] = best
-                    else:  # ties on its score: let the sorted entries decide
-                        _wait(waiting, next_neg, best)
-                        heapq.heappush(heap, next_neg)
-                        neg_score = heappop(heap)
-                    best = waiting.pop(neg_score)
-                    if type(best) is list:
-                        best = _untie(waiting, neg_score, best)
-                    continue
-            if not heap:
-                return free
-            neg_score = heappop(heap)
-            best = waiting.pop(neg_score)
-            if type(best) is list:
-                best = _untie(waiting, neg_score, best)
 
     def _fill(
         self,
@@ -522,59 +411,4 @@ class AdaptivePolicy:
             current, new = j.allocation, allocations[j.job_id]
             if len(new) != len(current) or (new != current and set(new) != set(current)):
                 changed[j.job_id] = r
-        return _Reasons(changed, order, allocations, f"{self.hysteresis:g}")
-
-
-class _Reasons(Mapping[str, str]):
-    """:meth:`AdaptivePolicy._reasons`' lines, written on first read."""
-
-    def __init__(self, changed: dict[str, int], order: list[JobState],
-                 allocations: Mapping[str, tuple[GpuId, ...]], hysteresis: str) -> None:
-        self._changed, self._order, self._allocations, self._hysteresis = changed, order, allocations, hysteresis
-        self._lines: dict[str, str] = {}
-
-    def __len__(self) -> int:
-        return len(self._changed)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._changed)
-
-    def __getitem__(self, job_id: str) -> str:
-        line = self._lines.get(job_id)
-        if line is None:
-            line = self._lines[job_id] = self._line(self._changed[job_id])  # KeyError: unchanged
-        return line
-
-    def _line(self, r: int) -> str:
-        order = self._order
-        j = order[r]
-        num_gpus, new = len(j.allocation), self._allocations[j.job_id]
-        size = len(new)
-        if not num_gpus:
-            verb = "resume from its checkpoint" if j.suspended else "start"
-            return f"{verb} on {size} GPU(s)"
-        if not size:
-            return (
-                f"suspend (checkpoint, stop, keep its place): predicted remaining time "
-                f"{j.remaining_time_s(num_gpus):.0f}s; jobs with less remaining work start "
-                f"(rank {r + 1} of {len(order)})"
-            )
-        if size == num_gpus:
-            return f"move to {', '.join(map(str, new))} (placement)"
-        before_s, after_s = j.remaining_time_s(num_gpus), j.remaining_time_s(size)
-        if size > num_gpus:
-            return (
-                f"grow {num_gpus}->{size} GPUs: predicted remaining time "
-                f"{before_s:.0f}s->{after_s:.0f}s, "
-                f"gain {before_s - after_s:.0f}s > {self._hysteresis} x restart overhead "
-                f"{j.restart_overhead_s:.0f}s"
-            )
-        if after_s < before_s:
-            return (
-                f"shrink {num_gpus}->{size} GPUs: measured faster on fewer GPUs, predicted "
-                f"remaining time {before_s:.0f}s->{after_s:.0f}s"
-            )
-        return (
-            f"shrink {num_gpus}->{size} GPUs: the GPUs gain more elsewhere "
-            f"(rank {r + 1} of {len(order)} by remaining work)"
-        )
+        return Reasons(changed, order, allocations, f"{self.hysteresis:g}")
