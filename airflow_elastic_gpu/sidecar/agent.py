@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.sidecar.calls import BrokerTransport, Outcome, classify
+from airflow_elastic_gpu.sidecar.ends import EndReports
 from airflow_elastic_gpu.sidecar.gang import Gang, node_dirs, node_part
 from airflow_elastic_gpu.sidecar.logparse import LogParser
 from airflow_elastic_gpu.states import Target
@@ -54,7 +55,7 @@ DEFAULT_LEASE_S = 60.0
 
 
 
-class Agent:
+class Agent(EndReports):
     """Relays one job between ``broker`` and ``shared_dir`` until the job ends.
 
     :param launcher_pid: the local launcher's pid (a gang job: its launchers' pids); if one dies
@@ -284,27 +285,7 @@ class Agent:
         return node_part(pairs, self.node, self.gang_domain, self.rendezvous_port)
 
     def _ack(self, generation: int) -> bool:
-        node = {} if self.node is None else {"node": self.node}
-        return self.broker.ack(self.job_id, generation, **node)
-
-    @property
-    def _node_kw(self) -> dict[str, str]:
-        """The ``node`` argument of this agent's end reports: a gang of pods reports its own node
-        (the broker frees that node's GPUs only), one agent for the whole job none."""
-        return {} if self.node is None else {"node": self.node}
-
-    def _await_end(self) -> bool:
-        """A gang node's trainer ended with 0 and printed no final metrics: wait (heartbeating) for
-        the node whose trainer did to report the job's end; True once the broker has it, False
-        after ``end_report_timeout_s``."""
-        deadline = time.monotonic() + self.end_report_timeout_s
-        log.info("the trainer ended without final metrics: waiting for the gang's global rank 0 to report")
-        while time.monotonic() < deadline and not self.terminating.is_set():
-            outcome, target = self._call("heartbeat", self.broker.heartbeat, self.job_id)
-            if outcome is Outcome.ENDED or (outcome is Outcome.OK and target.status.terminal):
-                return True
-            self.terminating.wait(self.poll_s)
-        return False
+        return self.broker.ack(self.job_id, generation, **self._node_kw)
 
     def _apply_gang(self, target: Target, written: int) -> int:
         """:meth:`_apply` for a gang: a newer generation goes to every node at once (a gang resize)."""
@@ -396,108 +377,6 @@ class Agent:
             if outcome is Outcome.ENDED:
                 return outcome
         return None
-
-    def _log_parser(self) -> LogParser:
-        """The parser whose log tells the job's story: a gang's failed node, else the node whose
-        trainer printed the metrics (global rank 0), else the rendezvous host's."""
-        if self.gang is None:
-            return self.parser
-        node = (self._status().get("node")
-                or next((n for n, p in self.parsers.items() if p.metrics is not None), None)
-                or self.gang.rank0.get(self.written) or min(self.gang.dirs))
-        return self.parsers[node]
-
-    def _with_tail(self, reason: str) -> str:
-        lines = "\n".join(self._log_parser().tail)
-        return f"{reason}. Last log lines:\n{lines}" if lines else reason
-
-    def _report_exit(self, code: int) -> int:
-        self._report_progress(contact=True)
-        if self.gang is not None and code != 0:  # half a job never runs on: stop the other nodes
-            node = self._status().get("node")
-            reason = self._with_tail(f"the trainer on node {node} exited with code {code}; the gang was stopped")
-            if not self._stopped(f"node {node}'s trainer failed"):
-                # the other nodes' trainers still run: freeing the job's GPUs now could double-book them
-                log.error("the gang's other trainers did not stop: the broker's lease will end the job")
-                return 1
-            return self._report_end(
-                "fail", lambda: self.broker.fail(self.job_id, reason, code),
-                lambda: self.broker.fail(self.job_id, f"trainer on node {node} exited with code {code}", code),
-            )
-        metrics = self._log_parser().metrics
-        node = self._node_kw  # a gang of pods: this node's GPUs only, the others' stay held until they report
-        if self.node is not None and code == 0 and metrics is None and self._await_end():
-            # the node that printed the metrics reported the end: this node's trainer has stopped too
-            self._call("report of the stopped trainer", self.broker.fail, self.job_id,
-                       "the trainer finished", **node)
-            return 0
-        if code == 0:
-            return self._report_end(
-                "finish", lambda: self.broker.finish(self.job_id, 0, metrics, **node),
-                (lambda: self.broker.finish(self.job_id, 0, None, **node)) if metrics else None,
-            )
-        where = "" if self.node is None else f" on node {self.node}"
-        reason = self._with_tail(f"trainer{where} exited with code {code}")
-        return self._report_end(
-            "fail", lambda: self.broker.fail(self.job_id, reason, code, metrics, **node),
-            lambda: self.broker.fail(self.job_id, f"trainer{where} exited with code {code}", code, **node),
-        )
-
-    def _report_end(self, what: str, call: Callable[[], Any], fallback: Callable[[], Any] | None = None) -> int:
-        """Report the job's end, retrying transient failures for ``end_report_timeout_s``; a rejected
-        report is sent once more as ``fallback`` (without metrics). 0 once the broker has the end."""
-        deadline = time.monotonic() + self.end_report_timeout_s
-        while True:
-            outcome, _ = self._call(what, call)
-            if outcome is Outcome.OK:
-                return 0
-            if outcome is Outcome.ENDED:
-                return 0  # the broker ended the job already (lost, cancelled): nothing to report
-            if outcome is Outcome.REJECTED:
-                if fallback is None:
-                    log.error("%s: the broker rejected the report; the job's lease will end it", what)
-                    return 1
-                call, fallback, what = fallback, None, f"{what} (plain)"
-                continue
-            if time.monotonic() >= deadline:
-                log.error("%s: the broker stayed unreachable for %gs; giving up (the job's lease will end it)",
-                          what, self.end_report_timeout_s)
-                return 1
-            time.sleep(self.poll_s)
-
-    def _stop_ended(self, why: str) -> int:
-        """The broker ended the job (cancelled, lost): stop the trainer, then tell the broker it
-        stopped, so that the GPUs it holds for the trainer go to other jobs now rather than after
-        the lease (a gang of pods, one agent per node: this node's GPUs only); 0."""
-        if self._stopped(why):
-            self._call("report of the stopped trainer", self.broker.fail, self.job_id,
-                       f"the trainer stopped ({why})", **self._node_kw)
-        return 0
-
-    def _stopped(self, why: str) -> bool:
-        """Stop every launcher's trainer and wait (``stop_timeout_s``) for them; True once every
-        launcher reports its trainer stopped or exited, or is gone."""
-        log.info("%s: stopping the trainer", why)
-        desired = self._desired()
-        desired["stop"] = True
-        protocol.write_json(self.dir / protocol.DESIRED, desired)
-        if self.gang is not None:
-            self.gang.stop()
-        deadline = time.monotonic() + self.stop_timeout_s
-        while time.monotonic() < deadline:
-            if self.gang is not None:
-                states = [s.get("state") for s in self.gang.statuses().values()]
-            else:
-                states = [self._status().get("state")]
-            if all(s in (protocol.STOPPED, protocol.EXITED) for s in states):
-                return True
-            if self.launcher_pids and all(not protocol.pid_alive(p) for p in self.launcher_pids):
-                return True
-            time.sleep(0.2)
-        log.warning("the trainer did not stop within %.0fs: the broker keeps its GPUs until the lease ends",
-                    self.stop_timeout_s)
-        return False
-
 
 if __name__ == "__main__":  # python -m airflow_elastic_gpu.sidecar.agent (how the backends start it)
     from airflow_elastic_gpu.sidecar.agent_cli import main
