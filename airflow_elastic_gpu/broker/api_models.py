@@ -87,21 +87,20 @@ class _Report(_Strict):
         return check_metrics(metrics, (info.context or {}).get("max_metrics_bytes", MAX_METRICS_BYTES))
 
 
-class FinishIn(_Report):
-    exit_code: int = Field(default=0, ge=0, le=255)
+class _EndReport(_Report):
     node: str | None = Field(default=None, min_length=1, max_length=253, description=(
         "a job with one agent per node (a gang of pods): the node whose agent reports, whose trainer "
         "has stopped; only its GPUs are released, the other nodes' when their agents report. None: "
         "the whole job"))
 
 
-class FailIn(_Report):
+class FinishIn(_EndReport):
+    exit_code: int = Field(default=0, ge=0, le=255)
+
+
+class FailIn(_EndReport):
     reason: str = Field(min_length=1, max_length=20_000, description="why the job cannot go on")
     exit_code: int | None = Field(default=None, ge=-255, le=255)
-    node: str | None = Field(default=None, min_length=1, max_length=253, description=(
-        "a job with one agent per node (a gang of pods): the node whose agent reports, whose trainer "
-        "has stopped; only its GPUs are released, the other nodes' when their agents report. None: "
-        "the whole job"))
 
 
 class TargetOut(BaseModel):

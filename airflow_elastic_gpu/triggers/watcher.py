@@ -85,5 +85,6 @@ class JobWatcher:
         if problem is None or (problem.gone and self.gone_polls < GONE_POLLS):
             return
         tail = "\n".join(self.backend.log_tail(job.id))
-        node = {} if problem.node is None else {"node": problem.node}  # a gang: the others' GPUs stay held
-        self.broker.fail(job.id, f"{problem.reason}. Last log lines:\n{tail}" if tail else problem.reason, **node)
+        # a gang: the broken pod's node only, the other nodes' GPUs stay held until their trainers stop
+        self.broker.fail(job.id, f"{problem.reason}. Last log lines:\n{tail}" if tail else problem.reason,
+                         node=problem.node)
