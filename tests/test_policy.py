@@ -159,6 +159,21 @@ def test_a_job_a_hair_faster_on_fewer_gpus_gives_up_the_gpus_others_need():
     assert no_double_booking(d)
 
 
+
+def test_a_job_not_measured_on_a_whole_node_spans_a_second_one_only_up_to_its_request():
+    """The prior cannot tell whether a second node helps: an unmeasured job alone on two nodes of 4
+    gets one node (or its request, if larger); once measured on a whole node it may take both."""
+    two = (node("n0"), node("n1"))
+    policy = AdaptivePolicy()
+    d = policy.decide(ClusterState(two, (job("a", max_gpus=8, requested=1),), 0.0))
+    assert len(d.allocations["a"]) == 4 and {g.node for g in d.allocations["a"]} == {"n0"}
+    d = policy.decide(ClusterState(two, (job("a", max_gpus=8, requested=8),), 0.0))
+    assert len(d.allocations["a"]) == 8  # the user's own estimate
+    measured = ThroughputModel(((1, 1.0), (4, 4.0)), prior_alpha=0.0)  # run on a whole node: linear
+    a = job("a", max_gpus=8, requested=1, steps=100_000, alloc=gpus("n0", 0, 1, 2, 3), model=measured)
+    d = policy.decide(ClusterState(two, (a,), 1000.0))
+    assert len(d.allocations["a"]) == 8 and no_double_booking(d)
+
 MEASURED_LINEAR = ThroughputModel(((1, 1.0), (2, 2.0)), prior_alpha=0.0)  # run on 1 and 2 GPUs: linear
 BY_GAIN = AdaptivePolicy(admission_by_gain=True)  # a pool setting, off by default
 

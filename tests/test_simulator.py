@@ -105,6 +105,22 @@ def test_adaptive_grows_a_lone_job_and_shrinks_it_for_a_newcomer():
     assert jobs["long"].jct_s < 20_000 / 2  # imagenet scales well: far faster than on its 1 GPU
 
 
+
+def test_a_job_that_scales_badly_across_nodes_tries_the_second_node_and_comes_back():
+    """yolov3 (Pollux T4 profile) runs 2.6x faster on 4 GPUs of one node but only 1.6x on 8 over two:
+    alone on 2 nodes it starts on one node, tries both on idle GPUs once measured on one, and ends
+    on one node. Spread over both from the start (its prior), it was never measured on fewer GPUs
+    and stayed there."""
+    r = simulate([TraceJob("y", 0, 1, 20_000, "yolov3")], ClusterShape(2, 4), "adaptive")
+    counts = [n for _, _, n in r.allocations]
+    assert counts[0] == 4 and 8 in counts and counts[-2] == 4 and counts[-1] == 0, counts
+    assert r.jobs[0].jct_s < 20_000 / 2.4  # most of its run on 4 GPUs of one node
+    known = simulate([TraceJob("y", 0, 1, 20_000, "yolov3")], ClusterShape(2, 4), "adaptive", known_throughput=True)
+    assert [n for _, _, n in known.allocations] == [4, 0]  # the oracle knows: one node, no trial
+    assert known.jobs[0].jct_s < r.jobs[0].jct_s
+    with pytest.raises(SimulationError, match="known_throughput is for the in-memory scheduler"):
+        simulate(SMALL, ClusterShape(2, 4), "adaptive", broker=True, known_throughput=True)
+
 def test_tiresias_demotes_a_long_job_and_preempts_it_for_a_new_one():
     trace = [TraceJob("long", 0, 4, 20_000, "imagenet"), TraceJob("new", 3600, 4, 600, "imagenet")]
     r = simulate(trace, ClusterShape(1, 4), "tiresias")

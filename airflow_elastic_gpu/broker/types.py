@@ -75,7 +75,8 @@ class JobSpec:
     :param max_gpus: most GPUs it can use (>= ``min_gpus``); default ``min_gpus`` (not elastic).
     :param total_steps: steps in the whole training (>= 1), to predict remaining time.
     :param requested_gpus: fixed request for non-elastic policies, in ``[min_gpus, max_gpus]``;
-        default ``max_gpus``.
+        default ``max_gpus``. The adaptive policy spreads a job not yet measured on a whole node
+        over no more nodes than this needs.
     :param key: idempotency key (1-512 characters); submitting the same key again returns the same
         job while it is unfinished. Default: a fresh UUID.
     :param pool: GPU pool name (1-128 characters).

@@ -55,7 +55,9 @@ class ElasticTrainingOperator(BaseOperator):
     :param total_steps: steps of the whole training (>= 1), to predict remaining time.
     :param min_gpus: fewest GPUs it runs on (>= 1).
     :param max_gpus: most GPUs it can use (default ``min_gpus``: not elastic).
-    :param requested_gpus: the fixed request used by non-elastic policies (default ``max_gpus``).
+    :param requested_gpus: the fixed request used by non-elastic policies (default ``max_gpus``);
+        the adaptive policy spreads a job not yet measured on a whole node over no more nodes
+        than this needs (a smaller request keeps it on one node until measured there).
     :param progress_pattern: regex with group ``step`` for progress lines; default JSON lines with ``"step"``.
     :param checkpoint_dir: where the trainer checkpoints (checked at submit); default a per-job dir.
     :param gpu_pool: broker GPU pool name; default the broker connection's *Default GPU pool*, else

@@ -46,7 +46,11 @@ def grant(
     ``node`` is the largest node's GPU count (> 0). A job's score at ``n``
     GPUs is ``weight * (throughput(n + k) - throughput(n)) / throughput(1) / k``
     for its next growth of ``k`` GPUs (one while it fits a node, then up to
-    the next whole node); ``weight`` is the number of jobs ranked at or after it.
+    the next whole node); ``weight`` is the number of jobs ranked at or after it. A job not yet
+    measured on a whole node's GPUs (no sample at ``node`` GPUs or more) grows no further than
+    one node or its ``requested_gpus``, whichever is more: its prior cannot tell whether more
+    nodes help (the Pollux T4 profiles measure 8 GPUs on two nodes slower than 4 on one for most
+    models); once measured there, the policy's exploration of idle GPUs tries the next node.
     A waiting job marked in ``by_gain`` (at 0 GPUs) competes with its start:
     ``k = min_gpus`` and zero throughput at 0 GPUs.
 
@@ -67,15 +71,20 @@ def grant(
     waiting: dict[float, tuple | list[tuple]] = {}
     for r, j in enumerate(order):
         n = counts[r]
-        if not frozen[r] and 0 < n < j.max_gpus:
+        max_gpus = j.max_gpus
+        if max_gpus > node and (j.requested_gpus or 0) < max_gpus:
+            observed = j.throughput.observed  # sorted by GPU count
+            if not observed or observed[-1][0] < node:  # not measured on a whole node yet
+                max_gpus = max(node, j.requested_gpus or 0)
+        if not frozen[r] and 0 < n < max_gpus:
             speed = j.throughput.steps_per_s
-            speed_1, max_gpus = speed(1), j.max_gpus
+            speed_1 = speed(1)
             k = 1 if n < node else min(node - n % node, max_gpus - n)
             speed_next = speed(n + k)
             neg_score = -((num_jobs - r) * (speed_next - speed(n)) / speed_1 / k)
         elif n == 0 and by_gain is not None and by_gain[r]:  # a waiting job's start
             speed = j.throughput.steps_per_s
-            speed_1, max_gpus, k = speed(1), j.max_gpus, j.min_gpus
+            speed_1, k = speed(1), j.min_gpus
             speed_next = speed(k)
             neg_score = -((num_jobs - r) * speed_next / speed_1 / k)
         else:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 from airflow_elastic_gpu.simulator.mixed import default_profiles
 from airflow_elastic_gpu.simulator.model import (
     MECHANISMS,
@@ -99,6 +100,7 @@ def simulate(
     broker_url: str = "sqlite://",
     progress: Callable[[float], None] | None = None,
     preemptible: bool = False,
+    known_throughput: bool = False,
 ) -> SimulationResult:
     """Run ``trace`` on ``cluster`` under ``policy``; deterministic for a given ``seed``.
 
@@ -119,8 +121,12 @@ def simulate(
         policy that suspends (``adaptive`` with ``suspend=True``) may then take a running job to
         zero GPUs. A suspended job holds no GPU and makes no progress; its resume pays the
         mechanism's restart overhead, like any restart (counted in ``preemptions``).
+    :param known_throughput: an oracle for ablations: the policy knows each job's true throughput
+        at every GPU count (packed on as few nodes as possible) from its submission, instead of
+        learning it from progress (``benchmarks/policy_ablation.py``). Not with ``broker``, nor on a
+        cluster of several GPU types.
     :raises SimulationError: an empty trace, a job larger than the cluster, bad parameters, or
-        broker mode with re-creation.
+        broker mode with re-creation or ``known_throughput``.
     """
     if not trace:
         raise SimulationError("the trace has no jobs")
@@ -132,6 +138,8 @@ def simulate(
         raise SimulationError(f"mechanism must be one of {', '.join(MECHANISMS)}, got {mech!r}")
     if broker and mech == "recreate":
         raise SimulationError(BROKER_KEEPS_GPUS)
+    if known_throughput and (broker or not isinstance(cluster, ClusterShape)):
+        raise SimulationError("known_throughput is for the in-memory scheduler on a cluster of one GPU type")
     overheads = overheads or RestartOverheads()
     profiles = profiles or default_profiles(cluster)
     capacity = cluster.capacity
@@ -305,9 +313,14 @@ def simulate(
         # 4. arrivals
         while pending and pending[-1].record.submit_s <= now:
             j = pending.pop()
+            known = {}
+            if known_throughput:  # the oracle: steps are samples, as the work is (see _SimJob)
+                gpn = cluster.gpus_per_node
+                known["throughput"] = ThroughputModel(tuple(
+                    (n, j.profile.samples_per_s(n, -(-n // gpn))) for n in range(1, j.max_gpus + 1)))
             j.sid = sched.submit(j.record.job_id, j.min_gpus, j.max_gpus, j.record.requested_gpus,
                                  max(1, math.ceil(j.work)), now, preemptible,
-                                 getattr(j.profile, "relative_speed", None), j.record.model)
+                                 getattr(j.profile, "relative_speed", None), j.record.model, **known)
             active[j.sid] = j
         # 5. the periodic report and rebalance
         if active and now >= next_tick:

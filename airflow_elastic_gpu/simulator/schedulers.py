@@ -23,6 +23,7 @@ from airflow_elastic_gpu.scheduling.core import (
 )
 from airflow_elastic_gpu.scheduling.policy import Policy
 from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, NodeState
+from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 from airflow_elastic_gpu.simulator.model import SimulationError
 
 
@@ -97,10 +98,15 @@ class PolicyScheduler:
 
     def submit(self, job_id: str, min_gpus: int, max_gpus: int, requested_gpus: int,
                total_steps: int, now: float, preemptible: bool = False,
-               relative_speed: Mapping[str, float] | None = None, family: str | None = None) -> str:
-        self.jobs[job_id] = JobBook(job_id, min_gpus, max_gpus, total_steps, now, requested_gpus=requested_gpus,
-                                    preemptible=preemptible, relative_speed=dict(relative_speed or {}),
-                                    family=family)
+               relative_speed: Mapping[str, float] | None = None, family: str | None = None,
+               throughput: ThroughputModel | None = None) -> str:
+        """Add a job and rebalance. ``throughput``: the job's model known from the start (an oracle
+        for ablations; default learnt from its progress, as the broker does)."""
+        book = JobBook(job_id, min_gpus, max_gpus, total_steps, now, requested_gpus=requested_gpus,
+                       preemptible=preemptible, relative_speed=dict(relative_speed or {}), family=family)
+        if throughput is not None:
+            book.throughput = throughput
+        self.jobs[job_id] = book
         self.rebalance(now)
         return job_id
 
