@@ -161,14 +161,20 @@ def test_a_job_a_hair_faster_on_fewer_gpus_gives_up_the_gpus_others_need():
 
 
 def test_a_job_not_measured_on_a_whole_node_spans_a_second_one_only_up_to_its_request():
-    """The prior cannot tell whether a second node helps: an unmeasured job alone on two nodes of 4
-    gets one node (or its request, if larger); once measured on a whole node it may take both."""
+    """The prior cannot tell whether a second node helps: an unmeasured job alone on nodes of 4
+    gets the whole nodes its request needs (one node for a request of 1); once measured on a whole
+    node it may take more."""
     two = (node("n0"), node("n1"))
     policy = AdaptivePolicy()
     d = policy.decide(ClusterState(two, (job("a", max_gpus=8, requested=1),), 0.0))
     assert len(d.allocations["a"]) == 4 and {g.node for g in d.allocations["a"]} == {"n0"}
     d = policy.decide(ClusterState(two, (job("a", max_gpus=8, requested=8),), 0.0))
     assert len(d.allocations["a"]) == 8  # the user's own estimate
+    d = policy.decide(ClusterState(two, (job("a", max_gpus=8),), 0.0))
+    assert len(d.allocations["a"]) == 8  # no request: max_gpus, as the broker defaults it
+    three = (node("n0"), node("n1"), node("n2"))
+    d = policy.decide(ClusterState(three, (job("a", max_gpus=12, requested=5),), 0.0))
+    assert len(d.allocations["a"]) == 8  # the whole nodes a request of 5 needs, not 5 over two nodes
     measured = ThroughputModel(((1, 1.0), (4, 4.0)), prior_alpha=0.0)  # run on a whole node: linear
     a = job("a", max_gpus=8, requested=1, steps=100_000, alloc=gpus("n0", 0, 1, 2, 3), model=measured)
     d = policy.decide(ClusterState(two, (a,), 1000.0))

@@ -113,7 +113,7 @@ def test_a_job_that_scales_badly_across_nodes_tries_the_second_node_and_comes_ba
     and stayed there."""
     r = simulate([TraceJob("y", 0, 1, 20_000, "yolov3")], ClusterShape(2, 4), "adaptive")
     counts = [n for _, _, n in r.allocations]
-    assert counts[0] == 4 and 8 in counts and counts[-2] == 4 and counts[-1] == 0, counts
+    assert counts == [4, 8, 4, 0], counts  # never below its best measured count on a guess
     assert r.jobs[0].jct_s < 20_000 / 2.4  # most of its run on 4 GPUs of one node
     known = simulate([TraceJob("y", 0, 1, 20_000, "yolov3")], ClusterShape(2, 4), "adaptive", known_throughput=True)
     assert [n for _, _, n in known.allocations] == [4, 0]  # the oracle knows: one node, no trial

@@ -101,8 +101,8 @@ def test_gpus_idle_either_way_do_not_keep_a_job_from_a_suspension_that_uses_all_
     """Nodes of 4, 4 and 3 GPUs: the shorter job grows onto all 4 of the long job's GPUs (a whole
     node) and the 3-GPU node stays idle whether or not the long job is suspended."""
     nodes = (NodeState("n0", (0, 1, 2, 3)), NodeState("n1", (0, 1, 2, 3)), NodeState("n2", (0, 1, 2)))
-    short = JobState("a", 4, 8, 4_000, requested_gpus=8, allocation=tuple(GpuId("n0", i) for i in range(4)),
-                     last_start_s=0.0, last_resize_s=0.0, throughput=LINEAR, restart_overhead_s=10.0)
+    short = JobState("a", 4, 8, 4_000, allocation=tuple(GpuId("n0", i) for i in range(4)), last_start_s=0.0,
+                     last_resize_s=0.0, throughput=LINEAR, restart_overhead_s=10.0)
     long = JobState("r", 4, 4, 1_000_000, allocation=tuple(GpuId("n1", i) for i in range(4)),
                     last_start_s=0.0, last_resize_s=0.0, preemptible=True, throughput=LINEAR,
                     restart_overhead_s=10.0)

@@ -35,6 +35,16 @@ def test_no_gain_from_more_gpus_is_learned_as_flat():
     assert m.steps_per_s(2) == pytest.approx(m.steps_per_s(3))
 
 
+def test_a_flat_fit_is_no_faster_below_its_fastest_measured_count_than_linear():
+    """Measured on 4 and 8 GPUs, slower on 8: the counts below 4 were never measured and are
+    predicted at most linear below 4's pace (not as fast as 4), so no policy shrinks the job to
+    one GPU on the strength of the flat fit."""
+    m = ThroughputModel().with_sample(4, 40.0).with_sample(8, 25.0)
+    assert m.steps_per_s(4) == pytest.approx(40.0) and m.steps_per_s(8) == pytest.approx(25.0)
+    assert [m.steps_per_s(n) for n in (1, 2, 3)] == pytest.approx([10.0, 20.0, 30.0])
+    assert m.steps_per_s(16) == pytest.approx(40.0)  # above it: flat at the best seen
+
+
 def test_samples_at_one_count_are_smoothed():
     m = ThroughputModel().with_sample(2, 10.0).with_sample(2, 20.0)
     assert 10.0 < m.steps_per_s(2) < 20.0

@@ -37,12 +37,13 @@ Steps of one decision:
    on more GPUs each (shortest first), not all at once on one GPU each, which shares the GPUs
    like a processor-sharing queue and finishes every job late. The price is throughput: growth
    is less efficient than a start, and long jobs start later, so the last job finishes later
-   (``docs/benchmarks.md``: -6% average JCT, +9% makespan on the generated workloads).
-   A job not yet measured on a whole node's GPUs grows no further than one node or its
-   ``requested_gpus`` (the user's own estimate), whichever is more: its prior cannot tell whether
-   more nodes help (the Pollux T4 profiles measure 8 GPUs on two nodes slower than 4 on one for
-   most models, and a job spread over nodes was never measured on fewer GPUs, so it stayed there);
-   once measured on a node, step 4a tries the next node on idle GPUs.
+   (``docs/benchmarks.md``: -7% average JCT, +8% makespan on the generated workloads).
+   A job not yet measured on a whole node's GPUs grows no further than the whole nodes its
+   request needs (``requested_gpus``, the user's own estimate; default ``max_gpus``): its prior
+   cannot tell whether more nodes help (the Pollux T4 profiles measure 8 GPUs on two nodes slower
+   than 4 on one for most models, and a job spread over nodes was never measured on fewer GPUs,
+   so it stayed there); once measured on a whole node it grows as its fitted model says, and
+   step 4a may try the next node on idle GPUs.
 4. GPUs nobody gained go back to the running jobs that gave them up, so no job
    is shrunk for nothing (unless it was measured slower on them).
 5. Hysteresis: a running job is resized for its own sake (a growth, or a

@@ -48,9 +48,10 @@ def grant(
     for its next growth of ``k`` GPUs (one while it fits a node, then up to
     the next whole node); ``weight`` is the number of jobs ranked at or after it. A job not yet
     measured on a whole node's GPUs (no sample at ``node`` GPUs or more) grows no further than
-    one node or its ``requested_gpus``, whichever is more: its prior cannot tell whether more
+    the whole nodes its request (``JobState.request``) needs: its prior cannot tell whether more
     nodes help (the Pollux T4 profiles measure 8 GPUs on two nodes slower than 4 on one for most
-    models); once measured there, the policy's exploration of idle GPUs tries the next node.
+    models). Once measured on a whole node, its growth follows the model fitted from that
+    measurement (and the policy's exploration of idle GPUs may try the next node).
     A waiting job marked in ``by_gain`` (at 0 GPUs) competes with its start:
     ``k = min_gpus`` and zero throughput at 0 GPUs.
 
@@ -72,10 +73,10 @@ def grant(
     for r, j in enumerate(order):
         n = counts[r]
         max_gpus = j.max_gpus
-        if max_gpus > node and (j.requested_gpus or 0) < max_gpus:
+        if max_gpus > node and j.request < max_gpus:
             observed = j.throughput.observed  # sorted by GPU count
             if not observed or observed[-1][0] < node:  # not measured on a whole node yet
-                max_gpus = max(node, j.requested_gpus or 0)
+                max_gpus = min(max_gpus, -(-j.request // node) * node)  # the whole nodes its request needs
         if not frozen[r] and 0 < n < max_gpus:
             speed = j.throughput.steps_per_s
             speed_1 = speed(1)

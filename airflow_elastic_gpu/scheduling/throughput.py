@@ -124,6 +124,11 @@ class _Predictions(dict):
         if self._line is None:
             self._line = _fit_line(*self._fit_args)
         a, b = self._line
+        if a == 0.0 and self._fit_args[0]:  # flat: more GPUs never helped
+            best_n, best_t = max(self._fit_args[0], key=lambda s: s[1])
+            if num_gpus < best_n:  # fewer GPUs than the fastest measured count: at most linear below it
+                value = self[num_gpus] = best_t * num_gpus / best_n
+                return value
         value = self[num_gpus] = 1.0 / (a / num_gpus + b)
         return value
 
@@ -150,8 +155,8 @@ def _fit_line(
     sxx = sum((x - mx) ** 2 for x in xs)
     a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     b = my - a * mx
-    if a <= 0:  # more GPUs never helped: flat throughput at the best seen
-        return 0.0, min(ys)
+    if a <= 0:  # more GPUs never helped: flat throughput at the best seen (linear below its
+        return 0.0, min(ys)  # count: _Predictions)
     if b < 0:  # super-linear samples: clamp to linear through the mean
         return my / mx, 0.0
     return a, b

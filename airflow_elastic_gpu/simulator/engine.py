@@ -123,8 +123,9 @@ def simulate(
         mechanism's restart overhead, like any restart (counted in ``preemptions``).
     :param known_throughput: an oracle for ablations: the policy knows each job's true throughput
         at every GPU count (packed on as few nodes as possible) from its submission, instead of
-        learning it from progress (``benchmarks/policy_ablation.py``). Not with ``broker``, nor on a
-        cluster of several GPU types.
+        starting from a prior (``benchmarks/policy_ablation.py``); its progress samples are still
+        folded in, as the broker's are (they differ from the model only where placement spreads
+        the job). Not with ``broker``, nor on a cluster of several GPU types.
     :raises SimulationError: an empty trace, a job larger than the cluster, bad parameters, or
         broker mode with re-creation or ``known_throughput``.
     """

@@ -35,7 +35,8 @@ class Scheduler(Protocol):
 
     def submit(self, job_id: str, min_gpus: int, max_gpus: int, requested_gpus: int,
                total_steps: int, now: float, preemptible: bool = False,
-               relative_speed: Mapping[str, float] | None = None, family: str | None = None) -> str: ...
+               relative_speed: Mapping[str, float] | None = None, family: str | None = None,
+               throughput: ThroughputModel | None = None) -> str: ...
     def current(self, sid: str) -> tuple[int, tuple[GpuId, ...]]: ...
     def progress(self, sid: str, step: float, generation: int, now: float) -> None: ...
     def ack(self, sid: str, generation: int, now: float) -> None: ...
@@ -101,7 +102,8 @@ class PolicyScheduler:
                relative_speed: Mapping[str, float] | None = None, family: str | None = None,
                throughput: ThroughputModel | None = None) -> str:
         """Add a job and rebalance. ``throughput``: the job's model known from the start (an oracle
-        for ablations; default learnt from its progress, as the broker does)."""
+        for ablations; progress samples are folded into it as into any model); default a prior,
+        then learnt from its progress, as the broker does."""
         book = JobBook(job_id, min_gpus, max_gpus, total_steps, now, requested_gpus=requested_gpus,
                        preemptible=preemptible, relative_speed=dict(relative_speed or {}), family=family)
         if throughput is not None:
@@ -208,7 +210,10 @@ class BrokerScheduler:
 
     def submit(self, job_id: str, min_gpus: int, max_gpus: int, requested_gpus: int,
                total_steps: int, now: float, preemptible: bool = False,
-               relative_speed: Mapping[str, float] | None = None, family: str | None = None) -> str:
+               relative_speed: Mapping[str, float] | None = None, family: str | None = None,
+               throughput: ThroughputModel | None = None) -> str:
+        if throughput is not None:
+            raise SimulationError("a real broker learns each job's throughput: no known throughput in broker mode")
         from airflow_elastic_gpu.broker.types import JobSpec
 
         self.now = now
