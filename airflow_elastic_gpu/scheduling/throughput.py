@@ -109,7 +109,7 @@ class _Predictions(dict):
     Holds the model's values, not the model, so that no reference cycle keeps a model alive.
     """
 
-    __slots__ = ("_fit_args", "_line")
+    __slots__ = ("_fit_args", "_knee", "_line")
 
     def __init__(
         self, observed: tuple[tuple[int, float], ...], prior_alpha: float, prior_steps_per_s: float
@@ -117,19 +117,22 @@ class _Predictions(dict):
         super().__init__(observed)
         self._fit_args = (observed, prior_alpha, prior_steps_per_s)
         self._line: tuple[float, float] | None = None
+        self._knee: tuple[int, float] = (0, 0.0)  # a flat fit's fastest measured (count, steps/s)
 
     def __missing__(self, num_gpus: int) -> float:
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
-        if self._line is None:
+        if self._line is None:  # fitted once, on the first count that was not measured
+            observed = self._fit_args[0]
             self._line = _fit_line(*self._fit_args)
+            if self._line[0] == 0.0 and observed:  # flat: more GPUs never helped
+                self._knee = max(observed, key=lambda s: s[1])
         a, b = self._line
-        if a == 0.0 and self._fit_args[0]:  # flat: more GPUs never helped
-            best_n, best_t = max(self._fit_args[0], key=lambda s: s[1])
-            if num_gpus < best_n:  # fewer GPUs than the fastest measured count: at most linear below it
-                value = self[num_gpus] = best_t * num_gpus / best_n
-                return value
-        value = self[num_gpus] = 1.0 / (a / num_gpus + b)
+        knee_n, knee_t = self._knee
+        if num_gpus < knee_n:  # fewer GPUs than a flat fit's fastest measured count: linear below it
+            value = self[num_gpus] = knee_t * num_gpus / knee_n
+        else:
+            value = self[num_gpus] = 1.0 / (a / num_gpus + b)
         return value
 
 
