@@ -180,6 +180,20 @@ def test_a_job_not_measured_on_a_whole_node_spans_a_second_one_only_up_to_its_re
     d = policy.decide(ClusterState(two, (a,), 1000.0))
     assert len(d.allocations["a"]) == 8 and no_double_booking(d)
 
+
+@pytest.mark.parametrize("on_two_nodes, expected", [(7.5, 8), (3.0, 4)])
+def test_a_job_whose_family_ran_on_two_nodes_knows_whether_a_second_node_helps(on_two_nodes, expected):
+    """A scheduled retraining's last run was measured on one node and on two: its next run, not yet
+    measured, spreads at once where two nodes were faster, and stays on one where they were slower."""
+    from airflow_elastic_gpu.scheduling.throughput import with_pool_prior
+
+    last_run = ThroughputModel(((1, 1.0), (4, 3.9), (8, on_two_nodes)))
+    model = with_pool_prior({"a": ThroughputModel()}, {"a": "nightly.train"}, {"nightly.train": last_run})["a"]
+    a = job("a", max_gpus=8, requested=1, model=model)
+    d = AdaptivePolicy().decide(ClusterState((node("n0"), node("n1")), (a,), 0.0))
+    assert len(d.allocations["a"]) == expected
+
+
 MEASURED_LINEAR = ThroughputModel(((1, 1.0), (2, 2.0)), prior_alpha=0.0)  # run on 1 and 2 GPUs: linear
 BY_GAIN = AdaptivePolicy(admission_by_gain=True)  # a pool setting, off by default
 

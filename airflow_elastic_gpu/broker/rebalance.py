@@ -85,6 +85,7 @@ from airflow_elastic_gpu.broker.types import DEFAULT_POOL, NotFound
 from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore, account_gpu_time
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
+from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 from airflow_elastic_gpu.states import ACTIVE, EventKind, JobStatus
 
 log = logging.getLogger(__name__)
@@ -109,21 +110,20 @@ def _dialect(s: Executor) -> str:
     return (s.get_bind() if isinstance(s, Session) else s).dialect.name
 
 
-def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str, float]:
-    """Family -> single-GPU steps/s of the latest finished job of that family in ``pool``, for the
-    families of jobs not yet measured that no measured unfinished job shares (the prior of a
+def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str, ThroughputModel]:
+    """Family -> throughput model (its samples) of the latest finished measured job of that family
+    in ``pool``, for the families of jobs measured on fewer than two GPU counts (the prior of a
     scheduled retraining's next run: :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`).
-    One indexed query (``ix_job_pool_family``), none when every such family has a measured job."""
-    measured = {b.family for b in books if b.throughput.observed}
-    names = sorted({b.family for b in books if not b.throughput.observed and b.family is not None} - measured)
+    One indexed query (``ix_job_pool_family``), none when every job is measured on two counts."""
+    names = sorted({b.family for b in books if len(b.throughput.observed) < 2 and b.family is not None})
     if not names:
         return {}
-    out: dict[str, float] = {}
+    out: dict[str, ThroughputModel] = {}
     statement = _FAMILY_HISTORY.get(_dialect(s), _FAMILY_HISTORY["default"])
     for row in s.execute(statement, {"pool": pool, "names": names}):
         model = throughput_of(row)
         if model.observed:
-            out[row.family] = model.steps_per_s(1)  # ordered by end time: the latest wins
+            out[row.family] = model  # ordered by end time: the latest wins
     return out
 
 

@@ -238,10 +238,10 @@ class SchedulingCore:
         self.default_restart_overhead_s = default_restart_overhead_s
 
     def cluster_state(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float,
-                      history: Mapping[str, float] | None = None) -> ClusterState:
+                      history: Mapping[str, ThroughputModel] | None = None) -> ClusterState:
         """The policy's input: every job's state, unmeasured jobs with their family's or the
         pool-median prior (:func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`;
-        ``history``: family -> single-GPU steps/s of its last finished job)."""
+        ``history``: family -> the throughput model of its last finished measured job)."""
         models = with_pool_prior({b.job_id: b.throughput for b in books},
                                  {b.job_id: b.family for b in books}, history)
         return ClusterState(
@@ -251,7 +251,7 @@ class SchedulingCore:
         )
 
     def rebalance(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float,
-                  history: Mapping[str, float] | None = None) -> list[Publication]:
+                  history: Mapping[str, ThroughputModel] | None = None) -> list[Publication]:
         """Decide new targets and publish what the two-phase protocol allows now.
 
         A published job's book gets its new target and generation (``published_s`` and, for a
@@ -263,8 +263,8 @@ class SchedulingCore:
 
         :param nodes: the pool's schedulable nodes (healthy GPUs only).
         :param books: the pool's unfinished jobs, in the order ties are served (submit time, id).
-        :param history: family -> single-GPU steps/s measured on its last finished job (the prior
-            of its jobs not yet measured).
+        :param history: family -> the throughput model of its last finished measured job (the
+            prior of its jobs not yet measured, or measured on one GPU count).
         :returns: the publications, in publishing order (shrinks first).
         """
         if not books:

@@ -9,7 +9,9 @@ and ``alpha = b/(a+b)``. Optimus (Peng et al., EuroSys'18, section 4.1) fits a
 speed function of the same family by least squares; Pollux (Qiao et al.,
 OSDI'21) models synchronisation cost the same way. Until a job has run on two
 GPU counts, ``alpha`` comes from a prior (near-linear scaling), so a new job is
-not starved of GPUs it may well use.
+not starved of GPUs it may well use, unless a job of the same family was measured
+on more counts (:func:`with_pool_prior`: a scheduled retraining's next run
+scales as its last run did).
 """
 
 from __future__ import annotations
@@ -172,46 +174,84 @@ RESTART_OVERHEAD_EMA = 0.5
 def with_pool_prior(
     models: dict[str, ThroughputModel],
     families: Mapping[str, str | None] | None = None,
-    history: Mapping[str, float] | None = None,
+    history: Mapping[str, ThroughputModel] | None = None,
 ) -> dict[str, ThroughputModel]:
-    """Give every job not yet measured a single-GPU throughput prior: its family's, else the pool's.
+    """Give every job measured on fewer than two GPU counts its family's measurements, else the
+    pool's median as a prior.
 
     A job's **family** is the training it repeats (the broker: the job's family, ``dag_id.task_id``
-    of a scheduled retraining's operator; the simulator: the trace job's model). A job not yet measured is
-    assumed as fast as its family's median measured job (the unfinished ones of the pool, else
-    ``history``: the family's last measured throughput of a finished job), and otherwise as fast
-    as the pool's median measured job. The prior matters most for waiting jobs: the policy ranks
-    them by predicted remaining time (steps / throughput) before they have run, and steps of
-    different trainings differ by orders of magnitude (an NCF step is not a BERT step).
+    of a scheduled retraining's operator; the simulator: the trace job's model). Its measured jobs
+    are the unfinished ones of the pool and ``history`` (the family's last finished job).
+
+    * A job not yet measured is assumed as fast on one GPU as its family's median measured
+      unfinished job (else its last finished one), and otherwise as fast as the pool's median
+      measured job. The prior matters most for waiting jobs: the policy ranks them by predicted
+      remaining time (steps / throughput) before they have run, and steps of different
+      trainings differ by orders of magnitude (an NCF step is not a BERT step).
+    * Where one of those family jobs was measured on two GPU counts or more, the job takes that
+      job's samples (the one with the most counts), scaled to the family's median single-GPU
+      throughput, or through its own sample where it has one: how the training scales, and
+      whether spreading it over more nodes helped, are then known before the job runs there
+      (the adaptive policy spreads a job over more nodes than its request only once it was
+      measured on a whole node: :func:`~airflow_elastic_gpu.scheduling.grant.grant`). Its own
+      samples replace them once it has two counts.
+
     With no measured job and no history, the models are returned unchanged.
 
     :param models: job id -> model; not modified.
     :param families: job id -> family (``None``: none); default no families.
-    :param history: family -> single-GPU steps/s measured on a finished job of it (> 0).
-    :returns: job id -> model (measured ones are the same objects).
+    :param history: family -> the model (its samples) of its last finished job.
+    :returns: job id -> model (jobs measured on two counts or more, and jobs whose family knows
+        nothing more, keep the same objects); a prior's ``prior_source`` says where it came from.
     """
     families = families or {}
+    history = history or {}
     known_t1 = sorted(m.steps_per_s(1) for m in models.values() if m.observed)
-    by_family: dict[str, list[float]] = {}
+    by_family: dict[str, list[ThroughputModel]] = {}
     for k, m in models.items():
         family = families.get(k)
         if family is not None and m.observed:
-            by_family.setdefault(family, []).append(m.steps_per_s(1))
+            by_family.setdefault(family, []).append(m)
     if not known_t1 and not history:
         return dict(models)
     pool = known_t1[len(known_t1) // 2] if known_t1 else None
-    family_t1 = {f: sorted(t1s)[len(t1s) // 2] for f, t1s in by_family.items()}  # medians, once
+    family_t1: dict[str, float] = {}
+    family_curve: dict[str, ThroughputModel] = {}  # measured on two counts or more
+    for f in by_family.keys() | history.keys():
+        last = history.get(f)
+        last = [last] if last is not None and last.observed else []
+        unfinished = by_family.get(f, [])
+        if not (unfinished or last):
+            continue
+        t1s = sorted(m.steps_per_s(1) for m in unfinished or last)
+        family_t1[f] = t1s[len(t1s) // 2]  # the median
+        richest = max(unfinished + last, key=lambda m: (len(m.observed), m.observed[-1][0]))
+        if len(richest.observed) >= 2:
+            family_curve[f] = richest
 
     def prior(job_id: str, m: ThroughputModel) -> ThroughputModel:
+        if len(m.observed) >= 2:
+            return m
         family = families.get(job_id)
-        t1 = family_t1.get(family) or (history or {}).get(family) if family is not None else None
+        curve = family_curve.get(family) if family is not None else None
+        if curve is not None:  # scaled to its own sample, else to the family's median
+            if m.observed:
+                n, t = m.observed[0]
+                samples = dict(curve.scaled(t / curve.steps_per_s(n)).observed)
+                samples[n] = t
+            else:
+                samples = dict(curve.scaled(family_t1[family] / curve.steps_per_s(1)).observed)
+            return ThroughputModel(tuple(sorted(samples.items())), m.prior_alpha, m.prior_steps_per_s, "family")
+        if m.observed:
+            return m
+        t1 = family_t1.get(family) if family is not None else None
         if t1 is not None and t1 > 0:
             return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=t1, prior_source="family")
         if pool is None:
             return m
         return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=pool, prior_source="pool")
 
-    return {k: m if m.observed else prior(k, m) for k, m in models.items()}
+    return {k: prior(k, m) for k, m in models.items()}
 
 
 def update_restart_overhead(current_s: float | None, measured_s: float) -> float:

@@ -84,7 +84,7 @@ class PolicyScheduler:
         self.nodes = tuple(nodes)
         self._node_types = {n.name: n.gpu_type for n in self.nodes}
         self.jobs: dict[str, JobBook] = {}
-        self.history: dict[str, float] = {}  # family -> single-GPU steps/s of its last finished job
+        self.history: dict[str, ThroughputModel] = {}  # family -> model of its last finished measured job
         self._last_sample: dict[str, tuple[int, float, float]] = {}  # job -> (generation, time_s, step)
         # re-queued job -> (its resize's publish time, its own min, max and requested GPUs)
         self._requeued: dict[str, tuple[float | None, int, int, int | None]] = {}
@@ -135,7 +135,7 @@ class PolicyScheduler:
         book = self.jobs.pop(sid, None)
         if book is not None:
             if book.family is not None and book.throughput.observed:
-                self.history[book.family] = book.throughput.steps_per_s(1)
+                self.history[book.family] = book.throughput
             self._last_sample.pop(sid, None)
             self._requeued.pop(sid, None)
             self.rebalance(now)
