@@ -121,6 +121,17 @@ def test_a_job_that_scales_badly_across_nodes_tries_the_second_node_and_comes_ba
     with pytest.raises(SimulationError, match="known_throughput is for the in-memory scheduler"):
         simulate(SMALL, ClusterShape(2, 4), "adaptive", broker=True, known_throughput=True)
 
+
+@pytest.mark.parametrize("broker", [False, True])
+def test_the_next_run_of_a_training_skips_the_trial_its_last_run_made(broker):
+    """The same yolov3 training again after its first run finished: that run's samples (slower on
+    two nodes) are its prior, so it stays on one node without trying the second. Broker mode reads
+    them from the broker's finished job."""
+    trace = [TraceJob("first", 0, 1, 20_000, "yolov3"), TraceJob("next", 10_000, 1, 20_000, "yolov3")]
+    r = simulate(trace, ClusterShape(2, 4), "adaptive", broker=broker)
+    counts = {j: [n for _, job, n in r.allocations if job == j] for j in ("first", "next")}
+    assert counts == {"first": [4, 8, 4, 0], "next": [4, 0]}, counts
+
 def test_tiresias_demotes_a_long_job_and_preempts_it_for_a_new_one():
     trace = [TraceJob("long", 0, 4, 20_000, "imagenet"), TraceJob("new", 3600, 4, 600, "imagenet")]
     r = simulate(trace, ClusterShape(1, 4), "tiresias")

@@ -43,7 +43,9 @@ Steps of one decision:
    cannot tell whether more nodes help (the Pollux T4 profiles measure 8 GPUs on two nodes slower
    than 4 on one for most models, and a job spread over nodes was never measured on fewer GPUs,
    so it stayed there); once measured on a whole node it grows as its fitted model says, and
-   step 4a may try the next node on idle GPUs.
+   step 4a may try the next node on idle GPUs. A job of a family measured on a whole node counts
+   as measured there (its prior carries those samples:
+   :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`).
 4. GPUs nobody gained go back to the running jobs that gave them up, so no job
    is shrunk for nothing (unless it was measured slower on them).
 5. Hysteresis: a running job is resized for its own sake (a growth, or a
