@@ -230,6 +230,28 @@ def test_a_pod_of_a_running_gang_deleted_from_outside_fails_the_job(cluster):
     assert f"the pod of node {NODES[0]} was deleted" in backend.problem(broker.job(job.id)).reason
 
 
+def test_pods_of_two_nodes_deleted_from_outside_free_both_nodes_at_once(cluster):
+    """Two pods of a three-node gang deleted by someone else: the job fails naming both nodes, and
+    both nodes' GPUs are free at once (no agent of theirs is left to report); the third node's are
+    held until its trainer has stopped."""
+    from airflow_elastic_gpu.triggers.watcher import JobWatcher
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    for node in (NODES[0], NODES[2]):
+        api.delete_namespaced_pod(pods_by_node(api)[node], "ml")
+    problem = backend.problem(broker.job(job.id))
+    assert (problem.node, problem.stopped_nodes) == (NODES[0], (NODES[2],))
+    assert f"the pods of nodes {NODES[0]}, {NODES[2]} were deleted" in problem.reason
+    JobWatcher(broker, backend, job.id).poll()
+    failed = broker.job(job.id)
+    assert failed.status is JobStatus.FAILED and NODES[2] in failed.reason
+    assert {g.node for g in failed.in_use_gpus} == {NODES[1]}
+
+
 def test_a_job_that_fits_on_one_node_keeps_its_single_pod(cluster):
     broker, api = cluster
     backend = KubernetesBackend(config(), broker, api)

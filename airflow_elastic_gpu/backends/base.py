@@ -41,11 +41,14 @@ class Problem:
     :param node: a gang of pods: the node whose pod is broken (its trainer no longer runs); the
         broker then frees that node's GPUs only, and the other nodes' once their trainers have
         stopped (their agents report it, or the lease passes). None: the job's only pod or process.
+    :param stopped_nodes: a gang: other nodes whose trainers are known to be stopped as well (their
+        pods are gone from the API, so no agent of theirs will report): released like ``node``.
     """
 
     reason: str
     gone: bool = False
     node: str | None = None
+    stopped_nodes: tuple[str, ...] = ()
 
 
 @runtime_checkable

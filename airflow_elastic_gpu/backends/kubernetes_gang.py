@@ -232,8 +232,10 @@ class GangPods:
         running = {g.node for g in job.in_use_gpus}
         missing = sorted(running - {p.spec.node_name for p in self.backend.pods(job.id)})
         if missing:
-            return Problem(f"the pod of node {missing[0]} was deleted from outside the broker "
-                           "(every pod of the job is stopped)", node=missing[0])
+            pods_of = "the pod of node" if len(missing) == 1 else "the pods of nodes"
+            return Problem(f"{pods_of} {', '.join(missing)} {'was' if len(missing) == 1 else 'were'} deleted "
+                           "from outside the broker (every pod of the job is stopped)",
+                           node=missing[0], stopped_nodes=tuple(missing[1:]))
         return None
 
     def log_pod(self, job_id: str) -> Any | None:

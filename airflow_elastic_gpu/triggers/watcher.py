@@ -86,5 +86,7 @@ class JobWatcher:
             return
         tail = "\n".join(self.backend.log_tail(job.id))
         # a gang: the broken pod's node only, the other nodes' GPUs stay held until their trainers stop
-        self.broker.fail(job.id, f"{problem.reason}. Last log lines:\n{tail}" if tail else problem.reason,
-                         node=problem.node)
+        reason = f"{problem.reason}. Last log lines:\n{tail}" if tail else problem.reason
+        self.broker.fail(job.id, reason, node=problem.node)
+        for node in problem.stopped_nodes:  # pods gone too: no agent of theirs will report
+            self.broker.fail(job.id, reason, node=node)
