@@ -4,6 +4,12 @@ Each training is ``examples/train_digits.py`` under ``torchrun`` (gloo on the
 CPU: one process per virtual GPU). They start together, so the broker admits
 them at their minimum and hands out the rest by predicted gain; as jobs end or
 are measured, it grows and shrinks the others. The last task prints a summary.
+
+A step of the global batch takes at least ``STEP_MS`` on one GPU and 1/N of it
+on N (``train_digits --step-ms``: each worker sleeps out the rest of its share),
+as a model larger than this one would on real GPUs: on a CPU of two cores the
+virtual GPUs share the cores, so without it more GPUs would not train faster
+and the demo's length would depend on the machine's speed.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
 TORCHRUN = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node={{num_gpus}}"
 POOL = os.environ.get("ELASTIC_GPU_DEMO_POOL", "default")
+STEP_MS = 50  # per step of the global batch on one GPU (see the module docstring)
 
 JOBS = {  # task id: (total steps, min GPUs, max GPUs, hidden units)
     "train_small": (400, 1, 2, 128),
@@ -40,7 +47,7 @@ with DAG(
     trainings = [
         ElasticTrainingOperator(
             task_id=task_id,
-            command=(f"{TORCHRUN} {TRAIN} --total-steps {steps} --hidden {hidden} "
+            command=(f"{TORCHRUN} {TRAIN} --total-steps {steps} --hidden {hidden} --step-ms {STEP_MS} "
                      "--checkpoint-every 50 --log-every 20"),
             total_steps=steps,
             min_gpus=lo,
