@@ -155,32 +155,51 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
         keep = on_t if j.resized_within(now_s, interval_s) else min(j.min_gpus, on_t)
         current[j.job_id] = (t, keep)
         reserved[t] += keep
-    work: dict[str, dict[str, float]] = {}
-    best: dict[str, float] = {}
+    # hot path (every job, every decision on a mixed pool): types as indices into parallel lists
+    caps = [capacity[t] for t in live]
+    num_live = range(len(live))
+    work: dict[str, list[float]] = {}
+    keys = []
     for j in cluster.jobs:
         rest, sp = j.remaining_steps, speeds[j.job_id]
-        w = work[j.job_id] = {t: rest / (sp[t][0].steps_per_s(1) * sp[t][1]) for t in live}
-        best[j.job_id] = min(w.values())
-    order = sorted(cluster.jobs, key=lambda j: (-j.priority, best[j.job_id], j.submit_time_s, j.job_id))
-    load = dict.fromkeys(types, 0.0)
+        w = work[j.job_id] = [rest / (sp[t][0].steps_per_s(1) * sp[t][1]) for t in live]
+        keys.append((-j.priority, min(w), j.submit_time_s, j.job_id))
+    ranked = sorted(range(len(keys)), key=keys.__getitem__)
+    jobs = cluster.jobs
+    load = [0.0] * len(live)
+    room = [caps[i] - reserved[t] for i, t in enumerate(live)]  # GPUs not yet reserved, per live type
+    index = {t: i for i, t in enumerate(live)}
     chosen: dict[str, str] = {}
     moved: dict[str, str] = {}
-    for j in order:
+    for r in ranked:
+        j = jobs[r]
         w = work[j.job_id]
         cur, keep = current.get(j.job_id, (None, 0))
-        if cur is not None:
-            reserved[cur] -= keep
-        prefs = [t for *_, t in sorted([((load[t] + w[t]) / capacity[t], w[t], t) for t in live])]
-        pick = next((t for t in prefs if reserved[t] + j.min_gpus <= capacity[t]), None)
-        if cur is not None and (pick is None or pick != cur and not _pays(policy, j, cur, pick, speeds[j.job_id],
-                                                                             now_s)):
-            pick = cur  # a running job moves only to a type with room for it, and only when it pays
-        pick = pick or prefs[0]  # no type has room: it waits on the one it would finish first
-        if cur is not None and pick != cur:
+        c = index.get(cur) if cur is not None else None  # None: not running, or on a type with no GPU left
+        if c is not None:
+            room[c] += keep
+        # the live type where it would finish first (ties: less work there, then the name) among
+        # those that can still admit it at min_gpus; if none can, the one it would finish first on
+        need = j.min_gpus
+        first = pick = None
+        for i in num_live:
+            key = ((load[i] + w[i]) / caps[i], w[i], live[i])
+            if first is None or key < first:
+                first = key
+            if room[i] >= need and (pick is None or key < pick):
+                pick = key
+        t = pick[2] if pick is not None else None
+        if cur is not None and (t is None or t != cur and not _pays(policy, j, cur, t, speeds[j.job_id], now_s)):
+            t = cur  # a running job moves only to a type with room for it, and only when it pays
+        if t is None:
+            t = first[2]  # no type has room: it waits on the one it would finish first
+        if cur is not None and t != cur:
             moved[j.job_id] = cur
-        chosen[j.job_id] = pick
-        reserved[pick] += keep if pick == cur else j.min_gpus
-        load[pick] += w[pick]
+        chosen[j.job_id] = t
+        i = index.get(t)
+        if i is not None:
+            room[i] -= keep if t == cur else need
+            load[i] += w[i]
     return chosen, moved
 
 
