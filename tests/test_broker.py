@@ -303,6 +303,32 @@ def test_a_submit_redone_after_its_commit_went_through_still_returns_the_token(p
     assert pool.verify_token(first.id, "the-same-token")
 
 
+def test_family_history_is_each_family_s_latest_measured_run(pool, clock):
+    """The prior's history holds one model per family: the latest finished run with samples (an
+    older one is not returned, and a later run that finished unmeasured does not hide it)."""
+    from airflow_elastic_gpu.broker.rebalance import family_history
+    from airflow_elastic_gpu.scheduling.core import JobBook
+
+    def run(key, steps_per_s, **kw):
+        job = pool.submit(spec(key, family="nightly.train", **kw))
+        pool.ack(job.id, 1)
+        if steps_per_s:
+            pool.progress(job.id, 0, generation=1)
+            clock.advance(10)
+            pool.progress(job.id, 10 * steps_per_s, generation=1)
+        pool.finish(job.id)
+        clock.advance(10)
+
+    run("run-1", 5.0)
+    run("run-2", 7.0)
+    run("run-3", None, relative_speed={"T4": 1.0})  # finished before its first sample
+    book = JobBook(job_id="next", min_gpus=1, max_gpus=4, total_steps=10, submit_s=0.0, family="nightly.train")
+    with pool.engine.connect() as conn:
+        history = family_history(conn, "default", [book])
+    assert list(history) == ["nightly.train"]
+    assert [t for _, t in history["nightly.train"].observed] == [pytest.approx(7.0)]
+
+
 @pytest.mark.parametrize("last_run_steps_per_s, first", [(1000.0, "nightly"), (1.0, "other")])
 def test_a_scheduled_retraining_is_ranked_by_its_last_runs_measured_throughput(pool, clock,
                                                                               last_run_steps_per_s, first):

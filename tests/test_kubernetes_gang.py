@@ -252,6 +252,24 @@ def test_pods_of_two_nodes_deleted_from_outside_free_both_nodes_at_once(cluster)
     assert {g.node for g in failed.in_use_gpus} == {NODES[1]}
 
 
+def test_an_evicted_pod_and_a_deleted_one_free_both_nodes(cluster):
+    """One pod evicted (still listed) and another deleted: both nodes' trainers no longer run, so
+    both nodes' GPUs are free when the job fails; the third node's wait for its agent."""
+    from airflow_elastic_gpu.triggers.watcher import JobWatcher
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    api.set_phase(pods_by_node(api)[NODES[1]], "Failed", reason="Evicted", message="The node was low on memory.")
+    api.delete_namespaced_pod(pods_by_node(api)[NODES[2]], "ml")
+    problem = backend.problem(broker.job(job.id))
+    assert (problem.node, problem.stopped_nodes) == (NODES[1], (NODES[2],))
+    JobWatcher(broker, backend, job.id).poll()
+    assert {g.node for g in broker.job(job.id).in_use_gpus} == {NODES[0]}
+
+
 def test_a_job_that_fits_on_one_node_keeps_its_single_pod(cluster):
     broker, api = cluster
     backend = KubernetesBackend(config(), broker, api)

@@ -194,6 +194,26 @@ def test_a_job_whose_family_ran_on_two_nodes_knows_whether_a_second_node_helps(o
     assert len(d.allocations["a"]) == expected
 
 
+def test_family_samples_steer_a_job_but_only_its_own_measurement_lets_it_explore():
+    """A job running on 4 GPUs whose family was measured slower on 8 (two nodes) is brought back
+    to 4, and the reason says whose measurement it was; with its own samples only from the family,
+    idle GPUs do not make it try a count nobody measured (it was never measured where it runs)."""
+    from airflow_elastic_gpu.scheduling.throughput import with_pool_prior
+
+    last_run = ThroughputModel(((1, 1.0), (4, 3.9), (8, 3.0)))
+    three = (node("n0"), node("n1"), node("n2"))
+    on_4 = ThroughputModel().with_sample(4, 3.9)
+    model = with_pool_prior({"a": on_4}, {"a": "nightly.train"}, {"nightly.train": last_run})["a"]
+    spread = job("a", max_gpus=12, steps=100_000, alloc=gpus("n0", 0, 1, 2, 3) + gpus("n1", 0, 1, 2, 3), model=model)
+    d = AdaptivePolicy().decide(ClusterState(three, (spread,), 1000.0))
+    assert len(d.allocations["a"]) == 4
+    assert "its family measured faster on fewer GPUs" in d.reasons["a"]
+    unmeasured = with_pool_prior({"a": ThroughputModel()}, {"a": "nightly.train"}, {"nightly.train": last_run})["a"]
+    on_one = job("a", max_gpus=12, steps=100_000, alloc=gpus("n0", 0, 1, 2, 3), model=unmeasured)
+    d = AdaptivePolicy().decide(ClusterState(three, (on_one,), 1000.0))
+    assert len(d.allocations["a"]) == 4  # no trial of 12 GPUs on the family's samples alone
+
+
 MEASURED_LINEAR = ThroughputModel(((1, 1.0), (2, 2.0)), prior_alpha=0.0)  # run on 1 and 2 GPUs: linear
 BY_GAIN = AdaptivePolicy(admission_by_gain=True)  # a pool setting, off by default
 

@@ -95,37 +95,41 @@ def test_a_prior_says_whether_it_comes_from_the_same_training_or_the_pool_guess(
     families = {"a": "bert", "b": "bert", "c": "ncf", "d": "cifar"}
     out = with_pool_prior(models, families, history={"ncf": ThroughputModel().with_sample(1, 900.0)})
     assert out["a"] is measured and out["a"].from_own_training
-    assert (out["b"].prior_steps_per_s, out["b"].prior_source) == (50.0, "family")
-    assert (out["c"].prior_steps_per_s, out["c"].prior_source) == (900.0, "family")
+    # the family's measured job: its samples (one count here, as good as a single-GPU speed)
+    assert (out["b"].observed, out["b"].prior_source, out["b"].own_observed) == (((1, 50.0),), "family", ())
+    assert (out["c"].observed, out["c"].prior_source) == (((1, 900.0),), "family")
     assert (out["d"].prior_steps_per_s, out["d"].prior_source) == (50.0, "pool")
     assert out["b"].from_own_training and out["c"].from_own_training and not out["d"].from_own_training
     assert out["d"] == ThroughputModel(prior_steps_per_s=50.0), "the source is not part of the model's value"
     assert out["c"].scaled(2.0).prior_source == "family"
 
 
-def test_a_job_takes_the_scaling_its_family_measured_until_it_has_its_own():
-    """A scheduled retraining's last run measured on 1, 4 and 8 GPUs (slower on 8: two nodes):
-    its next run knows that before it runs there, scaled to its family's single-GPU speed, or
-    through its own first sample; two own counts replace it."""
+def test_a_job_takes_the_scaling_its_family_measured_beyond_its_own_samples():
+    """A scheduled retraining's last run measured on 1, 4 and 8 GPUs (slower on 8: two nodes): its
+    next run knows that before it runs there, scaled to its family's single-GPU speed, or through
+    its own sample; its own sample stays as it is, and a job measured on two counts keeps its own
+    model."""
     from airflow_elastic_gpu.scheduling.throughput import with_pool_prior
 
     last_run = ThroughputModel(((1, 10.0), (4, 36.0), (8, 30.0)))
     fresh = ThroughputModel()
     out = with_pool_prior({"next": fresh}, {"next": "nightly"}, {"nightly": last_run})
     assert out["next"].observed == last_run.observed and out["next"].prior_source == "family"
-    assert out["next"].steps_per_s(8) < out["next"].steps_per_s(4)  # no guess that two nodes help
+    assert out["next"].own_observed == () and out["next"].steps_per_s(8) < out["next"].steps_per_s(4)
 
-    twice_as_fast = ThroughputModel().with_sample(1, 20.0)  # an unfinished job of the family, 1 GPU
-    once_on_4 = ThroughputModel().with_sample(4, 18.0)  # half as fast as the last run on 4
+    running = ThroughputModel().with_sample(1, 20.0)  # unfinished jobs of the family
+    on4 = ThroughputModel().with_sample(4, 18.0)  # half as fast as the last run on 4
     own = ThroughputModel(((1, 9.0), (2, 17.0)))
-    models = {"running": twice_as_fast, "next": fresh, "on4": once_on_4, "own": own, "alone": fresh}
-    families = {"running": "nightly", "next": "nightly", "on4": "nightly", "own": "nightly", "alone": "etl"}
+    as_far = ThroughputModel(((4, 30.0), (8, 24.0)))
+    models = {"running": running, "next": fresh, "on4": on4, "own": own, "as_far": as_far, "alone": fresh}
+    families = dict.fromkeys(models, "nightly") | {"alone": "etl"}
     out = with_pool_prior(models, families, {"nightly": last_run, "etl": ThroughputModel().with_sample(1, 5.0)})
-    # the last run's curve (the most counts), scaled to the family's median single-GPU speed over
-    # its unfinished measured jobs (20, 9, and about 5.2 for the one measured on 4 GPUs only): 9
-    assert dict(out["next"].observed) == pytest.approx({1: 9.0, 4: 32.4, 8: 27.0})
-    assert dict(out["on4"].observed) == pytest.approx({1: 5.0, 4: 18.0, 8: 15.0})  # through its own sample
+    # the curve of the job measured on the most counts (the last run: three), scaled to the
+    # family's median single-GPU speed over its unfinished measured jobs
+    t1 = sorted(m.steps_per_s(1) for m in (running, on4, own, as_far))[2]
+    assert dict(out["next"].observed) == pytest.approx({1: t1, 4: 3.6 * t1, 8: 3.0 * t1})
+    assert out["on4"].observed == ((4, 18.0), (8, 15.0)) and out["on4"].own_observed == on4.observed
     assert dict(out["running"].observed) == pytest.approx({1: 20.0, 4: 72.0, 8: 60.0})
-    assert out["own"] is own  # measured on two counts: its own samples only
-    # a family measured on one count only gives its single-GPU speed, no curve
-    assert (out["alone"].observed, out["alone"].prior_steps_per_s, out["alone"].prior_source) == ((), 5.0, "family")
+    assert out["own"] is own and out["as_far"] is as_far  # measured on two counts: their own samples only
+    assert (out["alone"].observed, out["alone"].prior_source) == (((1, 5.0),), "family")
+    assert out["on4"].scaled(2.0).own_observed == ((4, 36.0),)

@@ -221,16 +221,15 @@ class GangPods:
         while no resize is under way. Either fails the whole job."""
         from airflow_elastic_gpu.backends.kubernetes import pod_problem
 
-        pods = _live(self.backend.pods(job.id))
-        for pod in pods:
+        listed = self.backend.pods(job.id)
+        missing: list[str] = []  # nodes running the acked generation whose pod is gone (no resize under way)
+        if job.acked_generation >= max(job.target_generation, 1):
+            missing = sorted({g.node for g in job.in_use_gpus} - {p.spec.node_name for p in listed})
+        for pod in _live(listed):
             reason = pod_problem(pod)
             if reason is not None:
                 return Problem(f"{reason} (node {pod.spec.node_name} of the gang; every pod of the job is stopped)",
-                               node=pod.spec.node_name)
-        if job.acked_generation < max(job.target_generation, 1):
-            return None
-        running = {g.node for g in job.in_use_gpus}
-        missing = sorted(running - {p.spec.node_name for p in self.backend.pods(job.id)})
+                               node=pod.spec.node_name, stopped_nodes=tuple(missing))
         if missing:
             pods_of = "the pod of node" if len(missing) == 1 else "the pods of nodes"
             return Problem(f"{pods_of} {', '.join(missing)} {'was' if len(missing) == 1 else 'were'} deleted "

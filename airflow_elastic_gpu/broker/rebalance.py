@@ -96,13 +96,24 @@ _ACTIVE_JOBS = (select(*BOOK_COLUMNS).where(Job.pool == bindparam("pool"), UNFIN
                 .order_by(Job.submit_s, Job.id))
 _FINISHED_MEASURED = (Job.pool == bindparam("pool"), Job.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"),
                       Job.throughput.is_not(None))
+
+
+def _latest_per_family(names_clause: Any, samples: Any) -> Any:
+    """The samples of each named family's latest finished job that has samples (``samples``: the
+    JSON ``observed`` key is present): one row per family."""
+    ranked = select(Job.family, Job.throughput, func.row_number().over(
+        partition_by=Job.family, order_by=(Job.end_s.desc(), Job.id.desc())).label("latest")).where(
+        names_clause, samples.is_not(None), *_FINISHED_MEASURED).subquery()
+    return select(ranked.c.family, ranked.c.throughput).where(ranked.c.latest == 1)
+
+
 _FAMILY_HISTORY = {
     # PostgreSQL: the families as one array parameter (``family = ANY(:names)``), so the statement is
     # compiled and parsed once; an expanding IN list is re-rendered for every length of the list
-    "postgresql": select(Job.family, Job.throughput).where(
-        Job.family == any_(bindparam("names", type_=postgresql.ARRAY(String))), *_FINISHED_MEASURED).order_by(Job.end_s),
-    "default": select(Job.family, Job.throughput).where(
-        Job.family.in_(bindparam("names", expanding=True)), *_FINISHED_MEASURED).order_by(Job.end_s),
+    "postgresql": _latest_per_family(Job.family == any_(bindparam("names", type_=postgresql.ARRAY(String))),
+                                     Job.throughput.op("->")(literal_column("'observed'"))),
+    "default": _latest_per_family(Job.family.in_(bindparam("names", expanding=True)),
+                                  func.json_extract(Job.throughput, "$.observed")),
 }
 
 
@@ -112,10 +123,11 @@ def _dialect(s: Executor) -> str:
 
 def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str, ThroughputModel]:
     """Family -> throughput model (its samples) of the latest finished measured job of that family
-    in ``pool``, for the families of jobs measured on fewer than two GPU counts (the prior of a
-    scheduled retraining's next run: :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`).
-    One indexed query (``ix_job_pool_family``), none when every job is measured on two counts."""
-    names = sorted({b.family for b in books if len(b.throughput.observed) < 2 and b.family is not None})
+    in ``pool``, for the families of the pool's unfinished jobs (the prior of a scheduled
+    retraining's next run: :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`).
+    One indexed query (``ix_job_pool_family``) returning a row per family at most; none when no
+    job has a family."""
+    names = sorted({b.family for b in books if b.family is not None})
     if not names:
         return {}
     out: dict[str, ThroughputModel] = {}
@@ -123,7 +135,7 @@ def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str
     for row in s.execute(statement, {"pool": pool, "names": names}):
         model = throughput_of(row)
         if model.observed:
-            out[row.family] = model  # ordered by end time: the latest wins
+            out[row.family] = model
     return out
 
 

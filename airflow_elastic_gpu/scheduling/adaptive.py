@@ -47,7 +47,9 @@ Steps of one decision:
    as measured there (its prior carries those samples:
    :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`).
 4. GPUs nobody gained go back to the running jobs that gave them up, so no job
-   is shrunk for nothing (unless it was measured slower on them).
+   is shrunk for nothing (unless it was measured slower on them). Before that (step 4a, with
+   ``explore``), a running job measured (itself) on its current count may try on idle GPUs the
+   next whole-node count above every count it or its family was measured on.
 5. Hysteresis: a running job is resized for its own sake (a growth, or a
    shrink to a count measured faster) only if the predicted time saved
    ``remaining(n_now) - remaining(n_new)`` exceeds ``hysteresis * restart_overhead_s``;
@@ -325,9 +327,10 @@ class AdaptivePolicy:
                 j, n = order[r], counts[r]
                 if frozen[r] or not j.allocation or n != len(j.allocation) or node == 0:
                     continue
-                seen = max((c for c, _ in j.throughput.observed), default=0)
+                observed, own = j.throughput.observed, j.throughput.own_observed
+                seen = observed[-1][0] if observed else 0  # by the job or (its prior) its family
                 m = (max(n, seen) // node + 1) * node
-                if m <= j.max_gpus and m - n <= free and seen >= n:
+                if m <= j.max_gpus and m - n <= free and own and own[-1][0] >= n:  # measured where it runs
                     counts[r] = m
                     free -= m - n
         for r, j in enumerate(order):  # step 4: nobody wanted them, give them back (unless that slows the job)

@@ -47,7 +47,8 @@ def grant(
     GPUs is ``weight * (throughput(n + k) - throughput(n)) / throughput(1) / k``
     for its next growth of ``k`` GPUs (one while it fits a node, then up to
     the next whole node); ``weight`` is the number of jobs ranked at or after it. A job not yet
-    measured on a whole node's GPUs (no sample at ``node`` GPUs or more) grows no further than
+    measured on a whole node's GPUs (no sample at ``node`` GPUs or more, its own or, as its
+    prior, its family's: ``with_pool_prior``) grows no further than
     the whole nodes its request (``JobState.request``) needs: its prior cannot tell whether more
     nodes help (the Pollux T4 profiles measure 8 GPUs on two nodes slower than 4 on one for most
     models). Once measured on a whole node, its growth follows the model fitted from that

@@ -52,8 +52,10 @@ class Reasons(Mapping[str, str]):
                 f"{j.restart_overhead_s:.0f}s"
             )
         if after_s < before_s:
+            own_max = j.throughput.own_max_gpus
+            who = "measured" if own_max is None or num_gpus <= own_max else "its family measured"
             return (
-                f"shrink {num_gpus}->{size} GPUs: measured faster on fewer GPUs, predicted "
+                f"shrink {num_gpus}->{size} GPUs: {who} faster on fewer GPUs, predicted "
                 f"remaining time {before_s:.0f}s->{after_s:.0f}s"
             )
         return (
