@@ -324,8 +324,9 @@ def test_family_history_is_each_family_s_latest_measured_run(pool, clock):
     run("run-3", None, relative_speed={"T4": 1.0})  # finished before its first sample
     book = JobBook(job_id="next", min_gpus=1, max_gpus=4, total_steps=10, submit_s=0.0, family="nightly.train")
     with pool.engine.connect() as conn:
-        history = family_history(conn, "default", [book])
+        history, by_type = family_history(conn, "default", [book])
     assert list(history) == ["nightly.train"]
+    assert [t for _, t in by_type["nightly.train"]["virtual"].observed] == [pytest.approx(7.0)]  # its node's type
     assert [t for _, t in history["nightly.train"].observed] == [pytest.approx(7.0)]
 
 

@@ -133,3 +133,25 @@ def test_a_job_takes_the_scaling_its_family_measured_beyond_its_own_samples():
     assert out["own"] is own and out["as_far"] is as_far  # measured on two counts: their own samples only
     assert (out["alone"].observed, out["alone"].prior_source) == (((1, 5.0),), "family")
     assert out["on4"].scaled(2.0).own_observed == ((4, 36.0),)
+
+
+def test_on_a_pool_of_several_types_a_job_takes_its_family_s_samples_type_by_type():
+    """The last run measured on 1 and 4 V100s and on 4 and 8 K80s: the next run gets both curves
+    (each on its own type, scaled through its own sample there); a type nobody of the family ran
+    on stays absent, and a job measured on two counts of a type keeps its own model there."""
+    from airflow_elastic_gpu.scheduling.throughput import with_family_by_type
+
+    last = {"V100": ThroughputModel(((1, 10.0), (4, 38.0))), "K80": ThroughputModel(((4, 12.0), (8, 20.0)))}
+    own_k80 = ThroughputModel(((1, 3.0), (2, 5.5)))
+    by_type = {"next": {}, "on_v100": {"V100": ThroughputModel().with_sample(1, 5.0)}, "k80s": {"K80": own_k80},
+               "other": {}}
+    families = {"next": "f", "on_v100": "f", "k80s": "f", "other": "g"}
+    out = with_family_by_type(by_type, families, {"f": last})
+    # on K80: the last run's curve (two counts, up to 8), scaled to the family's single-K80 speed (3.0)
+    factor = 3.0 / last["K80"].steps_per_s(1)
+    assert dict(out["next"]["K80"].observed) == pytest.approx({4: 12.0 * factor, 8: 20.0 * factor})
+    assert dict(out["next"]["V100"].observed) == pytest.approx({1: 5.0, 4: 19.0})  # V100: the unfinished job's speed
+    assert dict(out["on_v100"]["V100"].observed) == pytest.approx({1: 5.0, 4: 19.0})  # through its own sample
+    assert out["on_v100"]["V100"].own_observed == ((1, 5.0),)
+    assert out["k80s"]["K80"] is own_k80 and "V100" in out["k80s"]
+    assert out["other"] == {} and by_type["next"] == {}  # nothing known; the input is not modified

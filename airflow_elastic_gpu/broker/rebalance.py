@@ -72,6 +72,7 @@ from airflow_elastic_gpu.broker.rows import (
     Executor,
     book_changes,
     book_of,
+    by_type_of,
     free_gpus,
     job_gpus,
     read_pool,
@@ -121,22 +122,29 @@ def _dialect(s: Executor) -> str:
     return (s.get_bind() if isinstance(s, Session) else s).dialect.name
 
 
-def family_history(s: Executor, pool: str, books: Sequence[JobBook]) -> dict[str, ThroughputModel]:
+def family_history(s: Executor, pool: str, books: Sequence[JobBook]
+                   ) -> tuple[dict[str, ThroughputModel], dict[str, dict[str, ThroughputModel]]]:
     """Family -> throughput model (its samples) of the latest finished measured job of that family
-    in ``pool``, for the families of the pool's unfinished jobs (the prior of a scheduled
-    retraining's next run: :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`).
+    in ``pool``, and family -> GPU type -> that job's model on the type, for the families of the
+    pool's unfinished jobs (the prior of a scheduled retraining's next run:
+    :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior` and
+    :func:`~airflow_elastic_gpu.scheduling.throughput.with_family_by_type`).
     One indexed query (``ix_job_pool_family``) returning a row per family at most; none when no
     job has a family."""
     names = sorted({b.family for b in books if b.family is not None})
     if not names:
-        return {}
+        return {}, {}
     out: dict[str, ThroughputModel] = {}
+    by_type: dict[str, dict[str, ThroughputModel]] = {}
     statement = _FAMILY_HISTORY.get(_dialect(s), _FAMILY_HISTORY["default"])
     for row in s.execute(statement, {"pool": pool, "names": names}):
         model = throughput_of(row)
         if model.observed:
             out[row.family] = model
-    return out
+            measured = {t: m for t, m in by_type_of(row).items() if m.observed}
+            if measured:
+                by_type[row.family] = measured
+    return out, by_type
 
 
 # every GPU of the pool with the jobs whose target and in-use set name it (at most one each: the
@@ -416,7 +424,7 @@ class Rebalancing(BrokerBase):
                 for kind, by_job in held_ids.items()}
         books = [book_of(j, held["target"][j.id], held["in_use"][j.id]) for j in jobs]
         publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
-            nodes, books, now, family_history(s, pool, books))
+            nodes, books, now, *family_history(s, pool, books))
         locked = self._locked_active(s, [p.job_id for p in publications])
         # A job that acked while we decided now runs on GPUs the decision may have given away (a
         # GPU only in its old target is free to go in the same round): decide again next time.

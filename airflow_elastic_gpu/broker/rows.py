@@ -81,7 +81,8 @@ def throughput_of(job: Job | Row[Any]) -> ThroughputModel:
     return _model(stored.get("observed")) if stored else _UNMEASURED
 
 
-def _by_type_of(job: Job | Row[Any]) -> dict[str, ThroughputModel]:
+def by_type_of(job: Job | Row[Any]) -> dict[str, ThroughputModel]:
+    """The per-GPU-type models stored in a job row's ``throughput`` JSON (``by_type``; may be empty)."""
     stored = job.throughput
     if not stored or "by_type" not in stored:
         return {}
@@ -124,7 +125,7 @@ def book_changes(job: Job | Row[Any], book: JobBook) -> dict[str, Any]:
     changes = {name: getattr(book, name) for name in BOOK_FIELDS if getattr(job, name) != getattr(book, name)}
     by_type = {t: m.observed for t, m in book.throughput_by_type.items()}
     if (throughput_of(job).observed != book.throughput.observed
-            or {t: m.observed for t, m in _by_type_of(job).items()} != by_type):
+            or {t: m.observed for t, m in by_type_of(job).items()} != by_type):
         stored: dict[str, Any] = {"observed": [list(p) for p in book.throughput.observed]}
         if by_type:
             stored["by_type"] = {t: [list(p) for p in observed] for t, observed in by_type.items()}

@@ -33,6 +33,7 @@ from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, 
 from airflow_elastic_gpu.scheduling.throughput import (
     ThroughputModel,
     update_restart_overhead,
+    with_family_by_type,
     with_pool_prior,
 )
 
@@ -107,12 +108,15 @@ class JobBook:
         return self.target if generation == self.target_generation else self.in_use
 
     def job_state(self, now_s: float, default_restart_overhead_s: float,
-                  throughput: ThroughputModel | None = None) -> JobState:
+                  throughput: ThroughputModel | None = None,
+                  throughput_by_type: Mapping[str, ThroughputModel] | None = None) -> JobState:
         """What a policy sees of this job at ``now_s``.
 
         :param default_restart_overhead_s: assumed until the job's first resize is measured.
         :param throughput: the model to show (default the job's own; the core passes one with the
             pool prior applied).
+        :param throughput_by_type: the per-type models to show (default the job's own; the core
+            passes them with its family's samples added).
         """
         return JobState(
             job_id=self.job_id,
@@ -135,7 +139,7 @@ class JobBook:
             preemptible=self.preemptible,
             last_start_s=self.last_start_s,
             suspensions_s=self.suspensions_s,
-            throughput_by_type=self.throughput_by_type,
+            throughput_by_type=self.throughput_by_type if throughput_by_type is None else throughput_by_type,
             relative_speed=self.relative_speed,
         )
 
@@ -238,20 +242,29 @@ class SchedulingCore:
         self.default_restart_overhead_s = default_restart_overhead_s
 
     def cluster_state(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float,
-                      history: Mapping[str, ThroughputModel] | None = None) -> ClusterState:
+                      history: Mapping[str, ThroughputModel] | None = None,
+                      history_by_type: Mapping[str, Mapping[str, ThroughputModel]] | None = None) -> ClusterState:
         """The policy's input: every job's state, unmeasured jobs with their family's or the
         pool-median prior (:func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`;
-        ``history``: family -> the throughput model of its last finished measured job)."""
-        models = with_pool_prior({b.job_id: b.throughput for b in books},
-                                 {b.job_id: b.family for b in books}, history)
+        ``history``: family -> the throughput model of its last finished measured job), and on a
+        pool of several GPU types its family's samples per type
+        (:func:`~airflow_elastic_gpu.scheduling.throughput.with_family_by_type`;
+        ``history_by_type``: family -> GPU type -> that job's model on the type)."""
+        families = {b.job_id: b.family for b in books}
+        models = with_pool_prior({b.job_id: b.throughput for b in books}, families, history)
+        by_type: Mapping[str, Mapping[str, ThroughputModel] | None] = dict.fromkeys(models)
+        if any(b.throughput_by_type for b in books) or history_by_type:
+            by_type = with_family_by_type({b.job_id: b.throughput_by_type for b in books}, families, history_by_type)
         return ClusterState(
             tuple(nodes),
-            tuple(b.job_state(now_s, self.default_restart_overhead_s, models[b.job_id]) for b in books),
+            tuple(b.job_state(now_s, self.default_restart_overhead_s, models[b.job_id], by_type[b.job_id])
+                  for b in books),
             now_s,
         )
 
     def rebalance(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float,
-                  history: Mapping[str, ThroughputModel] | None = None) -> list[Publication]:
+                  history: Mapping[str, ThroughputModel] | None = None,
+                  history_by_type: Mapping[str, Mapping[str, ThroughputModel]] | None = None) -> list[Publication]:
         """Decide new targets and publish what the two-phase protocol allows now.
 
         A published job's book gets its new target and generation (``published_s`` and, for a
@@ -265,11 +278,12 @@ class SchedulingCore:
         :param books: the pool's unfinished jobs, in the order ties are served (submit time, id).
         :param history: family -> the throughput model of its last finished measured job (the
             prior of its jobs not yet measured, or measured on one GPU count).
+        :param history_by_type: family -> GPU type -> that job's model on the type.
         :returns: the publications, in publishing order (shrinks first).
         """
         if not books:
             return []
-        decision = self.policy.decide(self.cluster_state(nodes, books, now_s, history))
+        decision = self.policy.decide(self.cluster_state(nodes, books, now_s, history, history_by_type))
         by_id = {b.job_id: b for b in books}
         out = []
         for job_id, new in publishable(

@@ -224,37 +224,17 @@ def with_pool_prior(
     families = families or {}
     history = history or {}
     known_t1 = sorted(m.steps_per_s(1) for m in models.values() if m.observed)
-    by_family: dict[str, list[ThroughputModel]] = {}
-    for k, m in models.items():
-        family = families.get(k)
-        if family is not None and m.observed:
-            by_family.setdefault(family, []).append(m)
     if not known_t1 and not history:
         return dict(models)
     pool = known_t1[len(known_t1) // 2] if known_t1 else None
-    family_t1: dict[str, float] = {}
-    family_curve: dict[str, ThroughputModel] = {}  # the one measured on the most counts
-    for f in by_family.keys() | history.keys():
-        last = history.get(f)
-        last = [last] if last is not None and last.observed else []
-        unfinished = by_family.get(f, [])
-        if not (unfinished or last):
-            continue
-        t1s = sorted(m.steps_per_s(1) for m in unfinished or last)
-        family_t1[f] = t1s[len(t1s) // 2]  # the median
-        family_curve[f] = max(unfinished + last, key=lambda m: (len(m.observed), m.observed[-1][0]))
+    family_t1, family_curve = _family_samples(models, families, history)
 
     def prior(job_id: str, m: ThroughputModel) -> ThroughputModel:
         family = families.get(job_id)
-        curve = family_curve.get(family) if family is not None else None
-        own_max = m.observed[-1][0] if m.observed else 0
-        if curve is not None and curve.observed[-1][0] > own_max and len(m.observed) < 2:
-            if m.observed:  # through its own sample at its largest count
-                factor = m.observed[-1][1] / curve.steps_per_s(own_max)
-            else:
-                factor = family_t1[family] / curve.steps_per_s(1)
-            beyond = tuple((n, t * factor) for n, t in curve.observed if n > own_max)
-            return ThroughputModel(m.observed + beyond, m.prior_alpha, m.prior_steps_per_s, "family", own_max)
+        if family is not None and family in family_curve:
+            extended = _with_family(m, family_curve[family], family_t1[family])
+            if extended is not None:
+                return extended
         if m.observed:
             return m
         t1 = family_t1.get(family) if family is not None else None
@@ -265,6 +245,83 @@ def with_pool_prior(
         return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=pool, prior_source="pool")
 
     return {k: prior(k, m) for k, m in models.items()}
+
+
+def with_family_by_type(
+    by_type: Mapping[str, Mapping[str, ThroughputModel]],
+    families: Mapping[str, str | None],
+    history_by_type: Mapping[str, Mapping[str, ThroughputModel]] | None = None,
+) -> dict[str, dict[str, ThroughputModel]]:
+    """:func:`with_pool_prior`'s family samples on a pool of several GPU types, type by type: a job
+    measured on fewer than two counts of a type (or not at all) takes the samples its family's
+    job measured on the most counts of that type, above its own, scaled through its own sample
+    there (else to the family's median single-GPU throughput on the type). No pool-median prior
+    here: a job no family job ran on a type has no model of that type (the policy scales its
+    model from another type by relative speed).
+
+    :param by_type: job id -> GPU type -> the job's own model on that type; not modified.
+    :param families: job id -> family (``None``: none).
+    :param history_by_type: family -> GPU type -> its last finished job's model on that type.
+    :returns: job id -> GPU type -> model (a job's own models where its family adds nothing).
+    """
+    history_by_type = history_by_type or {}
+    types = sorted({t for d in by_type.values() for t in d} | {t for d in history_by_type.values() for t in d})
+    out = {job_id: dict(d) for job_id, d in by_type.items()}
+    unmeasured = ThroughputModel()
+    for t in types:
+        on_t = {job_id: d[t] for job_id, d in by_type.items() if t in d}
+        last = {f: d[t] for f, d in history_by_type.items() if t in d}
+        family_t1, family_curve = _family_samples(on_t, families, last)
+        if not family_curve:
+            continue
+        for job_id in by_type:
+            family = families.get(job_id)
+            if family is None or family not in family_curve:
+                continue
+            extended = _with_family(on_t.get(job_id, unmeasured), family_curve[family], family_t1[family])
+            if extended is not None:
+                out[job_id][t] = extended
+    return out
+
+
+def _family_samples(
+    models: Mapping[str, ThroughputModel], families: Mapping[str, str | None], history: Mapping[str, ThroughputModel],
+) -> tuple[dict[str, float], dict[str, ThroughputModel]]:
+    """Per family: its median measured single-GPU throughput (its unfinished jobs', else its last
+    finished one's), and the model of its job measured on the most counts (ties: up to the
+    largest count): ``(family_t1, family_curve)``."""
+    by_family: dict[str, list[ThroughputModel]] = {}
+    for k, m in models.items():
+        family = families.get(k)
+        if family is not None and m.observed:
+            by_family.setdefault(family, []).append(m)
+    family_t1: dict[str, float] = {}
+    family_curve: dict[str, ThroughputModel] = {}
+    for f in by_family.keys() | history.keys():
+        last = history.get(f)
+        last = [last] if last is not None and last.observed else []
+        unfinished = by_family.get(f, [])
+        if not (unfinished or last):
+            continue
+        t1s = sorted(m.steps_per_s(1) for m in unfinished or last)
+        family_t1[f] = t1s[len(t1s) // 2]  # the median
+        family_curve[f] = max(unfinished + last, key=lambda m: (len(m.observed), m.observed[-1][0]))
+    return family_t1, family_curve
+
+
+def _with_family(m: ThroughputModel, curve: ThroughputModel, family_t1: float) -> ThroughputModel | None:
+    """``m`` with ``curve``'s samples above its own largest count, scaled through its own sample
+    there (else to ``family_t1`` on one GPU); None when ``m`` has two counts or more, or ``curve``
+    reaches no further."""
+    own_max = m.observed[-1][0] if m.observed else 0
+    if len(m.observed) >= 2 or curve.observed[-1][0] <= own_max:
+        return None
+    if m.observed:  # through its own sample at its largest count
+        factor = m.observed[-1][1] / curve.steps_per_s(own_max)
+    else:
+        factor = family_t1 / curve.steps_per_s(1)
+    beyond = tuple((n, t * factor) for n, t in curve.observed if n > own_max)
+    return ThroughputModel(m.observed + beyond, m.prior_alpha, m.prior_steps_per_s, "family", own_max)
 
 
 def update_restart_overhead(current_s: float | None, measured_s: float) -> float:

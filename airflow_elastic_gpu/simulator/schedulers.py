@@ -85,6 +85,7 @@ class PolicyScheduler:
         self._node_types = {n.name: n.gpu_type for n in self.nodes}
         self.jobs: dict[str, JobBook] = {}
         self.history: dict[str, ThroughputModel] = {}  # family -> model of its last finished measured job
+        self.history_by_type: dict[str, dict[str, ThroughputModel]] = {}  # family -> its models per GPU type
         self._last_sample: dict[str, tuple[int, float, float]] = {}  # job -> (generation, time_s, step)
         # re-queued job -> (its resize's publish time, its own min, max and requested GPUs)
         self._requeued: dict[str, tuple[float | None, int, int, int | None]] = {}
@@ -136,6 +137,7 @@ class PolicyScheduler:
         if book is not None:
             if book.family is not None and book.throughput.observed:
                 self.history[book.family] = book.throughput
+                self.history_by_type[book.family] = dict(book.throughput_by_type)
             self._last_sample.pop(sid, None)
             self._requeued.pop(sid, None)
             self.rebalance(now)
@@ -168,7 +170,7 @@ class PolicyScheduler:
 
     def rebalance(self, now: float) -> None:
         books = sorted(self.jobs.values(), key=lambda b: (b.submit_s, b.job_id))
-        for pub in self.core.rebalance(self.nodes, books, now, self.history):
+        for pub in self.core.rebalance(self.nodes, books, now, self.history, self.history_by_type):
             if pub.job_id in self._requeued and pub.gpus:
                 book = self.jobs[pub.job_id]
                 book.published_s, book.min_gpus, book.max_gpus, book.requested_gpus = self._requeued.pop(
