@@ -189,3 +189,33 @@ def test_a_job_moved_to_another_type_is_admitted_there_when_starts_go_by_gain():
             d = policy.decide(state)
             assert type_of(d.allocations["mover"], state) == {FAST}, (policy, history)
             assert d.allocations["short"], (policy, history)
+
+
+def test_a_drained_node_or_a_type_with_no_healthy_gpu_does_not_stop_the_decision():
+    """A job runs on the one T4 node; that node is drained (gone from the decision's nodes), or its
+    GPUs all turn unhealthy (its type has nothing to hand out): the decision goes on, and the job
+    is placed on the GPUs there are, of one type."""
+    nodes = (NodeState("v", (0, 1), "V100"), NodeState("k", (0, 1), "K80"))
+    running = JobState("j", 1, 2, 10_000, steps_done=100, allocation=(GpuId("t", 0), GpuId("t", 1)),
+                       throughput=ThroughputModel(((2, 2.0),)), last_resize_s=0.0, restart_overhead_s=5.0)
+    other = JobState("o", 1, 2, 1000, allocation=(GpuId("v", 0),), throughput=ThroughputModel(((1, 1.0),)),
+                     last_resize_s=0.0, restart_overhead_s=5.0)
+    for pool in (nodes, (*nodes, NodeState("t", (), "T4"))):
+        d = AdaptivePolicy().decide(ClusterState(pool, (running, other), 1000.0))
+        assert d.allocations["j"] and len({g.node for g in d.allocations["j"]}) == 1, d.allocations
+        assert {g.node for g in d.allocations["j"]} <= {"v", "k"}
+
+
+def test_the_pool_s_speed_ratios_count_jobs_measured_on_both_types_not_their_families():
+    """One job measured on V100 (10 steps/s) and K80 (5); five queued runs of a family whose last
+    run read 10 and 1 carry that run's samples as a prior: the pool's ratio stays the measured one."""
+    from airflow_elastic_gpu.scheduling.throughput import with_family_by_type
+
+    measured = JobState("m", 1, 1, 100, throughput_by_type={"V100": ThroughputModel(((1, 10.0),)),
+                                                             "K80": ThroughputModel(((1, 5.0),))})
+    last = {"V100": ThroughputModel(((1, 10.0),)), "K80": ThroughputModel(((1, 1.0),))}
+    priors = with_family_by_type({f"q{i}": {} for i in range(5)}, dict.fromkeys([f"q{i}" for i in range(5)], "f"),
+                                 {"f": last})
+    queued = [JobState(job_id, 1, 1, 100, throughput_by_type=by_type) for job_id, by_type in priors.items()]
+    assert all(len(j.throughput_by_type) == 2 for j in queued)
+    assert pool_speed_ratios([measured, *queued])[("V100", "K80")] == pytest.approx(0.5)

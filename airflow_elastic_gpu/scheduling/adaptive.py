@@ -48,7 +48,7 @@ Steps of one decision:
    :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`).
 4. GPUs nobody gained go back to the running jobs that gave them up, so no job
    is shrunk for nothing (unless it was measured slower on them). Before that (step 4a, with
-   ``explore``), a running job measured (itself) on its current count may try on idle GPUs the
+   ``explore``), a running job measured (itself) on its current count or more may try on idle GPUs the
    next whole-node count above every count it or its family was measured on.
 5. Hysteresis: a running job is resized for its own sake (a growth, or a
    shrink to a count measured faster) only if the predicted time saved

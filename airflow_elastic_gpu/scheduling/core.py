@@ -253,7 +253,7 @@ class SchedulingCore:
         families = {b.job_id: b.family for b in books}
         models = with_pool_prior({b.job_id: b.throughput for b in books}, families, history)
         by_type: Mapping[str, Mapping[str, ThroughputModel] | None] = dict.fromkeys(models)
-        if any(b.throughput_by_type for b in books) or history_by_type:
+        if len({n.gpu_type for n in nodes if n.gpu_indices}) > 1:  # only a pool of several types reads them
             by_type = with_family_by_type({b.job_id: b.throughput_by_type for b in books}, families, history_by_type)
         return ClusterState(
             tuple(nodes),

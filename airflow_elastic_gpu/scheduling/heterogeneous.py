@@ -70,7 +70,8 @@ def pool_speed_ratios(jobs: Sequence[JobState]) -> dict[tuple[str, str], float]:
     for j in jobs:
         if len(j.throughput_by_type) < 2:
             continue
-        measured = [(t, m.steps_per_s(1)) for t, m in j.throughput_by_type.items() if m.observed]
+        # its own samples only: a family's samples (a prior) would count one family once per queued run
+        measured = [(t, m.steps_per_s(1)) for t, m in j.throughput_by_type.items() if m.own_observed]
         for a, speed_a in measured:
             for b, speed_b in measured:
                 if a != b:
@@ -91,9 +92,9 @@ def _speeds(job: JobState, types: Sequence[str],
     """Type -> ``(model, factor)``: the job's steps/s on that type at ``n`` GPUs are
     ``model.steps_per_s(n) * factor`` (step 1; a pair, so the hot path builds no model)."""
     measured = {t: m for t, m in job.throughput_by_type.items() if m.observed}
-    if measured:  # the type it has most counts on (ties: the first by name) is the base
+    if measured:  # the type it has most counts of its own on (then with its family's; ties: by name) is the base
         base_type = (next(iter(measured)) if len(measured) == 1
-                     else min(measured, key=lambda t: (-len(measured[t].observed), t)))
+                     else min(measured, key=lambda t: (-len(measured[t].own_observed), -len(measured[t].observed), t)))
         base = measured[base_type]
         return {t: (measured[t], 1.0) if t in measured else (base, _ratio(job, base_type, t, pool_ratios))
                 for t in types}
@@ -114,14 +115,14 @@ def type_models(job: JobState, types: Sequence[str],
 
 
 def _type_of(job: JobState, node_type: Mapping[str, str]) -> str | None:
-    """The type holding most of the job's GPUs (ties: the first by name), None when it has none."""
-    if not job.allocation:
-        return None
+    """The type holding most of the job's GPUs on ``node_type``'s nodes (ties: the first by name),
+    None when it has none there."""
     counts: dict[str, int] = {}
     for g in job.allocation:
-        t = node_type[g.node]
-        counts[t] = counts.get(t, 0) + 1
-    return min(counts, key=lambda t: (-counts[t], t))
+        t = node_type.get(g.node)
+        if t is not None:
+            counts[t] = counts.get(t, 0) + 1
+    return min(counts, key=lambda t: (-counts[t], t)) if counts else None
 
 
 Speeds = Mapping[str, Mapping[str, tuple[ThroughputModel, float]]]
@@ -137,9 +138,11 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
         for each running job that moves.
     """
     types = cluster.gpu_types
-    node_type = {n.name: n.gpu_type for n in cluster.nodes}
     capacity = cluster.capacity_by_type()
     live = [t for t in types if capacity[t]]
+    # nodes of a type with GPUs to hand out; a job's GPUs elsewhere (a drained node, a type with
+    # no healthy GPU left) do not tie it to a type: it is placed like a waiting job
+    node_type = {n.name: n.gpu_type for n in cluster.nodes if n.gpu_type in capacity and capacity[n.gpu_type]}
     now_s, interval_s = cluster.now_s, policy.min_resize_interval_s
     reserved = dict.fromkeys(types, 0)
     current: dict[str, tuple[str, int]] = {}  # running job -> (its type, GPUs it keeps there for sure)
@@ -147,11 +150,13 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
         alloc = j.allocation
         if not alloc:
             continue
-        if alloc[0].node == alloc[-1].node:  # sorted: on one node, so of one type
+        if alloc[0].node == alloc[-1].node and alloc[0].node in node_type:  # sorted: one node, one type
             t, on_t = node_type[alloc[0].node], len(alloc)
         else:
-            t, on_t = _type_of(j, node_type), 0
-            on_t = sum(node_type[g.node] == t for g in alloc)
+            t = _type_of(j, node_type)
+            if t is None:
+                continue
+            on_t = sum(node_type.get(g.node) == t for g in alloc)
         keep = on_t if j.resized_within(now_s, interval_s) else min(j.min_gpus, on_t)
         current[j.job_id] = (t, keep)
         reserved[t] += keep
@@ -175,7 +180,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
         j = jobs[r]
         w = work[j.job_id]
         cur, keep = current.get(j.job_id, (None, 0))
-        c = index.get(cur) if cur is not None else None  # None: not running, or on a type with no GPU left
+        c = index[cur] if cur is not None else None  # None: not running on a live type
         if c is not None:
             room[c] += keep
         # the live type where it would finish first (ties: less work there, then the name) among
@@ -196,10 +201,9 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
         if cur is not None and t != cur:
             moved[j.job_id] = cur
         chosen[j.job_id] = t
-        i = index.get(t)
-        if i is not None:
-            room[i] -= keep if t == cur else need
-            load[i] += w[i]
+        i = index[t]
+        room[i] -= keep if t == cur else need
+        load[i] += w[i]
     return chosen, moved
 
 
@@ -236,8 +240,8 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
         for j in jobs_of[t]:
             model, factor = speeds[j.job_id][t]
             alloc = j.allocation
-            if alloc and (alloc[0].node != alloc[-1].node or node_type[alloc[0].node] != t):
-                alloc = tuple(g for g in alloc if node_type[g.node] == t)
+            if alloc and (alloc[0].node != alloc[-1].node or node_type.get(alloc[0].node) != t):
+                alloc = tuple(g for g in alloc if node_type.get(g.node) == t)
             jobs.append(_on_type(j, model.scaled(factor), alloc, cluster.now_s))
         return policy.decide(ClusterState(tuple(nodes_of[t]), tuple(jobs), cluster.now_s))
 
