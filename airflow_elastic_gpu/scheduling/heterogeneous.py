@@ -142,7 +142,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
     live = [t for t in types if capacity[t]]
     # nodes of a type with GPUs to hand out; a job's GPUs elsewhere (a drained node, a type with
     # no healthy GPU left) do not tie it to a type: it is placed like a waiting job
-    node_type = {n.name: n.gpu_type for n in cluster.nodes if n.gpu_type in capacity and capacity[n.gpu_type]}
+    node_type = {n.name: n.gpu_type for n in cluster.nodes if capacity.get(n.gpu_type)}
     now_s, interval_s = cluster.now_s, policy.min_resize_interval_s
     reserved = dict.fromkeys(types, 0)
     current: dict[str, tuple[str, int]] = {}  # running job -> (its type, GPUs it keeps there for sure)
