@@ -142,8 +142,12 @@ def test_a_job_larger_than_a_node_needs_the_gang_placeholders(tmp_path):
     broker, _ = gang_setup(tmp_path, 5)
     with pytest.raises(InvalidRequest, match=r"missing \{nnodes\}, \{node_rank\}, \{master_addr\}, \{master_port\}"):
         broker.submit(JobSpec("big", "python train.py", 2, 4, total_steps=10))
-    with pytest.raises(InvalidRequest, match="cannot be preemptible"):
-        broker.submit(JobSpec("big", f"python train.py {GANG_ARGS}", 2, 4, total_steps=10, preemptible=True))
+    with pytest.raises(InvalidRequest, match="a Kubernetes gang cannot be suspended yet"):
+        broker.submit(JobSpec("big", f"python train.py {GANG_ARGS}", 2, 4, total_steps=10, preemptible=True,
+                              backend="kubernetes"))
+    local = broker.submit(JobSpec("big", f"python train.py {GANG_ARGS}", 2, 4, total_steps=10, preemptible=True))
+    assert local.preemptible
+    broker.cancel(local.id)
     on_pods = broker.submit(JobSpec("pods", f"python train.py {GANG_ARGS}", 2, 4, total_steps=10,
                                     backend="kubernetes"))  # one pod per node
     assert on_pods.max_gpus == 4
@@ -223,6 +227,51 @@ def test_a_gang_shrinks_to_one_node_for_a_newcomer_and_grows_back_to_two(tmp_pat
     assert runs[0]["step"] == 0 and all(r["resumed"] and r["step"] > 0 for r in runs[1:]), runs
     assert {r["nnodes"] for r in runs} == {1, 2} and {r["world_size"] for r in runs} == {2, 4}
     assert sampler.samples > 20 and sampler.violations == []
+
+
+def test_a_preemptible_gang_is_suspended_on_every_node_and_resumes_from_its_checkpoint(tmp_path):
+    """A gang on 2 virtual nodes x 2 GPUs that needs all 4 (min 4) opted in to suspension; a short
+    job arrives: every node's trainer checkpoints and stops, the agent acks the generation with no
+    GPUs once all of them have (the broker then frees the GPUs), the short job runs, and the gang
+    resumes on both nodes from its checkpoint. No GPU is in two jobs throughout."""
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}", default_restart_overhead_s=2.0)
+    backend = LocalBackend(tmp_path / "jobs", broker, virtual_gpus=2, virtual_nodes=2, grace_s=5, poll_s=0.3)
+    backend.ensure_pool("default")
+    broker.configure_pool(policy_params={"suspend": True, "hysteresis": 0.0, "min_runtime_s": 2.0,
+                                         "min_resize_interval_s": 2.0}, lease_s=60)
+    trainer = tmp_path / "gang_trainer.py"
+    trainer.write_text(STAND_IN_GANG_TRAINER)
+    job_ids: list[str] = []
+    sampler = Sampler(broker, backend, job_ids)
+    deadline = time.monotonic() + 150
+    try:
+        job = broker.submit(JobSpec("gang", f"{sys.executable} {trainer} 2500 {GANG_ARGS}", 4, 4, total_steps=2500,
+                                    key="gang", preemptible=True))
+        broker.start(job.id, backend.start(job))
+        gang = job.id
+        job_ids.append(gang)
+        sampler.start()
+        wait("the gang trains on both nodes", lambda: broker.job(gang).steps_done >= 200, deadline)
+        short = launch(broker, backend, "short", f"{sys.executable} {trainer} 40 {GANG_ARGS}", 2, 2, 40)
+        job_ids.append(short)
+        wait("the gang is suspended", lambda: broker.job(gang).status is JobStatus.SUSPENDED
+             or broker.job(gang).status.terminal, deadline)
+        assert broker.job(gang).in_use_gpus == () or broker.job(gang).status is JobStatus.SUSPENDED
+        wait("both end", lambda: all(broker.job(j).status.terminal for j in job_ids), deadline)
+    finally:
+        sampler.done.set()
+        sampler.join(5)
+        for j in job_ids:
+            backend.stop(j, timeout_s=5)
+    done = broker.job(gang)
+    assert done.status is JobStatus.SUCCEEDED and broker.job(short).status is JobStatus.SUCCEEDED, done.reason
+    assert done.steps_done == 2500
+    kinds = [e.kind for e in broker.events(job_id=gang)]
+    assert "suspend" in kinds and "resume" in kinds[kinds.index("suspend"):], kinds
+    runs = [r for d in sorted((backend.job_dir(gang) / protocol.NODES).glob("*")) for r in starts(d / protocol.LOG)]
+    resumed = [r for r in runs if r["resumed"]]
+    assert resumed and all(r["nnodes"] == 2 and r["step"] >= 200 for r in resumed), runs
+    assert sampler.samples > 10 and sampler.violations == []
 
 
 @pytest.mark.slow

@@ -290,7 +290,7 @@ class Agent(EndReports):
     def _apply_gang(self, target: Target, written: int) -> int:
         """:meth:`_apply` for a gang: a newer generation goes to every node at once (a gang resize)."""
         assert self.gang is not None
-        if target.generation > written and target.gpus:
+        if target.generation > written and (target.gpus or written > 0):  # no GPUs after some: suspended
             pairs = [(g.node, g.index) for g in target.gpus]
             try:
                 plan = self.gang.publish(target.generation, pairs)
@@ -301,7 +301,8 @@ class Agent(EndReports):
             protocol.write_json(self.dir / protocol.DESIRED, {"generation": target.generation, "gpus": pairs,
                                                               "stop": False})
             log.info("generation %d -> %s", target.generation,
-                     ", ".join(f"{n} (rank {p['node_rank']}): GPUs {p['gpus']}" for n, p in plan.items()))
+                     ", ".join(f"{n} (rank {p['node_rank']}): GPUs {p['gpus']}" for n, p in plan.items())
+                     or "no GPUs (suspended on every node)")
             return target.generation
         for node, status in self.gang.statuses().items():
             fences = int(status.get("fences") or 0)

@@ -104,18 +104,20 @@ class Gang:
 
     def publish(self, generation: int, gpus: list[tuple[str, int]]) -> dict[str, dict[str, Any]]:
         """Write ``generation`` to every node: its part of :func:`~.protocol.gang_plan`, or no GPUs
-        (the node is suspended) where the generation does not use it.
+        (the node is suspended) where the generation does not use it. A generation with no GPUs
+        suspends the whole job (every node).
 
         :raises ValueError: a GPU on a node this job has no launcher for.
         """
         unknown = sorted({node for node, _ in gpus} - set(self.dirs))
         if unknown:
             raise ValueError(f"generation {generation} names node(s) {unknown} this job has no launcher on")
-        plan = protocol.gang_plan(gpus, self.master_addr, free_port())
+        plan = protocol.gang_plan(gpus, self.master_addr, free_port()) if gpus else {}
         for node, d in self.dirs.items():
             part = plan.get(node, {"gpus": []})
             protocol.write_json(d / protocol.DESIRED, {"generation": generation, "stop": False, **part})
-        self.rank0[generation] = min(plan)
+        if plan:
+            self.rank0[generation] = min(plan)
         return plan
 
     def resume(self, node: str, fences: int) -> None:
@@ -143,7 +145,9 @@ class Gang:
         or with 0 once every node of the generation has exited 0; ``stopped`` if a launcher was
         stopped from outside; ``fenced`` if a node of the generation is fenced; ``running`` once
         every node of the generation runs it **and** every other node is suspended on it (its
-        previous trainer stopped: the broker frees that node's GPUs on the ack); else ``starting``.
+        previous trainer stopped: the broker frees that node's GPUs on the ack); ``suspended``
+        once every node is suspended on a generation with no GPUs (the job is suspended: its
+        trainers checkpointed and stopped); else ``starting``.
         ``pid`` and ``workers``: every node's trainer processes (to kill orphans).
         """
         statuses = self.statuses()
@@ -165,6 +169,9 @@ class Gang:
         # a node the generation no longer uses may still run the previous generation's trainer on
         # GPUs the broker frees on the ack: the gang runs the generation only once those stopped too
         dropped = [statuses[n] for n in self.dirs if n not in using]
+        if not of_gen and all(s.get("state") == protocol.SUSPENDED and int(s.get("generation", 0)) >= generation
+                              for s in dropped):
+            return {**base, "state": protocol.SUSPENDED}
         if (of_gen and all(s.get("state") == protocol.RUNNING and int(s.get("generation", 0)) == generation
                            for s in of_gen)
                 and all(s.get("state") == protocol.SUSPENDED and int(s.get("generation", 0)) >= generation
