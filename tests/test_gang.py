@@ -142,12 +142,11 @@ def test_a_job_larger_than_a_node_needs_the_gang_placeholders(tmp_path):
     broker, _ = gang_setup(tmp_path, 5)
     with pytest.raises(InvalidRequest, match=r"missing \{nnodes\}, \{node_rank\}, \{master_addr\}, \{master_port\}"):
         broker.submit(JobSpec("big", "python train.py", 2, 4, total_steps=10))
-    with pytest.raises(InvalidRequest, match="a Kubernetes gang cannot be suspended yet"):
-        broker.submit(JobSpec("big", f"python train.py {GANG_ARGS}", 2, 4, total_steps=10, preemptible=True,
-                              backend="kubernetes"))
-    local = broker.submit(JobSpec("big", f"python train.py {GANG_ARGS}", 2, 4, total_steps=10, preemptible=True))
-    assert local.preemptible
-    broker.cancel(local.id)
+    for backend in ("local", "kubernetes"):  # a gang may opt in to suspension on both
+        gang = broker.submit(JobSpec(f"big-{backend}", f"python train.py {GANG_ARGS}", 2, 4, total_steps=10,
+                                     preemptible=True, backend=backend))
+        assert gang.preemptible
+        broker.cancel(gang.id)
     on_pods = broker.submit(JobSpec("pods", f"python train.py {GANG_ARGS}", 2, 4, total_steps=10,
                                     backend="kubernetes"))  # one pod per node
     assert on_pods.max_gpus == 4

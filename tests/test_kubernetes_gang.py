@@ -270,6 +270,43 @@ def test_an_evicted_pod_and_a_deleted_one_free_both_nodes(cluster):
     assert {g.node for g in broker.job(job.id).in_use_gpus} == {NODES[0]}
 
 
+@pytest.mark.parametrize("mechanism", ["inplace", "recreate"])
+def test_a_preemptible_gang_of_pods_is_suspended_and_resumed(cluster, mechanism):
+    """A gang of pods on all three nodes opted in to suspension; a short job arrives: the gang's
+    generation with no GPUs leaves its pods in place (each agent stops its trainer, which
+    checkpoints, and acks its node); once every node acked, the short job runs; when it ends the
+    gang resumes on the three nodes: in place its pods go on, with re-creation they are replaced
+    by the new generation's."""
+    broker, api = cluster
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "suspend": True,
+                                         "min_runtime_s": 0.0})
+    backend = KubernetesBackend(config(resize_mechanism=mechanism), broker, api)
+    job = broker.submit(JobSpec("gang", GANG, 12, 12, total_steps=100_000, backend="kubernetes", preemptible=True))
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    first_pods = set(api.pods)
+    short = broker.submit(JobSpec("short", "python train.py", 4, 4, total_steps=10, backend="kubernetes"))
+    gang = broker.job(job.id)
+    assert gang.status is JobStatus.SUSPENDED and gang.target_gpus == () and gang.target_generation == 2
+    assert backend.sync(gang) == "wait" and set(api.pods) == first_pods  # the agents stop the trainers
+    assert backend.problem(gang) is None
+    ack_all(broker, job.id, 2, NODES)
+    assert broker.job(job.id).in_use_gpus == () and len(broker.job(short.id).target_gpus) == 4
+    broker.ack(short.id, 1)
+    broker.finish(short.id)
+    gang = broker.job(job.id)
+    assert gang.status is JobStatus.RUNNING and len(gang.target_gpus) == 12 and gang.target_generation == 3
+    backend.sync(gang)
+    if mechanism == "inplace":
+        assert set(api.pods) == first_pods  # each agent restarts its trainer from the checkpoint
+    else:
+        assert not set(api.pods) & first_pods and len(api.pods) == 3  # the new generation's pods
+    ack_all(broker, job.id, 3, NODES)
+    assert broker.job(job.id).acked_generation == 3 and len(broker.job(job.id).in_use_gpus) == 12
+    kinds = [e.kind for e in broker.events(job_id=job.id)]
+    assert "suspend" in kinds and "resume" in kinds[kinds.index("suspend"):], kinds
+
+
 def test_a_job_that_fits_on_one_node_keeps_its_single_pod(cluster):
     broker, api = cluster
     backend = KubernetesBackend(config(), broker, api)
@@ -331,6 +368,27 @@ def test_each_pods_agent_writes_its_nodes_part_with_the_rank0_pods_dns_name(tmp_
     dropped = target(3, [("gpu-node-1", 0), ("gpu-node-1", 1)])
     agent._apply(dropped, 2)  # a generation without this node: suspended, then acked like any other
     assert protocol.read_json(tmp_path / protocol.DESIRED) == {"generation": 3, "gpus": [], "stop": False}
+
+
+@pytest.mark.parametrize("pod_generation", [None, 2])
+def test_a_pods_agent_suspends_its_node_with_the_whole_gang_and_resumes_it(tmp_path, pod_generation):
+    """The gang suspended (a generation with no GPUs): each pod's agent, of an in-place pod or of a
+    pod made for one generation (re-creation), hands its launcher no GPUs (the trainer checkpoints
+    and stops; the agent then acks its node); the resume gives an in-place pod its part again."""
+    running = target(2, [("gpu-node-0", 0), ("gpu-node-1", 0)])
+    agent = node_agent(tmp_path, FakeBroker(running), "gpu-node-1")
+    agent.pod_generation = pod_generation
+    assert agent._apply(running, 1) == 2
+    suspended = target(3, [], status=JobStatus.SUSPENDED)
+    assert agent._apply(suspended, 2) == 3
+    assert protocol.read_json(tmp_path / protocol.DESIRED) == {"generation": 3, "gpus": [], "stop": False}
+    resumed = target(4, [("gpu-node-0", 1), ("gpu-node-1", 1)])
+    assert agent._apply(resumed, 3) == 4
+    desired = protocol.read_json(tmp_path / protocol.DESIRED)
+    if pod_generation is None:
+        assert (desired["generation"], desired["gpus"], desired["nnodes"]) == (4, [1], 2)
+    else:  # this pod runs generation 2 only: the new generation's pod replaces it
+        assert desired["generation"] == 3 and desired["gpus"] == []
 
 
 def test_a_pods_agent_acks_its_node_only(tmp_path):

@@ -237,9 +237,6 @@ class Lifecycle(Queries):
                  f"(the largest has {largest} GPUs)")
         if spec.backend not in ("local", "kubernetes"):
             raise InvalidRequest(f"{where}: jobs on several nodes run on the local and kubernetes backends only")
-        if spec.preemptible and spec.backend != "local":
-            raise InvalidRequest(f"{where}: a job on several nodes can be preemptible on the local backend only "
-                                 "(a Kubernetes gang cannot be suspended yet)")
         missing = [p for p in ("{nnodes}", "{node_rank}", "{master_addr}", "{master_port}") if p not in spec.command]
         if missing:
             raise InvalidRequest(
