@@ -145,7 +145,8 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
     node_type = {n.name: n.gpu_type for n in cluster.nodes if capacity.get(n.gpu_type)}
     now_s, interval_s = cluster.now_s, policy.min_resize_interval_s
     reserved = dict.fromkeys(types, 0)
-    current: dict[str, tuple[str, int]] = {}  # running job -> (its type, GPUs it keeps there for sure)
+    # running job -> (its type, GPUs it keeps there for sure, resized too recently to move)
+    current: dict[str, tuple[str, int, bool]] = {}
     for j in cluster.jobs:
         alloc = j.allocation
         if not alloc:
@@ -157,17 +158,21 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
             if t is None:
                 continue
             on_t = sum(node_type.get(g.node) == t for g in alloc)
-        keep = on_t if j.resized_within(now_s, interval_s) else min(j.min_gpus, on_t)
-        current[j.job_id] = (t, keep)
+        frozen = j.resized_within(now_s, interval_s)
+        keep = on_t if frozen else min(j.min_gpus, on_t)
+        current[j.job_id] = (t, keep, frozen)
         reserved[t] += keep
     # hot path (every job, every decision on a mixed pool): types as indices into parallel lists
     caps = [capacity[t] for t in live]
     num_live = range(len(live))
-    work: dict[str, list[float]] = {}
+    work: list[list[float]] = []
+    rests: list[float] = []
     keys = []
     for j in cluster.jobs:
-        rest, sp = j.remaining_steps, speeds[j.job_id]
-        w = work[j.job_id] = [rest / (sp[t][0].steps_per_s(1) * sp[t][1]) for t in live]
+        rest, sp = max(0.0, j.total_steps - j.steps_done), speeds[j.job_id]  # remaining_steps, inlined
+        w = [rest / (sp[t][0].steps_per_s(1) * sp[t][1]) for t in live]
+        work.append(w)
+        rests.append(rest)
         keys.append((-j.priority, min(w), j.submit_time_s, j.job_id))
     ranked = sorted(range(len(keys)), key=keys.__getitem__)
     jobs = cluster.jobs
@@ -176,10 +181,12 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
     index = {t: i for i, t in enumerate(live)}
     chosen: dict[str, str] = {}
     moved: dict[str, str] = {}
+    not_running = (None, 0, False)
+    hysteresis = policy.hysteresis
     for r in ranked:
         j = jobs[r]
-        w = work[j.job_id]
-        cur, keep = current.get(j.job_id, (None, 0))
+        w = work[r]
+        cur, keep, frozen = current.get(j.job_id, not_running)
         c = index[cur] if cur is not None else None  # None: not running on a live type
         if c is not None:
             room[c] += keep
@@ -194,8 +201,18 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
             if room[i] >= need and (pick is None or key < pick):
                 pick = key
         t = pick[2] if pick is not None else None
-        if cur is not None and (t is None or t != cur and not _pays(policy, j, cur, t, speeds[j.job_id], now_s)):
-            t = cur  # a running job moves only to a type with room for it, and only when it pays
+        if cur is not None and t != cur:
+            # a running job moves only to a type with room for it, and only when it pays: not resized
+            # within the policy's interval, and the move saves more than hysteresis restart overheads
+            # at its count
+            if t is None or frozen:
+                t = cur
+            else:
+                n, rest = len(j.allocation), rests[r]
+                (m_cur, f_cur), (m_new, f_new) = speeds[j.job_id][cur], speeds[j.job_id][t]
+                gain = rest / (m_cur.steps_per_s(n) * f_cur) - rest / (m_new.steps_per_s(n) * f_new)
+                if not gain > hysteresis * j.restart_overhead_s:
+                    t = cur
         if t is None:
             t = first[2]  # no type has room: it waits on the one it would finish first
         if cur is not None and t != cur:
@@ -205,19 +222,6 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
         room[i] -= keep if t == cur else need
         load[i] += w[i]
     return chosen, moved
-
-
-def _pays(policy: AdaptivePolicy, job: JobState, cur: str, new: str,
-          speeds: Mapping[str, tuple[ThroughputModel, float]], now_s: float) -> bool:
-    """True if running ``job`` may move from type ``cur`` to ``new`` now: not resized within the
-    policy's interval, and the move saves more than ``hysteresis`` restart overheads at its count."""
-    if job.resized_within(now_s, policy.min_resize_interval_s):
-        return False
-    n = len(job.allocation)
-    rest = job.remaining_steps
-    (m_cur, f_cur), (m_new, f_new) = speeds[cur], speeds[new]
-    gain = rest / (m_cur.steps_per_s(n) * f_cur) - rest / (m_new.steps_per_s(n) * f_new)
-    return gain > policy.hysteresis * job.restart_overhead_s
 
 
 def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
