@@ -93,7 +93,7 @@ class Gpu(Base):
 
 class Job(Base):
     __tablename__ = "job"
-    __table_args__ = (Index("ix_job_pool_status", "pool", "status"), Index("ix_job_pool_family", "pool", "family"))
+    __table_args__ = (Index("ix_job_pool_status", "pool", "status"), Index("ix_job_pool_family_end", "pool", "family", "end_s"))
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     key: Mapped[str] = mapped_column(String(512), unique=True)

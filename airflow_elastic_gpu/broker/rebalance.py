@@ -36,12 +36,12 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import (
     Row,
     String,
-    any_,
     bindparam,
     case,
     delete,
@@ -49,6 +49,7 @@ from sqlalchemy import (
     insert,
     literal_column,
     select,
+    true,
     update,
 )
 from sqlalchemy.dialects import postgresql
@@ -99,23 +100,20 @@ _FINISHED_MEASURED = (Job.pool == bindparam("pool"), Job.status == literal_colum
                       Job.throughput.is_not(None))
 
 
-def _latest_per_family(names_clause: Any, samples: Any) -> Any:
-    """The samples of each named family's latest finished job that has samples (``samples``: the
-    JSON ``observed`` key is present): one row per family."""
-    ranked = select(Job.family, Job.throughput, func.row_number().over(
-        partition_by=Job.family, order_by=(Job.end_s.desc(), Job.id.desc())).label("latest")).where(
-        names_clause, samples.is_not(None), *_FINISHED_MEASURED).subquery()
-    return select(ranked.c.family, ranked.c.throughput).where(ranked.c.latest == 1)
+def _latest_of_family(family: Any, samples: Any) -> Any:
+    """The samples of ``family``'s latest finished job that has samples (``samples``: the JSON
+    ``observed`` key is present): at most one row, read backwards along ``ix_job_pool_family_end``."""
+    return (select(Job.throughput).where(Job.family == family, samples.is_not(None), *_FINISHED_MEASURED)
+            .order_by(Job.end_s.desc(), Job.id.desc()).limit(1))
 
 
-_FAMILY_HISTORY = {
-    # PostgreSQL: the families as one array parameter (``family = ANY(:names)``), so the statement is
-    # compiled and parsed once; an expanding IN list is re-rendered for every length of the list
-    "postgresql": _latest_per_family(Job.family == any_(bindparam("names", type_=postgresql.ARRAY(String))),
-                                     Job.throughput.op("->")(literal_column("'observed'"))),
-    "default": _latest_per_family(Job.family.in_(bindparam("names", expanding=True)),
-                                  func.json_extract(Job.throughput, "$.observed")),
-}
+# PostgreSQL: one statement, the families as one array parameter (compiled and parsed once), each
+# family's latest run found by a LATERAL index look-up: the cost does not grow with the history
+_NAMES = func.unnest(bindparam("names", type_=postgresql.ARRAY(String))).table_valued("family").render_derived(name="names")
+_LATEST = _latest_of_family(_NAMES.c.family, Job.throughput.op("->")(literal_column("'observed'"))).lateral("latest")
+_FAMILY_HISTORY_PG = select(_NAMES.c.family, _LATEST.c.throughput).select_from(_NAMES).join(_LATEST, true())
+# elsewhere (SQLite, in process): one look-up per family
+_FAMILY_LATEST = _latest_of_family(bindparam("family"), func.json_extract(Job.throughput, "$.observed"))
 
 
 def _dialect(s: Executor) -> str:
@@ -129,15 +127,22 @@ def family_history(s: Executor, pool: str, books: Sequence[JobBook]
     pool's unfinished jobs (the prior of a scheduled retraining's next run:
     :func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior` and
     :func:`~airflow_elastic_gpu.scheduling.throughput.with_family_by_type`).
-    One indexed query (``ix_job_pool_family``) returning a row per family at most; none when no
-    job has a family."""
+    An index look-up per family (``ix_job_pool_family_end``; on PostgreSQL all in one statement),
+    none when no job has a family."""
     names = sorted({b.family for b in books if b.family is not None})
     if not names:
         return {}, {}
     out: dict[str, ThroughputModel] = {}
     by_type: dict[str, dict[str, ThroughputModel]] = {}
-    statement = _FAMILY_HISTORY.get(_dialect(s), _FAMILY_HISTORY["default"])
-    for row in s.execute(statement, {"pool": pool, "names": names}):
+    if _dialect(s) == "postgresql":
+        rows = list(s.execute(_FAMILY_HISTORY_PG, {"pool": pool, "names": names}))
+    else:
+        rows = []
+        for name in names:
+            row = s.execute(_FAMILY_LATEST, {"pool": pool, "family": name}).first()
+            if row is not None:
+                rows.append(SimpleNamespace(family=name, throughput=row.throughput))
+    for row in rows:
         model = throughput_of(row)
         if model.observed:
             out[row.family] = model
