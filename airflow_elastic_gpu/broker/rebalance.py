@@ -36,7 +36,6 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import (
@@ -103,7 +102,7 @@ _FINISHED_MEASURED = (Job.pool == bindparam("pool"), Job.status == literal_colum
 def _latest_of_family(family: Any, samples: Any) -> Any:
     """The samples of ``family``'s latest finished job that has samples (``samples``: the JSON
     ``observed`` key is present): at most one row, read backwards along ``ix_job_pool_family_end``."""
-    return (select(Job.throughput).where(Job.family == family, samples.is_not(None), *_FINISHED_MEASURED)
+    return (select(Job.family, Job.throughput).where(Job.family == family, samples.is_not(None), *_FINISHED_MEASURED)
             .order_by(Job.end_s.desc(), Job.id.desc()).limit(1))
 
 
@@ -111,7 +110,7 @@ def _latest_of_family(family: Any, samples: Any) -> Any:
 # family's latest run found by a LATERAL index look-up: the cost does not grow with the history
 _NAMES = func.unnest(bindparam("names", type_=postgresql.ARRAY(String))).table_valued("family").render_derived(name="names")
 _LATEST = _latest_of_family(_NAMES.c.family, Job.throughput.op("->")(literal_column("'observed'"))).lateral("latest")
-_FAMILY_HISTORY_PG = select(_NAMES.c.family, _LATEST.c.throughput).select_from(_NAMES).join(_LATEST, true())
+_FAMILY_HISTORY_PG = select(_LATEST.c.family, _LATEST.c.throughput).select_from(_NAMES).join(_LATEST, true())
 # elsewhere (SQLite, in process): one look-up per family
 _FAMILY_LATEST = _latest_of_family(bindparam("family"), func.json_extract(Job.throughput, "$.observed"))
 
@@ -137,11 +136,7 @@ def family_history(s: Executor, pool: str, books: Sequence[JobBook]
     if _dialect(s) == "postgresql":
         rows = list(s.execute(_FAMILY_HISTORY_PG, {"pool": pool, "names": names}))
     else:
-        rows = []
-        for name in names:
-            row = s.execute(_FAMILY_LATEST, {"pool": pool, "family": name}).first()
-            if row is not None:
-                rows.append(SimpleNamespace(family=name, throughput=row.throughput))
+        rows = [row for name in names if (row := s.execute(_FAMILY_LATEST, {"pool": pool, "family": name}).first())]
     for row in rows:
         model = throughput_of(row)
         if model.observed:

@@ -169,7 +169,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
     rests: list[float] = []
     keys = []
     for j in cluster.jobs:
-        rest, sp = max(0.0, j.total_steps - j.steps_done), speeds[j.job_id]  # remaining_steps, inlined
+        rest, sp = j.remaining_steps, speeds[j.job_id]
         w = [rest / (sp[t][0].steps_per_s(1) * sp[t][1]) for t in live]
         work.append(w)
         rests.append(rest)
