@@ -72,13 +72,15 @@ def grant(
     heap: list[float] = []
     waiting: dict[float, tuple | list[tuple]] = {}
     for r, j in enumerate(order):
+        if frozen[r]:  # keeps its count (it holds GPUs: not a waiting job's start either)
+            continue
         n = counts[r]
         max_gpus = j.max_gpus
         if max_gpus > node and j.request < max_gpus:
             observed = j.throughput.observed  # sorted by GPU count
             if not observed or observed[-1][0] < node:  # not measured on a whole node yet
                 max_gpus = min(max_gpus, -(-j.request // node) * node)  # the whole nodes its request needs
-        if not frozen[r] and 0 < n < max_gpus:
+        if 0 < n < max_gpus:
             speed = j.throughput.steps_per_s
             speed_1 = speed(1)
             k = 1 if n < node else min(node - n % node, max_gpus - n)
