@@ -144,82 +144,87 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
     # no healthy GPU left) do not tie it to a type: it is placed like a waiting job
     node_type = {n.name: n.gpu_type for n in cluster.nodes if capacity.get(n.gpu_type)}
     now_s, interval_s = cluster.now_s, policy.min_resize_interval_s
-    reserved = dict.fromkeys(types, 0)
-    # running job -> (its type, GPUs it keeps there for sure, resized too recently to move)
-    current: dict[str, tuple[str, int, bool]] = {}
-    for j in cluster.jobs:
-        alloc = j.allocation
-        if not alloc:
-            continue
-        if alloc[0].node == alloc[-1].node and alloc[0].node in node_type:  # sorted: one node, one type
-            t, on_t = node_type[alloc[0].node], len(alloc)
-        else:
-            t = _type_of(j, node_type)
-            if t is None:
-                continue
-            on_t = sum(node_type.get(g.node) == t for g in alloc)
-        frozen = j.resized_within(now_s, interval_s)
-        keep = on_t if frozen else min(j.min_gpus, on_t)
-        current[j.job_id] = (t, keep, frozen)
-        reserved[t] += keep
     # hot path (every job, every decision on a mixed pool): types as indices into parallel lists
+    index = {t: i for i, t in enumerate(live)}
     caps = [capacity[t] for t in live]
     num_live = range(len(live))
+    room = list(caps)  # GPUs not yet reserved, per live type
+    jobs = cluster.jobs
+    # per job: its (model, factor) per live type, its single-GPU work on each (single-GPU seconds of
+    # that type), its remaining steps, and, if it runs, (its type's index, GPUs it keeps there for
+    # sure, resized too recently to move)
+    models: list[list[tuple[ThroughputModel, float]]] = []
     work: list[list[float]] = []
     rests: list[float] = []
+    current: list[tuple[int, int, bool] | None] = []
     keys = []
-    for j in cluster.jobs:
-        rest, sp = j.remaining_steps, speeds[j.job_id]
-        w = [rest / (sp[t][0].steps_per_s(1) * sp[t][1]) for t in live]
+    for j in jobs:
+        sp = speeds[j.job_id]
+        pairs = [sp[t] for t in live]
+        rest = j.remaining_steps
+        w = [rest / (m.steps_per_s(1) * f) for m, f in pairs]
+        models.append(pairs)
         work.append(w)
         rests.append(rest)
         keys.append((-j.priority, min(w), j.submit_time_s, j.job_id))
+        alloc, cur = j.allocation, None
+        if alloc:
+            t = node_type.get(alloc[0].node)
+            if t is not None and alloc[0].node == alloc[-1].node:  # sorted: one node, one type
+                on_t = len(alloc)
+            else:
+                t = _type_of(j, node_type)
+                on_t = sum(node_type.get(g.node) == t for g in alloc) if t is not None else 0
+            if t is not None:
+                last_s = j.last_resize_s  # JobState.resized_within, inlined
+                frozen = last_s is not None and now_s - last_s < interval_s
+                keep = on_t if frozen else min(j.min_gpus, on_t)
+                cur = (index[t], keep, frozen)
+                room[cur[0]] -= keep
+        current.append(cur)
     ranked = sorted(range(len(keys)), key=keys.__getitem__)
-    jobs = cluster.jobs
     load = [0.0] * len(live)
-    room = [caps[i] - reserved[t] for i, t in enumerate(live)]  # GPUs not yet reserved, per live type
-    index = {t: i for i, t in enumerate(live)}
     chosen: dict[str, str] = {}
     moved: dict[str, str] = {}
-    not_running = (None, 0, False)
     hysteresis = policy.hysteresis
     for r in ranked:
         j = jobs[r]
         w = work[r]
-        cur, keep, frozen = current.get(j.job_id, not_running)
-        c = index[cur] if cur is not None else None  # None: not running on a live type
-        if c is not None:
+        running = current[r]
+        if running is not None:
+            c, keep, frozen = running
             room[c] += keep
+        else:
+            c, keep, frozen = None, 0, False  # not running on a live type
         # the live type where it would finish first (ties: less work there, then the name) among
         # those that can still admit it at min_gpus; if none can, the one it would finish first on
         need = j.min_gpus
         first = pick = None
         for i in num_live:
-            key = ((load[i] + w[i]) / caps[i], w[i], live[i])
+            key = ((load[i] + w[i]) / caps[i], w[i], live[i], i)
             if first is None or key < first:
                 first = key
             if room[i] >= need and (pick is None or key < pick):
                 pick = key
-        t = pick[2] if pick is not None else None
-        if cur is not None and t != cur:
+        i = pick[3] if pick is not None else None
+        if c is not None and i != c:
             # a running job moves only to a type with room for it, and only when it pays: not resized
             # within the policy's interval, and the move saves more than hysteresis restart overheads
             # at its count
-            if t is None or frozen:
-                t = cur
+            if i is None or frozen:
+                i = c
             else:
                 n, rest = len(j.allocation), rests[r]
-                (m_cur, f_cur), (m_new, f_new) = speeds[j.job_id][cur], speeds[j.job_id][t]
+                (m_cur, f_cur), (m_new, f_new) = models[r][c], models[r][i]
                 gain = rest / (m_cur.steps_per_s(n) * f_cur) - rest / (m_new.steps_per_s(n) * f_new)
                 if not gain > hysteresis * j.restart_overhead_s:
-                    t = cur
-        if t is None:
-            t = first[2]  # no type has room: it waits on the one it would finish first
-        if cur is not None and t != cur:
-            moved[j.job_id] = cur
-        chosen[j.job_id] = t
-        i = index[t]
-        room[i] -= keep if t == cur else need
+                    i = c
+        if i is None:
+            i = first[3]  # no type has room: it waits on the one it would finish first
+        if c is not None and i != c:
+            moved[j.job_id] = live[c]
+        chosen[j.job_id] = live[i]
+        room[i] -= keep if i == c else need
         load[i] += w[i]
     return chosen, moved
 
