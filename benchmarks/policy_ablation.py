@@ -11,8 +11,9 @@ the adaptive policy runs with each of these taken away, alone and together:
 * **the minimum a running job keeps**: every job is preemptible and the pool allows suspension,
   so a running job may go back to the queue for better-ranked jobs (what a re-created pod of the
   termination baseline does at each resize);
-* **admission order**: ``admission_by_gain`` (measured jobs start shortest first, when their start
-  gains more than a running job's growth).
+* **admission order**: the default ``admission_by_gain`` (measured jobs start shortest first,
+  when their start gains more than a running job's growth) against ``admission_by_gain=False``
+  (every waiting job admitted at its minimum first), with the other causes taken away.
 
 Each row is the geometric mean over workloads of avg JCT / static's avg JCT (static run here
 too, so the ratios do not depend on another file). What is left with every cause taken away is
@@ -54,9 +55,10 @@ VARIANTS: dict[str, tuple[AdaptivePolicy | str, dict]] = {
     "both": (AdaptivePolicy(), {"overheads": FREE, "known_throughput": True}),
     "both + suspension": (AdaptivePolicy(suspend=True), {"overheads": FREE, "known_throughput": True,
                                                          "preemptible": True}),
-    "both + suspension + admission by gain": (
-        AdaptivePolicy(suspend=True, admission_by_gain=True),
+    "both + suspension, every job admitted first": (
+        AdaptivePolicy(suspend=True, admission_by_gain=False),
         {"overheads": FREE, "known_throughput": True, "preemptible": True}),
+    "adaptive, every job admitted first": (AdaptivePolicy(admission_by_gain=False), {}),
 }
 
 

@@ -450,9 +450,9 @@ def test_request_ids_past_32_bits_still_find_their_rebalance(pool, broker_url):
 
 @pytest.mark.parametrize("by_gain", [False, True])
 def test_a_pool_can_start_measured_jobs_shortest_first(pool, clock, by_gain):
-    """With the pool setting ``admission_by_gain``, two new runs of a training measured before (the
-    finished run of the same name) start one after the other on all GPUs, shortest first; by
-    default both start at once and share them."""
+    """With the pool setting ``admission_by_gain`` (the default), two new runs of a training measured
+    before (the finished run of the same name) start one after the other on all GPUs, shortest
+    first; with ``admission_by_gain=false`` both start at once and share them."""
     pool.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0,
                                        "admission_by_gain": by_gain})
     last = pool.submit(spec("run-1", min_gpus=4))

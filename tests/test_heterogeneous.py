@@ -176,7 +176,7 @@ def test_a_mixed_cluster_simulation_finishes_every_job():
 
 
 def test_a_job_moved_to_another_type_is_admitted_there_when_starts_go_by_gain():
-    """With ``admission_by_gain``, a waiting job's start competes with growth; a running job that
+    """With ``admission_by_gain`` (the default), a waiting job's start competes with growth; a running job that
     moves type holds no GPU of its new type yet, but it is running: it is admitted there at once,
     not left without GPUs behind a shorter job's growth (and the type choice redone)."""
     cluster = nodes(fast=1, slow=1, gpus=4)
@@ -184,7 +184,7 @@ def test_a_job_moved_to_another_type_is_admitted_there_when_starts_go_by_gain():
     for history in ({}, {"first_start_s": 0.0, "suspensions_s": (500.0,)}):  # started unknown; resumed once
         mover = job("mover", {FAST: 10.0, SLOW: 1.0}, steps=1_000_000, alloc=[GpuId("s0", 0)],
                     restart_overhead_s=10.0, last_resize_s=0.0, **history)
-        for policy in (AdaptivePolicy(), AdaptivePolicy(admission_by_gain=True)):
+        for policy in (AdaptivePolicy(admission_by_gain=False), AdaptivePolicy()):
             state = ClusterState(cluster, (mover, short), 1000.0)
             d = policy.decide(state)
             assert type_of(d.allocations["mover"], state) == {FAST}, (policy, history)

@@ -215,19 +215,37 @@ def test_family_samples_steer_a_job_but_only_its_own_measurement_lets_it_explore
 
 
 MEASURED_LINEAR = ThroughputModel(((1, 1.0), (2, 2.0)), prior_alpha=0.0)  # run on 1 and 2 GPUs: linear
-BY_GAIN = AdaptivePolicy(admission_by_gain=True)  # a pool setting, off by default
+BY_GAIN = AdaptivePolicy(admission_by_gain=True)  # a pool setting, on by default
+ADMIT_ALL = AdaptivePolicy(admission_by_gain=False)
 
 
 def test_a_burst_of_measured_jobs_starts_shortest_first_on_more_gpus():
     """Four waiting jobs of linear scaling, their trainings measured: started one GPU each they would
     share the pool like a processor-sharing queue (every job late); by gain (heSRPT), the shortest
-    takes the GPUs first and the others wait for them. The first releases' rule admits all four."""
+    takes the GPUs first and the others wait for them (the default). With ``admission_by_gain=False``
+    all four start."""
     jobs = tuple(job(f"j{i}", steps=1000 * (i + 1), model=MEASURED_LINEAR) for i in range(4))
     d = BY_GAIN.decide(ClusterState((node(),), jobs, 0.0))
     assert len(d.allocations["j0"]) == 4 and not any(d.allocations[f"j{i}"] for i in (1, 2, 3))
     assert "start on 4 GPU(s)" in d.reasons["j0"]
-    everyone = AdaptivePolicy().decide(ClusterState((node(),), jobs, 0.0))
+    assert AdaptivePolicy().decide(ClusterState((node(),), jobs, 0.0)).allocations == d.allocations
+    everyone = ADMIT_ALL.decide(ClusterState((node(),), jobs, 0.0))
     assert [len(everyone.allocations[f"j{i}"]) for i in range(4)] == [1, 1, 1, 1]
+
+
+def test_a_job_on_the_makespan_critical_path_starts_at_once():
+    """By gain, a long job waits while shorter ones use its GPUs better, unless it is the makespan's
+    critical path: at its fastest it needs at least the pool's backlog (every job's remaining work
+    on one GPU, over the pool's GPUs), so each second it waits is a second on the last completion."""
+    short = job("short", steps=1000, model=MEASURED_LINEAR)
+    # 100,000 s at its best (it runs on one GPU at most); backlog (1,000 + 100,000 s) / 4 GPUs
+    critical = job("long", max_gpus=1, steps=100_000, model=MEASURED_LINEAR)
+    d = BY_GAIN.decide(ClusterState((node(),), (short, critical), 0.0))
+    assert len(d.allocations["long"]) == 1 and len(d.allocations["short"]) == 3
+    # 25,000 s at its best on 4 GPUs, under the backlog of 25,250 s: the short job goes first
+    scalable = job("long", steps=100_000, model=MEASURED_LINEAR)
+    d = BY_GAIN.decide(ClusterState((node(),), (short, scalable), 0.0))
+    assert d.allocations["long"] == () and len(d.allocations["short"]) == 4
 
 
 def test_with_admission_min_waiting_a_lone_waiting_job_starts_at_once():

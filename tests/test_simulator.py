@@ -409,7 +409,7 @@ def test_a_burst_of_a_measured_training_finishes_sooner_started_shortest_first()
     trace = [TraceJob("first", 0, 1, 600, "bert")] + [
         TraceJob(f"b{i}", 1000, 1, 2400 + 300 * i, "bert") for i in range(4)]
     by_gain = simulate(trace, ClusterShape(1, 4), AdaptivePolicy(admission_by_gain=True))
-    at_once = simulate(trace, ClusterShape(1, 4), "adaptive")
+    at_once = simulate(trace, ClusterShape(1, 4), AdaptivePolicy(admission_by_gain=False))
     assert by_gain.summary()["avg_jct_s"] < 0.8 * at_once.summary()["avg_jct_s"]
     assert max(n for _, job, n in by_gain.allocations if job == "b0") == 4
     assert by_gain.summary()["makespan_s"] <= 1.05 * at_once.summary()["makespan_s"]
