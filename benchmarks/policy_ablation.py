@@ -13,7 +13,8 @@ the adaptive policy runs with each of these taken away, alone and together:
   termination baseline does at each resize);
 * **admission order**: the default ``admission_by_gain`` (measured jobs start shortest first,
   when their start gains more than a running job's growth) against ``admission_by_gain=False``
-  (every waiting job admitted at its minimum first), with the other causes taken away.
+  (every waiting job admitted at its minimum first), once with the three causes above taken away
+  and once alone.
 
 Each row is the geometric mean over workloads of avg JCT / static's avg JCT (static run here
 too, so the ratios do not depend on another file). What is left with every cause taken away is

@@ -448,13 +448,16 @@ def test_request_ids_past_32_bits_still_find_their_rebalance(pool, broker_url):
         assert conn.execute(text("SELECT served_request_id FROM gpu_pool")).scalar() > 2**31
 
 
-@pytest.mark.parametrize("by_gain", [False, True])
+@pytest.mark.parametrize("by_gain", [False, True, None])
 def test_a_pool_can_start_measured_jobs_shortest_first(pool, clock, by_gain):
-    """With the pool setting ``admission_by_gain`` (the default), two new runs of a training measured
-    before (the finished run of the same name) start one after the other on all GPUs, shortest
-    first; with ``admission_by_gain=false`` both start at once and share them."""
-    pool.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0,
-                                       "admission_by_gain": by_gain})
+    """With the pool setting ``admission_by_gain`` (the default: None, a pool that does not set it),
+    two new runs of a training measured before (the finished run of the same name) start one after
+    the other on all GPUs, shortest first; with ``admission_by_gain=false`` both start at once and
+    share them."""
+    params = {"hysteresis": 0.0, "min_resize_interval_s": 0.0}
+    if by_gain is not None:
+        params["admission_by_gain"] = by_gain
+    pool.configure_pool(policy_params=params)
     last = pool.submit(spec("run-1", min_gpus=4))
     pool.ack(last.id, 1)
     pool.progress(last.id, 0, generation=1)
@@ -467,7 +470,7 @@ def test_a_pool_can_start_measured_jobs_shortest_first(pool, clock, by_gain):
                                 total_steps=steps)) for n, steps in ((2, 2000), (3, 1000))]
     pool.finish(hog.id)
     sizes = [len(pool.job(j.id).target_gpus) for j in jobs]
-    if by_gain:
+    if by_gain is not False:
         assert sizes == [0, 4]  # the shorter one first, on every GPU; the other waits for them
     else:
         assert all(sizes) and sum(sizes) == 4

@@ -246,6 +246,11 @@ def test_a_job_on_the_makespan_critical_path_starts_at_once():
     scalable = job("long", steps=100_000, model=MEASURED_LINEAR)
     d = BY_GAIN.decide(ClusterState((node(),), (short, scalable), 0.0))
     assert d.allocations["long"] == () and len(d.allocations["short"]) == 4
+    # measured 1.8x on 2 GPUs (3.0x predicted on 4, 4.5x on 8): 33,333 s at its best on the pool's
+    # 4 GPUs, over the backlog, though 8 GPUs (its max_gpus, more than the pool has) would take 22,222 s
+    sublinear = job("long", max_gpus=8, steps=100_000, model=ThroughputModel(((1, 1.0), (2, 1.8))))
+    d = BY_GAIN.decide(ClusterState((node(),), (short, sublinear), 0.0))
+    assert len(d.allocations["long"]) == 1 and len(d.allocations["short"]) == 3
 
 
 def test_with_admission_min_waiting_a_lone_waiting_job_starts_at_once():

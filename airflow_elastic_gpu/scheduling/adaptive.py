@@ -17,9 +17,10 @@ Steps of one decision:
    measured, and no measured job of its training: the pool-median prior), one that has waited
    ``admission_patience`` times its predicted run time on ``min_gpus``, one that ran before and
    was not suspended (a running job moved, e.g. to another GPU type), and one on the makespan's
-   critical path (its remaining steps at its fastest predicted count take at least the pool's
-   backlog: every unfinished job's remaining work on one GPU, over the pool's GPUs; holding it
-   back would delay the last completion one for one). Any other waiting job is admitted in
+   critical path (its remaining steps at its fastest predicted count, up to ``max_gpus`` or the
+   pool's GPUs, take at least the pool's backlog: every unfinished job's remaining work on one
+   GPU, over the pool's GPUs; holding it back would delay the last completion one for one).
+   Any other waiting job is admitted in
    step 3, when its start gains more than growing a running job (with
    ``admission_min_waiting`` = k > 1, only while at least k jobs wait). With
    ``admission_by_gain=False`` every waiting job is admitted here.
@@ -40,9 +41,10 @@ Steps of one decision:
    with the growth of the jobs ranked before it, so a burst of arrivals is served a few at a time
    on more GPUs each (shortest first), not all at once on one GPU each, which shares the GPUs
    like a processor-sharing queue and finishes every job late. The price is throughput: growth
-   is less efficient than a start, and long jobs start later; the critical-path rule of step 2
-   keeps most of the last completion where it was (``docs/benchmarks.md``: -7% average JCT,
-   +5% makespan on the generated workloads, +1% on the held-out ones).
+   is less efficient than a start, and long jobs start later, so the last job may finish later;
+   the critical-path rule of step 2 gives part of that back (``docs/benchmarks.md``: -7% average
+   JCT against admitting every job first; makespan +5% on the generated workloads, +7% without the
+   rule; +1% on the held-out ones, +8% without it).
    A job not yet measured on a whole node's GPUs grows no further than the whole nodes its
    request needs (``requested_gpus``, the user's own estimate; default ``max_gpus``): its prior
    cannot tell whether more nodes help (the Pollux T4 profiles measure 8 GPUs on two nodes slower
@@ -239,20 +241,25 @@ class AdaptivePolicy:
         return cluster.capacity - sum(self._hand_out(cluster, order, remaining_1_s, frozen, with_r)) < idle
 
     @staticmethod
-    def _on_critical_path(job: JobState, remaining_1_s: float, backlog_s: float) -> bool:
-        """Whether waiting ``job``'s ideal remaining run time (its remaining steps at its fastest
-        predicted count up to ``max_gpus``) is at least ``backlog_s``: the pool cannot finish its
-        other work before this job could, so holding it back delays the last completion (makespan)
-        one for one. ``remaining_1_s`` is its remaining time on one GPU (seconds): an upper bound
-        of the ideal time, and over ``max_gpus`` a lower bound (no speed-up beyond linear; a
-        superlinear measurement is taken as linear), so most jobs are decided without a look at
-        every count (a decision on a large pool asks this of every waiting job)."""
+    def _on_critical_path(job: JobState, remaining_1_s: float, backlog_s: float, capacity: int) -> bool:
+        """Whether waiting ``job``'s ideal remaining run time is at least ``backlog_s`` (the pool's
+        remaining work, the job's own included, on one GPU each, over the pool's ``capacity``
+        GPUs): even at its best the job would not finish before the pool could finish everything,
+        so holding it back delays the last completion (makespan) one for one.
+
+        The ideal time is its remaining steps at its fastest predicted count from ``min_gpus`` to
+        ``max_gpus`` or the pool's GPUs, whichever is fewer (the node rule of step 3, which holds an
+        unmeasured job to its request's nodes for now, does not count: it is a caution, not the
+        job's speed). ``remaining_1_s`` (its remaining time on one GPU, seconds) bounds it: above,
+        and, over that count, below (no speed-up beyond linear; a superlinear measurement is taken
+        as linear); only jobs between the bounds are looked at count by count."""
         if remaining_1_s < backlog_s:
             return False
-        if remaining_1_s >= backlog_s * job.max_gpus:
+        most = min(job.max_gpus, capacity)
+        if most < job.min_gpus or remaining_1_s >= backlog_s * most:
             return True
         speed = job.throughput.steps_per_s
-        return job.remaining_steps / max(map(speed, range(1, job.max_gpus + 1))) >= backlog_s
+        return job.remaining_steps / max(map(speed, range(job.min_gpus, most + 1))) >= backlog_s
 
     def _unpaid(self, job: JobState, count: int, spare: float = float("inf")) -> bool:
         """True if resizing running ``job`` to ``count`` is for its own sake but saves too little.
@@ -291,7 +298,7 @@ class AdaptivePolicy:
         num_jobs = len(order)
         counts = [0] * num_jobs
         suspended = [False] * num_jobs
-        free = cluster.capacity
+        free = capacity = cluster.capacity
         rule = self._suspension
         # waiting jobs whose start competes with growth in step 3 (None: all admitted here)
         by_gain: list[bool] | None = [False] * num_jobs if (self.admission_by_gain or rule is not None) else None
@@ -312,7 +319,7 @@ class AdaptivePolicy:
             self.admission_min_waiting <= 1
             or sum(1 for j in order if not j.allocation) >= self.admission_min_waiting)
         # the pool's backlog (s): every unfinished job's remaining work on one GPU, over the pool's GPUs
-        backlog_s = sum(remaining_1_s) / cluster.capacity if by_gain_admission and cluster.capacity else 0.0
+        backlog_s = sum(remaining_1_s) / capacity if by_gain_admission and capacity else 0.0
         for r, j in enumerate(order):  # admit waiting jobs at their minimum
             if not j.allocation:
                 if free - reserved < j.min_gpus and rule is not None:  # suspend later-ranked jobs, if that pays
@@ -331,7 +338,7 @@ class AdaptivePolicy:
                 if (by_gain_admission and j.throughput.from_own_training
                         and (j.first_start_s is None or j.suspensions_s)  # not a running job moved
                         and now_s - j.submit_time_s < patience * j.remaining_time_s(j.min_gpus)
-                        and not self._on_critical_path(j, remaining_1_s[r], backlog_s)):
+                        and not self._on_critical_path(j, remaining_1_s[r], backlog_s, capacity)):
                     by_gain[r] = True  # admitted in step 3 instead, if its start gains most
                     reserved += j.min_gpus
                     continue
