@@ -113,17 +113,24 @@ def synthetic_pool(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8,
     return ClusterState(node_states, tuple(states), 1000.0)
 
 
-def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, repeats: int = 5) -> dict:
-    """Median wall time of one adaptive decision on a busy synthetic pool (seconds)."""
-    cluster = synthetic_pool(jobs, nodes, gpus_per_node)
-    policy = AdaptivePolicy()
-    times = []
+def timed_decisions(policy, cluster: ClusterState, repeats: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU (process) times in seconds of ``repeats`` decisions of ``policy`` on ``cluster``.
+    CPU time is the steadier figure on a shared machine (another process's load shows in wall time)."""
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         policy.decide(cluster)
-        times.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
+
+
+def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, repeats: int = 5) -> dict:
+    """Median wall time of one adaptive decision on a busy synthetic pool (seconds); also its CPU time."""
+    cluster = synthetic_pool(jobs, nodes, gpus_per_node)
+    times, cpu = timed_decisions(AdaptivePolicy(), cluster, repeats)
     return {"jobs": jobs, "gpus": nodes * gpus_per_node, "median_s": statistics.median(times),
-            "min_s": min(times), "goal_s": 0.05}
+            "min_s": min(times), "cpu_median_s": statistics.median(cpu), "goal_s": 0.05}
 
 
 def generated_workloads(quick: bool, held_out: bool = False):
@@ -271,7 +278,8 @@ def main() -> int:
         summary["decision_time"] = decision_time()
         path.write_text(json.dumps(summary, indent=2))
         console.print(f"adaptive decision at 2,000 jobs / 10,000 GPUs: "
-                      f"{1000 * summary['decision_time']['median_s']:.0f} ms (median)")
+                      f"{1000 * summary['decision_time']['median_s']:.0f} ms (median; CPU time "
+                      f"{1000 * summary['decision_time']['cpu_median_s']:.0f} ms)")
         return 0
     rows: list[dict] = []
     runs = list(generated_workloads(args.quick, held_out=True))
@@ -381,7 +389,8 @@ def main() -> int:
     summary["decision_time"] = decision_time()
     console.print(f"simulator: {len(big)} jobs on 64 GPUs in {summary['speed_1000_jobs']['wall_s']:.1f} s; "
                   f"adaptive decision at 2,000 jobs / 10,000 GPUs: "
-                  f"{1000 * summary['decision_time']['median_s']:.0f} ms (median)")
+                  f"{1000 * summary['decision_time']['median_s']:.0f} ms (median; CPU time "
+                  f"{1000 * summary['decision_time']['cpu_median_s']:.0f} ms)")
     (out / "scheduling_summary.json").write_text(json.dumps(summary, indent=2))
 
     # ratios plot
