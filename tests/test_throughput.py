@@ -3,6 +3,8 @@
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 
@@ -155,3 +157,25 @@ def test_on_a_pool_of_several_types_a_job_takes_its_family_s_samples_type_by_typ
     assert out["on_v100"]["V100"].own_observed == ((1, 5.0),)
     assert out["k80s"]["K80"] is own_k80 and "V100" in out["k80s"]
     assert out["other"] == {} and by_type["next"] == {}  # nothing known; the input is not modified
+
+
+@given(
+    samples=st.dictionaries(st.integers(1, 40), st.floats(0.01, 1000.0), max_size=5),
+    alpha=st.floats(0.0, 0.99),
+    prior=st.floats(0.01, 1000.0),
+    low=st.integers(1, 48),
+    width=st.integers(0, 48),
+)
+def test_the_best_speed_over_a_range_of_counts_is_the_fastest_count_in_it(samples, alpha, prior, low, width):
+    """``best_steps_per_s`` looks at the measured counts and one predicted count only; it must
+    equal the brute-force maximum over every count of the range, whatever was measured (flat,
+    super-linear, non-monotone samples)."""
+    m = ThroughputModel(tuple(sorted(samples.items())), prior_alpha=alpha, prior_steps_per_s=prior)
+    high = low + width
+    assert m.best_steps_per_s(low, high) == max(m.steps_per_s(n) for n in range(low, high + 1))
+
+
+def test_the_best_speed_needs_a_range():
+    for low, high in ((0, 4), (3, 2)):
+        with pytest.raises(ValueError, match="need 1 <= low <= high"):
+            ThroughputModel().best_steps_per_s(low, high)

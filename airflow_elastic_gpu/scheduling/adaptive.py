@@ -248,18 +248,17 @@ class AdaptivePolicy:
         so holding it back delays the last completion (makespan) one for one.
 
         The ideal time is its remaining steps at its fastest predicted count from ``min_gpus`` to
-        ``max_gpus`` or the pool's GPUs, whichever is fewer (the node rule of step 3, which holds an
-        unmeasured job to its request's nodes for now, does not count: it is a caution, not the
-        job's speed). ``remaining_1_s`` (its remaining time on one GPU, seconds) bounds it: above,
-        and, over that count, below (no speed-up beyond linear; a superlinear measurement is taken
-        as linear); only jobs between the bounds are looked at count by count."""
+        ``max_gpus`` or the pool's GPUs, whichever is fewer
+        (:meth:`~airflow_elastic_gpu.scheduling.throughput.ThroughputModel.best_steps_per_s`; the
+        node rule of step 3, which holds an unmeasured job to its request's nodes for now, does not
+        count: it is a caution, not the job's speed). ``remaining_1_s`` is its remaining time on one
+        GPU (seconds), an upper bound of the ideal time."""
         if remaining_1_s < backlog_s:
             return False
         most = min(job.max_gpus, capacity)
-        if most < job.min_gpus or remaining_1_s >= backlog_s * most:
+        if most < job.min_gpus:
             return True
-        speed = job.throughput.steps_per_s
-        return job.remaining_steps / max(map(speed, range(job.min_gpus, most + 1))) >= backlog_s
+        return job.remaining_steps / job.throughput.best_steps_per_s(job.min_gpus, most) >= backlog_s
 
     def _unpaid(self, job: JobState, count: int, spare: float = float("inf")) -> bool:
         """True if resizing running ``job`` to ``count`` is for its own sake but saves too little.

@@ -115,6 +115,29 @@ class ThroughputModel:
         """``steps_per_s(num_gpus) / steps_per_s(1)``."""
         return self.steps_per_s(num_gpus) / self.steps_per_s(1)
 
+    def best_steps_per_s(self, low: int, high: int) -> float:
+        """The most steps/s :attr:`steps_per_s` gives at any count from ``low`` to ``high`` GPUs.
+
+        Predicted counts never get slower as the count grows (``1/t = a/n + b`` with ``a, b >= 0``,
+        or a flat fit: linear up to its fastest measured count, level beyond), so the candidates
+        are the measured counts in the range and its largest count not measured: the cost grows
+        with the measured counts, not with ``high - low`` (a policy asks this of every waiting job
+        of a large pool, whose ``max_gpus`` may be in the hundreds).
+
+        :raises ValueError: ``low < 1`` or ``high < low``.
+        """
+        if low < 1 or high < low:
+            raise ValueError(f"need 1 <= low <= high, got low={low!r}, high={high!r}")
+        speed = self.steps_per_s
+        best = 0.0
+        top = high  # the largest count in the range not measured
+        for n, t in reversed(self.observed):  # sorted by count
+            if low <= n <= high:
+                best = max(best, t)
+                if n == top:
+                    top -= 1
+        return max(best, speed(top)) if top >= low else best
+
 
 class _Predictions(dict):
     """One model's steps/s by GPU count: its measurements, and each other count predicted on its first look-up.
