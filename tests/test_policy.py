@@ -288,13 +288,14 @@ def test_a_job_ranked_on_a_guess_is_started_at_once_but_not_before_a_measured_sh
 
 def test_a_long_job_held_back_past_its_patience_is_started_before_any_growth():
     """Shortest-first starts may hold a long job back, but not for longer than ``admission_patience``
-    times its own predicted run time on its minimum (here 0.5 x 10,000 s)."""
+    times its own predicted run time on its minimum (by default 1 x 10,000 s; 0.5 x with 0.5)."""
     long = job("long", steps=10_000, model=MEASURED_LINEAR, submit=0.0)
     short = job("short", steps=1000, model=MEASURED_LINEAR, submit=0.0)
-    early = BY_GAIN.decide(ClusterState((node(),), (long, short), 4_000.0))
-    assert early.allocations["long"] == () and len(early.allocations["short"]) == 4
-    late = BY_GAIN.decide(ClusterState((node(),), (long, short), 6_000.0))
-    assert len(late.allocations["long"]) == 1 and len(late.allocations["short"]) == 3
+    for policy, patience_s in ((BY_GAIN, 10_000.0), (AdaptivePolicy(admission_patience=0.5), 5_000.0)):
+        early = policy.decide(ClusterState((node(),), (long, short), patience_s - 1_000.0))
+        assert early.allocations["long"] == () and len(early.allocations["short"]) == 4
+        late = policy.decide(ClusterState((node(),), (long, short), patience_s + 1_000.0))
+        assert len(late.allocations["long"]) == 1 and len(late.allocations["short"]) == 3
     with pytest.raises(ValueError, match="admission_patience must be > 0"):
         AdaptivePolicy(admission_patience=0)
 

@@ -108,7 +108,9 @@ class AdaptivePolicy:
         default). False: every waiting job is admitted at ``min_gpus`` before any job grows.
     :param admission_patience: a waiting job that has waited this many times its predicted run
         time on ``min_gpus`` is admitted before any growth (> 0): the bound on how long
-        shortest-first admission may hold a long job back.
+        shortest-first admission may hold a job back (the default 1: its own run time, so waiting
+        at most doubles its JCT against a start on ``min_gpus`` at once). The makespan's critical
+        path is the other bound (step 2).
     :param admission_min_waiting: with ``admission_by_gain``, jobs are held back only while at
         least this many jobs wait (an integer >= 1; 1: always). With 2 a lone waiting job starts at
         once (there is no order to choose): less average-JCT gain, little makespan loss
@@ -127,7 +129,7 @@ class AdaptivePolicy:
     _suspension: SuspensionRule | None = field(init=False, repr=False, compare=False, default=None)
     type_aware: bool = True
     admission_by_gain: bool = True
-    admission_patience: float = 0.5
+    admission_patience: float = 1.0
     admission_min_waiting: int = 1
     preemptive: ClassVar[bool] = False
     resize_mechanism: ClassVar[str] = "inplace"
