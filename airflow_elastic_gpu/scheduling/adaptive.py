@@ -42,8 +42,8 @@ Steps of one decision:
    on more GPUs each (shortest first), not all at once on one GPU each, which shares the GPUs
    like a processor-sharing queue and finishes every job late. The price is throughput: growth
    is less efficient than a start, and long jobs start later, so the last job may finish later;
-   the critical-path rule of step 2 gives part of that back (``docs/benchmarks.md``: -7% average
-   JCT against admitting every job first; makespan +5% on the generated workloads, +7% without the
+   the critical-path rule of step 2 gives part of that back (``docs/benchmarks.md``: -8% average
+   JCT against admitting every job first; makespan +6% on the generated workloads, +7% without the
    rule; +1% on the held-out ones, +8% without it).
    A job not yet measured on a whole node's GPUs grows no further than the whole nodes its
    request needs (``requested_gpus``, the user's own estimate; default ``max_gpus``): its prior
