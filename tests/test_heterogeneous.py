@@ -176,9 +176,9 @@ def test_a_mixed_cluster_simulation_finishes_every_job():
 
 
 def test_a_job_moved_to_another_type_is_admitted_there_when_starts_go_by_gain():
-    """With ``admission_by_gain`` (the default), a waiting job's start competes with growth; a running job that
-    moves type holds no GPU of its new type yet, but it is running: it is admitted there at once,
-    not left without GPUs behind a shorter job's growth (and the type choice redone)."""
+    """With ``admission_by_gain`` (the default), a waiting job's start competes with growth; a
+    running job that moves type holds no GPU of its new type yet, but it is running: it is admitted
+    there at once, not left without GPUs behind a shorter job's growth (and the type choice redone)."""
     cluster = nodes(fast=1, slow=1, gpus=4)
     short = job("short", {FAST: 10.0, SLOW: 1.0}, steps=10_000)
     for history in ({}, {"first_start_s": 0.0, "suspensions_s": (500.0,)}):  # started unknown; resumed once

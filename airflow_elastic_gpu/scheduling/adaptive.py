@@ -20,9 +20,8 @@ Steps of one decision:
    critical path (its remaining steps at its fastest predicted count, up to ``max_gpus`` or the
    pool's GPUs, take at least the pool's backlog: every unfinished job's remaining work on one
    GPU, over the pool's GPUs; holding it back would delay the last completion one for one).
-   Any other waiting job is admitted in
-   step 3, when its start gains more than growing a running job (with
-   ``admission_min_waiting`` = k > 1, only while at least k jobs wait). With
+   Any other waiting job is admitted in step 3, when its start gains more than growing a running
+   job (with ``admission_min_waiting`` = k > 1, only while at least k jobs wait). With
    ``admission_by_gain=False`` every waiting job is admitted here.
    With suspension on (``suspend=True``, a pool setting), a waiting job that does
    not fit may suspend preemptible running jobs ranked after it, when the SRPT
