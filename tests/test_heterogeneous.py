@@ -87,6 +87,24 @@ def test_a_running_job_moves_to_a_free_faster_type_when_it_pays():
     assert "move K80->V100" in d.reasons["j"]
 
 
+def test_a_running_job_is_not_moved_to_a_faster_type_that_has_room_only_for_its_minimum():
+    """Four K80s are not left for one V100 that is a little faster per GPU: the move must pay at the
+    count the new type has room for (here one GPU, which its hand-out then gave it)."""
+    cluster = nodes(fast=1, slow=1, gpus=4)
+    linear = {t: ThroughputModel(((1, s), (4, 4 * s)), prior_alpha=0.0) for t, s in ((FAST, 1.2), (SLOW, 1.0))}
+    on_slow = JobState("j", 1, 4, 1_000_000, allocation=tuple(GpuId("s0", i) for i in range(4)),
+                       last_resize_s=0.0, restart_overhead_s=10.0, throughput=linear[SLOW], throughput_by_type=linear)
+    # three longer jobs hold three of the four V100s (ranked after j, they keep their minimum)
+    others = tuple(job(f"long{i}", {FAST: 1.0, SLOW: 1.0}, steps=10_000_000, alloc=[GpuId("f0", i)],
+                       last_resize_s=0.0) for i in range(3))
+    d = AdaptivePolicy().decide(ClusterState(cluster, (on_slow, *others), 1000.0))
+    assert d.allocations["j"] == on_slow.allocation
+    # with the V100s free, the same job moves: there it keeps its count and runs 1.2x faster
+    d = AdaptivePolicy().decide(ClusterState(cluster, (on_slow,), 1000.0))
+    assert type_of(d.allocations["j"], ClusterState(cluster, (), 0.0)) == {FAST}
+    assert "move K80->V100, 4->4 GPU(s)" in d.reasons["j"]
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.5, 20), st.floats(0.5, 20), st.integers(1, 8), st.booleans()),
                 min_size=1, max_size=12),

@@ -20,8 +20,9 @@ Steps of one decision on a pool with more than one GPU type (a pool of one type 
    completion times on unrelated machines, in which a job's relative speed on each type and the
    load already there both count. A type is chosen only if it can still admit the job at
    ``min_gpus`` after the jobs before it. A running job keeps its type unless it may be resized now
-   (``min_resize_interval_s``) and the move saves more than ``hysteresis`` restart overheads at its
-   current count.
+   (``min_resize_interval_s``) and the move saves more than ``hysteresis`` restart overheads, its
+   current count where it is against the count the new type has room for (GPUs that no job before
+   it and no running job holds for sure; at most its current count, at least ``min_gpus``).
 3. **Hand-out per type**: the adaptive policy (:class:`~airflow_elastic_gpu.scheduling.adaptive.
    AdaptivePolicy`) on that type's nodes and jobs, each job with its model on that type; a job
    moved to a type starts there as a waiting job. A moved job that placement could not start on its
@@ -209,14 +210,17 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
         i = pick[3] if pick is not None else None
         if c is not None and i != c:
             # a running job moves only to a type with room for it, and only when it pays: not resized
-            # within the policy's interval, and the move saves more than hysteresis restart overheads
-            # at its count
+            # within the policy's interval, and the move saves more than hysteresis restart overheads,
+            # its current count where it is against the count the new type has room for (GPUs no job
+            # before it, and no running job, holds for sure: its current count at most, min_gpus at
+            # least): four P100s are not left for one V100 that is a little faster per GPU
             if i is None or frozen:
                 i = c
             else:
                 n, rest = len(j.allocation), rests[r]
                 (m_cur, f_cur), (m_new, f_new) = models[r][c], models[r][i]
-                gain = rest / (m_cur.steps_per_s(n) * f_cur) - rest / (m_new.steps_per_s(n) * f_new)
+                there = max(need, min(n, room[i]))
+                gain = rest / (m_cur.steps_per_s(n) * f_cur) - rest / (m_new.steps_per_s(there) * f_new)
                 if not gain > hysteresis * j.restart_overhead_s:
                     i = c
         if i is None:
@@ -276,12 +280,12 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
     by_id = {j.job_id: j for j in cluster.jobs}
     for job_id, old in moved.items():
         t, job = chosen[job_id], by_id[job_id]
-        n = len(job.allocation)
+        n, m = len(job.allocation), len(allocations[job_id])
         (m_old, f_old), (m_new, f_new) = speeds[job_id][old], speeds[job_id][t]
         before_s = job.remaining_steps / (m_old.steps_per_s(n) * f_old)
-        after_s = job.remaining_steps / (m_new.steps_per_s(n) * f_new)
-        moves[job_id] = (f"move {old}->{t} on {len(allocations[job_id])} GPU(s): predicted remaining "
-                         f"time on {n} GPU(s) {before_s:.0f}s->{after_s:.0f}s")
+        after_s = job.remaining_steps / (m_new.steps_per_s(m) * f_new)
+        moves[job_id] = (f"move {old}->{t}, {n}->{m} GPU(s): predicted remaining time "
+                         f"{before_s:.0f}s->{after_s:.0f}s")
     return Decision(allocations, _TypedReasons({t: d.reasons for t, d in decisions.items()}, moves))
 
 
