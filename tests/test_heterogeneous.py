@@ -105,6 +105,40 @@ def test_a_running_job_is_not_moved_to_a_faster_type_that_has_room_only_for_its_
     assert "move K80->V100, 4->4 GPU(s)" in d.reasons["j"]
 
 
+def _short_arrives_at_a_full_fast_type(long_resized_s=0.0, slow_held=False):
+    """A 1-GPU V100 node held by a long job at its minimum, a 1-GPU K80 node (free unless
+    ``slow_held``: a job resized just now holds it), and a short job that arrives."""
+    cluster = nodes(fast=1, slow=1, gpus=1)
+    long_job = job("long", {FAST: 2.0, SLOW: 1.0}, steps=10_000_000, alloc=[GpuId("f0", 0)], max_gpus=1,
+                   last_resize_s=long_resized_s)
+    short = job("short", {FAST: 10.0, SLOW: 1.0}, steps=10_000, max_gpus=1)
+    jobs = [long_job, short]
+    if slow_held:
+        jobs.append(job("other", {FAST: 1.0, SLOW: 1.0}, steps=20_000_000, alloc=[GpuId("s0", 0)],
+                        max_gpus=1, last_resize_s=999.0))
+    return ClusterState(cluster, tuple(jobs), 1000.0)
+
+
+def test_a_waiting_job_displaces_a_later_ranked_one_from_its_best_type_to_another_with_room():
+    """Shortest first across types: the short job takes the V100 that the long job held at its
+    minimum; the long job keeps running, moved to the free K80."""
+    d = AdaptivePolicy().decide(_short_arrives_at_a_full_fast_type())
+    assert d.allocations["short"] == (GpuId("f0", 0),)
+    assert d.allocations["long"] == (GpuId("s0", 0),)
+    assert "move V100->K80, 1->1 GPU(s)" in d.reasons["long"]
+    assert "its V100 GPUs go to jobs ranked before it" in d.reasons["long"]
+
+
+@pytest.mark.parametrize(("why", "case", "short_gets"), [
+    ("it was resized within the interval", {"long_resized_s": 990.0}, (GpuId("s0", 0),)),  # the K80 is free
+    ("no other type has room for it", {"slow_held": True}, ()),  # the short job waits
+])
+def test_a_running_job_is_not_displaced_when(why, case, short_gets):
+    d = AdaptivePolicy().decide(_short_arrives_at_a_full_fast_type(**case))
+    assert d.allocations["long"] == (GpuId("f0", 0),), why
+    assert d.allocations["short"] == short_gets
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.5, 20), st.floats(0.5, 20), st.integers(1, 8), st.booleans()),
                 min_size=1, max_size=12),

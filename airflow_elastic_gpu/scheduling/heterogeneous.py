@@ -23,6 +23,11 @@ Steps of one decision on a pool with more than one GPU type (a pool of one type 
    (``min_resize_interval_s``) and the move saves more than ``hysteresis`` restart overheads, its
    current count where it is against the count the new type has room for (GPUs that no job before
    it and no running job holds for sure; at most its current count, at least ``min_gpus``).
+   A waiting job whose best type has no room left because running jobs ranked after it hold their
+   minimum there displaces them, the worst-ranked first, to other types with room for their
+   minimum (a resize to another type, not a suspension; jobs resized within the interval stay):
+   otherwise the long jobs that started first keep the fast GPUs for as long as they run and the
+   short ones that arrive later get the slow ones, the opposite of shortest-first.
 3. **Hand-out per type**: the adaptive policy (:class:`~airflow_elastic_gpu.scheduling.adaptive.
    AdaptivePolicy`) on that type's nodes and jobs, each job with its model on that type; a job
    moved to a type starts there as a waiting job. A moved job that placement could not start on its
@@ -188,7 +193,73 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
     chosen: dict[str, str] = {}
     moved: dict[str, str] = {}
     hysteresis = policy.hysteresis
+    # per live type, the running jobs there that may be moved now (not resized within the interval),
+    # in service order: a waiting job may displace those ranked after it, the worst-ranked first
+    movable: list[list[int]] = [[] for _ in live]
+    position = [0] * len(jobs)  # job -> its place in service order
+    for p, r in enumerate(ranked):
+        position[r] = p
     for r in ranked:
+        cur = current[r]
+        if cur is not None and not cur[2]:
+            movable[cur[0]].append(r)
+    displaced: dict[int, int] = {}  # job -> the live type it was moved to, to make room for a better-ranked job
+
+    def displace(c: int, short: int, r: int) -> bool:
+        """Make ``short`` GPUs of room on live type ``c`` for waiting job ``r`` by moving running jobs
+        ranked after it (the worst-ranked first, among ``movable[c]``) to other types with room for
+        their ``min_gpus`` (each where it would finish first); all or nothing.
+
+        Without this, running jobs keep their minimum on the fast type for as long as they run, and
+        the short jobs that arrive later wait for it or go to a slow type: the fast GPUs serve the
+        longest jobs. The adaptive hand-out takes GPUs from later-ranked running jobs down to their
+        minimum on one type; this lets a better-ranked job take the minimum too, when the job it
+        displaces can keep running elsewhere (a resize to another type: not a suspension).
+
+        :returns: True when the room was made (``chosen``, ``moved``, ``room`` and ``displaced``
+            updated for the displaced jobs).
+        """
+        candidates = movable[c]
+        if not any(room[x] > 0 for x in range(len(caps)) if x != c):
+            return False  # no other type has room for anyone
+        plan: list[tuple[int, int]] = []
+        taken = [0] * len(caps)
+        for q in reversed(candidates):
+            if short <= 0:
+                break
+            if position[q] < position[r]:  # this one and the rest are ranked before the waiting job
+                break
+            if q in displaced:
+                continue
+            need, w = jobs[q].min_gpus, work[q]
+            best = None
+            for x in range(len(caps)):
+                if x != c and room[x] - taken[x] >= need:
+                    key = ((load[x] + w[x]) / caps[x], x)
+                    if best is None or key < best:
+                        best = key
+            if best is not None:
+                plan.append((q, best[1]))
+                taken[best[1]] += need
+                short -= current[q][1]
+        if short > 0:
+            return False
+        for q, x in plan:
+            job = jobs[q]
+            displaced[q] = x
+            room[c] += current[q][1]
+            room[x] -= job.min_gpus
+            chosen[job.job_id] = live[x]
+            moved[job.job_id] = live[c]
+        while candidates and candidates[-1] in displaced:
+            candidates.pop()
+        return True
+
+    for r in ranked:
+        x = displaced.get(r)
+        if x is not None:  # its type is chosen; its work counts on that type for the jobs after it
+            load[x] += work[r][x]
+            continue
         j = jobs[r]
         w = work[r]
         running = current[r]
@@ -207,6 +278,8 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
                 first = key
             if room[i] >= need and (pick is None or key < pick):
                 pick = key
+        if running is None and pick is not first and displace(first[3], need - room[first[3]], r):
+            pick = first
         i = pick[3] if pick is not None else None
         if c is not None and i != c:
             # a running job moves only to a type with room for it, and only when it pays: not resized
@@ -284,8 +357,9 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
         (m_old, f_old), (m_new, f_new) = speeds[job_id][old], speeds[job_id][t]
         before_s = job.remaining_steps / (m_old.steps_per_s(n) * f_old)
         after_s = job.remaining_steps / (m_new.steps_per_s(m) * f_new)
+        why = f" (its {old} GPUs go to jobs ranked before it)" if after_s > before_s else ""
         moves[job_id] = (f"move {old}->{t}, {n}->{m} GPU(s): predicted remaining time "
-                         f"{before_s:.0f}s->{after_s:.0f}s")
+                         f"{before_s:.0f}s->{after_s:.0f}s{why}")
     return Decision(allocations, _TypedReasons({t: d.reasons for t, d in decisions.items()}, moves))
 
 
