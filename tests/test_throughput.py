@@ -47,6 +47,17 @@ def test_a_flat_fit_is_no_faster_below_its_fastest_measured_count_than_linear():
     assert m.steps_per_s(16) == pytest.approx(40.0)  # above it: flat at the best seen
 
 
+def test_counts_below_the_fastest_measured_one_are_fitted_to_the_samples_up_to_it():
+    """Linear from 2 to 4 GPUs on one node, slower on 8 over two nodes (the Pollux T4 profiles'
+    shape): the 8-GPU sample is another regime. Fitted with it, 1 GPU came out 1.4x half of 2
+    (17.8 steps/s) and the job's marginal gain from a second GPU looked small, so the policy
+    shrank the shortest job of the pool to one GPU; from the samples up to 4 alone, 1 and 3 GPUs
+    are linear as measured."""
+    m = ThroughputModel(((2, 26.0), (4, 52.0), (8, 39.0)))
+    assert [m.steps_per_s(n) for n in (1, 2, 3, 4)] == pytest.approx([13.0, 26.0, 39.0, 52.0])
+    assert m.steps_per_s(8) == pytest.approx(39.0) and m.steps_per_s(6) < 52.0  # above 4: the fit of all
+
+
 def test_samples_at_one_count_are_smoothed():
     m = ThroughputModel().with_sample(2, 10.0).with_sample(2, 20.0)
     assert 10.0 < m.steps_per_s(2) < 20.0

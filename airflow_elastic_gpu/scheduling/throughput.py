@@ -12,6 +12,11 @@ GPU counts, ``alpha`` comes from a prior (near-linear scaling), so a new job is
 not starved of GPUs it may well use, unless a job of the same family was measured
 on more counts (:func:`with_pool_prior`: a scheduled retraining's next run
 scales as its last run did).
+
+Amdahl's law describes the counts where more GPUs help. A count measured slower than a smaller
+one (a job spread over more nodes, say) is another regime: the counts below the fastest measured
+one are predicted from the samples up to it, the others from all samples; a flat fit (more GPUs
+never helped) is linear up to its fastest measured count and level beyond.
 """
 
 from __future__ import annotations
@@ -118,25 +123,34 @@ class ThroughputModel:
     def best_steps_per_s(self, low: int, high: int) -> float:
         """The most steps/s :attr:`steps_per_s` gives at any count from ``low`` to ``high`` GPUs.
 
-        Predicted counts never get slower as the count grows (``1/t = a/n + b`` with ``a, b >= 0``,
-        or a flat fit: linear up to its fastest measured count, level beyond), so the candidates
-        are the measured counts in the range and its largest count not measured: the cost grows
-        with the measured counts, not with ``high - low`` (a policy asks this of every waiting job
-        of a large pool, whose ``max_gpus`` may be in the hundreds).
+        Predicted counts never get slower as the count grows within each of the model's two
+        pieces (below its fastest measured count, and from it on: ``1/t = a/n + b`` with
+        ``a, b >= 0``, or a flat fit: linear up to its fastest measured count, level beyond), so
+        the candidates are the measured counts in the range and, in each piece, its largest count
+        in the range not measured: the cost grows with the measured counts, not with
+        ``high - low`` (a policy asks this of every waiting job of a large pool, whose
+        ``max_gpus`` may be in the hundreds).
 
         :raises ValueError: ``low < 1`` or ``high < low``.
         """
         if low < 1 or high < low:
             raise ValueError(f"need 1 <= low <= high, got low={low!r}, high={high!r}")
-        speed = self.steps_per_s
+        speed, observed = self.steps_per_s, self.observed
+        fastest = max(observed, key=lambda s: s[1])[0] if observed else 0
         best = 0.0
-        top = high  # the largest count in the range not measured
-        for n, t in reversed(self.observed):  # sorted by count
+        tops = [high]  # the largest count in the range not measured, in each piece
+        if low < fastest <= high:
+            tops.append(fastest - 1)
+        measured = {n for n, _ in observed}
+        for n, t in observed:
             if low <= n <= high:
                 best = max(best, t)
-                if n == top:
-                    top -= 1
-        return max(best, speed(top)) if top >= low else best
+        for top in tops:
+            while top >= low and top in measured:
+                top -= 1
+            if top >= low:
+                best = max(best, speed(top))
+        return best
 
 
 class _Predictions(dict):
@@ -145,7 +159,7 @@ class _Predictions(dict):
     Holds the model's values, not the model, so that no reference cycle keeps a model alive.
     """
 
-    __slots__ = ("_fit_args", "_knee", "_line")
+    __slots__ = ("_below", "_fit_args", "_knee", "_line")
 
     def __init__(
         self, observed: tuple[tuple[int, float], ...], prior_alpha: float, prior_steps_per_s: float
@@ -154,20 +168,30 @@ class _Predictions(dict):
         self._fit_args = (observed, prior_alpha, prior_steps_per_s)
         self._line: tuple[float, float] | None = None
         self._knee: tuple[int, float] = (0, 0.0)  # a flat fit's fastest measured (count, steps/s)
+        # (fastest measured count, the line fitted to the samples up to it), when a count above it
+        # was measured slower and the fit is not flat
+        self._below: tuple[int, tuple[float, float]] | None = None
 
     def __missing__(self, num_gpus: int) -> float:
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
         if self._line is None:  # fitted once, on the first count that was not measured
-            observed = self._fit_args[0]
+            observed, prior_alpha, prior_steps_per_s = self._fit_args
             self._line = _fit_line(*self._fit_args)
-            if self._line[0] == 0.0 and observed:  # flat: more GPUs never helped
-                self._knee = max(observed, key=lambda s: s[1])
+            if observed:
+                fastest = max(observed, key=lambda s: s[1])
+                if self._line[0] == 0.0:  # flat: more GPUs never helped
+                    self._knee = fastest
+                elif fastest[0] < observed[-1][0]:  # measured slower above its fastest count
+                    up_to = tuple(s for s in observed if s[0] <= fastest[0])
+                    self._below = (fastest[0], _fit_line(up_to, prior_alpha, prior_steps_per_s))
         a, b = self._line
         knee_n, knee_t = self._knee
         if num_gpus < knee_n:  # fewer GPUs than a flat fit's fastest measured count: linear below it
             value = self[num_gpus] = knee_t * num_gpus / knee_n
         else:
+            if self._below is not None and num_gpus < self._below[0]:  # below the fastest count: its own fit
+                a, b = self._below[1]
             value = self[num_gpus] = 1.0 / (a / num_gpus + b)
         return value
 
