@@ -6,6 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
+from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore
+from airflow_elastic_gpu.scheduling.state import NodeState
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 
 
@@ -56,6 +59,21 @@ def test_counts_below_the_fastest_measured_one_are_fitted_to_the_samples_up_to_i
     m = ThroughputModel(((2, 26.0), (4, 52.0), (8, 39.0)))
     assert [m.steps_per_s(n) for n in (1, 2, 3, 4)] == pytest.approx([13.0, 26.0, 39.0, 52.0])
     assert m.steps_per_s(8) == pytest.approx(39.0) and m.steps_per_s(6) < 52.0  # above 4: the fit of all
+
+
+def test_on_a_pool_of_known_node_size_one_node_s_counts_are_fitted_to_one_node_s_samples():
+    """Linear on 1 and 2 GPUs, 8 GPUs over two nodes of 4 much less: fitted with the 8-GPU sample,
+    4 GPUs were predicted at 33 steps/s (the profile measures 52); the model that knows the node
+    size predicts 1-4 from the samples on one node. The node size survives new samples and scaling."""
+    samples = ((1, 13.0), (2, 26.0), (8, 38.0))
+    assert ThroughputModel(samples).steps_per_s(4) == pytest.approx(33.2, abs=0.1)
+    m = ThroughputModel(samples).on_nodes_of(4)
+    assert m.node_gpus == 4 and [m.steps_per_s(n) for n in (3, 4)] == pytest.approx([39.0, 52.0])
+    assert m.steps_per_s(8) == pytest.approx(38.0) and m.steps_per_s(6) < 52.0  # across nodes: the fit of all
+    assert m.with_sample(2, 26.0).node_gpus == 4 and m.scaled(2.0).node_gpus == 4
+    assert m.on_nodes_of(4) is m
+    with pytest.raises(ValueError, match="node_gpus"):
+        ThroughputModel(node_gpus=-1)
 
 
 def test_samples_at_one_count_are_smoothed():
@@ -176,12 +194,15 @@ def test_on_a_pool_of_several_types_a_job_takes_its_family_s_samples_type_by_typ
     prior=st.floats(0.01, 1000.0),
     low=st.integers(1, 48),
     width=st.integers(0, 48),
+    node_gpus=st.sampled_from([0, 1, 4, 8]),
 )
-def test_the_best_speed_over_a_range_of_counts_is_the_fastest_count_in_it(samples, alpha, prior, low, width):
-    """``best_steps_per_s`` looks at the measured counts and one predicted count only; it must
-    equal the brute-force maximum over every count of the range, whatever was measured (flat,
-    super-linear, non-monotone samples)."""
-    m = ThroughputModel(tuple(sorted(samples.items())), prior_alpha=alpha, prior_steps_per_s=prior)
+def test_the_best_speed_over_a_range_of_counts_is_the_fastest_count_in_it(samples, alpha, prior, low, width,
+                                                                          node_gpus):
+    """``best_steps_per_s`` looks at the measured counts and one predicted count per piece of the
+    model only; it must equal the brute-force maximum over every count of the range, whatever was
+    measured (flat, super-linear, non-monotone samples, on one node or several)."""
+    m = ThroughputModel(tuple(sorted(samples.items())), prior_alpha=alpha, prior_steps_per_s=prior,
+                        node_gpus=node_gpus)
     high = low + width
     assert m.best_steps_per_s(low, high) == max(m.steps_per_s(n) for n in range(low, high + 1))
 
@@ -190,3 +211,15 @@ def test_the_best_speed_needs_a_range():
     for low, high in ((0, 4), (3, 2)):
         with pytest.raises(ValueError, match="need 1 <= low <= high"):
             ThroughputModel().best_steps_per_s(low, high)
+
+
+def test_the_scheduling_core_tells_every_model_its_pool_s_node_size_per_gpu_type():
+    nodes = (NodeState("v0", tuple(range(8)), "V100"), NodeState("k0", tuple(range(4)), "K80"))
+    measured = ThroughputModel(((1, 10.0), (2, 20.0)))
+    book = JobBook("j", 1, 8, 1000, 0.0, throughput=measured,
+                   throughput_by_type={"V100": measured, "K80": measured.scaled(0.25)})
+    state = SchedulingCore(AdaptivePolicy(), 10.0).cluster_state(nodes, [book], 0.0)
+    (job,) = state.jobs
+    assert job.throughput.node_gpus == 8
+    assert {t: m.node_gpus for t, m in job.throughput_by_type.items()} == {"V100": 8, "K80": 4}
+    assert book.throughput.node_gpus == 8  # kept on the book: the next decision reuses its predictions

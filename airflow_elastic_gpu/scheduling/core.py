@@ -251,10 +251,23 @@ class SchedulingCore:
         (:func:`~airflow_elastic_gpu.scheduling.throughput.with_family_by_type`;
         ``history_by_type``: family -> GPU type -> that job's model on the type)."""
         families = {b.job_id: b.family for b in books}
+        # the models learn the pool's node size (ThroughputModel.node_gpus), kept on the books so
+        # that a model keeps its predictions from one decision to the next
+        node_gpus: dict[str, int] = {}
+        for n in nodes:
+            node_gpus[n.gpu_type] = max(node_gpus.get(n.gpu_type, 0), n.num_gpus)
+        largest = max(node_gpus.values(), default=0)
+        for b in books:
+            b.throughput = b.throughput.on_nodes_of(largest)
+            if any(m.node_gpus != node_gpus.get(t, largest) for t, m in b.throughput_by_type.items()):
+                b.throughput_by_type = {t: m.on_nodes_of(node_gpus.get(t, largest))
+                                        for t, m in b.throughput_by_type.items()}
         models = with_pool_prior({b.job_id: b.throughput for b in books}, families, history)
         by_type: Mapping[str, Mapping[str, ThroughputModel] | None] = dict.fromkeys(models)
         if len({n.gpu_type for n in nodes if n.gpu_indices}) > 1:  # only a pool of several types reads them
             by_type = with_family_by_type({b.job_id: b.throughput_by_type for b in books}, families, history_by_type)
+            by_type = {job_id: {t: m.on_nodes_of(node_gpus.get(t, largest)) for t, m in d.items()}
+                       for job_id, d in by_type.items()}
         return ClusterState(
             tuple(nodes),
             tuple(b.job_state(now_s, self.default_restart_overhead_s, models[b.job_id], by_type[b.job_id])

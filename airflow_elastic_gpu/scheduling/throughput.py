@@ -13,16 +13,18 @@ not starved of GPUs it may well use, unless a job of the same family was measure
 on more counts (:func:`with_pool_prior`: a scheduled retraining's next run
 scales as its last run did).
 
-Amdahl's law describes the counts where more GPUs help. A count measured slower than a smaller
-one (a job spread over more nodes, say) is another regime: the counts below the fastest measured
-one are predicted from the samples up to it, the others from all samples; a flat fit (more GPUs
-never helped) is linear up to its fastest measured count and level beyond.
+Amdahl's law describes the counts where more GPUs help, on one kind of interconnect. A count
+measured slower than a smaller one (a job spread over more nodes, say) is another regime: the
+counts below the fastest measured one are predicted from the samples up to it, the others from
+all samples; likewise, when the model knows the pool's node size (``node_gpus``), the counts of
+one node from the samples on one node. A flat fit (more GPUs never helped) is linear up to its
+fastest measured count and level beyond.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 DEFAULT_PRIOR_ALPHA = 0.05
@@ -45,6 +47,12 @@ class ThroughputModel:
     :param own_max_gpus: where ``observed`` ends with samples of the job's family (a prior,
         :func:`with_pool_prior`): the largest GPU count of the job's own samples (0: none); the
         samples above it are the family's. None: every sample is the job's own.
+    :param node_gpus: GPUs of one node of the job's pool (0: not known). With samples on both
+        sides of it, the counts up to it (one node) are fitted to the samples up to it, the others
+        to all samples: synchronisation within a node and across nodes cost differently (Pollux,
+        Qiao et al., OSDI'21, section 3.2, fits them as separate terms), and a sample over two
+        nodes bent the single-node fit (4 GPUs predicted at 33 steps/s where 1 and 2 measured
+        linear and 4 ran 52).
     """
 
     observed: tuple[tuple[int, float], ...] = ()
@@ -52,6 +60,7 @@ class ThroughputModel:
     prior_steps_per_s: float = DEFAULT_PRIOR_STEPS_PER_S
     prior_source: str = field(default="", compare=False)
     own_max_gpus: int | None = field(default=None, compare=False)
+    node_gpus: int = 0
 
     @property
     def own_observed(self) -> tuple[tuple[int, float], ...]:
@@ -71,6 +80,8 @@ class ThroughputModel:
             raise ValueError(f"prior_alpha must be in [0, 1), got {self.prior_alpha}")
         if self.prior_steps_per_s <= 0:
             raise ValueError(f"prior_steps_per_s must be > 0, got {self.prior_steps_per_s}")
+        if isinstance(self.node_gpus, bool) or not isinstance(self.node_gpus, int) or self.node_gpus < 0:
+            raise ValueError(f"node_gpus must be an integer >= 0, got {self.node_gpus!r}")
         for n, t in self.observed:
             if n < 1 or t <= 0:
                 raise ValueError(f"bad throughput sample: {t} steps/s on {n} GPUs")
@@ -85,8 +96,14 @@ class ThroughputModel:
             steps_per_s if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * steps_per_s
         )
         return ThroughputModel(
-            tuple(sorted(merged.items())), self.prior_alpha, self.prior_steps_per_s
+            tuple(sorted(merged.items())), self.prior_alpha, self.prior_steps_per_s, node_gpus=self.node_gpus
         )
+
+    def on_nodes_of(self, node_gpus: int) -> ThroughputModel:
+        """This model on a pool whose nodes have ``node_gpus`` GPUs (itself if it knows already)."""
+        if node_gpus == self.node_gpus:
+            return self
+        return replace(self, node_gpus=node_gpus)
 
     def scaled(self, factor: float) -> ThroughputModel:
         """The same model with every throughput (measured and prior) multiplied by ``factor`` (> 0):
@@ -101,7 +118,8 @@ class ThroughputModel:
         model = object.__new__(ThroughputModel)  # valid by construction: skip the checks (hot path)
         model.__dict__.update(observed=tuple([(n, t * factor) for n, t in self.observed]),
                               prior_alpha=self.prior_alpha, prior_steps_per_s=self.prior_steps_per_s * factor,
-                              prior_source=self.prior_source, own_max_gpus=self.own_max_gpus)
+                              prior_source=self.prior_source, own_max_gpus=self.own_max_gpus,
+                              node_gpus=self.node_gpus)
         return model
 
     @cached_property
@@ -114,7 +132,7 @@ class ThroughputModel:
         A look-up in a memo dict that predicts each count on its first look-up, so
         a call is a C-level dict look-up: policies make tens of thousands per decision.
         """
-        return _Predictions(self.observed, self.prior_alpha, self.prior_steps_per_s).__getitem__
+        return _Predictions(self.observed, self.prior_alpha, self.prior_steps_per_s, self.node_gpus).__getitem__
 
     def speedup(self, num_gpus: int) -> float:
         """``steps_per_s(num_gpus) / steps_per_s(1)``."""
@@ -141,6 +159,8 @@ class ThroughputModel:
         tops = [high]  # the largest count in the range not measured, in each piece
         if low < fastest <= high:
             tops.append(fastest - 1)
+        if low <= self.node_gpus < high:
+            tops.append(self.node_gpus)
         measured = {n for n, _ in observed}
         for n, t in observed:
             if low <= n <= high:
@@ -162,22 +182,24 @@ class _Predictions(dict):
     __slots__ = ("_below", "_fit_args", "_knee", "_line")
 
     def __init__(
-        self, observed: tuple[tuple[int, float], ...], prior_alpha: float, prior_steps_per_s: float
+        self, observed: tuple[tuple[int, float], ...], prior_alpha: float, prior_steps_per_s: float,
+        node_gpus: int = 0,
     ) -> None:
         super().__init__(observed)
-        self._fit_args = (observed, prior_alpha, prior_steps_per_s)
+        self._fit_args = (observed, prior_alpha, prior_steps_per_s, node_gpus)
         self._line: tuple[float, float] | None = None
         self._knee: tuple[int, float] = (0, 0.0)  # a flat fit's fastest measured (count, steps/s)
-        # (fastest measured count, the line fitted to the samples up to it), when a count above it
-        # was measured slower and the fit is not flat
+        # (first count above the piece, the line fitted to the samples in it): the counts below the
+        # fastest measured one when a count above it was measured slower, else those of one node
+        # when samples lie on both sides of it; None when neither (or the fit is flat)
         self._below: tuple[int, tuple[float, float]] | None = None
 
     def __missing__(self, num_gpus: int) -> float:
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
         if self._line is None:  # fitted once, on the first count that was not measured
-            observed, prior_alpha, prior_steps_per_s = self._fit_args
-            self._line = _fit_line(*self._fit_args)
+            observed, prior_alpha, prior_steps_per_s, node = self._fit_args
+            self._line = _fit_line(observed, prior_alpha, prior_steps_per_s)
             if observed:
                 fastest = max(observed, key=lambda s: s[1])
                 if self._line[0] == 0.0:  # flat: more GPUs never helped
@@ -185,12 +207,15 @@ class _Predictions(dict):
                 elif fastest[0] < observed[-1][0]:  # measured slower above its fastest count
                     up_to = tuple(s for s in observed if s[0] <= fastest[0])
                     self._below = (fastest[0], _fit_line(up_to, prior_alpha, prior_steps_per_s))
+                elif observed[0][0] <= node < observed[-1][0]:  # samples within one node and across nodes
+                    up_to = tuple(s for s in observed if s[0] <= node)
+                    self._below = (node + 1, _fit_line(up_to, prior_alpha, prior_steps_per_s))
         a, b = self._line
         knee_n, knee_t = self._knee
         if num_gpus < knee_n:  # fewer GPUs than a flat fit's fastest measured count: linear below it
             value = self[num_gpus] = knee_t * num_gpus / knee_n
         else:
-            if self._below is not None and num_gpus < self._below[0]:  # below the fastest count: its own fit
+            if self._below is not None and num_gpus < self._below[0]:  # the lower piece: its own fit
                 a, b = self._below[1]
             value = self[num_gpus] = 1.0 / (a / num_gpus + b)
         return value
@@ -368,7 +393,7 @@ def _with_family(m: ThroughputModel, curve: ThroughputModel, family_t1: float) -
     else:
         factor = family_t1 / curve.steps_per_s(1)
     beyond = tuple((n, t * factor) for n, t in curve.observed if n > own_max)
-    return ThroughputModel(m.observed + beyond, m.prior_alpha, m.prior_steps_per_s, "family", own_max)
+    return ThroughputModel(m.observed + beyond, m.prior_alpha, m.prior_steps_per_s, "family", own_max, m.node_gpus)
 
 
 def update_restart_overhead(current_s: float | None, measured_s: float) -> float:
