@@ -139,6 +139,53 @@ def test_a_running_job_is_not_displaced_when(why, case, short_gets):
     assert d.allocations["short"] == short_gets
 
 
+def test_displacement_takes_the_worst_ranked_jobs_first_and_all_or_nothing():
+    """Two V100s held at their minimum by three jobs ranked after a 2-GPU waiting job (one of them
+    resized just now), four K80s with room for two: the two worst-ranked movable ones go to the
+    K80s; with room for one only, nobody moves and the waiting job waits."""
+    cluster = (NodeState("f0", (0, 1, 2), FAST), NodeState("s0", (0, 1), SLOW))
+    held = [job(f"long{i}", {FAST: 2.0, SLOW: 1.0}, steps=10_000_000 * (i + 1), alloc=[GpuId("f0", i)],
+                max_gpus=1, last_resize_s=999.0 if i == 2 else 0.0) for i in range(3)]
+    short = JobState("short", 2, 2, 10_000, throughput_by_type={FAST: ThroughputModel(((1, 10.0), (2, 20.0))),
+                                                                SLOW: ThroughputModel(((1, 1.0), (2, 2.0)))},
+                     throughput=ThroughputModel(((1, 10.0), (2, 20.0))))
+    d = AdaptivePolicy().decide(ClusterState(cluster, (short, *held), 1000.0))
+    kinds = {n.name: n.gpu_type for n in cluster}
+    on = {job_id: {kinds[g.node] for g in gpus} for job_id, gpus in d.allocations.items()}
+    # long2 (worst-ranked) was resized just now: it stays; long1 and long0 move, worst first
+    assert on == {"short": {FAST}, "long0": {SLOW}, "long1": {SLOW}, "long2": {FAST}}
+    assert all("go to jobs ranked before it" in d.reasons[j] for j in ("long0", "long1"))
+    # one K80 only: room for one displaced job is not room enough for a 2-GPU start
+    one_slow = (NodeState("f0", (0, 1, 2), FAST), NodeState("s0", (0,), SLOW))
+    d = AdaptivePolicy().decide(ClusterState(one_slow, (short, *held), 1000.0))
+    assert d.allocations["short"] == ()
+    assert all(d.allocations[j.job_id] == j.allocation for j in held)
+
+
+def test_no_displacement_when_the_type_with_room_is_nearly_as_fast():
+    """The waiting job runs almost as fast on the free K80 as on the V100 the long job holds: moving
+    the long job would cost its restart for next to nothing."""
+    cluster = nodes(fast=1, slow=1, gpus=1)
+    long_job = job("long", {FAST: 2.0, SLOW: 1.0}, steps=10_000_000, alloc=[GpuId("f0", 0)], max_gpus=1,
+                   last_resize_s=0.0, restart_overhead_s=60.0)
+    short = job("short", {FAST: 1.0, SLOW: 0.999}, steps=10_000, max_gpus=1)
+    d = AdaptivePolicy().decide(ClusterState(cluster, (long_job, short), 1000.0))
+    assert d.allocations == {"long": (GpuId("f0", 0),), "short": (GpuId("s0", 0),)}
+
+
+def test_a_model_taken_from_another_type_predicts_on_this_type_s_node_size():
+    """Measured on 8-GPU V100 nodes (linear to 4, less on 8, more on 16 over two nodes), predicted
+    on K80 nodes of 4: the K80 model fits 1-4 GPUs to the samples up to 4 (linear), the V100 one
+    1-8 to the samples up to 8 (bent by the 8-GPU sample)."""
+    v100 = ThroughputModel(((1, 10.0), (2, 20.0), (4, 40.0), (8, 50.0), (16, 60.0)), node_gpus=8)
+    j = JobState("j", 1, 16, 1000, throughput=v100, throughput_by_type={FAST: v100},
+                 relative_speed={FAST: 2.0, SLOW: 1.0})
+    models = type_models(j, (FAST, SLOW), {}, {FAST: 8, SLOW: 4})
+    assert models[FAST] is v100 and models[SLOW].node_gpus == 4
+    assert models[SLOW].steps_per_s(3) == pytest.approx(15.0)  # linear on one K80 node, at half the V100's pace
+    assert models[FAST].steps_per_s(3) < 30.0
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.5, 20), st.floats(0.5, 20), st.integers(1, 8), st.booleans()),
                 min_size=1, max_size=12),

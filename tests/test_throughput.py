@@ -76,6 +76,15 @@ def test_on_a_pool_of_known_node_size_one_node_s_counts_are_fitted_to_one_node_s
         ThroughputModel(node_gpus=-1)
 
 
+def test_a_model_may_have_three_pieces_one_node_below_the_fastest_count_and_the_rest():
+    """Linear on one node of 4, fastest on 8 over two nodes, slower on 16: one node's counts come
+    from one node's samples, 5-7 from the samples up to 8, the rest from all samples."""
+    m = ThroughputModel(((1, 10.0), (2, 20.0), (8, 60.0), (16, 40.0)), node_gpus=4)
+    assert [m.steps_per_s(n) for n in (3, 4)] == pytest.approx([30.0, 40.0])
+    assert 40.0 < m.steps_per_s(5) < m.steps_per_s(7) < 60.0
+    assert m.best_steps_per_s(1, 16) == pytest.approx(60.0) and m.best_steps_per_s(3, 7) == m.steps_per_s(7)
+
+
 def test_samples_at_one_count_are_smoothed():
     m = ThroughputModel().with_sample(2, 10.0).with_sample(2, 20.0)
     assert 10.0 < m.steps_per_s(2) < 20.0

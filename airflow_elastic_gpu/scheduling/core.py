@@ -249,13 +249,16 @@ class SchedulingCore:
         ``history``: family -> the throughput model of its last finished measured job), and on a
         pool of several GPU types its family's samples per type
         (:func:`~airflow_elastic_gpu.scheduling.throughput.with_family_by_type`;
-        ``history_by_type``: family -> GPU type -> that job's model on the type)."""
+        ``history_by_type``: family -> GPU type -> that job's model on the type).
+
+        Every book's models are given the pool's node size (``ThroughputModel.node_gpus``: per GPU
+        type, the healthy GPUs of its largest node) and kept on the book, so that a model kept from
+        one decision to the next keeps its predictions."""
         families = {b.job_id: b.family for b in books}
-        # the models learn the pool's node size (ThroughputModel.node_gpus), kept on the books so
-        # that a model keeps its predictions from one decision to the next
         node_gpus: dict[str, int] = {}
         for n in nodes:
-            node_gpus[n.gpu_type] = max(node_gpus.get(n.gpu_type, 0), n.num_gpus)
+            if n.gpu_indices:
+                node_gpus[n.gpu_type] = max(node_gpus.get(n.gpu_type, 0), n.num_gpus)
         largest = max(node_gpus.values(), default=0)
         for b in books:
             b.throughput = b.throughput.on_nodes_of(largest)

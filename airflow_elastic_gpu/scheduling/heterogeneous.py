@@ -25,9 +25,11 @@ Steps of one decision on a pool with more than one GPU type (a pool of one type 
    it and no running job holds for sure; at most its current count, at least ``min_gpus``).
    A waiting job whose best type has no room left because running jobs ranked after it hold their
    minimum there displaces them, the worst-ranked first, to other types with room for their
-   minimum (a resize to another type, not a suspension; jobs resized within the interval stay):
-   otherwise the long jobs that started first keep the fast GPUs for as long as they run and the
-   short ones that arrive later get the slow ones, the opposite of shortest-first.
+   minimum (a resize to another type, not a suspension; jobs resized within the interval stay),
+   when its predicted finish there beats the type it would get otherwise by more than
+   ``hysteresis`` times their restart overheads: otherwise the long jobs that started first keep
+   the fast GPUs for as long as they run and the short ones that arrive later get the slow ones,
+   the opposite of shortest-first.
 3. **Hand-out per type**: the adaptive policy (:class:`~airflow_elastic_gpu.scheduling.adaptive.
    AdaptivePolicy`) on that type's nodes and jobs, each job with its model on that type; a job
    moved to a type starts there as a waiting job. A moved job that placement could not start on its
@@ -93,31 +95,40 @@ def _ratio(job: JobState, a: str, b: str, pool_ratios: Mapping[tuple[str, str], 
     return pool_ratios.get((a, b), 1.0)
 
 
-def _speeds(job: JobState, types: Sequence[str],
-            pool_ratios: Mapping[tuple[str, str], float]) -> dict[str, tuple[ThroughputModel, float]]:
+def _speeds(job: JobState, types: Sequence[str], pool_ratios: Mapping[tuple[str, str], float],
+            node_gpus: Mapping[str, int] | None = None) -> dict[str, tuple[ThroughputModel, float]]:
     """Type -> ``(model, factor)``: the job's steps/s on that type at ``n`` GPUs are
-    ``model.steps_per_s(n) * factor`` (step 1; a pair, so the hot path builds no model)."""
+    ``model.steps_per_s(n) * factor`` (step 1; a pair, so the hot path builds no model).
+
+    :param node_gpus: type -> GPUs of its largest node: a model taken from another type (or from
+        samples on several) predicts one node's counts on this type's node size
+        (:attr:`~airflow_elastic_gpu.scheduling.throughput.ThroughputModel.node_gpus`).
+    """
+    def on(t: str, m: ThroughputModel) -> ThroughputModel:
+        return m if node_gpus is None or not m.observed else m.on_nodes_of(node_gpus.get(t, m.node_gpus))
+
     measured = {t: m for t, m in job.throughput_by_type.items() if m.observed}
     if measured:  # the type it has most counts of its own on (then with its family's; ties: by name) is the base
         base_type = (next(iter(measured)) if len(measured) == 1
                      else min(measured, key=lambda t: (-len(measured[t].own_observed), -len(measured[t].observed), t)))
         base = measured[base_type]
-        return {t: (measured[t], 1.0) if t in measured else (base, _ratio(job, base_type, t, pool_ratios))
+        return {t: (measured[t], 1.0) if t in measured else (on(t, base), _ratio(job, base_type, t, pool_ratios))
                 for t in types}
     # never measured on one type: its prior is taken as its speed on a type of average speed
     rel = [_ratio(job, types[0], t, pool_ratios) for t in types]
     mean = math.prod(rel) ** (1.0 / len(rel))
-    return {t: (job.throughput, r / mean) for t, r in zip(types, rel)}
+    return {t: (on(t, job.throughput), r / mean) for t, r in zip(types, rel)}
 
 
-def type_models(job: JobState, types: Sequence[str],
-                pool_ratios: Mapping[tuple[str, str], float]) -> dict[str, ThroughputModel]:
+def type_models(job: JobState, types: Sequence[str], pool_ratios: Mapping[tuple[str, str], float],
+                node_gpus: Mapping[str, int] | None = None) -> dict[str, ThroughputModel]:
     """The job's throughput model (steps/s vs GPU count) on each of ``types`` (step 1).
 
     :param pool_ratios: as :func:`pool_speed_ratios` returns them.
+    :param node_gpus: type -> GPUs of its largest node (default: the models' own node size).
     :returns: type -> model; a type the job has run on has its own fitted model.
     """
-    return {t: model.scaled(factor) for t, (model, factor) in _speeds(job, types, pool_ratios).items()}
+    return {t: model.scaled(factor) for t, (model, factor) in _speeds(job, types, pool_ratios, node_gpus).items()}
 
 
 def _type_of(job: JobState, node_type: Mapping[str, str]) -> str | None:
@@ -135,13 +146,15 @@ Speeds = Mapping[str, Mapping[str, tuple[ThroughputModel, float]]]
 """Job id -> type -> ``(model, factor)``, as :func:`_speeds` gives them."""
 
 
-def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) -> tuple[dict[str, str], dict[str, str]]:
+def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
+                 speeds: Speeds) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
     """Step 2: the GPU type of every job.
 
     :param speeds: job id -> type -> ``(model, factor)`` (the job's steps/s on the type at ``n``
         GPUs: ``model.steps_per_s(n) * factor``).
-    :returns: ``(chosen, moved)``: job id -> type for every job, and job id -> the type it leaves
-        for each running job that moves.
+    :returns: ``(chosen, moved, displaced_by)``: job id -> type for every job, job id -> the type it
+        leaves for each running job that moves, and waiting job id -> the running jobs it displaced
+        from its type.
     """
     types = cluster.gpu_types
     capacity = cluster.capacity_by_type()
@@ -204,11 +217,15 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
         if cur is not None and not cur[2]:
             movable[cur[0]].append(r)
     displaced: dict[int, int] = {}  # job -> the live type it was moved to, to make room for a better-ranked job
+    displaced_by: dict[str, list[str]] = {}
 
-    def displace(c: int, short: int, r: int) -> bool:
+    def displace(c: int, short: int, r: int, gain_s: float) -> bool:
         """Make ``short`` GPUs of room on live type ``c`` for waiting job ``r`` by moving running jobs
         ranked after it (the worst-ranked first, among ``movable[c]``) to other types with room for
-        their ``min_gpus`` (each where it would finish first); all or nothing.
+        their ``min_gpus`` (each where it would finish first); all or nothing, and only if the
+        waiting job's predicted finish there is earlier than on the type it would get otherwise by
+        ``gain_s`` (seconds; inf: none has room), more than ``hysteresis`` times the displaced jobs'
+        restart overheads.
 
         Without this, running jobs keep their minimum on the fast type for as long as they run, and
         the short jobs that arrive later wait for it or go to a slow type: the fast GPUs serve the
@@ -242,8 +259,9 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
                 plan.append((q, best[1]))
                 taken[best[1]] += need
                 short -= current[q][1]
-        if short > 0:
+        if short > 0 or not gain_s > hysteresis * sum(jobs[q].restart_overhead_s for q, _ in plan):
             return False
+        displaced_by[jobs[r].job_id] = [jobs[q].job_id for q, _ in plan]
         for q, x in plan:
             job = jobs[q]
             displaced[q] = x
@@ -278,7 +296,8 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
                 first = key
             if room[i] >= need and (pick is None or key < pick):
                 pick = key
-        if running is None and pick is not first and displace(first[3], need - room[first[3]], r):
+        if running is None and pick is not first and displace(
+                first[3], need - room[first[3]], r, pick[0] - first[0] if pick is not None else math.inf):
             pick = first
         i = pick[3] if pick is not None else None
         if c is not None and i != c:
@@ -303,19 +322,21 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState, speeds: Speeds) 
         chosen[j.job_id] = live[i]
         room[i] -= keep if i == c else need
         load[i] += w[i]
-    return chosen, moved
+    return chosen, moved, displaced_by
 
 
 def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
     """The adaptive policy's decision on a pool of several GPU types (steps 1-3 of the module)."""
     types = cluster.gpu_types
-    pool_ratios = pool_speed_ratios(cluster.jobs)
-    speeds = {j.job_id: _speeds(j, types, pool_ratios) for j in cluster.jobs}
-    chosen, moved = choose_types(policy, cluster, speeds)
     nodes_of: dict[str, list[NodeState]] = {t: [] for t in types}
     for n in cluster.nodes:
         if n.gpu_indices:
             nodes_of[n.gpu_type].append(n)
+    node_gpus = {t: max(n.num_gpus for n in nodes) for t, nodes in nodes_of.items()}
+    pool_ratios = pool_speed_ratios(cluster.jobs)
+    speeds = {j.job_id: _speeds(j, types, pool_ratios, node_gpus) for j in cluster.jobs}
+    chosen, moved, displaced_by = choose_types(policy, cluster, speeds)
+    displaced = {v for victims in displaced_by.values() for v in victims}
     node_type = {n.name: n.gpu_type for n in cluster.nodes}
     jobs_of: dict[str, list[JobState]] = {t: [] for t in types}
     for j in cluster.jobs:
@@ -332,6 +353,9 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
         return policy.decide(ClusterState(tuple(nodes_of[t]), tuple(jobs), cluster.now_s))
 
     decisions = {t: decide(t) for t in types if jobs_of[t]}
+    # A job displaced for a waiting job that then gets no GPUs (with admission by gain, the growth
+    # of better-ranked jobs may gain more than its start) stays displaced: its GPUs serve jobs ranked
+    # before it all the same (sending it back measured worse on the mixed-type benchmark).
     while True:  # each round sends at least one moved job back, so it ends
         stuck = [j for j in cluster.jobs
                  if j.job_id in moved and not decisions[chosen[j.job_id]].allocations[j.job_id]]
@@ -357,7 +381,7 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
         (m_old, f_old), (m_new, f_new) = speeds[job_id][old], speeds[job_id][t]
         before_s = job.remaining_steps / (m_old.steps_per_s(n) * f_old)
         after_s = job.remaining_steps / (m_new.steps_per_s(m) * f_new)
-        why = f" (its {old} GPUs go to jobs ranked before it)" if after_s > before_s else ""
+        why = f" (its {old} GPUs go to jobs ranked before it)" if job_id in displaced else ""
         moves[job_id] = (f"move {old}->{t}, {n}->{m} GPU(s): predicted remaining time "
                          f"{before_s:.0f}s->{after_s:.0f}s{why}")
     return Decision(allocations, _TypedReasons({t: d.reasons for t, d in decisions.items()}, moves))

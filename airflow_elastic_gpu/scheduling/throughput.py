@@ -16,9 +16,9 @@ scales as its last run did).
 Amdahl's law describes the counts where more GPUs help, on one kind of interconnect. A count
 measured slower than a smaller one (a job spread over more nodes, say) is another regime: the
 counts below the fastest measured one are predicted from the samples up to it, the others from
-all samples; likewise, when the model knows the pool's node size (``node_gpus``), the counts of
-one node from the samples on one node. A flat fit (more GPUs never helped) is linear up to its
-fastest measured count and level beyond.
+all samples; and when the model knows the pool's node size (``node_gpus``), the counts of one node
+from the samples on one node (both may apply: three pieces). A flat fit (more GPUs never helped)
+is linear up to its fastest measured count and level beyond.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ class ThroughputModel:
     def best_steps_per_s(self, low: int, high: int) -> float:
         """The most steps/s :attr:`steps_per_s` gives at any count from ``low`` to ``high`` GPUs.
 
-        Predicted counts never get slower as the count grows within each of the model's two
-        pieces (below its fastest measured count, and from it on: ``1/t = a/n + b`` with
+        Predicted counts never get slower as the count grows within each of the model's pieces (up
+        to ``node_gpus``, below its fastest measured count, and the rest: ``1/t = a/n + b`` with
         ``a, b >= 0``, or a flat fit: linear up to its fastest measured count, level beyond), so
         the candidates are the measured counts in the range and, in each piece, its largest count
         in the range not measured: the cost grows with the measured counts, not with
@@ -189,10 +189,11 @@ class _Predictions(dict):
         self._fit_args = (observed, prior_alpha, prior_steps_per_s, node_gpus)
         self._line: tuple[float, float] | None = None
         self._knee: tuple[int, float] = (0, 0.0)  # a flat fit's fastest measured (count, steps/s)
-        # (first count above the piece, the line fitted to the samples in it): the counts below the
-        # fastest measured one when a count above it was measured slower, else those of one node
-        # when samples lie on both sides of it; None when neither (or the fit is flat)
-        self._below: tuple[int, tuple[float, float]] | None = None
+        # the lower pieces, ascending: (first count above the piece, the line fitted to the samples
+        # in it): one node's counts, when samples lie on both sides of the node size below the
+        # piece above; the counts below the fastest measured one, when a count above it was measured
+        # slower; empty when neither (or the fit is flat)
+        self._below: tuple[tuple[int, tuple[float, float]], ...] = ()
 
     def __missing__(self, num_gpus: int) -> float:
         if num_gpus < 1:
@@ -204,19 +205,26 @@ class _Predictions(dict):
                 fastest = max(observed, key=lambda s: s[1])
                 if self._line[0] == 0.0:  # flat: more GPUs never helped
                     self._knee = fastest
-                elif fastest[0] < observed[-1][0]:  # measured slower above its fastest count
-                    up_to = tuple(s for s in observed if s[0] <= fastest[0])
-                    self._below = (fastest[0], _fit_line(up_to, prior_alpha, prior_steps_per_s))
-                elif observed[0][0] <= node < observed[-1][0]:  # samples within one node and across nodes
-                    up_to = tuple(s for s in observed if s[0] <= node)
-                    self._below = (node + 1, _fit_line(up_to, prior_alpha, prior_steps_per_s))
+                else:
+                    pieces = []
+                    top = observed[-1][0]
+                    if fastest[0] < top:  # measured slower above its fastest count
+                        top = fastest[0]
+                        pieces.append((top, _fit_line(tuple(s for s in observed if s[0] <= top),
+                                                      prior_alpha, prior_steps_per_s)))
+                    if observed[0][0] <= node < top:  # samples within one node and across nodes
+                        pieces.insert(0, (node + 1, _fit_line(tuple(s for s in observed if s[0] <= node),
+                                                              prior_alpha, prior_steps_per_s)))
+                    self._below = tuple(pieces)
         a, b = self._line
         knee_n, knee_t = self._knee
         if num_gpus < knee_n:  # fewer GPUs than a flat fit's fastest measured count: linear below it
             value = self[num_gpus] = knee_t * num_gpus / knee_n
         else:
-            if self._below is not None and num_gpus < self._below[0]:  # the lower piece: its own fit
-                a, b = self._below[1]
+            for limit, line in self._below:  # a lower piece: its own fit
+                if num_gpus < limit:
+                    a, b = line
+                    break
             value = self[num_gpus] = 1.0 / (a / num_gpus + b)
         return value
 
@@ -388,8 +396,8 @@ def _with_family(m: ThroughputModel, curve: ThroughputModel, family_t1: float) -
     own_max = m.observed[-1][0] if m.observed else 0
     if len(m.observed) >= 2 or curve.observed[-1][0] <= own_max:
         return None
-    if m.observed:  # through its own sample at its largest count
-        factor = m.observed[-1][1] / curve.steps_per_s(own_max)
+    if m.observed:  # through its own sample at its largest count (the curve on the job's nodes)
+        factor = m.observed[-1][1] / curve.on_nodes_of(m.node_gpus).steps_per_s(own_max)
     else:
         factor = family_t1 / curve.steps_per_s(1)
     beyond = tuple((n, t * factor) for n, t in curve.observed if n > own_max)
