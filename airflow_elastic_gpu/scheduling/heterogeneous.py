@@ -101,11 +101,14 @@ def _speeds(job: JobState, types: Sequence[str], pool_ratios: Mapping[tuple[str,
     ``model.steps_per_s(n) * factor`` (step 1; a pair, so the hot path builds no model).
 
     :param node_gpus: type -> GPUs of its largest node: a model taken from another type (or from
-        samples on several) predicts one node's counts on this type's node size
-        (:attr:`~airflow_elastic_gpu.scheduling.throughput.ThroughputModel.node_gpus`).
+        samples on several) that knows its node size
+        (:attr:`~airflow_elastic_gpu.scheduling.throughput.ThroughputModel.node_gpus`, set by the
+        scheduling core) predicts one node's counts on this type's node size.
     """
     def on(t: str, m: ThroughputModel) -> ThroughputModel:
-        return m if node_gpus is None or not m.observed else m.on_nodes_of(node_gpus.get(t, m.node_gpus))
+        if node_gpus is None or not m.node_gpus or not m.observed:
+            return m
+        return m.on_nodes_of(node_gpus.get(t, m.node_gpus))
 
     measured = {t: m for t, m in job.throughput_by_type.items() if m.observed}
     if measured:  # the type it has most counts of its own on (then with its family's; ties: by name) is the base
