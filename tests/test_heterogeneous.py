@@ -105,6 +105,22 @@ def test_a_running_job_is_not_moved_to_a_faster_type_that_has_room_only_for_its_
     assert "move K80->V100, 4->4 GPU(s)" in d.reasons["j"]
 
 
+def test_a_running_job_leaves_one_gpu_of_a_crowded_type_for_idle_gpus_of_another_when_that_is_faster():
+    """One V100 (2 steps/s) against four idle K80s (1 step/s each, linear): the move pays at the
+    four GPUs idle there, not at the one GPU it holds (at one GPU each way it would never move)."""
+    cluster = nodes(fast=1, slow=1, gpus=4)
+    linear = {t: ThroughputModel(((1, s), (4, 4 * s)), prior_alpha=0.0) for t, s in ((FAST, 2.0), (SLOW, 1.0))}
+    crowded = JobState("j", 1, 4, 1_000_000, allocation=(GpuId("f0", 3),), last_resize_s=0.0,
+                       restart_overhead_s=10.0, throughput=linear[FAST], throughput_by_type=linear)
+    # three shorter jobs that run 10x faster on the V100s hold the other three
+    others = tuple(job(f"v{i}", {FAST: 10.0, SLOW: 1.0}, steps=2_500_000, alloc=[GpuId("f0", i)], max_gpus=1,
+                       last_resize_s=0.0) for i in range(3))
+    d = AdaptivePolicy().decide(ClusterState(cluster, (crowded, *others), 1000.0))
+    assert d.allocations["j"] == tuple(GpuId("s0", i) for i in range(4))
+    assert "move V100->K80, 1->4 GPU(s)" in d.reasons["j"]
+    assert all(d.allocations[o.job_id] == o.allocation for o in others)
+
+
 def _short_arrives_at_a_full_fast_type(long_resized_s=0.0, slow_held=False):
     """A 1-GPU V100 node held by a long job at its minimum, a 1-GPU K80 node (free unless
     ``slow_held``: a job resized just now holds it), and a short job that arrives."""

@@ -21,8 +21,9 @@ Steps of one decision on a pool with more than one GPU type (a pool of one type 
    load already there both count. A type is chosen only if it can still admit the job at
    ``min_gpus`` after the jobs before it. A running job keeps its type unless it may be resized now
    (``min_resize_interval_s``) and the move saves more than ``hysteresis`` restart overheads, its
-   current count where it is against the count the new type has room for (GPUs that no job before
-   it and no running job holds for sure; at most its current count, at least ``min_gpus``).
+   current count where it is against the count it can count on there (``min_gpus``, or more where
+   GPUs are idle now and not reserved by the jobs before it or by running jobs; ``max_gpus`` at
+   most).
    A waiting job whose best type has no room left because running jobs ranked after it hold their
    minimum there displaces them, the worst-ranked first, to other types with room for their
    minimum (a resize to another type, not a suspension; jobs resized within the interval stay),
@@ -171,6 +172,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
     caps = [capacity[t] for t in live]
     num_live = range(len(live))
     room = list(caps)  # GPUs not yet reserved, per live type
+    idle = list(caps)  # GPUs no job holds now, per live type (less those moving jobs are counted on)
     jobs = cluster.jobs
     # per job: its (model, factor) per live type, its single-GPU work on each (single-GPU seconds of
     # that type), its remaining steps, and, if it runs, (its type's index, GPUs it keeps there for
@@ -203,6 +205,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
                 keep = on_t if frozen else min(j.min_gpus, on_t)
                 cur = (index[t], keep, frozen)
                 room[cur[0]] -= keep
+                idle[cur[0]] -= on_t
         current.append(cur)
     ranked = sorted(range(len(keys)), key=keys.__getitem__)
     load = [0.0] * len(live)
@@ -306,17 +309,20 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
         if c is not None and i != c:
             # a running job moves only to a type with room for it, and only when it pays: not resized
             # within the policy's interval, and the move saves more than hysteresis restart overheads,
-            # its current count where it is against the count the new type has room for (GPUs no job
-            # before it, and no running job, holds for sure: its current count at most, min_gpus at
-            # least): four P100s are not left for one V100 that is a little faster per GPU
+            # its current count where it is against the count it can count on there: min_gpus, or
+            # more where GPUs are idle now and not reserved (max_gpus at most): four P100s are not
+            # left for one V100 that is a little faster per GPU, and one GPU of a crowded type is
+            # left for four idle ones of another when that is faster
             if i is None or frozen:
                 i = c
             else:
                 n, rest = len(j.allocation), rests[r]
                 (m_cur, f_cur), (m_new, f_new) = models[r][c], models[r][i]
-                there = max(need, min(n, room[i]))
+                there = max(need, min(j.max_gpus, room[i], idle[i]))
                 gain = rest / (m_cur.steps_per_s(n) * f_cur) - rest / (m_new.steps_per_s(there) * f_new)
-                if not gain > hysteresis * j.restart_overhead_s:
+                if gain > hysteresis * j.restart_overhead_s:
+                    idle[i] -= there  # counted on by this job: not by the next one to move there
+                else:
                     i = c
         if i is None:
             i = first[3]  # no type has room: it waits on the one it would finish first
