@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 
 from airflow_elastic_gpu.scheduling.policy import Policy
 from airflow_elastic_gpu.scheduling.publish import publishable
-from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, NodeState
+from airflow_elastic_gpu.scheduling.state import (
+    ClusterState,
+    GpuId,
+    JobState,
+    NodeState,
+    largest_node_by_type,
+)
 from airflow_elastic_gpu.scheduling.throughput import (
     ThroughputModel,
     update_restart_overhead,
@@ -255,10 +261,7 @@ class SchedulingCore:
         type, the healthy GPUs of its largest node) and kept on the book, so that a model kept from
         one decision to the next keeps its predictions."""
         families = {b.job_id: b.family for b in books}
-        node_gpus: dict[str, int] = {}
-        for n in nodes:
-            if n.gpu_indices:
-                node_gpus[n.gpu_type] = max(node_gpus.get(n.gpu_type, 0), n.num_gpus)
+        node_gpus = largest_node_by_type(nodes)
         largest = max(node_gpus.values(), default=0)
         for b in books:
             b.throughput = b.throughput.on_nodes_of(largest)

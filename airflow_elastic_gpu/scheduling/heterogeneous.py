@@ -44,7 +44,14 @@ import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState, NodeState
+from airflow_elastic_gpu.scheduling.state import (
+    ClusterState,
+    Decision,
+    GpuId,
+    JobState,
+    NodeState,
+    largest_node_by_type,
+)
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 
 if TYPE_CHECKING:
@@ -341,7 +348,7 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
     for n in cluster.nodes:
         if n.gpu_indices:
             nodes_of[n.gpu_type].append(n)
-    node_gpus = {t: max(n.num_gpus for n in nodes) for t, nodes in nodes_of.items()}
+    node_gpus = largest_node_by_type(cluster.nodes)
     pool_ratios = pool_speed_ratios(cluster.jobs)
     speeds = {j.job_id: _speeds(j, types, pool_ratios, node_gpus) for j in cluster.jobs}
     chosen, moved, displaced_by = choose_types(policy, cluster, speeds)

@@ -7,7 +7,7 @@ simulator can share it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -48,6 +48,17 @@ class NodeState:
 
     def gpus(self) -> tuple[GpuId, ...]:
         return tuple(GpuId(self.name, i) for i in self.gpu_indices)
+
+
+def largest_node_by_type(nodes: Iterable[NodeState]) -> dict[str, int]:
+    """GPU type -> the GPUs that may be handed out on its largest node (types of nodes with none
+    are absent): the node size a throughput model splits its counts at
+    (:attr:`~airflow_elastic_gpu.scheduling.throughput.ThroughputModel.node_gpus`)."""
+    largest: dict[str, int] = {}
+    for n in nodes:
+        if n.gpu_indices:
+            largest[n.gpu_type] = max(largest.get(n.gpu_type, 0), n.num_gpus)
+    return largest
 
 
 @dataclass(frozen=True)
