@@ -158,14 +158,14 @@ Speeds = Mapping[str, Mapping[str, tuple[ThroughputModel, float]]]
 
 
 def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
-                 speeds: Speeds) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
+                 speeds: Speeds) -> tuple[dict[str, str], dict[str, str], set[str]]:
     """Step 2: the GPU type of every job.
 
     :param speeds: job id -> type -> ``(model, factor)`` (the job's steps/s on the type at ``n``
         GPUs: ``model.steps_per_s(n) * factor``).
-    :returns: ``(chosen, moved, displaced_by)``: job id -> type for every job, job id -> the type it
-        leaves for each running job that moves, and waiting job id -> the running jobs it displaced
-        from its type.
+    :returns: ``(chosen, moved, displaced)``: job id -> type for every job, job id -> the type it
+        leaves for each running job that moves, and the ids of the moved jobs that were displaced to
+        make room for a waiting job ranked before them.
     """
     types = cluster.gpu_types
     capacity = cluster.capacity_by_type()
@@ -230,7 +230,6 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
         if cur is not None and not cur[2]:
             movable[cur[0]].append(r)
     displaced: dict[int, int] = {}  # job -> the live type it was moved to, to make room for a better-ranked job
-    displaced_by: dict[str, list[str]] = {}
 
     def displace(c: int, short: int, r: int, gain_s: float) -> bool:
         """Make ``short`` GPUs of room on live type ``c`` for waiting job ``r`` by moving running jobs
@@ -274,7 +273,6 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
                 short -= current[q][1]
         if short > 0 or not gain_s > hysteresis * sum(jobs[q].restart_overhead_s for q, _ in plan):
             return False
-        displaced_by[jobs[r].job_id] = [jobs[q].job_id for q, _ in plan]
         for q, x in plan:
             job = jobs[q]
             displaced[q] = x
@@ -338,7 +336,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
         chosen[j.job_id] = live[i]
         room[i] -= keep if i == c else need
         load[i] += w[i]
-    return chosen, moved, displaced_by
+    return chosen, moved, {jobs[q].job_id for q in displaced}
 
 
 def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
@@ -351,8 +349,7 @@ def decide_by_type(policy: AdaptivePolicy, cluster: ClusterState) -> Decision:
     node_gpus = largest_node_by_type(cluster.nodes)
     pool_ratios = pool_speed_ratios(cluster.jobs)
     speeds = {j.job_id: _speeds(j, types, pool_ratios, node_gpus) for j in cluster.jobs}
-    chosen, moved, displaced_by = choose_types(policy, cluster, speeds)
-    displaced = {v for victims in displaced_by.values() for v in victims}
+    chosen, moved, displaced = choose_types(policy, cluster, speeds)
     node_type = {n.name: n.gpu_type for n in cluster.nodes}
     jobs_of: dict[str, list[JobState]] = {t: [] for t in types}
     for j in cluster.jobs:
