@@ -232,3 +232,21 @@ def test_the_scheduling_core_tells_every_model_its_pool_s_node_size_per_gpu_type
     assert job.throughput.node_gpus == 8
     assert {t: m.node_gpus for t, m in job.throughput_by_type.items()} == {"V100": 8, "K80": 4}
     assert book.throughput.node_gpus == 8  # kept on the book: the next decision reuses its predictions
+
+
+def test_a_family_model_made_for_a_type_a_job_has_none_of_knows_that_type_s_node_size():
+    """A job never run on K80 takes its family's K80 curve: the model made for it predicts on the
+    K80 nodes' size (4), given by the caller, and one extended from the job's own V100 sample keeps
+    the V100 node size its own model had; without node sizes the new model knows none (0)."""
+    from airflow_elastic_gpu.scheduling.throughput import with_family_by_type
+
+    last = {"V100": ThroughputModel(((1, 10.0), (8, 60.0))), "K80": ThroughputModel(((1, 3.0), (4, 10.0)))}
+    own = {"next": {"V100": ThroughputModel(((1, 9.0),), node_gpus=8)}}
+    out = with_family_by_type(own, {"next": "f"}, {"f": last}, {"V100": 8, "K80": 4})
+    assert {t: m.node_gpus for t, m in out["next"].items()} == {"V100": 8, "K80": 4}
+    assert with_family_by_type(own, {"next": "f"}, {"f": last})["next"]["K80"].node_gpus == 0
+    # through the scheduling core: the pool's node sizes, per type
+    nodes = (NodeState("v0", tuple(range(8)), "V100"), NodeState("k0", tuple(range(4)), "K80"))
+    book = JobBook("next", 1, 8, 1000, 0.0, family="f")
+    state = SchedulingCore(AdaptivePolicy(), 10.0).cluster_state(nodes, [book], 0.0, history_by_type={"f": last})
+    assert {t: m.node_gpus for t, m in state.jobs[0].throughput_by_type.items()} == {"V100": 8, "K80": 4}

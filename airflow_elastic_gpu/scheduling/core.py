@@ -271,9 +271,12 @@ class SchedulingCore:
         models = with_pool_prior({b.job_id: b.throughput for b in books}, families, history)
         by_type: Mapping[str, Mapping[str, ThroughputModel] | None] = dict.fromkeys(models)
         if len({n.gpu_type for n in nodes if n.gpu_indices}) > 1:  # only a pool of several types reads them
-            by_type = with_family_by_type({b.job_id: b.throughput_by_type for b in books}, families, history_by_type)
-            by_type = {job_id: {t: m.on_nodes_of(node_gpus.get(t, largest)) for t, m in d.items()}
-                       for job_id, d in by_type.items()}
+            # the books' models know their type's node size already (above); a model made for a type
+            # a job has none of is given it there (a type no longer in the pool: the largest node's)
+            own = {b.job_id: b.throughput_by_type for b in books}
+            known = {t for d in own.values() for t in d} | {t for d in (history_by_type or {}).values() for t in d}
+            by_type = with_family_by_type(own, families, history_by_type,
+                                          {t: node_gpus.get(t, largest) for t in known})
         return ClusterState(
             tuple(nodes),
             tuple(b.job_state(now_s, self.default_restart_overhead_s, models[b.job_id], by_type[b.job_id])

@@ -331,6 +331,7 @@ def with_family_by_type(
     by_type: Mapping[str, Mapping[str, ThroughputModel]],
     families: Mapping[str, str | None],
     history_by_type: Mapping[str, Mapping[str, ThroughputModel]] | None = None,
+    node_gpus: Mapping[str, int] | None = None,
 ) -> dict[str, dict[str, ThroughputModel]]:
     """:func:`with_pool_prior`'s family samples on a pool of several GPU types, type by type: a job
     measured on fewer than two counts of a type (or not at all) takes the samples its family's
@@ -342,13 +343,17 @@ def with_family_by_type(
     :param by_type: job id -> GPU type -> the job's own model on that type; not modified.
     :param families: job id -> family (``None``: none).
     :param history_by_type: family -> GPU type -> its last finished job's model on that type.
+    :param node_gpus: GPU type -> GPUs of its largest node: the node size
+        (:attr:`ThroughputModel.node_gpus`) of a model made for a type the job has no model of (a
+        model extended from the job's own keeps the job's); default 0 (not known).
     :returns: job id -> GPU type -> model (a job's own models where its family adds nothing).
     """
     history_by_type = history_by_type or {}
+    node_gpus = node_gpus or {}
     types = sorted({t for d in by_type.values() for t in d} | {t for d in history_by_type.values() for t in d})
     out = {job_id: dict(d) for job_id, d in by_type.items()}
-    unmeasured = ThroughputModel()
     for t in types:
+        unmeasured = ThroughputModel(node_gpus=node_gpus.get(t, 0))
         on_t = {job_id: d[t] for job_id, d in by_type.items() if t in d}
         last = {f: d[t] for f, d in history_by_type.items() if t in d}
         family_t1, family_curve = _family_samples(on_t, families, last)
