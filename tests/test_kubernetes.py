@@ -250,6 +250,7 @@ class FakeCoreV1:
         self.fail: dict[str, int] = {}
         self.calls: list[tuple[str, str]] = []
         self.graceful = False  # deletions take effect at once unless set
+        self.listed = 0  # pod listings (each one a request to the API server)
 
     def _maybe_fail(self, method: str) -> None:
         status = self.fail.pop(method, None)
@@ -298,6 +299,7 @@ class FakeCoreV1:
 
     def list_namespaced_pod(self, namespace, label_selector):
         self._maybe_fail("list_namespaced_pod")
+        self.listed += 1
         key, value = label_selector.split("=", 1)
         return Listing([p for p in self.pods.values() if (p.metadata.labels or {}).get(key) == value])
 
@@ -373,6 +375,27 @@ def test_recreate_mode_deletes_the_pod_and_creates_one_per_generation(cluster):
     assert backend.sync(broker.job(big.id)) == "keep"  # idempotent
     (agent,) = [c for c in api.pods[f"elastic-gpu-{big.id}-g2"].spec.init_containers if c.name == "elastic-agent"]
     assert agent.args[agent.args.index("--pod-generation") + 1] == "2"  # never a newer one in place
+
+
+def test_the_backend_lists_a_job_s_pods_once_per_start_or_sync_and_again_only_after_a_deletion(cluster):
+    """Every listing is a request to the API server, made for every job on every sync: a start
+    (Secret, then the pod) lists once, a sync that keeps or creates the pod once, and a re-creation
+    lists again after its deletion (the old pod may still be terminating)."""
+    broker, api = cluster
+    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
+    big = submit(broker, "big", 1, 4)
+    backend.start(big)
+    assert api.listed == 1 and len(api.pods) == 1
+    broker.ack(big.id, 1)
+    api.listed = 0
+    assert backend.sync(broker.job(big.id)) == "keep" and api.listed == 1
+    submit(broker, "x", 4, 4)
+    submit(broker, "y", 2, 2)  # big shrinks: generation 2, a new pod
+    api.listed = 0
+    assert backend.sync(broker.job(big.id)) == "recreate" and api.listed == 2
+    api.listed = 0
+    backend.start(broker.job(big.id))  # a retried start while the pod is pending: nothing to do
+    assert api.listed == 1 and list(api.pods) == [f"elastic-gpu-{big.id}-g2"]
 
 
 def test_a_new_generation_s_pod_starts_only_once_the_old_pod_is_gone(cluster):

@@ -200,6 +200,11 @@ class PodBuilder:
         return PodGenerator.deserialize_model_dict(c.full_pod_spec)
 
 
+def _any_live(pods: list[Any]) -> bool:
+    """True if one of ``pods`` (``V1Pod``) is pending or running (or has no phase yet)."""
+    return any((p.status.phase if p.status else None) in ("Pending", "Running", None) for p in pods)
+
+
 @dataclass(frozen=True)
 class PodState:
     """What the backend sees of a job's pod: its name, node, generation, phase and a problem, if any."""
@@ -257,13 +262,15 @@ class KubernetesBackend:
 
         return GangPods(self)
 
-    def is_gang(self, job: JobView) -> bool:
+    def is_gang(self, job: JobView, pods: list[Any] | None = None) -> bool:
         """True when ``job`` runs one pod per node: its ``max_gpus`` exceeds every node of its pool
-        (the rule of ``submit``), or its pods say so already (a node added later changes nothing)."""
+        (the rule of ``submit``), or its pods say so already (a node added later changes nothing).
+        ``pods``: the job's pods as :meth:`pods` lists them, if the caller has them."""
         if job.id not in self._gang_jobs:
             from airflow_elastic_gpu.backends.kubernetes_gang import LABEL_NODE
 
-            pods = self.pods(job.id)
+            if pods is None:
+                pods = self.pods(job.id)
             if pods:
                 self._gang_jobs[job.id] = any(LABEL_NODE in (p.metadata.labels or {}) for p in pods)
             else:
@@ -310,7 +317,8 @@ class KubernetesBackend:
         check_env(env)
         self.check(job.command, job.checkpoint_dir)
         ref = f"kubernetes:{self.config.namespace}/{resource_name('elastic-gpu', job.id)}"
-        if self.is_running(job.id):
+        pods = self.pods(job.id)  # every pod of the job, a gang's too
+        if _any_live(pods):
             return ref
         token = self.broker.issue_token(job.id)
         secret = self.builder.secret(job.id, token)
@@ -320,7 +328,7 @@ class KubernetesBackend:
             if exc.status != 409:
                 raise BackendError(f"cannot create the job's token Secret: {exc.status} {exc.reason}") from None
             self.core_v1.replace_namespaced_secret(secret.metadata.name, self.config.namespace, secret)
-        self.sync(job, env=env, context=context)
+        self._sync(job, env, context, pods)
         return ref
 
     def pods(self, job_id: str) -> list[Any]:
@@ -329,8 +337,11 @@ class KubernetesBackend:
             self.config.namespace, label_selector=f"{LABEL_JOB}={label_value(job_id)}").items
         return sorted(found, key=lambda p: int((p.metadata.labels or {}).get(LABEL_GENERATION, 0)))
 
-    def state(self, job_id: str) -> PodState | None:
-        pods = self.pods(job_id)
+    def state(self, job_id: str, pods: list[Any] | None = None) -> PodState | None:
+        """The job's latest pod (``pods``: its pods as :meth:`pods` lists them, if the caller has
+        them), or None when it has none."""
+        if pods is None:
+            pods = self.pods(job_id)
         if not pods:
             return None
         pod = pods[-1]
@@ -355,7 +366,13 @@ class KubernetesBackend:
         :raises BackendError: a target spanning nodes for a job that is no gang, or an API error
             other than 404/409.
         """
-        if self.is_gang(job):
+        return self._sync(job, env, context)
+
+    def _sync(self, job: JobView, env: Mapping[str, str] | None, context: Mapping[str, str] | None,
+              pods: list[Any] | None = None) -> str:
+        """:meth:`sync`; ``pods``: the job's pods as :meth:`pods` listed them just now (one listing
+        per call: the pods are listed again only after a deletion)."""
+        if self.is_gang(job, pods):
             return self.gang.sync(job, env=env, context=context)
         job_id = job.id
         target = self.broker.target(job_id)
@@ -365,19 +382,20 @@ class KubernetesBackend:
         if len(nodes) > 1:
             raise BackendError(f"job {job_id} spans nodes {sorted(nodes)} but is not larger than a node")
         (node,) = nodes
-        current = self.state(job_id)
+        current = self.state(job_id, pods)
         if current is not None and current.node == node and (
             self.config.resize_mechanism == "inplace" or current.generation >= target.generation
         ):
             return "keep"
         action = "create" if current is None else "recreate"
-        if current is not None:
-            self._delete_pod(current.name)
         # A deleted pod's trainer runs on through its grace period (it checkpoints). The broker frees
         # the GPUs it ran on once the new pod's agent acks, so the new pod starts only once no other
-        # pod of the job is left: on a later sync, while one is still terminating.
-        if self.pods(job_id):
-            return "wait"
+        # pod of the job is left: on a later sync, while one is still terminating. (No pod listed:
+        # nothing to delete or wait for.)
+        if current is not None:
+            self._delete_pod(current.name)
+            if self.pods(job_id):
+                return "wait"
         pod = self.builder.pod(job_id, job.command, node, target.generation,
                                progress_pattern=job.progress_pattern, checkpoint_dir=job.checkpoint_dir,
                                env=env, context=context)
@@ -402,8 +420,7 @@ class KubernetesBackend:
 
     def is_running(self, job_id: str) -> bool:
         """True while a pod of the job (any node's, any generation's) is pending or running."""
-        return any((p.status.phase if p.status else None) in ("Pending", "Running", None)
-                   for p in self.pods(job_id))
+        return _any_live(self.pods(job_id))
 
     def _delete_pod(self, name: str) -> None:
         try:
