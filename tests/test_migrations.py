@@ -90,3 +90,30 @@ def test_event_and_sample_ids_are_64_bit_on_postgresql(broker, clock):
     assert broker.events(after_id=2**31 + 5)[-1].id > 2**31
     with broker.engine.connect() as conn:
         assert conn.execute(text("SELECT max(id) FROM progress_sample")).scalar() > 2**31
+
+
+def test_a_sqlite_migration_that_would_leave_a_dangling_reference_is_refused_and_rolled_back(tmp_path, clock):
+    """SQLite migrations run with foreign keys off (a table is altered by copying it), so
+    ``PRAGMA foreign_key_check`` guards the commit: a row that refers to a missing one (here a GPU
+    target of a job that is not in the table, written by hand) stops the migration with an error
+    that names the table, and nothing of it is kept (the schema stays where it was)."""
+    import sqlite3
+
+    path = tmp_path / "broker.db"
+    broker = GpuBroker(f"sqlite:///{path}", clock=clock)
+    try:
+        broker.register_node("n0", 2)
+        job = broker.submit(JobSpec(name="train", command="python train.py", key="a", total_steps=100))
+        raw = sqlite3.connect(path)  # foreign keys are off on a plain connection
+        moved = raw.execute("UPDATE gpu_target SET job_id = 'no-such-job' WHERE job_id = ?", (job.id,)).rowcount
+        raw.commit()
+        assert moved >= 1  # the GPUs published to the job
+        raw.close()
+        head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+        with pytest.raises(RuntimeError, match="left rows that refer to missing ones.*gpu_target"):
+            run_migration(broker.engine, "downgrade", _previous(head))
+        assert schema_is_current(broker.engine)  # the step was rolled back
+        with broker.engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM gpu_target WHERE job_id = 'no-such-job'")).scalar() == moved
+    finally:
+        broker.engine.dispose()
