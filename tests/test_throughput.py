@@ -144,6 +144,46 @@ def test_a_prior_says_whether_it_comes_from_the_same_training_or_the_pool_guess(
     assert out["c"].scaled(2.0).prior_source == "family"
 
 
+def test_a_training_never_measured_is_guessed_in_time_not_in_steps():
+    """With the jobs' remaining steps, a job of a training nobody measured is assumed to have as
+    much single-GPU time left as the measured job at the pool's lower quartile (here 400 s of
+    100, 400, 900 and 1,600 s), whatever its steps are worth: a million steps of a fast training
+    are not ranked as 1,000 times a slow training's thousand. A family's prior is not a guess and
+    stays; no measured job with steps left: the pool's median speed, as without remaining steps."""
+    from airflow_elastic_gpu.scheduling.throughput import with_pool_prior
+
+    models = {f"m{i}": ThroughputModel().with_sample(1, 10.0) for i in range(4)}
+    models |= {"done": ThroughputModel().with_sample(1, 10.0), "new-big": ThroughputModel(),
+               "new-small": ThroughputModel(), "rerun": ThroughputModel()}
+    remaining = {"m0": 1000.0, "m1": 4000.0, "m2": 9000.0, "m3": 16000.0, "done": 0.0,
+                 "new-big": 1_000_000.0, "new-small": 1000.0, "rerun": 500.0}
+    families = {"rerun": "nightly"}
+    out = with_pool_prior(models, families, {"nightly": ThroughputModel().with_sample(1, 2.0)}, remaining)
+    for job in ("new-big", "new-small"):
+        assert remaining[job] / out[job].steps_per_s(1) == pytest.approx(400.0)  # the lower quartile
+        assert out[job].prior_source == "pool" and not out[job].from_own_training
+    assert out["rerun"].steps_per_s(1) == pytest.approx(2.0) and out["rerun"].prior_source == "family"
+    assert all(out[f"m{i}"] is models[f"m{i}"] for i in range(4))
+    # no measured job with steps left: the pool's median speed
+    only_done = {"done": models["done"], "new": ThroughputModel()}
+    assert with_pool_prior(only_done, None, None, {"done": 0.0, "new": 5.0})["new"].steps_per_s(1) == 10.0
+
+
+def test_a_short_job_of_a_training_never_measured_is_not_ranked_behind_every_measured_job():
+    """The scheduling core gives the guess in time: a waiting job of a fast, never-measured training
+    (many cheap steps) is ranked among the measured jobs by time, not last by its step count, so
+    the GPU that frees goes to it before a long measured job's."""
+    nodes = (NodeState("n0", (0,)),)
+    long_run = JobBook("long", 1, 1, 100_000, 0.0, throughput=ThroughputModel().with_sample(1, 1.0))
+    waiting_long = JobBook("waiting-long", 1, 1, 50_000, 1.0, throughput=ThroughputModel().with_sample(1, 1.0))
+    short = [JobBook(f"s{i}", 1, 1, 100 * (i + 1), 2.0, throughput=ThroughputModel().with_sample(1, 1.0))
+             for i in range(3)]
+    ncf = JobBook("ncf", 1, 1, 5_000_000, 3.0)  # a million cheap steps: a few minutes
+    state = SchedulingCore(AdaptivePolicy(), 10.0).cluster_state(nodes, [long_run, waiting_long, *short, ncf], 10.0)
+    order = [j.job_id for j in AdaptivePolicy().rank(state)]
+    assert order.index("ncf") < order.index("waiting-long") < order.index("long")
+
+
 def test_a_job_takes_the_scaling_its_family_measured_beyond_its_own_samples():
     """A scheduled retraining's last run measured on 1, 4 and 8 GPUs (slower on 8: two nodes): its
     next run knows that before it runs there, scaled to its family's single-GPU speed, or through

@@ -14,7 +14,7 @@ Steps of one decision:
 2. Other running jobs start from ``min_gpus``; waiting jobs are admitted at ``min_gpus`` in
    rank order (priority, then least remaining work) while GPUs last, but with the pool setting
    ``admission_by_gain`` (on by default) only these: a job whose rank rests on a guess (not
-   measured, and no measured job of its training: the pool-median prior), one that has waited
+   measured, and no measured job of its training: the pool's guess), one that has waited
    ``admission_patience`` times its predicted run time on ``min_gpus``, one that ran before and
    was not suspended (a running job moved, e.g. to another GPU type), and one on the makespan's
    critical path (its remaining steps at its fastest predicted count, up to ``max_gpus`` or the

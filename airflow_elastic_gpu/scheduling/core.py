@@ -11,7 +11,8 @@ allocations lives in this module, as pure code over :class:`JobBook` values. Two
 What the core owns:
 
 * a job's book -> the :class:`~airflow_elastic_gpu.scheduling.state.JobState` a policy reads
-  (:meth:`JobBook.job_state`), with the pool-median prior for jobs not yet measured;
+  (:meth:`JobBook.job_state`), with a prior for jobs not yet measured (their family's, else a
+  guess from the pool's measured jobs, in time);
 * progress samples -> the job's throughput model (overall, and per GPU type the sample was
   measured on: :func:`gpu_type_of`) and measured restart overhead (:func:`record_progress`);
 * GPU-time accounting (:func:`account_gpu_time`) and the ack that moves a job's in-use set
@@ -250,8 +251,9 @@ class SchedulingCore:
     def cluster_state(self, nodes: Sequence[NodeState], books: Sequence[JobBook], now_s: float,
                       history: Mapping[str, ThroughputModel] | None = None,
                       history_by_type: Mapping[str, Mapping[str, ThroughputModel]] | None = None) -> ClusterState:
-        """The policy's input: every job's state, unmeasured jobs with their family's or the
-        pool-median prior (:func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`;
+        """The policy's input: every job's state, unmeasured jobs with their family's prior or the
+        pool's guess (:func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`, given
+        every job's remaining steps: a guess is made in time, not in steps;
         ``history``: family -> the throughput model of its last finished measured job), and on a
         pool of several GPU types its family's samples per type
         (:func:`~airflow_elastic_gpu.scheduling.throughput.with_family_by_type`;
@@ -268,7 +270,8 @@ class SchedulingCore:
             if any(m.node_gpus != node_gpus.get(t, largest) for t, m in b.throughput_by_type.items()):
                 b.throughput_by_type = {t: m.on_nodes_of(node_gpus.get(t, largest))
                                         for t, m in b.throughput_by_type.items()}
-        models = with_pool_prior({b.job_id: b.throughput for b in books}, families, history)
+        models = with_pool_prior({b.job_id: b.throughput for b in books}, families, history,
+                                 {b.job_id: max(0.0, b.total_steps - b.steps_done) for b in books})
         by_type: Mapping[str, Mapping[str, ThroughputModel] | None] = dict.fromkeys(models)
         if len({n.gpu_type for n in nodes if n.gpu_indices}) > 1:  # only a pool of several types reads them
             # the books' models know their type's node size already (above); a model made for a type

@@ -42,8 +42,8 @@ class ThroughputModel:
         in ``[0, 1)``; 0 means linear scaling.
     :param prior_steps_per_s: single-GPU throughput assumed before any sample.
     :param prior_source: where ``prior_steps_per_s`` comes from: ``"family"`` (measured jobs of the
-        same training: :func:`with_pool_prior`), ``"pool"`` (the pool's median measured job: a
-        guess), or ``""`` (the default). Not part of the model's value (equality ignores it).
+        same training: :func:`with_pool_prior`), ``"pool"`` (a guess from the pool's measured
+        jobs: :func:`with_pool_prior`), or ``""`` (the default). Not part of the model's value (equality ignores it).
     :param own_max_gpus: where ``observed`` ends with samples of the job's family (a prior,
         :func:`with_pool_prior`): the largest GPU count of the job's own samples (0: none); the
         samples above it are the family's. None: every sample is the job's own.
@@ -266,19 +266,29 @@ def with_pool_prior(
     models: dict[str, ThroughputModel],
     families: Mapping[str, str | None] | None = None,
     history: Mapping[str, ThroughputModel] | None = None,
+    remaining_steps: Mapping[str, float] | None = None,
 ) -> dict[str, ThroughputModel]:
-    """Give every job what its family measured beyond its own samples, else the pool's median as a
-    prior.
+    """Give every job what its family measured beyond its own samples, else a guess from the pool
+    as a prior.
 
     A job's **family** is the training it repeats (the broker: the job's family, ``dag_id.task_id``
     of a scheduled retraining's operator; the simulator: the trace job's model). Its measured jobs
     are the unfinished ones of the pool and ``history`` (the family's last finished job).
 
     * A job not yet measured is assumed as fast on one GPU as its family's median measured
-      unfinished job (else its last finished one), and otherwise as fast as the pool's median
-      measured job. The prior matters most for waiting jobs: the policy ranks them by predicted
-      remaining time (steps / throughput) before they have run, and steps of different
-      trainings differ by orders of magnitude (an NCF step is not a BERT step).
+      unfinished job (else its last finished one). The prior matters most for waiting jobs: the
+      policy ranks them by predicted remaining time (steps / throughput) before they have run.
+    * A job of a training never measured (no family, or none of it measured) is a guess. Steps of
+      different trainings differ by orders of magnitude (an NCF step is not a BERT step), so with
+      ``remaining_steps`` the guess is made in time, not in steps: the job is assumed to have as
+      much single-GPU time left as the pool's measured job at the lower quartile of remaining
+      single-GPU time (its prior speed: its remaining steps over that time). Least attained
+      service (Tiresias, Gu et al., NSDI'19) serves the jobs that have had no service first when
+      sizes are unknown, and the unfinished jobs of a pool over-represent long ones (they stay
+      longer); the pool's median speed in steps ranked a 5-minute NCF job behind every measured
+      job of a busy pool, where it waited hours (``docs/benchmarks.md``). Without
+      ``remaining_steps`` (or no measured job with steps left), the guess is the pool's median
+      measured single-GPU speed.
     * A job measured on fewer than two GPU counts also takes the samples of its family's job
       measured on the most counts (ties: up to the largest count) at the counts above its own,
       scaled through its own sample (the family job's throughput at that count, measured or
@@ -297,6 +307,8 @@ def with_pool_prior(
     :param models: job id -> model; not modified.
     :param families: job id -> family (``None``: none); default no families.
     :param history: family -> the model (its samples) of its last finished job.
+    :param remaining_steps: job id -> steps the job has left (>= 0), for every job of ``models``:
+        the guess for a training never measured is made in time (above).
     :returns: job id -> model (jobs measured on two counts or more, and jobs whose family knows
         nothing beyond their own sample, keep the same objects); a prior's ``prior_source`` says
         where it came from, and its ``own_max_gpus`` which samples are the family's.
@@ -307,6 +319,10 @@ def with_pool_prior(
     if not known_t1 and not history:
         return dict(models)
     pool = known_t1[len(known_t1) // 2] if known_t1 else None
+    # the guess in time: the lower quartile of the measured jobs' remaining single-GPU time (s)
+    left_s = sorted(remaining_steps[k] / m.steps_per_s(1) for k, m in models.items()
+                    if m.observed and remaining_steps[k] > 0) if remaining_steps is not None else []
+    guess_s = left_s[len(left_s) // 4] if left_s else None
     family_t1, family_curve = _family_samples(models, families, history)
 
     def prior(job_id: str, m: ThroughputModel) -> ThroughputModel:
@@ -320,9 +336,13 @@ def with_pool_prior(
         t1 = family_t1.get(family) if family is not None else None
         if t1 is not None and t1 > 0:
             return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=t1, prior_source="family")
-        if pool is None:
+        if guess_s is not None:
+            guess = max(remaining_steps[job_id], 1.0) / guess_s
+        elif pool is not None:
+            guess = pool
+        else:
             return m
-        return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=pool, prior_source="pool")
+        return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=guess, prior_source="pool")
 
     return {k: prior(k, m) for k, m in models.items()}
 
