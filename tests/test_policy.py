@@ -273,7 +273,7 @@ def test_with_admission_min_waiting_a_lone_waiting_job_starts_at_once():
 
 
 def test_a_job_ranked_on_a_guess_is_started_at_once_but_not_before_a_measured_shorter_one():
-    """A job whose throughput is the pool-median guess may be much shorter than it looks: it starts
+    """A job whose throughput is the pool's guess may be much shorter than it looks: it starts
     at its minimum as soon as GPUs are free (its first progress reports rank it), but only from
     GPUs that the starts of better-ranked measured jobs leave."""
     guess = ThroughputModel(prior_alpha=0.0, prior_steps_per_s=1.0, prior_source="pool")

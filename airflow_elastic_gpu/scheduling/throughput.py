@@ -282,11 +282,13 @@ def with_pool_prior(
       different trainings differ by orders of magnitude (an NCF step is not a BERT step), so with
       ``remaining_steps`` the guess is made in time, not in steps: the job is assumed to have as
       much single-GPU time left as the pool's measured job at the lower quartile of remaining
-      single-GPU time (its prior speed: its remaining steps over that time). Least attained
-      service (Tiresias, Gu et al., NSDI'19) serves the jobs that have had no service first when
-      sizes are unknown, and the unfinished jobs of a pool over-represent long ones (they stay
-      longer); the pool's median speed in steps ranked a 5-minute NCF job behind every measured
-      job of a busy pool, where it waited hours (``docs/benchmarks.md``). Without
+      single-GPU time (its prior speed: its remaining steps over that time; the jobs of one such
+      family share one speed, that of their median remaining steps, so they keep their order by
+      steps). Least attained service (Tiresias, Gu et al., NSDI'19) serves the jobs that have had
+      no service first when sizes are unknown, and the unfinished jobs of a pool over-represent
+      long ones (they stay longer); the pool's median speed in steps ranked a 5-minute NCF job
+      behind every measured job of a busy pool, where it waited hours (``docs/benchmarks.md``,
+      section 2). Without
       ``remaining_steps`` (or no measured job with steps left), the guess is the pool's median
       measured single-GPU speed.
     * A job measured on fewer than two GPU counts also takes the samples of its family's job
@@ -321,9 +323,18 @@ def with_pool_prior(
     pool = known_t1[len(known_t1) // 2] if known_t1 else None
     # the guess in time: the lower quartile of the measured jobs' remaining single-GPU time (s)
     left_s = sorted(remaining_steps[k] / m.steps_per_s(1) for k, m in models.items()
-                    if m.observed and remaining_steps[k] > 0) if remaining_steps is not None else []
+                    if m.observed and remaining_steps.get(k, 0.0) > 0) if remaining_steps is not None else []
     guess_s = left_s[len(left_s) // 4] if left_s else None
     family_t1, family_curve = _family_samples(models, families, history)
+    # one guessed speed per family (steps of one training compare, so its jobs keep their order by
+    # steps, ties by submit time): its guessed jobs' median remaining steps take guess_s
+    group_steps: dict[str | None, list[float]] = {}
+    if guess_s is not None:
+        for k, m in models.items():
+            family = families.get(k)
+            if not m.observed and (family is None or family not in family_t1):
+                group_steps.setdefault(family, []).append(max(remaining_steps.get(k, 0.0), 1.0))
+    group_speed = {f: sorted(steps)[len(steps) // 2] / guess_s for f, steps in group_steps.items()}
 
     def prior(job_id: str, m: ThroughputModel) -> ThroughputModel:
         family = families.get(job_id)
@@ -337,7 +348,7 @@ def with_pool_prior(
         if t1 is not None and t1 > 0:
             return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=t1, prior_source="family")
         if guess_s is not None:
-            guess = max(remaining_steps[job_id], 1.0) / guess_s
+            guess = group_speed[family]
         elif pool is not None:
             guess = pool
         else:
@@ -356,7 +367,7 @@ def with_family_by_type(
     """:func:`with_pool_prior`'s family samples on a pool of several GPU types, type by type: a job
     measured on fewer than two counts of a type (or not at all) takes the samples its family's
     job measured on the most counts of that type, above its own, scaled through its own sample
-    there (else to the family's median single-GPU throughput on the type). No pool-median prior
+    there (else to the family's median single-GPU throughput on the type). No pool guess
     here: a job no family job ran on a type has no model of that type (the policy scales its
     model from another type by relative speed).
 

@@ -8,9 +8,9 @@ included). The scheduler side is the real one:
 
 * **policy mode** (default): :class:`~.schedulers.PolicyScheduler` runs the broker's scheduling core
   (:mod:`airflow_elastic_gpu.scheduling.core`: two-phase publish/ack with generations,
-  throughput learnt online from progress samples, pool-median prior, restart overhead measured
-  from the first progress after a resize) in memory, rebalancing on submit/ack/finish and on a
-  period;
+  throughput learnt online from progress samples, the pool's guess for a training never
+  measured, restart overhead measured from the first progress after a resize) in memory,
+  rebalancing on submit/ack/finish and on a period;
 * **broker mode**: :class:`~.schedulers.BrokerScheduler` drives a real
   :class:`~airflow_elastic_gpu.broker.service.GpuBroker` (SQLite in memory)
   whose clock is the simulated one.
