@@ -294,3 +294,19 @@ def test_a_family_model_made_for_a_type_a_job_has_none_of_knows_that_type_s_node
     book = JobBook("next", 1, 8, 1000, 0.0, family="f")
     state = SchedulingCore(AdaptivePolicy(), 10.0).cluster_state(nodes, [book], 0.0, history_by_type={"f": last})
     assert {t: m.node_gpus for t, m in state.jobs[0].throughput_by_type.items()} == {"V100": 8, "K80": 4}
+
+
+def test_a_scaled_model_is_reused_for_the_same_factor_and_predicts_as_a_fresh_one():
+    """A waiting job's model on another GPU type is asked for on every decision: the same factor
+    gives the same model (its predictions kept), equal to one built afresh; the models kept per
+    base model are bounded (factors that drift, like the pool's speed ratios, do not pile up)."""
+    base = ThroughputModel(((1, 10.0), (2, 18.0), (8, 40.0)), node_gpus=4)
+    first = base.scaled(0.5)
+    assert base.scaled(0.5) is first and base.scaled(1.0) is base
+    fresh = ThroughputModel(((1, 5.0), (2, 9.0), (8, 20.0)), prior_steps_per_s=0.5, node_gpus=4)
+    assert first == fresh
+    assert [first.steps_per_s(n) for n in range(1, 17)] == pytest.approx([fresh.steps_per_s(n) for n in range(1, 17)])
+    for k in range(100):
+        base.scaled(1.0 + k / 1000)
+    assert len(base.__dict__["_scaled"]) <= 8
+    assert base == ThroughputModel(((1, 10.0), (2, 18.0), (8, 40.0)), node_gpus=4)  # the cache is not its value

@@ -115,11 +115,21 @@ class ThroughputModel:
             raise ValueError(f"factor must be > 0, got {factor!r}")
         if factor == 1.0:
             return self
-        model = object.__new__(ThroughputModel)  # valid by construction: skip the checks (hot path)
-        model.__dict__.update(observed=tuple([(n, t * factor) for n, t in self.observed]),
-                              prior_alpha=self.prior_alpha, prior_steps_per_s=self.prior_steps_per_s * factor,
-                              prior_source=self.prior_source, own_max_gpus=self.own_max_gpus,
-                              node_gpus=self.node_gpus)
+        # kept on this model for the next call with the same factor (a waiting job's model on
+        # another GPU type, asked again on every decision): its predictions are then reused
+        cache = self.__dict__.get("_scaled")
+        if cache is None:
+            cache = self.__dict__["_scaled"] = {}
+        model = cache.get(factor)
+        if model is None:
+            model = object.__new__(ThroughputModel)  # valid by construction: skip the checks (hot path)
+            model.__dict__.update(observed=tuple([(n, t * factor) for n, t in self.observed]),
+                                  prior_alpha=self.prior_alpha, prior_steps_per_s=self.prior_steps_per_s * factor,
+                                  prior_source=self.prior_source, own_max_gpus=self.own_max_gpus,
+                                  node_gpus=self.node_gpus)
+            if len(cache) >= 8:  # factors that drift (pool ratios): keep the latest few
+                cache.clear()
+            cache[factor] = model
         return model
 
     @cached_property
