@@ -145,27 +145,33 @@ def test_a_prior_says_whether_it_comes_from_the_same_training_or_the_pool_guess(
 
 
 def test_a_training_never_measured_is_guessed_in_time_not_in_steps():
-    """With the jobs' remaining steps, a job of a training nobody measured is assumed to have as
-    much single-GPU time left as the measured job at the pool's lower quartile (here 400 s of
-    100, 400, 900 and 1,600 s), whatever its steps are worth: a million steps of a fast training
-    are not ranked as 1,000 times a slow training's thousand. The jobs of one such training share
-    one speed (their median job's), so they keep their order by steps. A family's prior is not a
-    guess and stays; no measured job with steps left: the pool's median speed, as without
-    remaining steps."""
+    """With the jobs' remaining steps, a job of a training nobody measured is assumed to have at
+    most as much single-GPU time left as the measured job at the pool's lower quartile (here 400 s
+    of 100, 400, 900 and 1,600 s), whatever its steps are worth: a million steps of a fast training
+    are not ranked as 1,000 times a slow training's thousand. The shorter of that and its steps at
+    the pool's median speed counts. The jobs of one such training share one speed (their median
+    job's), so they keep their order by steps. A family's prior is not a guess and stays; no
+    measured job with steps left: the pool's median speed, as without remaining steps."""
     from airflow_elastic_gpu.scheduling.throughput import with_pool_prior
 
     models = {f"m{i}": ThroughputModel().with_sample(1, 10.0) for i in range(4)}
     models |= {"done": ThroughputModel().with_sample(1, 10.0), "new-big": ThroughputModel(),
                "new-small": ThroughputModel(), "rerun": ThroughputModel(), "x1": ThroughputModel(),
-               "x3": ThroughputModel()}
+               "x30": ThroughputModel()}
     remaining = {"m0": 1000.0, "m1": 4000.0, "m2": 9000.0, "m3": 16000.0, "done": 0.0,
-                 "new-big": 1_000_000.0, "new-small": 1000.0, "rerun": 500.0, "x1": 1000.0, "x3": 3000.0}
-    families = {"rerun": "nightly", "new-big": "ncf", "new-small": "bert", "x1": "x", "x3": "x"}
+                 "new-big": 1_000_000.0, "new-small": 1000.0, "rerun": 500.0, "x1": 1000.0, "x30": 30000.0}
+    families = {"rerun": "nightly", "new-big": "ncf", "new-small": "bert", "x1": "x", "x30": "x"}
     out = with_pool_prior(models, families, {"nightly": ThroughputModel().with_sample(1, 2.0)}, remaining)
-    for job in ("new-big", "new-small", "x3"):  # x3: the median of its training's two guessed jobs
-        assert remaining[job] / out[job].steps_per_s(1) == pytest.approx(400.0)  # the lower quartile
+
+    def left_s(job):
+        return remaining[job] / out[job].steps_per_s(1)
+
+    assert left_s("new-big") == pytest.approx(400.0)  # the lower quartile, not 100,000 s at 10 steps/s
+    assert left_s("new-small") == pytest.approx(100.0)  # its steps at the median speed: shorter
+    assert left_s("x30") == pytest.approx(400.0)  # the median of its training's two guessed jobs
+    assert left_s("x1") == pytest.approx(400.0 / 30)  # the same speed: a thirtieth of x30's steps
+    for job in ("new-big", "new-small", "x1", "x30"):
         assert out[job].prior_source == "pool" and not out[job].from_own_training
-    assert remaining["x1"] / out["x1"].steps_per_s(1) == pytest.approx(400.0 / 3)  # a third of x3's steps
     assert out["rerun"].steps_per_s(1) == pytest.approx(2.0) and out["rerun"].prior_source == "family"
     assert all(out[f"m{i}"] is models[f"m{i}"] for i in range(4))
     # no measured job with steps left: the pool's median speed

@@ -288,19 +288,19 @@ def with_pool_prior(
     * A job not yet measured is assumed as fast on one GPU as its family's median measured
       unfinished job (else its last finished one). The prior matters most for waiting jobs: the
       policy ranks them by predicted remaining time (steps / throughput) before they have run.
-    * A job of a training never measured (no family, or none of it measured) is a guess. Steps of
-      different trainings differ by orders of magnitude (an NCF step is not a BERT step), so with
-      ``remaining_steps`` the guess is made in time, not in steps: the job is assumed to have as
-      much single-GPU time left as the pool's measured job at the lower quartile of remaining
-      single-GPU time (its prior speed: its remaining steps over that time; the jobs of one such
-      family share one speed, that of their median remaining steps, so they keep their order by
-      steps). Least attained service (Tiresias, Gu et al., NSDI'19) serves the jobs that have had
-      no service first when sizes are unknown, and the unfinished jobs of a pool over-represent
-      long ones (they stay longer); the pool's median speed in steps ranked a 5-minute NCF job
-      behind every measured job of a busy pool, where it waited hours (``docs/benchmarks.md``,
-      section 2). Without
-      ``remaining_steps`` (or no measured job with steps left), the guess is the pool's median
-      measured single-GPU speed.
+    * A job of a training never measured (no family, or none of it measured) is a guess: as fast
+      on one GPU as the pool's median measured job. Steps of different trainings differ by orders
+      of magnitude (an NCF step is not a BERT step), so with ``remaining_steps`` the guess is also
+      made in time: the job is assumed to have at most as much single-GPU time left as the pool's
+      measured job at the lower quartile of remaining single-GPU time (its prior speed is then its
+      remaining steps over that time; the jobs of one such family share one speed, that of their
+      median remaining steps, so they keep their order by steps). Of the two remaining times the
+      shorter counts: least attained service (Tiresias, Gu et al., NSDI'19) serves the jobs that
+      have had no service first when sizes are unknown, and the unfinished jobs of a pool
+      over-represent long ones (they stay longer). The pool's median speed alone ranked a 5-minute
+      NCF job (millions of cheap steps) behind every measured job of a busy pool, where it waited
+      hours (``docs/benchmarks.md``, section 2). Without ``remaining_steps`` (or no measured job
+      with steps left), the guess is the pool's median measured single-GPU speed.
     * A job measured on fewer than two GPU counts also takes the samples of its family's job
       measured on the most counts (ties: up to the largest count) at the counts above its own,
       scaled through its own sample (the family job's throughput at that count, measured or
@@ -357,8 +357,8 @@ def with_pool_prior(
         t1 = family_t1.get(family) if family is not None else None
         if t1 is not None and t1 > 0:
             return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=t1, prior_source="family")
-        if guess_s is not None:
-            guess = group_speed[family]
+        if guess_s is not None:  # the shorter of the two remaining times: the faster speed
+            guess = max(group_speed[family], pool) if pool is not None else group_speed[family]
         elif pool is not None:
             guess = pool
         else:
