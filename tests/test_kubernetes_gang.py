@@ -150,6 +150,19 @@ def test_a_gang_is_created_resized_in_place_and_cleaned_up_together(cluster):
     assert api.pods == {} and api.services == {} and api.secrets == {}
 
 
+def test_a_gang_s_start_lists_its_pods_once(cluster):
+    """Each pod listing is a request to the API server: a gang's start lists the job's pods once
+    (to see whether one runs, whether it is a gang, and what to create), as a single pod's does."""
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit_gang(broker)
+    backend.start(job, context=CONTEXT)
+    assert api.listed == 1 and sorted(pods_by_node(api)) == list(NODES)
+    api.listed = 0
+    backend.sync(broker.job(job.id), context=CONTEXT)
+    assert api.listed == 1
+
+
 def test_a_gang_in_recreate_mode_replaces_every_pod_together(cluster):
     broker, api = cluster
     backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)

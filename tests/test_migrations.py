@@ -4,7 +4,7 @@ deployment goes through the same steps)."""
 
 import pytest
 from alembic.script import ScriptDirectory
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 
 from airflow_elastic_gpu.broker.db import _alembic_config, run_migration, schema_is_current
 from airflow_elastic_gpu.broker.service import GpuBroker
@@ -112,7 +112,8 @@ def test_a_sqlite_migration_that_would_leave_a_dangling_reference_is_refused_and
         head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
         with pytest.raises(RuntimeError, match="left rows that refer to missing ones.*gpu_target"):
             run_migration(broker.engine, "downgrade", _previous(head))
-        assert schema_is_current(broker.engine)  # the step was rolled back
+        assert schema_is_current(broker.engine)  # the step was rolled back: its index is still there
+        assert "ix_job_pool_family_end" in {ix["name"] for ix in inspect(broker.engine).get_indexes("job")}
         with broker.engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM gpu_target WHERE job_id = 'no-such-job'")).scalar() == moved
     finally:

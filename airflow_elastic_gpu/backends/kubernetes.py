@@ -373,7 +373,7 @@ class KubernetesBackend:
         """:meth:`sync`; ``pods``: the job's pods as :meth:`pods` listed them just now (one listing
         per call: the pods are listed again only after a deletion)."""
         if self.is_gang(job, pods):
-            return self.gang.sync(job, env=env, context=context)
+            return self.gang.sync(job, env=env, context=context, pods=pods)
         job_id = job.id
         target = self.broker.target(job_id)
         if target.status.terminal or not target.gpus:

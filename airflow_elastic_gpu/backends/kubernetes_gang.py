@@ -131,7 +131,7 @@ class GangPods:
         return self.backend.config.namespace
 
     def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
-             context: Mapping[str, str] | None = None) -> str:
+             context: Mapping[str, str] | None = None, pods: list[Any] | None = None) -> str:
         """Make the gang's pods match the broker's target; returns what it did: ``wait`` (no GPUs
         published), ``keep``, ``create`` (pods added: the first generation, or a growth to more
         nodes), ``recreate`` (the pods of an older generation replaced), ``shrink`` (pods of nodes
@@ -141,6 +141,8 @@ class GangPods:
         A node that has acked a generation and lost its pod gets no new one while no resize is
         under way (that is a failure, see :meth:`problem`); during a resize it does (a pod
         re-created mid-resize starts on the new generation and acks it).
+
+        ``pods``: the job's pods as the backend listed them just now (a start), else listed here.
 
         :raises BackendError: an API error other than 404/409.
         """
@@ -152,7 +154,8 @@ class GangPods:
         in_use_nodes = {g.node for g in job.in_use_gpus}
         resizing = job.acked_generation < target.generation
         self._ensure_service(job.id, context)
-        pods = b.pods(job.id)
+        if pods is None:
+            pods = b.pods(job.id)
         live = _live(pods)
         done: list[str] = []
         deleted: list[Any] = []
@@ -186,7 +189,7 @@ class GangPods:
             created = True
         if created and "recreate" not in done:
             done.insert(0, "create")
-        if resizing:
+        if resizing and in_use_nodes - set(nodes):  # nodes given up: are their pods gone?
             self._ack_gone_nodes(job, target.generation, nodes, in_use_nodes, b.pods(job.id))
         return "+".join(done) or "keep"
 
