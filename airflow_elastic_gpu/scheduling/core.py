@@ -12,7 +12,7 @@ What the core owns:
 
 * a job's book -> the :class:`~airflow_elastic_gpu.scheduling.state.JobState` a policy reads
   (:meth:`JobBook.job_state`), with a prior for jobs not yet measured (their family's, else a
-  guess from the pool's measured jobs, in time);
+  guess from the pool's measured jobs);
 * progress samples -> the job's throughput model (overall, and per GPU type the sample was
   measured on: :func:`gpu_type_of`) and measured restart overhead (:func:`record_progress`);
 * GPU-time accounting (:func:`account_gpu_time`) and the ack that moves a job's in-use set
@@ -253,7 +253,7 @@ class SchedulingCore:
                       history_by_type: Mapping[str, Mapping[str, ThroughputModel]] | None = None) -> ClusterState:
         """The policy's input: every job's state, unmeasured jobs with their family's prior or the
         pool's guess (:func:`~airflow_elastic_gpu.scheduling.throughput.with_pool_prior`, given
-        every job's remaining steps: a guess is made in time, not in steps;
+        every job's remaining steps: a guess is also made in time, not only in steps;
         ``history``: family -> the throughput model of its last finished measured job), and on a
         pool of several GPU types its family's samples per type
         (:func:`~airflow_elastic_gpu.scheduling.throughput.with_family_by_type`;

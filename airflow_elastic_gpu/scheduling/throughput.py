@@ -43,7 +43,8 @@ class ThroughputModel:
     :param prior_steps_per_s: single-GPU throughput assumed before any sample.
     :param prior_source: where ``prior_steps_per_s`` comes from: ``"family"`` (measured jobs of the
         same training: :func:`with_pool_prior`), ``"pool"`` (a guess from the pool's measured
-        jobs: :func:`with_pool_prior`), or ``""`` (the default). Not part of the model's value (equality ignores it).
+        jobs: :func:`with_pool_prior`), or ``""`` (the default). Not part of the model's value
+        (equality ignores it).
     :param own_max_gpus: where ``observed`` ends with samples of the job's family (a prior,
         :func:`with_pool_prior`): the largest GPU count of the job's own samples (0: none); the
         samples above it are the family's. None: every sample is the job's own.
