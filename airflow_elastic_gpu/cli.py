@@ -133,6 +133,11 @@ def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
 
 def cmd_nodes(args: argparse.Namespace) -> int:
     broker = _broker(args)
+    args.pool_given = args.pool is not None
+    if args.pool is None:
+        args.pool = DEFAULT_POOL
+    if args.action == "list" and args.pool_given:
+        _known_pool(broker, args.pool)
     if args.action == "add":
         if args.gpus is None:
             raise ValueError(f"`nodes add {args.name}` needs --gpus N (the node's GPU count)")
@@ -154,7 +159,9 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     table = Table(title="nodes")
     for col in ("pool", "node", "schedulable", "GPUs", "type", "in use"):
         table.add_column(col)
-    for n in broker.nodes():
+    # list: the pool named with --pool, else every pool; add/detect/kube-sync: every pool (the new
+    # node among them)
+    for n in broker.nodes(args.pool if args.action == "list" and args.pool_given else None):
         table.add_row(n.pool, n.name, "yes" if n.schedulable else "no", str(len(n.gpus)),
                       n.gpus[0].gpu_type if n.gpus else "-",
                       str(sum(g.in_use_by is not None for g in n.gpus)))
@@ -188,7 +195,14 @@ def cmd_pool(args: argparse.Namespace) -> int:
         if not sep:
             raise BrokerError(f"--param {item!r}: expected NAME=VALUE")
         params[key] = _param_value(item, key, value)
-    broker.configure_pool(args.pool, policy=args.policy, policy_params=params or None,
+    policy = args.policy
+    if params:
+        # --param adds to the parameters set before (one call per setting, as the README shows);
+        # another policy starts from its defaults
+        current, stored = broker.pool_settings(args.pool)
+        if policy is None or policy == current:
+            policy, params = current, {**stored, **params}
+    broker.configure_pool(args.pool, policy=policy, policy_params=params or None,
                           lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
     console.print(f"pool {args.pool!r}: policy {broker.pool_policy(args.pool)}")
     return 0
@@ -387,7 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("nodes", help="list nodes; add one; or detect this host's GPUs")
     p.add_argument("action", nargs="?", choices=["list", "add", "detect", "kube-sync"], default="list",
-                   help="kube-sync: register the Kubernetes cluster's GPU nodes (GPU feature discovery labels)")
+                   help="list (default): the nodes and their GPUs; add NAME --gpus N: register a node; "
+                        "detect: register this host's GPUs (nvidia-smi, else --virtual-gpus); kube-sync: "
+                        "register the Kubernetes cluster's GPU nodes (GPU feature discovery labels)")
     p.add_argument("--kubernetes-conn-id", default="kubernetes_default",
                    help="Airflow connection of the cluster (kube-sync)")
     p.add_argument("--label-selector", default="nvidia.com/gpu.present=true",
@@ -396,14 +412,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
     p.add_argument("--gpu-type", default="virtual", help="GPU model, e.g. \"NVIDIA H100\" (add)")
     p.add_argument("--virtual-gpus", type=int, default=None, help="virtual GPUs when none is found (detect)")
-    p.add_argument("--pool", default=DEFAULT_POOL, help=f"the nodes' GPU pool (default {DEFAULT_POOL!r})")
+    p.add_argument("--pool", default=None,
+                   help=f"add/detect/kube-sync: the nodes' GPU pool (default {DEFAULT_POOL!r}); "
+                        "list: only this pool's nodes (default every pool)")
     p.set_defaults(fn=cmd_nodes)
 
     p = sub.add_parser("pool", help="set a pool's policy and timing")
     p.add_argument("--pool", default=DEFAULT_POOL, help=f"the pool to configure (default {DEFAULT_POOL!r})")
     p.add_argument("--policy", default=None, help="adaptive (default), static or termination")
     p.add_argument("--param", action="append",
-                   help="policy parameter NAME=VALUE (a number, true or false), e.g. hysteresis=2 or suspend=true")
+                   help="policy parameter NAME=VALUE (a number, true or false), e.g. hysteresis=2 or "
+                        "suspend=true; added to those set before (a new --policy starts from its defaults)")
     p.add_argument("--lease-s", type=float, default=None,
                    help="seconds without a heartbeat after which a job is lost and its GPUs reclaimed")
     p.add_argument("--rebalance-interval-s", type=float, default=None,

@@ -231,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     console.print("[bold]4/4[/bold] summary")
     table, grew, shrank = summary_table(broker, jobs, title=f"{DAG_ID} run {run_id}: {state}")
     console.print(table)
+    # the project's virtual environment need not be activated: name its command
+    cli = os.path.relpath(Path(sys.executable).parent / "airflow-elastic-gpu")
     console.print(f"resizes: {grew} up, {shrank} down; every decision and its reason: "
-                  f"AIRFLOW_HOME={env['AIRFLOW_HOME']} airflow-elastic-gpu status")
+                  f"AIRFLOW_HOME={env['AIRFLOW_HOME']} {cli} status")
     console.print(f"Airflow UI: http://localhost:{PORT} (no login: every user is admin in this demo); "
                   "stop it with [bold]make demo-stop[/bold]")
     ok = state == "success" and all(j.status.value == "succeeded" for j in jobs)

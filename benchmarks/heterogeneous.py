@@ -26,6 +26,7 @@ import json
 import math
 import os
 import statistics
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -103,11 +104,13 @@ def report_decision_time(d: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one cluster, one window, load 1.0, seed 0 (a smoke run)")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None,
+                    help=f"folder for the results (default {OUT}; with --quick a new temporary folder, so that a "
+                         "smoke run does not overwrite the committed figures)")
     ap.add_argument("--decision-time-only", action="store_true",
                     help="only re-measure the decision time and update heterogeneous_summary.json")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out or (tempfile.mkdtemp(prefix=f"{Path(__file__).stem}-quick-") if args.quick else OUT))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "heterogeneous_summary.json"
     if args.decision_time_only:

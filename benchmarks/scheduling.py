@@ -35,6 +35,7 @@ import json
 import math
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -257,14 +258,16 @@ def geomean_table(title: str, by_wl: dict[str, dict[str, dict]], wls: list[str],
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one seed, load 1.0, no raw traces (a smoke run)")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None,
+                    help=f"folder for the results (default {OUT}; with --quick a new temporary folder, so that a "
+                         "smoke run does not overwrite the committed figures)")
     ap.add_argument("--decision-time-only", action="store_true",
                     help="only re-measure the decision time and update scheduling_summary.json")
     ap.add_argument("--no-raw", action="store_true", help="skip the raw-trace replays on 256 GPUs")
     ap.add_argument("--sweep-only", action="store_true",
                     help="only re-run the re-creation cost sweep and update scheduling_summary.json")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out or (tempfile.mkdtemp(prefix=f"{Path(__file__).stem}-quick-") if args.quick else OUT))
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep_only:
         path = out / "scheduling_summary.json"

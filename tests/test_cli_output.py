@@ -74,3 +74,41 @@ def test_pool_params_from_the_command_line_keep_their_types(tmp_path, monkeypatc
                  "--param", "hysteresis=1.5"]) == 0
     out = capsys.readouterr().out
     assert "suspend=True" in out and "max_suspensions_per_hour=3," in out and "hysteresis=1.5" in out
+
+
+def test_each_pool_param_call_adds_to_the_parameters_set_before(tmp_path, monkeypatch, capsys):
+    """The README sets pool parameters one call at a time (suspension, then admission): a later
+    `pool --param` keeps the earlier ones; another --policy starts from its own defaults."""
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    assert main(["nodes", "add", "n1", "--gpus", "2"]) == 0
+    assert main(["pool", "--param", "suspend=true"]) == 0
+    assert main(["pool", "--param", "admission_by_gain=false", "--lease-s", "90"]) == 0
+    broker = GpuBroker(url)
+    assert broker.pool_settings() == ("adaptive", {"suspend": True, "admission_by_gain": False})
+    assert broker.pool_policy().suspend and not broker.pool_policy().admission_by_gain
+    assert main(["pool", "--policy", "adaptive", "--param", "hysteresis=1"]) == 0  # the same policy: kept
+    assert broker.pool_settings()[1] == {"suspend": True, "admission_by_gain": False, "hysteresis": 1}
+    assert main(["pool", "--policy", "static"]) == 0  # another policy: its defaults
+    assert broker.pool_settings() == ("static", {})
+    broker.engine.dispose()
+    capsys.readouterr()
+
+
+def test_nodes_list_shows_the_pool_it_is_given(tmp_path, monkeypatch, capsys):
+    from airflow_elastic_gpu.cli import main
+
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", f"sqlite:///{tmp_path / 'b.db'}")
+    assert main(["nodes", "add", "a-node", "--gpus", "2"]) == 0
+    assert main(["nodes", "add", "b-node", "--gpus", "2", "--pool", "other"]) == 0
+    capsys.readouterr()
+    assert main(["nodes", "list", "--pool", "other"]) == 0
+    out = capsys.readouterr().out
+    assert "b-node" in out and "a-node" not in out
+    assert main(["nodes"]) == 0
+    out = capsys.readouterr().out
+    assert "a-node" in out and "b-node" in out
+    assert main(["nodes", "list", "--pool", "nope"]) != 0
+    assert "unknown GPU pool 'nope'; known pools: default, other" in capsys.readouterr().err

@@ -161,6 +161,20 @@ class Queries(Rebalancing):
 
         return self._read(read)
 
+    def pool_settings(self, pool: str = DEFAULT_POOL) -> tuple[str, dict[str, Any]]:
+        """``(policy name, policy parameters)`` as set for ``pool`` (parameters not set are absent:
+        the policy's defaults apply).
+
+        :raises NotFound: unknown pool.
+        """
+        def read(s: Session) -> tuple[str, dict[str, Any]]:
+            row = s.get(GpuPool, pool)
+            if row is None:
+                raise NotFound(f"unknown GPU pool {pool!r}")
+            return row.policy, dict(row.policy_params or {})
+
+        return self._read(read)
+
     def pools(self) -> list[str]:
         return self._read(lambda s: list(s.scalars(select(GpuPool.name).order_by(GpuPool.name))))
 
