@@ -196,9 +196,9 @@ def cmd_pool(args: argparse.Namespace) -> int:
             raise BrokerError(f"--param {item!r}: expected NAME=VALUE")
         params[key] = _param_value(item, key, value)
     policy = args.policy
-    if params:
-        # --param adds to the parameters set before (one call per setting, as the README shows);
-        # another policy starts from its defaults
+    if params or policy is not None:
+        # --param adds to the parameters set before (one call per setting, as the README shows),
+        # and naming the pool's own policy again keeps them; another policy starts from its defaults
         current, stored = broker.pool_settings(args.pool)
         if policy is None or policy == current:
             policy, params = current, {**stored, **params}

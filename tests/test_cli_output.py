@@ -91,6 +91,8 @@ def test_each_pool_param_call_adds_to_the_parameters_set_before(tmp_path, monkey
     assert broker.pool_policy().suspend and not broker.pool_policy().admission_by_gain
     assert main(["pool", "--policy", "adaptive", "--param", "hysteresis=1"]) == 0  # the same policy: kept
     assert broker.pool_settings()[1] == {"suspend": True, "admission_by_gain": False, "hysteresis": 1}
+    assert main(["pool", "--policy", "adaptive", "--rebalance-interval-s", "20"]) == 0
+    assert broker.pool_settings()[1] == {"suspend": True, "admission_by_gain": False, "hysteresis": 1}
     assert main(["pool", "--policy", "static"]) == 0  # another policy: its defaults
     assert broker.pool_settings() == ("static", {})
     broker.engine.dispose()
