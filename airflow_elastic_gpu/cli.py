@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -37,73 +37,14 @@ from airflow_elastic_gpu.broker.types import (
     JobSpec,
     JobView,
     NotFound,
-    PoolSnapshot,
 )
 from airflow_elastic_gpu.cli_simulator import add_simulator_commands
 from airflow_elastic_gpu.cli_simulator import console as simulator_console
+from airflow_elastic_gpu.cli_views import full_width_unless_terminal, jobs_table, snapshot_view
 from airflow_elastic_gpu.config import default_broker_url, default_work_dir, get_option, mask_url
 
 console = Console()
 notes = Console(stderr=True)
-
-UNWRAPPED_WIDTH = 1000
-"""Columns given to rich when output goes to a file or a pipe: tables at their natural width, never cut
-to the 80 columns rich assumes when it cannot ask a terminal."""
-
-
-def _full_width_unless_terminal(*consoles: Console) -> None:
-    for c in consoles:
-        if not c.is_terminal:
-            c.width = UNWRAPPED_WIDTH
-
-
-def _fmt_s(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:,.1f}"
-
-
-def jobs_table(jobs: list[JobView] | tuple[JobView, ...], title: str = "jobs") -> Table:
-    table = Table(title=title)
-    for col in ("job", "name", "status", "GPUs", "min-max", "step", "gen", "resizes", "JCT s",
-                "GPU-s", "accuracy"):
-        table.add_column(col, justify="right" if col not in ("job", "name", "status") else "left")
-    for j in jobs:
-        acc = (j.metrics or {}).get("accuracy")
-        table.add_row(
-            j.id[:8], j.name, j.status.value, str(len(j.in_use_gpus or j.target_gpus)),
-            f"{j.min_gpus}-{j.max_gpus}", f"{j.steps_done:,.0f}/{j.total_steps:,}",
-            f"{j.acked_generation}/{j.target_generation}", str(j.num_resizes), _fmt_s(j.jct_s),
-            f"{j.gpu_seconds:,.0f}", "-" if acc is None else f"{acc:.3f}",
-        )
-    return table
-
-
-def snapshot_view(snap: PoolSnapshot) -> Group:
-    """The pool as a GPU grid (which job holds which GPU), the jobs, and the latest events."""
-    names = {j.id: j.name for j in snap.jobs}
-    grid = Table(title=f"GPU pool {snap.pool!r}")
-    grid.add_column("node")
-    width = max((len(n.gpus) for n in snap.nodes), default=0)
-    for i in range(width):
-        grid.add_column(f"GPU {i}")
-    for node in snap.nodes:
-        cells = []
-        for g in node.gpus:
-            holder = g.in_use_by or g.target_of
-            label = names.get(holder, "") if holder else "[dim]free[/dim]"
-            if g.target_of and g.target_of != g.in_use_by:
-                label += " [yellow](→)[/yellow]"
-            cells.append(label)
-        grid.add_row(node.name + ("" if node.schedulable else " [red](drained)[/red]"), *cells)
-    events = Table(title="latest events")
-    events.add_column("time")
-    events.add_column("job")
-    events.add_column("event")
-    events.add_column("message", overflow="fold")
-    for e in snap.events[-10:]:
-        events.add_row(time.strftime("%H:%M:%S", time.localtime(e.time_s)),
-                       names.get(e.job_id or "", ""), e.kind, e.message)
-    return Group(grid, jobs_table(list(snap.jobs)), events)
-
 
 CLI_RECONNECT_DEADLINE_S = 10.0
 """A command gives up on an unreachable database after this long (agents and triggers wait longer)."""
@@ -498,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _full_width_unless_terminal(console, notes, simulator_console)
+    full_width_unless_terminal(console, notes, simulator_console)
     try:
         return args.fn(args)
     except (BrokerError, BackendError, ValueError) as exc:

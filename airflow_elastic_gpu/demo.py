@@ -26,7 +26,7 @@ from sqlalchemy.engine import make_url
 
 from airflow_elastic_gpu.broker.history import applied_resizes
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.cli import UNWRAPPED_WIDTH, snapshot_view
+from airflow_elastic_gpu.cli_views import UNWRAPPED_WIDTH, snapshot_view
 from airflow_elastic_gpu.config import ENV_BROKER_URL, ENV_WORK_DIR, default_broker_url
 from airflow_elastic_gpu.states import EventKind
 

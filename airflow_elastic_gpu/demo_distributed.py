@@ -46,7 +46,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.cli import snapshot_view
+from airflow_elastic_gpu.cli_views import snapshot_view
 from airflow_elastic_gpu.config import ENV_BROKER_URL, ENV_WORK_DIR
 from airflow_elastic_gpu.demo import parse_run_id
 from airflow_elastic_gpu.demo_distributed_report import (

@@ -1,0 +1,73 @@
+"""What the CLI and the demos print of the broker: the jobs table and the pool's live view (rich).
+
+Kept apart from the command-line parsing and the commands (:mod:`airflow_elastic_gpu.cli`) so that the
+demos draw the same views without the CLI.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from airflow_elastic_gpu.broker.types import JobView, PoolSnapshot
+
+UNWRAPPED_WIDTH = 1000
+"""Columns given to rich when output goes to a file or a pipe: tables at their natural width, never cut
+to the 80 columns rich assumes when it cannot ask a terminal."""
+
+
+def full_width_unless_terminal(*consoles: Console) -> None:
+    """Give each console that does not write to a terminal :data:`UNWRAPPED_WIDTH` columns."""
+    for c in consoles:
+        if not c.is_terminal:
+            c.width = UNWRAPPED_WIDTH
+
+
+def _fmt_s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:,.1f}"
+
+
+def jobs_table(jobs: list[JobView] | tuple[JobView, ...], title: str = "jobs") -> Table:
+    table = Table(title=title)
+    for col in ("job", "name", "status", "GPUs", "min-max", "step", "gen", "resizes", "JCT s",
+                "GPU-s", "accuracy"):
+        table.add_column(col, justify="right" if col not in ("job", "name", "status") else "left")
+    for j in jobs:
+        acc = (j.metrics or {}).get("accuracy")
+        table.add_row(
+            j.id[:8], j.name, j.status.value, str(len(j.in_use_gpus or j.target_gpus)),
+            f"{j.min_gpus}-{j.max_gpus}", f"{j.steps_done:,.0f}/{j.total_steps:,}",
+            f"{j.acked_generation}/{j.target_generation}", str(j.num_resizes), _fmt_s(j.jct_s),
+            f"{j.gpu_seconds:,.0f}", "-" if acc is None else f"{acc:.3f}",
+        )
+    return table
+
+
+def snapshot_view(snap: PoolSnapshot) -> Group:
+    """The pool as a GPU grid (which job holds which GPU), the jobs, and the latest events."""
+    names = {j.id: j.name for j in snap.jobs}
+    grid = Table(title=f"GPU pool {snap.pool!r}")
+    grid.add_column("node")
+    width = max((len(n.gpus) for n in snap.nodes), default=0)
+    for i in range(width):
+        grid.add_column(f"GPU {i}")
+    for node in snap.nodes:
+        cells = []
+        for g in node.gpus:
+            holder = g.in_use_by or g.target_of
+            label = names.get(holder, "") if holder else "[dim]free[/dim]"
+            if g.target_of and g.target_of != g.in_use_by:
+                label += " [yellow](→)[/yellow]"
+            cells.append(label)
+        grid.add_row(node.name + ("" if node.schedulable else " [red](drained)[/red]"), *cells)
+    events = Table(title="latest events")
+    events.add_column("time")
+    events.add_column("job")
+    events.add_column("event")
+    events.add_column("message", overflow="fold")
+    for e in snap.events[-10:]:
+        events.add_row(time.strftime("%H:%M:%S", time.localtime(e.time_s)),
+                       names.get(e.job_id or "", ""), e.kind, e.message)
+    return Group(grid, jobs_table(list(snap.jobs)), events)
