@@ -273,13 +273,11 @@ class SchedulingCore:
         models = with_pool_prior({b.job_id: b.throughput for b in books}, families, history,
                                  {b.job_id: max(0.0, b.total_steps - b.steps_done) for b in books})
         by_type: Mapping[str, Mapping[str, ThroughputModel] | None] = dict.fromkeys(models)
-        if len({n.gpu_type for n in nodes if n.gpu_indices}) > 1:  # only a pool of several types reads them
+        if len(node_gpus) > 1:  # only a pool of several types reads them
             # the books' models know their type's node size already (above); a model made for a type
             # a job has none of is given it there (a type no longer in the pool: the largest node's)
-            own = {b.job_id: b.throughput_by_type for b in books}
-            known = {t for d in own.values() for t in d} | {t for d in (history_by_type or {}).values() for t in d}
-            by_type = with_family_by_type(own, families, history_by_type,
-                                          {t: node_gpus.get(t, largest) for t in known})
+            by_type = with_family_by_type({b.job_id: b.throughput_by_type for b in books}, families,
+                                          history_by_type, node_gpus, largest)
         return ClusterState(
             tuple(nodes),
             tuple(b.job_state(now_s, self.default_restart_overhead_s, models[b.job_id], by_type[b.job_id])

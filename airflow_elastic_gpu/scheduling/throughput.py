@@ -337,17 +337,9 @@ def with_pool_prior(
                     if m.observed and remaining_steps.get(k, 0.0) > 0) if remaining_steps is not None else []
     guess_s = left_s[len(left_s) // 4] if left_s else None
     family_t1, family_curve = _family_samples(models, families, history)
-    # one guessed speed per family (steps of one training compare, so its jobs keep their order by
-    # steps, ties by submit time): its guessed jobs' median remaining steps take guess_s
-    group_steps: dict[str | None, list[float]] = {}
-    if guess_s is not None:
-        for k, m in models.items():
-            family = families.get(k)
-            if not m.observed and (family is None or family not in family_t1):
-                group_steps.setdefault(family, []).append(max(remaining_steps.get(k, 0.0), 1.0))
-    group_speed = {f: sorted(steps)[len(steps) // 2] / guess_s for f, steps in group_steps.items()}
 
-    def prior(job_id: str, m: ThroughputModel) -> ThroughputModel:
+    def prior(job_id: str, m: ThroughputModel) -> ThroughputModel | None:
+        """The job's model with its family's samples or prior; None: a guess (made below)."""
         family = families.get(job_id)
         if family is not None and family in family_curve:
             extended = _with_family(m, family_curve[family], family_t1[family])
@@ -358,15 +350,29 @@ def with_pool_prior(
         t1 = family_t1.get(family) if family is not None else None
         if t1 is not None and t1 > 0:
             return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=t1, prior_source="family")
-        if guess_s is not None:  # the shorter of the two remaining times: the faster speed
-            guess = max(group_speed[family], pool) if pool is not None else group_speed[family]
+        return None
+
+    out = {k: prior(k, m) for k, m in models.items()}
+    # the guesses: one speed per family (steps of one training compare, so its jobs keep their order
+    # by steps, ties by submit time), its guessed jobs' median remaining steps taking guess_s, or the
+    # pool's median speed where that is faster (the shorter of the two remaining times)
+    guessed: dict[str | None, list[str]] = {}
+    for k, p in out.items():
+        if p is None:
+            guessed.setdefault(families.get(k), []).append(k)
+    for ids in guessed.values():
+        if guess_s is not None:
+            steps = sorted(max(remaining_steps.get(k, 0.0), 1.0) for k in ids)
+            guess = steps[len(steps) // 2] / guess_s
+            guess = max(guess, pool) if pool is not None else guess
         elif pool is not None:
             guess = pool
         else:
-            return m
-        return ThroughputModel(prior_alpha=m.prior_alpha, prior_steps_per_s=guess, prior_source="pool")
-
-    return {k: prior(k, m) for k, m in models.items()}
+            out.update((k, models[k]) for k in ids)
+            continue
+        for k in ids:
+            out[k] = ThroughputModel(prior_alpha=models[k].prior_alpha, prior_steps_per_s=guess, prior_source="pool")
+    return out
 
 
 def with_family_by_type(
@@ -374,6 +380,7 @@ def with_family_by_type(
     families: Mapping[str, str | None],
     history_by_type: Mapping[str, Mapping[str, ThroughputModel]] | None = None,
     node_gpus: Mapping[str, int] | None = None,
+    other_node_gpus: int = 0,
 ) -> dict[str, dict[str, ThroughputModel]]:
     """:func:`with_pool_prior`'s family samples on a pool of several GPU types, type by type: a job
     measured on fewer than two counts of a type (or not at all) takes the samples its family's
@@ -388,6 +395,7 @@ def with_family_by_type(
     :param node_gpus: GPU type -> GPUs of its largest node: the node size
         (:attr:`ThroughputModel.node_gpus`) of a model made for a type the job has no model of (a
         model extended from the job's own keeps the job's); default 0 (not known).
+    :param other_node_gpus: the node size for a type ``node_gpus`` does not name (0: not known).
     :returns: job id -> GPU type -> model (a job's own models where its family adds nothing).
     """
     history_by_type = history_by_type or {}
@@ -395,7 +403,7 @@ def with_family_by_type(
     types = sorted({t for d in by_type.values() for t in d} | {t for d in history_by_type.values() for t in d})
     out = {job_id: dict(d) for job_id, d in by_type.items()}
     for t in types:
-        unmeasured = ThroughputModel(node_gpus=node_gpus.get(t, 0))
+        unmeasured = ThroughputModel(node_gpus=node_gpus.get(t, other_node_gpus))
         on_t = {job_id: d[t] for job_id, d in by_type.items() if t in d}
         last = {f: d[t] for f, d in history_by_type.items() if t in d}
         family_t1, family_curve = _family_samples(on_t, families, last)
