@@ -152,14 +152,8 @@ class Queries(Rebalancing):
         """
         if self.policy_override is not None:
             return self.policy_override
-
-        def read(s: Session) -> Policy:
-            row = s.get(GpuPool, pool)
-            if row is None:
-                raise NotFound(f"unknown GPU pool {pool!r}")
-            return get_policy(row.policy, **(row.policy_params or {}))
-
-        return self._read(read)
+        name, params = self.pool_settings(pool)
+        return get_policy(name, **params)
 
     def pool_settings(self, pool: str = DEFAULT_POOL) -> tuple[str, dict[str, Any]]:
         """``(policy name, policy parameters)`` as set for ``pool`` (parameters not set are absent:
