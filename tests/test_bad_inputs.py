@@ -109,6 +109,19 @@ def test_broker_calls_with_bad_arguments_name_the_problem_and_change_nothing(bro
     assert state(broker) == before
 
 
+def test_parameters_given_alone_are_checked_against_the_pools_own_policy(broker):
+    """A static pool's parameters are static's: adaptive's hysteresis would have been stored and
+    then failed every rebalance of the pool."""
+    broker.configure_pool(policy="static")
+    before = state(broker)
+    with pytest.raises(InvalidRequest, match="bad parameters for policy 'static'"):
+        broker.configure_pool(policy_params={"hysteresis": 1.0})
+    assert state(broker) == before
+    assert broker.pool_settings() == ("static", {})
+    job = broker.submit(JobSpec("j", "python train.py", 1, 2, total_steps=5))
+    assert len(broker.job(job.id).target_gpus) == 2  # the pool still schedules, on its request
+
+
 @pytest.mark.parametrize("step", [-1.0, math.nan, math.inf])
 def test_progress_rejects_impossible_steps(broker, step):
     job = broker.submit(JobSpec("j", "python train.py", 1, 1, total_steps=5))

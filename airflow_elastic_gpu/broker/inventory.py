@@ -120,21 +120,16 @@ class Inventory(Lifecycle):
         """Set a pool's scheduling policy (by name, with parameters), heartbeat lease and rebalance
         period (seconds, finite, > 0).
 
+        ``policy_params`` replaces the parameters set before (the CLI's ``pool --param`` adds to
+        them); given without ``policy``, they are checked against the pool's own policy.
+
         :raises InvalidRequest: unknown or preemptive policy, bad parameters, or a bad period.
         :raises NotFound: unknown pool.
         """
-        if policy is not None or policy_params is not None:
-            if policy_params is not None and not isinstance(policy_params, dict):
-                raise InvalidRequest(f"policy_params must be a dict, got {type(policy_params).__name__}")
-            try:
-                chosen = get_policy(policy or "adaptive", **(policy_params or {}))
-            except ValueError as exc:
-                raise InvalidRequest(str(exc)) from None
-            if getattr(chosen, "preemptive", False):
-                raise InvalidRequest(
-                    f"policy {chosen.name!r} preempts running jobs (takes all their GPUs), which the "
-                    "broker never does; it is available in the simulator only"
-                )
+        if policy_params is not None and not isinstance(policy_params, dict):
+            raise InvalidRequest(f"policy_params must be a dict, got {type(policy_params).__name__}")
+        if policy is not None:
+            _check_policy(policy, policy_params)
         for name, value in (("lease_s", lease_s), ("rebalance_interval_s", rebalance_interval_s)):
             if value is None:
                 continue
@@ -150,6 +145,7 @@ class Inventory(Lifecycle):
                     row.policy = policy
                     row.policy_params = policy_params
                 elif policy_params is not None:
+                    _check_policy(row.policy, policy_params)
                     row.policy_params = policy_params
                 if lease_s is not None:
                     row.lease_s = float(lease_s)
@@ -161,3 +157,17 @@ class Inventory(Lifecycle):
 
         self._retrying(run)
         self._serve_rebalance(pool)
+
+
+def _check_policy(name: str, params: dict[str, Any] | None) -> None:
+    """:raises InvalidRequest: ``name`` is not a policy the broker runs, or ``params`` are not its
+    parameters."""
+    try:
+        chosen = get_policy(name, **(params or {}))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if getattr(chosen, "preemptive", False):
+        raise InvalidRequest(
+            f"policy {chosen.name!r} preempts running jobs (takes all their GPUs), which the "
+            "broker never does; it is available in the simulator only"
+        )
