@@ -332,12 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect and drive the GPU broker from a terminal, run a training as an elastic job on "
                     "this host, and simulate scheduling policies on job traces.",
         epilog="The broker database is --broker-url, else $AIRFLOW_ELASTIC_GPU_BROKER_URL, else "
+               "[elastic_gpu] broker_url in airflow.cfg, else "
                "elastic_gpu_broker.db (SQLite) in $AIRFLOW_HOME (~/airflow when unset). "
                "run-local, jobs and status say which database and job directory they use.",
     )
     parser.add_argument("--broker-url", default=None,
-                        help="broker DB URL (default: $AIRFLOW_ELASTIC_GPU_BROKER_URL or a SQLite file "
-                             "under $AIRFLOW_HOME)")
+                        help="broker DB URL (default: $AIRFLOW_ELASTIC_GPU_BROKER_URL, else [elastic_gpu] "
+                             "broker_url in airflow.cfg, else a SQLite file under $AIRFLOW_HOME)")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("nodes", help="list nodes; add one; or detect this host's GPUs")
@@ -449,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         url = mask_url(getattr(args, "broker_url", None) or default_broker_url())
         first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
         notes.print(f"[red]error:[/red] cannot reach the broker database {escape(url)}: {escape(first)}. "
-                    "Check that the server runs and the URL (--broker-url or $AIRFLOW_ELASTIC_GPU_BROKER_URL) "
+                    "Check that the server runs and the URL (--broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or "
+                    "[elastic_gpu] broker_url) "
                     "is right.", soft_wrap=True, highlight=False)
         return 2
 

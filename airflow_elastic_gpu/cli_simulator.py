@@ -43,6 +43,8 @@ def comparison_table(summaries: list[dict[str, Any]], baseline: str = "static") 
     table = Table(
         title="policies compared" + (f" (x: ratio to {baseline}; LB: lower bound; slow: slowdown; "
                                      "rho: finish-time fairness)" if base else ""),
+        caption="static: the Kubernetes default scheduler (each job on its request until it ends)"
+        if any(s["policy"] == "static" for s in summaries) else None,
     )
     for col in ("policy", "JCT h", "p99 h", "mksp h", "queue h", "util", "resizes",
                 "JCT/LB", "max slow", "max rho", "rho>1", "JCT x", "mksp x"):

@@ -283,7 +283,7 @@ def test_workload_generator_cuts_a_paper_scale_workload():
         assert j.model in expected
 
 
-def test_cli_workload_and_simulate_write_csvs_and_plots(tmp_path):
+def test_cli_workload_and_simulate_write_csvs_and_plots(tmp_path, capsys):
     wl = tmp_path / "w.csv"
     assert cli_main(["workload", "--trace", str(bundled_data("itp_cluster02_day27_3d.csv")),
                      "--gpus", "8", "--hours", "4", "--seed", "2", "--out", str(wl)]) == 0
@@ -297,6 +297,7 @@ def test_cli_workload_and_simulate_write_csvs_and_plots(tmp_path):
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert [r["policy"] for r in rows] == ["adaptive", "static"]
     assert (out / "jct_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    assert "static: the Kubernetes default scheduler" in " ".join(capsys.readouterr().out.split())
 
 
 def write_rows(path, header, *rows):
