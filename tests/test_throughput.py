@@ -179,6 +179,28 @@ def test_a_training_never_measured_is_guessed_in_time_not_in_steps():
     assert with_pool_prior(only_done, None, None, {"done": 0.0, "new": 5.0})["new"].steps_per_s(1) == 10.0
 
 
+def test_guesses_of_two_trainings_never_measured_that_land_on_one_time_rank_by_submit_time():
+    """Two never-measured trainings guessed at the same remaining time (the lower quartile, 400 s)
+    are ranked by submit time: their times are worked out through different speeds (steps over
+    400 s, then steps over that speed), which can differ in the last bit of a float, and must not
+    decide the order."""
+    from airflow_elastic_gpu.scheduling.state import ClusterState, JobState
+    from airflow_elastic_gpu.scheduling.throughput import with_pool_prior
+
+    measured = {f"m{i}": ThroughputModel().with_sample(1, 10.0) for i in range(4)}
+    remaining = {"m0": 1000.0, "m1": 4000.0, "m2": 9000.0, "m3": 16000.0,
+                 "early": 1_000_005.0, "late": 1_000_004.0}  # each lands on 400 s, up to rounding
+    out = with_pool_prior({**measured, "early": ThroughputModel(), "late": ThroughputModel()},
+                          {"early": "ncf", "late": "recsys"}, None, remaining)
+    assert remaining["early"] / out["early"].steps_per_s(1) == pytest.approx(400.0)
+    assert remaining["late"] / out["late"].steps_per_s(1) == pytest.approx(400.0)
+    submitted = {"early": 1.0, "late": 5.0}
+    jobs = tuple(JobState(k, 1, 1, int(remaining[k]), submit_time_s=submitted.get(k, 0.0), throughput=out[k])
+                 for k in ("late", "early"))
+    order = AdaptivePolicy().rank(ClusterState((NodeState("n0", (0,)),), jobs, 10.0))
+    assert [j.job_id for j in order] == ["early", "late"]
+
+
 def test_a_short_job_of_a_training_never_measured_is_not_ranked_behind_every_measured_job():
     """The scheduling core gives the guess in time: a waiting job of a fast, never-measured training
     (many cheap steps) is ranked among the measured jobs by time, not last by its step count, so

@@ -163,10 +163,12 @@ class AdaptivePolicy:
         """:meth:`rank`'s order, and each ranked job's ``remaining_time_s(1)`` (seconds), computed once."""
         jobs = cluster.jobs
         # remaining_time_s(1), inlined (a decision ranks every job): steps left / steps/s on one GPU
-        keys = [(-j.priority, max(0.0, j.total_steps - j.steps_done) / j.throughput.steps_per_s(1),
-                 j.submit_time_s, j.job_id) for j in jobs]
+        left = [max(0.0, j.total_steps - j.steps_done) / j.throughput.steps_per_s(1) for j in jobs]
+        # ranked on microseconds: times worked out through different speeds that agree but for the
+        # last bits of a float (two trainings guessed at one time) tie, and go by submit time
+        keys = [(-j.priority, round(t, 6), j.submit_time_s, j.job_id) for j, t in zip(jobs, left)]
         ranked = sorted(range(len(jobs)), key=keys.__getitem__)  # stable, as sorting the jobs by key
-        return [jobs[i] for i in ranked], [keys[i][1] for i in ranked]
+        return [jobs[i] for i in ranked], [left[i] for i in ranked]
 
     def counts(self, cluster: ClusterState) -> tuple[dict[str, int], list[JobState]]:
         """Target GPU count per job (steps 1-5), and the rank order used."""

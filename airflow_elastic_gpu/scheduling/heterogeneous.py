@@ -197,7 +197,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
         models.append(pairs)
         work.append(w)
         rests.append(rest)
-        keys.append((-j.priority, min(w), j.submit_time_s, j.job_id))
+        keys.append((-j.priority, round(min(w), 6), j.submit_time_s, j.job_id))  # as AdaptivePolicy.rank
         alloc, cur = j.allocation, None
         if alloc:
             t = node_type.get(alloc[0].node)
