@@ -30,3 +30,17 @@ def test_without_a_measurement_the_sweep_has_none_and_a_bad_file_is_refused(tmp_
     (tmp_path / scheduling.MEASURED).write_text(json.dumps({"inplace_s": 7.0}))
     with pytest.raises(ValueError, match="no positive number recreate_s"):
         scheduling.measured_recreate_s(tmp_path)
+
+
+def test_the_documented_scheduling_tables_are_the_committed_results():
+    """Every row of docs/benchmarks.md section 2's tables is the one ``benchmarks/tables.py`` makes
+    from the committed results: a re-run of the benchmark that is not carried into the document
+    (or a hand edit of a figure) fails here."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tables.py")], check=True,
+                         capture_output=True, text=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    assert len(rows) > 60  # six tables
+    doc = set((REPO / "docs" / "benchmarks.md").read_text().splitlines())
+    assert [row for row in rows if row not in doc] == []
