@@ -26,6 +26,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 from sqlalchemy.exc import OperationalError
 
 from airflow_elastic_gpu.backends.base import BackendError, start_job
@@ -90,7 +91,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
         core_v1 = KubernetesHook(conn_id=args.kubernetes_conn_id).core_v1_client
         names = register_nodes_from_cluster(broker, core_v1, pool=args.pool, label_selector=args.label_selector)
-        console.print(f"registered {len(names)} GPU node(s) of the cluster in pool {args.pool!r}")
+        console.print(f"registered {len(names)} GPU node(s) of the cluster in pool {escape(repr(args.pool))}")
     elif args.action == "detect":
         from airflow_elastic_gpu.backends.local import detect_gpus
 
@@ -103,8 +104,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     # list: the pool named with --pool, else every pool; add/detect/kube-sync: every pool (the new
     # node among them)
     for n in broker.nodes(args.pool if args.action == "list" and args.pool_given else None):
-        table.add_row(n.pool, n.name, "yes" if n.schedulable else "no", str(len(n.gpus)),
-                      n.gpus[0].gpu_type if n.gpus else "-",
+        table.add_row(Text(n.pool), Text(n.name), "yes" if n.schedulable else "no", str(len(n.gpus)),
+                      Text(n.gpus[0].gpu_type) if n.gpus else "-",
                       str(sum(g.in_use_by is not None for g in n.gpus)))
     console.print(table)
     return 0
@@ -145,7 +146,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
             policy, params = current, {**stored, **params}
     broker.configure_pool(args.pool, policy=policy, policy_params=params or None,
                           lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
-    console.print(f"pool {args.pool!r}: policy {broker.pool_policy(args.pool)}")
+    console.print(f"pool {escape(repr(args.pool))}: policy {escape(str(broker.pool_policy(args.pool)))}")
     return 0
 
 
@@ -193,7 +194,7 @@ def follow(broker: GpuBroker, job_ids: list[str], poll_s: float = 1.0) -> list[J
         TimeElapsedColumn(), console=console,
     ) as progress:
         views = [broker.job(j) for j in job_ids]
-        tasks = [progress.add_task(v.name, total=v.total_steps, gpus=0, gen=0, status="") for v in views]
+        tasks = [progress.add_task(escape(v.name), total=v.total_steps, gpus=0, gen=0, status="") for v in views]
         while True:
             views = [broker.job(j) for j in job_ids]
             for task, v in zip(tasks, views):
@@ -232,7 +233,7 @@ def cmd_run_local(args: argparse.Namespace) -> int:
                            virtual_nodes=args.virtual_nodes)
     registered = backend.ensure_pool(args.pool)
     if registered:
-        console.print(registered)
+        console.print(registered, markup=False, highlight=False)
     backend.check(cmd, args.checkpoint_dir)  # before submit: a job that cannot start never takes a GPU
     job = broker.submit(JobSpec(
         name=args.name or job_name_from_command(cmd), command=cmd, min_gpus=args.min_gpus,
@@ -240,13 +241,13 @@ def cmd_run_local(args: argparse.Namespace) -> int:
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
     start_job(broker, backend, job)  # a start that fails after all fails the job, freeing its GPUs
-    console.print(f"job {job.id} started; files in {work_dir / job.id}")
+    console.print(f"job {job.id} started; files in {escape(str(work_dir / job.id))}")
     if args.detach:
         return 0
     [view] = follow(broker, [job.id])
     console.print(jobs_table([view], title="result"))
     if view.status.value != "succeeded":
-        console.print(f"[red]job {view.status.value}:[/red] {view.reason}")
+        console.print(f"[red]job {view.status.value}:[/red] {escape(view.reason or '')}")
         return 1
     return 0
 
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
         notes.print(f"[red]error:[/red] cannot reach the broker database {escape(url)}: {escape(first)}. "
                     "Check that the server runs and the URL (--broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or "
-                    "[elastic_gpu] broker_url) "
+                    "\\[elastic_gpu] broker_url) "
                     "is right.", soft_wrap=True, highlight=False)
         return 2
 

@@ -10,6 +10,7 @@ import time
 
 from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from airflow_elastic_gpu.broker.types import JobView, PoolSnapshot
 
@@ -25,6 +26,12 @@ def full_width_unless_terminal(*consoles: Console) -> None:
             c.width = UNWRAPPED_WIDTH
 
 
+def _plain(text: str) -> Text:
+    """A table cell of text from users or trainers (job and node names, event messages): shown as
+    it is, never read as rich markup (``[rank0]`` is not a tag)."""
+    return Text(text)
+
+
 def _fmt_s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:,.1f}"
 
@@ -37,7 +44,7 @@ def jobs_table(jobs: list[JobView] | tuple[JobView, ...], title: str = "jobs") -
     for j in jobs:
         acc = (j.metrics or {}).get("accuracy")
         table.add_row(
-            j.id[:8], j.name, j.status.value, str(len(j.in_use_gpus or j.target_gpus)),
+            j.id[:8], _plain(j.name), j.status.value, str(len(j.in_use_gpus or j.target_gpus)),
             f"{j.min_gpus}-{j.max_gpus}", f"{j.steps_done:,.0f}/{j.total_steps:,}",
             f"{j.acked_generation}/{j.target_generation}", str(j.num_resizes), _fmt_s(j.jct_s),
             f"{j.gpu_seconds:,.0f}", "-" if acc is None else f"{acc:.3f}",
@@ -48,7 +55,7 @@ def jobs_table(jobs: list[JobView] | tuple[JobView, ...], title: str = "jobs") -
 def snapshot_view(snap: PoolSnapshot) -> Group:
     """The pool as a GPU grid (which job holds which GPU), the jobs, and the latest events."""
     names = {j.id: j.name for j in snap.jobs}
-    grid = Table(title=f"GPU pool {snap.pool!r}")
+    grid = Table(title=Text(f"GPU pool {snap.pool!r}"))
     grid.add_column("node")
     width = max((len(n.gpus) for n in snap.nodes), default=0)
     for i in range(width):
@@ -57,11 +64,11 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
         cells = []
         for g in node.gpus:
             holder = g.in_use_by or g.target_of
-            label = names.get(holder, "") if holder else "[dim]free[/dim]"
+            label = Text(names.get(holder, "")) if holder else Text("free", style="dim")
             if g.target_of and g.target_of != g.in_use_by:
-                label += " [yellow](→)[/yellow]"
+                label.append(" (→)", style="yellow")
             cells.append(label)
-        grid.add_row(node.name + ("" if node.schedulable else " [red](drained)[/red]"), *cells)
+        grid.add_row(Text(node.name) + ("" if node.schedulable else Text(" (drained)", style="red")), *cells)
     events = Table(title="latest events")
     events.add_column("time")
     events.add_column("job")
@@ -69,5 +76,5 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
     events.add_column("message", overflow="fold")
     for e in snap.events[-10:]:
         events.add_row(time.strftime("%H:%M:%S", time.localtime(e.time_s)),
-                       names.get(e.job_id or "", ""), e.kind, e.message)
+                       _plain(names.get(e.job_id or "", "")), e.kind, _plain(e.message))
     return Group(grid, jobs_table(list(snap.jobs)), events)

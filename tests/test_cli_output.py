@@ -114,3 +114,29 @@ def test_nodes_list_shows_the_pool_it_is_given(tmp_path, monkeypatch, capsys):
     assert "a-node" in out and "b-node" in out
     assert main(["nodes", "list", "--pool", "nope"]) != 0
     assert "unknown GPU pool 'nope'; known pools: default, other" in capsys.readouterr().err
+
+
+def test_names_and_messages_with_brackets_are_printed_as_they_are(tmp_path, monkeypatch, capsys):
+    """A trainer's error ``[rank0]: ... [/data/ckpt] ...`` and a job named ``train[0] [bold]x`` are
+    text, not rich markup: nothing is dropped and nothing crashes (an unmatched closing tag raised
+    a MarkupError from ``status`` for as long as the event was among the last ten)."""
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    monkeypatch.setenv("COLUMNS", "400")
+    broker = GpuBroker(url)
+    broker.register_node("n[1]", 2)
+    job = broker.submit(JobSpec("train[0] [bold]x", "sleep 1", 1, 2, total_steps=10))
+    reason = "[rank0]: RuntimeError: checkpoint dir [/data/ckpt] not writable"
+    broker.fail(job.id, reason)
+    broker.engine.dispose()
+    capsys.readouterr()
+    assert main(["jobs"]) == 0
+    assert "train[0] [bold]x" in capsys.readouterr().out
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert reason in out and "train[0] [bold]x" in out and "n[1]" in out
+    assert main(["nodes"]) == 0
+    assert "n[1]" in capsys.readouterr().out
+
