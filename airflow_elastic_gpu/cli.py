@@ -407,9 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="idempotency key: submitting the same key again returns the existing job")
     p.add_argument("--virtual-gpus", type=int, default=None,
                    help="size of the pool of virtual GPUs made when this host has no NVIDIA GPU "
-                        "and the pool no node (default $AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS, else 4), per node")
+                        "and the pool no node (default $AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS, else 4), per node; "
+                        "a pool that exists keeps its nodes")
     p.add_argument("--virtual-nodes", type=int, default=1,
-                   help="split the virtual GPUs into this many nodes of --virtual-gpus each; a job larger "
+                   help="split the virtual GPUs into this many nodes of --virtual-gpus each (default 1; "
+                        "only when the pool is made, a pool that exists keeps its nodes); a job larger "
                         "than a node then runs on several, one launcher per node (its command uses "
                         "{nnodes} {node_rank} {master_addr} {master_port})")
     p.add_argument("--work-dir", default=None,

@@ -224,3 +224,17 @@ def test_bad_env_is_refused_before_anything_starts(local, env, message):
     with pytest.raises(BackendError, match=message):
         backend.start(job, env=env)
     assert not backend.job_dir(job.id).exists()
+
+
+def test_a_new_pool_does_not_take_this_hosts_gpus_a_second_time(local):
+    """run-local --pool with a typo (or an operator's pool= naming a pool that does not exist) used
+    to register this host's GPUs again in a new pool: the same devices in two pools, handed to a
+    job of each. It is refused, naming the pool that has them; that pool still works."""
+    broker, backend = local
+    before = broker.nodes()
+    with pytest.raises(BackendError, match="this host's GPUs are already in pool 'default'.*Use pool 'default'"):
+        backend.ensure_pool("defualt")
+    assert broker.nodes() == before and broker.pools() == ["default"]
+    assert backend.ensure_pool("default") is None
+    broker.register_node("gpu-box-7", 2, pool="other")  # a pool of other GPUs: nothing to register
+    assert backend.ensure_pool("other") is None

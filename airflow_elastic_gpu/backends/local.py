@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -236,10 +237,20 @@ class LocalBackend:
         """Register this host's GPUs (or virtual ones, see :func:`detect_gpus`) as node
         :data:`LOCAL_NODE` of ``pool`` when the broker has no such pool yet.
 
-        :raises BackendError: ``virtual_gpus`` < 1.
+        :raises BackendError: ``virtual_gpus`` < 1, or this host's GPUs are already a node of
+            another pool (a second pool would hand the same GPUs out twice).
         """
         if pool in self.broker.pools():
             return None
+        mine = re.compile(rf"{re.escape(LOCAL_NODE)}(-\d+)?")
+        elsewhere = sorted({n.pool for n in self.broker.nodes() if mine.fullmatch(n.name)})
+        if elsewhere:
+            raise BackendError(
+                f"GPU pool {pool!r} does not exist, and this host's GPUs are already in pool "
+                f"{elsewhere[0]!r}: registering them in {pool!r} too would hand the same GPUs to two jobs. "
+                f"Use pool {elsewhere[0]!r} (run-local --pool, the operator's pool=), or register "
+                f"other GPUs in {pool!r} first (airflow-elastic-gpu nodes add)"
+            )
         try:
             found = detect_gpus(self.virtual_gpus)
         except ValueError as exc:
