@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import itertools
+import math
 import shlex
 import sys
 import time
@@ -42,7 +43,7 @@ from airflow_elastic_gpu.broker.types import (
 from airflow_elastic_gpu.cli_simulator import add_simulator_commands
 from airflow_elastic_gpu.cli_simulator import console as simulator_console
 from airflow_elastic_gpu.cli_views import full_width_unless_terminal, jobs_table, snapshot_view
-from airflow_elastic_gpu.config import default_broker_url, default_work_dir, get_option, mask_url
+from airflow_elastic_gpu.config import default_broker_url, default_pool, default_work_dir, get_option, mask_url
 
 console = Console()
 notes = Console(stderr=True)
@@ -66,6 +67,17 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive_s(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
     """One dim line on stderr: the broker (password hidden) and the local job directories used."""
     url = mask_url(args.broker_url or default_broker_url())
@@ -77,7 +89,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     broker = _broker(args)
     args.pool_given = args.pool is not None
     if args.pool is None:
-        args.pool = DEFAULT_POOL
+        args.pool = default_pool()
     if args.action == "list" and args.pool_given:
         _known_pool(broker, args.pool)
     if args.action == "add":
@@ -327,6 +339,9 @@ def _is_number(word: str) -> bool:
     return True
 
 
+POOL_DEFAULT = f"[elastic_gpu] default_pool in airflow.cfg, else {DEFAULT_POOL!r}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="airflow-elastic-gpu",
@@ -356,12 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-type", default="virtual", help="GPU model, e.g. \"NVIDIA H100\" (add)")
     p.add_argument("--virtual-gpus", type=int, default=None, help="virtual GPUs when none is found (detect)")
     p.add_argument("--pool", default=None,
-                   help=f"add/detect/kube-sync: the nodes' GPU pool (default {DEFAULT_POOL!r}); "
+                   help=f"add/detect/kube-sync: the nodes' GPU pool (default {POOL_DEFAULT}); "
                         "list: only this pool's nodes (default every pool)")
     p.set_defaults(fn=cmd_nodes)
 
     p = sub.add_parser("pool", help="set a pool's policy and timing")
-    p.add_argument("--pool", default=DEFAULT_POOL, help=f"the pool to configure (default {DEFAULT_POOL!r})")
+    p.add_argument("--pool", default=None, help=f"the pool to configure (default {POOL_DEFAULT})")
     p.add_argument("--policy", default=None, help="adaptive (default), static or termination")
     p.add_argument("--param", action="append",
                    help="policy parameter NAME=VALUE (a number, true or false), e.g. hysteresis=2 or "
@@ -378,9 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_jobs)
 
     p = sub.add_parser("status", help="the pool: GPU grid, jobs, latest events")
-    p.add_argument("--pool", default=DEFAULT_POOL, help=f"the pool to show (default {DEFAULT_POOL!r})")
+    p.add_argument("--pool", default=None, help=f"the pool to show (default {POOL_DEFAULT})")
     p.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch")
+    p.add_argument("--interval", type=_positive_s, default=1.0,
+                   help="seconds between refreshes with --watch (default 1)")
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("cancel", help="cancel a job and release its GPUs")
@@ -396,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most GPUs the broker may give the job (default: --min-gpus)")
     p.add_argument("--total-steps", type=int, required=True,
                    help="training steps of the whole job, to predict its remaining time")
-    p.add_argument("--pool", default=DEFAULT_POOL, help=f"GPU pool to run in (default {DEFAULT_POOL!r})")
+    p.add_argument("--pool", default=None, help=f"GPU pool to run in (default {POOL_DEFAULT})")
     p.add_argument("--progress-pattern", default=None,
                    help="regex with a group (?P<step>...) that finds the step in the trainer's output "
                         "(default: JSON lines with a \"step\" key)")
@@ -445,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     full_width_unless_terminal(console, notes, simulator_console)
     try:
+        if args.cmd in ("pool", "status", "run-local") and args.pool is None:
+            args.pool = default_pool()
         return args.fn(args)
     except (BrokerError, BackendError, ValueError) as exc:
         notes.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True, highlight=False)

@@ -140,3 +140,33 @@ def test_names_and_messages_with_brackets_are_printed_as_they_are(tmp_path, monk
     assert main(["nodes"]) == 0
     assert "n[1]" in capsys.readouterr().out
 
+
+
+def test_the_cli_uses_the_configured_default_pool(tmp_path, monkeypatch, capsys):
+    """``[elastic_gpu] default_pool`` in airflow.cfg is the pool of nodes add, pool, status and
+    run-local when --pool is not given, as for the operator."""
+    from airflow_elastic_gpu.cli import main
+
+    (tmp_path / "airflow.cfg").write_text(
+        f"[elastic_gpu]\nbroker_url = sqlite:///{tmp_path / 'b.db'}\ndefault_pool = team-a\n")
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    for name in ("AIRFLOW_CONFIG", "AIRFLOW_ELASTIC_GPU_BROKER_URL", "AIRFLOW__ELASTIC_GPU__BROKER_URL",
+                 "AIRFLOW__ELASTIC_GPU__DEFAULT_POOL"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["nodes", "add", "n1", "--gpus", "2"]) == 0
+    assert main(["pool", "--param", "hysteresis=1"]) == 0
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "pool 'team-a': policy" in out and "GPU pool 'team-a'" in out
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    assert broker.pools() == ["team-a"] and broker.pool_settings("team-a") == ("adaptive", {"hysteresis": 1})
+    broker.engine.dispose()
+
+
+@pytest.mark.parametrize("interval", ["-1", "0", "nan", "soon"])
+def test_status_refuses_an_interval_that_is_not_a_positive_number(interval, capsys):
+    from airflow_elastic_gpu.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["status", "--watch", "--interval", interval])
+    assert "argument --interval: must be a number of seconds" in capsys.readouterr().err

@@ -164,7 +164,8 @@ class Queries(Rebalancing):
         def read(s: Session) -> tuple[str, dict[str, Any]]:
             row = s.get(GpuPool, pool)
             if row is None:
-                raise NotFound(f"unknown GPU pool {pool!r}")
+                known = s.scalars(select(GpuPool.name).order_by(GpuPool.name)).all()
+                raise NotFound(f"unknown GPU pool {pool!r}; known pools: {', '.join(known) or 'none'}")
             return row.policy, dict(row.policy_params or {})
 
         return self._read(read)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol, runtime_checkable
 
 from airflow_elastic_gpu.scheduling.state import ClusterState, Decision
@@ -57,7 +58,20 @@ def get_policy(name: str, **params: Any) -> Policy:
         raise ValueError(
             f"unknown scheduling policy {name!r}; choose one of {', '.join(sorted(known))}"
         ) from None
+    accepted = _parameters(cls)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"bad parameters for policy {name!r}: unknown {', '.join(map(repr, unknown))}; "
+            + (f"its parameters: {', '.join(accepted)}" if accepted else "it takes none")
+        )
     try:
         return cls(**params)
     except TypeError as exc:
         raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None
+
+
+def _parameters(cls: type) -> list[str]:
+    """The keyword parameters a policy class takes (its name aside), in declaration order."""
+    return [p.name for p in inspect.signature(cls).parameters.values()
+            if p.name != "name" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
