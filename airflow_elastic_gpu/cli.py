@@ -43,7 +43,13 @@ from airflow_elastic_gpu.broker.types import (
 from airflow_elastic_gpu.cli_simulator import add_simulator_commands
 from airflow_elastic_gpu.cli_simulator import console as simulator_console
 from airflow_elastic_gpu.cli_views import full_width_unless_terminal, jobs_table, snapshot_view
-from airflow_elastic_gpu.config import default_broker_url, default_pool, default_work_dir, get_option, mask_url
+from airflow_elastic_gpu.config import (
+    default_broker_url,
+    default_pool,
+    default_work_dir,
+    get_option,
+    mask_url,
+)
 
 console = Console()
 notes = Console(stderr=True)
