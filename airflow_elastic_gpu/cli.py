@@ -199,9 +199,30 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    job = _broker(args).cancel(args.job_id, args.reason)
+    broker = _broker(args)
+    job = broker.cancel(_job_id(broker, args.job_id), args.reason)
     console.print(f"job {job.id} is {job.status.value}")
     return 0
+
+
+def _job_id(broker: GpuBroker, given: str) -> str:
+    """The id of the job ``given`` names: its id, or the start of exactly one job's id (``jobs`` and
+    ``status`` show the first 8 characters).
+
+    :raises NotFound: no job's id is or starts with ``given``, or several start with it (named).
+    """
+    if not given:
+        raise NotFound("give a job id (jobs lists them)")
+    ids = [j.id for j in broker.jobs()]
+    if given in ids:
+        return given
+    matches = [i for i in ids if i.startswith(given)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise NotFound(f"{len(matches)} jobs' ids start with {given!r}: {', '.join(sorted(matches)[:5])}"
+                       f"{' ...' if len(matches) > 5 else ''}; give more of the id")
+    raise NotFound(f"unknown job {given!r} (jobs lists the first 8 characters of each id)")
 
 
 def follow(broker: GpuBroker, job_ids: list[str], poll_s: float = 1.0) -> list[JobView]:
@@ -406,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("cancel", help="cancel a job and release its GPUs")
-    p.add_argument("job_id", help="the job's id (the first characters jobs shows are not enough)")
+    p.add_argument("job_id", help="the job's id, or the start of it that jobs and status show")
     p.add_argument("--reason", default="cancelled from the CLI", help="recorded with the job's end")
     p.set_defaults(fn=cmd_cancel)
 

@@ -170,3 +170,20 @@ def test_status_refuses_an_interval_that_is_not_a_positive_number(interval, caps
     with pytest.raises(SystemExit):
         main(["status", "--watch", "--interval", interval])
     assert "argument --interval: must be a number of seconds" in capsys.readouterr().err
+
+
+def test_cancel_takes_the_start_of_an_id_as_jobs_shows_it(tmp_path, monkeypatch, capsys):
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    broker = GpuBroker(url)
+    broker.register_node("n0", 2)
+    job = broker.submit(JobSpec("train", "sleep 1", 1, 1, total_steps=10))
+    capsys.readouterr()
+    assert main(["cancel", "ffffffff-no-such-job"]) == 2
+    assert "unknown job 'ffffffff-no-such-job' (jobs lists the first 8 characters" in capsys.readouterr().err
+    assert main(["cancel", job.id[:8]]) == 0
+    assert f"job {job.id} is cancelled" in capsys.readouterr().out
+    assert broker.job(job.id).status.value == "cancelled"
+    broker.engine.dispose()
