@@ -276,7 +276,7 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     backend.check(cmd, args.checkpoint_dir)  # before submit: a job that cannot start never takes a GPU
     job = broker.submit(JobSpec(
         name=args.name or job_name_from_command(cmd), command=cmd, min_gpus=args.min_gpus,
-        max_gpus=args.max_gpus, total_steps=args.total_steps, pool=args.pool,
+        max_gpus=args.max_gpus, requested_gpus=args.requested_gpus, total_steps=args.total_steps, pool=args.pool,
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
     start_job(broker, backend, job)  # a start that fails after all fails the job, freeing its GPUs
@@ -384,18 +384,19 @@ def build_parser() -> argparse.ArgumentParser:
                              "broker_url in airflow.cfg, else a SQLite file under $AIRFLOW_HOME)")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("nodes", help="list nodes; add one; or detect this host's GPUs")
+    p = sub.add_parser("nodes", help="list nodes; add one; detect this host's GPUs; or register a Kubernetes "
+                                     "cluster's GPU nodes")
     p.add_argument("action", nargs="?", choices=["list", "add", "detect", "kube-sync"], default="list",
                    help="list (default): the nodes and their GPUs; add NAME --gpus N: register a node; "
                         "detect: register this host's GPUs (nvidia-smi, else --virtual-gpus); kube-sync: "
                         "register the Kubernetes cluster's GPU nodes (GPU feature discovery labels)")
     p.add_argument("--kubernetes-conn-id", default="kubernetes_default",
-                   help="Airflow connection of the cluster (kube-sync)")
+                   help="Airflow connection of the cluster (kube-sync; default kubernetes_default)")
     p.add_argument("--label-selector", default="nvidia.com/gpu.present=true",
-                   help="which of the cluster's nodes have GPUs (kube-sync)")
+                   help="which of the cluster's nodes have GPUs (kube-sync; default nvidia.com/gpu.present=true)")
     p.add_argument("name", nargs="?", default=LOCAL_NODE, help=f"node name (add; default {LOCAL_NODE!r})")
     p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
-    p.add_argument("--gpu-type", default="virtual", help="GPU model, e.g. \"NVIDIA H100\" (add)")
+    p.add_argument("--gpu-type", default="virtual", help="GPU model, e.g. \"NVIDIA H100\" (add; default virtual)")
     p.add_argument("--virtual-gpus", type=int, default=None, help="virtual GPUs when none is found (detect)")
     p.add_argument("--pool", default=None,
                    help=f"add/detect/kube-sync: the nodes' GPU pool (default {POOL_DEFAULT}); "
@@ -404,14 +405,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pool", help="set a pool's policy and timing")
     p.add_argument("--pool", default=None, help=f"the pool to configure (default {POOL_DEFAULT})")
-    p.add_argument("--policy", default=None, help="adaptive (default), static or termination")
+    p.add_argument("--policy", default=None,
+                   help="adaptive (a new pool's), static, termination or optimus; the simulator's preemptive "
+                        "peers (tiresias, afs_l, gavel) are refused")
     p.add_argument("--param", action="append",
                    help="policy parameter NAME=VALUE (a number, true or false), e.g. hysteresis=2 or "
                         "suspend=true; added to those set before (a new --policy starts from its defaults)")
     p.add_argument("--lease-s", type=float, default=None,
-                   help="seconds without a heartbeat after which a job is lost and its GPUs reclaimed")
+                   help="seconds without a heartbeat after which a job is lost and its GPUs reclaimed "
+                        "(a new pool: 60)")
     p.add_argument("--rebalance-interval-s", type=float, default=None,
-                   help="seconds between two decisions besides those a change asks for")
+                   help="seconds between two decisions besides those a change asks for (a new pool: 10)")
     p.set_defaults(fn=cmd_pool)
 
     p = sub.add_parser("jobs", help="list jobs")
@@ -437,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gpus", type=int, default=1, help="fewest GPUs the job runs on (default 1)")
     p.add_argument("--max-gpus", type=int, default=None,
                    help="most GPUs the broker may give the job (default: --min-gpus)")
+    p.add_argument("--requested-gpus", type=int, default=None,
+                   help="the GPUs the job would ask a static scheduler for: before it is measured on a whole "
+                        "node it spreads over no more nodes than these need (default --max-gpus)")
     p.add_argument("--total-steps", type=int, required=True,
                    help="training steps of the whole job, to predict its remaining time")
     p.add_argument("--pool", default=None, help=f"GPU pool to run in (default {POOL_DEFAULT})")
@@ -469,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("broker", help="serve the broker HTTP API and the GPU pool page")
     p.add_argument("action", choices=["serve"], help="serve: run the server until Ctrl-C")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on; any but a loopback one needs $AIRFLOW_ELASTIC_GPU_UI_TOKEN")
+                   help="address to listen on (default 127.0.0.1); any but a loopback one needs "
+                        "$AIRFLOW_ELASTIC_GPU_UI_TOKEN")
     p.add_argument("--port", type=_port, default=8793, help="TCP port (default 8793)")
     p.add_argument("--api-docs", action="store_true",
                    help="also serve Swagger UI (/docs) and ReDoc (/redoc); their assets load from a CDN")

@@ -86,12 +86,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from airflow_elastic_gpu.simulator.profiles import load_profiles
     from airflow_elastic_gpu.simulator.trace import load_trace
 
+    names = _policy_names(args)  # before minutes of simulation, not after
     trace = load_trace(args.trace)
     cluster = parse_cluster(args.cluster)
     profiles = (load_typed_profiles(cluster, args.profiles) if isinstance(cluster, MixedCluster)
                 else load_profiles(args.profiles, args.profile_source))
     overheads = _restart_overheads(args)
-    names = [p.strip() for p in args.policy.split(",") if p.strip()]
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeElapsedColumn(), console=console) as bar:
@@ -113,10 +113,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         report.write_summary(summaries, out / "summary.csv")
         report.plot_jct_cdf(results, out / "jct_cdf.png", f"JCT CDF: {Path(args.trace).name} on {cluster}")
         report.plot_gpus_in_use(results, out / "gpus_in_use.png", f"GPUs in use on {cluster}")
-        focus = next((r for r in results if r.policy == args.timeline_policy), results[0])
+        focus = next((r for r in results if r.policy == (args.timeline_policy or "adaptive")), results[0])
         report.plot_allocation_timeline(focus, out / f"timeline_{focus.policy}.png")
         console.print(f"per-job CSVs, summary.csv and plots written to {out}")
     return 0
+
+
+def _policy_names(args: argparse.Namespace) -> list[str]:
+    """``--policy``'s names, each checked before any simulation runs (and ``--timeline-policy``
+    among them when plots are written).
+
+    :raises ValueError: no name, an unknown one (the known ones listed), or a timeline policy not run.
+    """
+    from airflow_elastic_gpu.scheduling.policy import get_policy
+
+    names = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not names:
+        raise ValueError(f"--policy names no policy: {args.policy!r}")
+    for name in names:
+        get_policy(name)
+    if args.out and args.timeline_policy is not None and args.timeline_policy not in names:
+        raise ValueError(f"--timeline-policy {args.timeline_policy!r} is not among --policy {','.join(names)}")
+    return names
 
 
 def add_simulator_commands(sub: Any) -> None:
@@ -128,11 +146,13 @@ def add_simulator_commands(sub: Any) -> None:
 
     p = sub.add_parser("workload", help="cut a paper-scale workload from a raw job trace")
     p.add_argument("--trace", required=True, help="trace CSV (job_id, submit_time_s, num_gpus, duration_s)")
-    p.add_argument("--gpus", type=int, default=16, help="cluster size; larger jobs are dropped")
-    p.add_argument("--hours", type=float, default=8.0, help="arrival window length")
-    p.add_argument("--load", type=float, default=1.0, help="GPU-time offered, as a multiple of gpus x hours")
+    p.add_argument("--gpus", type=int, default=16, help="cluster size; larger jobs are dropped (default 16)")
+    p.add_argument("--hours", type=float, default=8.0, help="arrival window length, at most 24 (default 8)")
+    p.add_argument("--load", type=float, default=1.0,
+                   help="GPU-time offered, as a multiple of gpus x hours (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="seeds the choice of jobs and models (default 0)")
-    p.add_argument("--start-hour", type=float, default=0.0, help="window start, hour of the trace's day")
+    p.add_argument("--start-hour", type=float, default=0.0,
+                   help="window start, hour of the trace's day (default 0)")
     p.add_argument("--max-gpu-hours", type=float, default=None, help="largest job kept (default gpus*hours/8)")
     p.add_argument("--profiles", default=None, help="throughput profile CSV (default: bundled)")
     p.add_argument("--profile-source", default=DEFAULT_SOURCE,
@@ -145,10 +165,13 @@ def add_simulator_commands(sub: Any) -> None:
                    help="workload CSV (job_id, submit_time_s, num_gpus, duration_s[, model]), e.g. from workload")
     p.add_argument("--cluster", default="4x4",
                    help="NODESxGPUS_PER_NODE (default 4x4), or groups of GPU types, e.g. 2x4:V100,2x4:K80 "
-                        "(each type's measured profiles; the trace's durations are on the first type)")
+                        "(each type's measured profiles; the trace's durations are on the first type; "
+                        "its models must be measured on every type: cut it with workload "
+                        "--profile-source gavel)")
     p.add_argument("--policy", default="adaptive,static",
-                   help="comma-separated: adaptive, static, termination, tiresias, optimus, afs_l")
-    p.add_argument("--seed", type=int, default=0, help="seeds the model draw for jobs without one")
+                   help="comma-separated (default adaptive,static): adaptive, static (the Kubernetes "
+                        "default), termination, tiresias, optimus, afs_l, gavel (mixed types)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model draw for jobs without one (default 0)")
     p.add_argument("--out", default=None, help="directory for per-job CSVs, summary.csv and PNG plots")
     p.add_argument("--mechanism", choices=["inplace", "recreate"], default=None,
                    help="force one resize mechanism for every policy (default: each policy's own)")
@@ -182,5 +205,7 @@ def add_simulator_commands(sub: Any) -> None:
     p.add_argument("--profiles", default=None, help="throughput profile CSV (default: bundled)")
     p.add_argument("--profile-source", default=DEFAULT_SOURCE,
                    help=f"which measurements of the profile CSV to use (default {DEFAULT_SOURCE!r})")
-    p.add_argument("--timeline-policy", default="adaptive", help="policy whose per-job timeline is plotted")
+    p.add_argument("--timeline-policy", default=None,
+                   help="policy whose per-job timeline is plotted with --out, one of --policy (default: "
+                        "adaptive if it runs, else the first)")
     p.set_defaults(fn=cmd_simulate)

@@ -144,7 +144,14 @@ def test_progress_rejects_impossible_steps(broker, step):
     (["run-local", "--total-steps", "50", "--progress-pattern", r"step \d+", "--", "python", "x.py"],
      "must have a named group (?P<step>...)"),
     (["cancel", "no-such-job"], "unknown job"),
+    (["run-local", "--max-gpus", "2", "--requested-gpus", "3", "--total-steps", "5", "--", "python", "x.py"],
+     "requested_gpus (3) must lie between min_gpus (1) and max_gpus (2)"),
     (["simulate", "--trace", "missing.csv"], "does not exist"),
+    (["simulate", "--trace", "missing.csv", "--policy", "adaptive,nope"],
+     "unknown scheduling policy 'nope'; choose one of adaptive, afs_l, gavel"),
+    (["simulate", "--trace", "missing.csv", "--policy", ","], "--policy names no policy: ','"),
+    (["simulate", "--trace", "missing.csv", "--policy", "static", "--out", "o", "--timeline-policy", "adaptive"],
+     "--timeline-policy 'adaptive' is not among --policy static"),
     (["workload", "--trace", "missing.csv", "--out", "w.csv"], "does not exist"),
 ])
 def test_cli_errors_name_the_problem_and_exit_2(tmp_path, monkeypatch, capsys, argv, message):
