@@ -50,6 +50,7 @@ from airflow_elastic_gpu.config import (
     get_option,
     mask_url,
 )
+from airflow_elastic_gpu.scheduling.policy import policy_parameters
 
 console = Console()
 notes = Console(stderr=True)
@@ -101,6 +102,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.action == "add":
         if args.gpus is None:
             raise ValueError(f"`nodes add {args.name}` needs --gpus N (the node's GPU count)")
+        if args.name == LOCAL_NODE:
+            from airflow_elastic_gpu.backends.local import check_host_not_in_another_pool
+
+            check_host_not_in_another_pool(broker, args.pool)
         broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type)
     elif args.action == "kube-sync":
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
@@ -111,8 +116,9 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         names = register_nodes_from_cluster(broker, core_v1, pool=args.pool, label_selector=args.label_selector)
         console.print(f"registered {len(names)} GPU node(s) of the cluster in pool {escape(repr(args.pool))}")
     elif args.action == "detect":
-        from airflow_elastic_gpu.backends.local import detect_gpus
+        from airflow_elastic_gpu.backends.local import check_host_not_in_another_pool, detect_gpus
 
+        check_host_not_in_another_pool(broker, args.pool)
         found = detect_gpus(args.virtual_gpus)
         broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type,
                              gpu_indices=found.indices)
@@ -161,7 +167,13 @@ def cmd_pool(args: argparse.Namespace) -> int:
         # and naming the pool's own policy again keeps them; another policy starts from its defaults
         current, stored = broker.pool_settings(args.pool)
         if policy is None or policy == current:
-            policy, params = current, {**stored, **params}
+            # parameters stored before they were checked against the pool's own policy are dropped
+            accepted = policy_parameters(current)
+            stale = sorted(k for k in stored if k not in accepted)
+            if stale:
+                notes.print(f"dropping parameters that policy {current!r} does not take: {', '.join(stale)}",
+                            markup=False, highlight=False)
+            policy, params = current, {**{k: v for k, v in stored.items() if k in accepted}, **params}
     broker.configure_pool(args.pool, policy=policy, policy_params=params or None,
                           lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
     console.print(f"pool {escape(repr(args.pool))}: policy {escape(str(broker.pool_policy(args.pool)))}")

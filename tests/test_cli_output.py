@@ -187,3 +187,25 @@ def test_cancel_takes_the_start_of_an_id_as_jobs_shows_it(tmp_path, monkeypatch,
     assert f"job {job.id} is cancelled" in capsys.readouterr().out
     assert broker.job(job.id).status.value == "cancelled"
     broker.engine.dispose()
+
+
+def test_a_pool_holding_parameters_its_policy_does_not_take_is_repaired_by_the_next_setting(
+        tmp_path, monkeypatch, capsys):
+    """Before parameters were checked against the pool's own policy, a static pool could store
+    adaptive's hysteresis; the next `pool` call drops it (and says so) instead of failing on it."""
+    from sqlalchemy import text
+
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    broker = GpuBroker(url)
+    broker.register_node("n0", 2)
+    broker.configure_pool(policy="static")
+    with broker.engine.begin() as conn:
+        conn.execute(text("UPDATE gpu_pool SET policy_params = :p"), {"p": '{"hysteresis": 1.0}'})
+    capsys.readouterr()
+    assert main(["pool", "--policy", "static"]) == 0
+    assert "dropping parameters that policy 'static' does not take: hysteresis" in capsys.readouterr().err
+    assert broker.pool_settings() == ("static", {})
+    broker.engine.dispose()

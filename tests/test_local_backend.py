@@ -238,3 +238,13 @@ def test_a_new_pool_does_not_take_this_hosts_gpus_a_second_time(local):
     assert backend.ensure_pool("default") is None
     broker.register_node("gpu-box-7", 2, pool="other")  # a pool of other GPUs: nothing to register
     assert backend.ensure_pool("other") is None
+
+
+@pytest.mark.parametrize("argv", [["nodes", "detect", "--pool", "other"],
+                                  ["nodes", "add", "--gpus", "2", "--pool", "other"]])
+def test_nodes_detect_and_add_do_not_put_this_host_in_a_second_pool(local, capsys, argv):
+    broker, _ = local
+    assert cli.main(["--broker-url", broker.url, *argv]) == 2
+    assert "this host's GPUs are already in pool 'default'" in " ".join(capsys.readouterr().err.split())
+    assert broker.pools() == ["default"]
+    assert cli.main(["--broker-url", broker.url, "nodes", "detect"]) == 0  # its own pool again: fine

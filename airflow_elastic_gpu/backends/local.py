@@ -192,6 +192,28 @@ class LocalHandle:
                    tuple((str(n), int(p)) for n, p in (data.get("node_pids") or {}).items()))
 
 
+_HOST_NODE = re.compile(rf"{re.escape(LOCAL_NODE)}(-\d+)?")
+
+
+def check_host_not_in_another_pool(broker: GpuBroker, pool: str) -> None:
+    """Refuse to register this host's GPUs (node :data:`LOCAL_NODE`, or ``LOCAL_NODE-<i>`` for
+    virtual nodes) in ``pool`` when another pool has them: the same devices in two pools would be
+    handed to a job of each.
+
+    Checked before the registration, in its own read: two first runs naming two new pools at the
+    same moment could both pass (a host's first registration is a set-up step, not a hot path).
+
+    :raises BackendError: naming the pool that has them.
+    """
+    elsewhere = sorted({n.pool for n in broker.nodes() if _HOST_NODE.fullmatch(n.name) and n.pool != pool})
+    if elsewhere:
+        raise BackendError(
+            f"this host's GPUs are already in pool {elsewhere[0]!r}: registering them in {pool!r} too "
+            f"would hand the same GPUs to two jobs. Use pool {elsewhere[0]!r} (--pool, the operator's "
+            f"pool=), or register other GPUs in {pool!r} (airflow-elastic-gpu nodes add NAME --gpus N)"
+        )
+
+
 class LocalBackend:
     """Start, watch and stop jobs on this host (the :class:`~airflow_elastic_gpu.backends.base.Backend`
     protocol).
@@ -242,15 +264,7 @@ class LocalBackend:
         """
         if pool in self.broker.pools():
             return None
-        mine = re.compile(rf"{re.escape(LOCAL_NODE)}(-\d+)?")
-        elsewhere = sorted({n.pool for n in self.broker.nodes() if mine.fullmatch(n.name)})
-        if elsewhere:
-            raise BackendError(
-                f"GPU pool {pool!r} does not exist, and this host's GPUs are already in pool "
-                f"{elsewhere[0]!r}: registering them in {pool!r} too would hand the same GPUs to two jobs. "
-                f"Use pool {elsewhere[0]!r} (run-local --pool, the operator's pool=), or register "
-                f"other GPUs in {pool!r} first (airflow-elastic-gpu nodes add)"
-            )
+        check_host_not_in_another_pool(self.broker, pool)
         try:
             found = detect_gpus(self.virtual_gpus)
         except ValueError as exc:

@@ -46,7 +46,7 @@ def policy_classes() -> dict[str, type]:
     }
 
 
-def get_policy(name: str, **params: Any) -> Policy:
+def get_policy(name: str, /, **params: Any) -> Policy:
     """Build the policy called ``name`` with keyword ``params``.
 
     :raises ValueError: unknown name (the message lists the known ones), or bad params.
@@ -69,6 +69,17 @@ def get_policy(name: str, **params: Any) -> Policy:
         return cls(**params)
     except TypeError as exc:
         raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None
+
+
+def policy_parameters(name: str) -> list[str]:
+    """The keyword parameters of the policy called ``name`` (its name aside), in declaration order.
+
+    :raises ValueError: unknown name.
+    """
+    known = policy_classes()
+    if name not in known:
+        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {', '.join(sorted(known))}")
+    return _parameters(known[name])
 
 
 def _parameters(cls: type) -> list[str]:
