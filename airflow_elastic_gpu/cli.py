@@ -218,23 +218,26 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def _job_id(broker: GpuBroker, given: str) -> str:
-    """The id of the job ``given`` names: its id, or the start of exactly one job's id (``jobs`` and
-    ``status`` show the first 8 characters).
+    """The id of the job ``given`` names: its id, or the start of exactly one queued or running
+    job's id (``jobs`` and ``status`` show the first 8 characters).
 
-    :raises NotFound: no job's id is or starts with ``given``, or several start with it (named).
+    :raises NotFound: no job has that id and no active job's id starts with it, or several do
+        (named).
     """
     if not given:
         raise NotFound("give a job id (jobs lists them)")
-    ids = [j.id for j in broker.jobs()]
-    if given in ids:
-        return given
-    matches = [i for i in ids if i.startswith(given)]
+    try:
+        return broker.job(given).id
+    except NotFound:
+        pass
+    matches = sorted(j.id for j in broker.jobs(active_only=True) if j.id.startswith(given))
     if len(matches) == 1:
         return matches[0]
     if matches:
-        raise NotFound(f"{len(matches)} jobs' ids start with {given!r}: {', '.join(sorted(matches)[:5])}"
+        raise NotFound(f"{len(matches)} active jobs' ids start with {given!r}: {', '.join(matches[:5])}"
                        f"{' ...' if len(matches) > 5 else ''}; give more of the id")
-    raise NotFound(f"unknown job {given!r} (jobs lists the first 8 characters of each id)")
+    raise NotFound(f"unknown job {given!r}: no job has this id and no queued or running job's id starts "
+                   "with it (jobs lists the first 8 characters of each id)")
 
 
 def follow(broker: GpuBroker, job_ids: list[str], poll_s: float = 1.0) -> list[JobView]:
@@ -322,7 +325,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
     docs = "; Swagger UI: /docs (assets from a CDN)" if args.api_docs else ""
     views = "need the UI token" if ui_token else "open (loopback only)"
     console.print(f"broker API on http://{args.host}:{args.port} (page: /ui; OpenAPI: /openapi.json{docs}) "
-                  f"for {shown}; read-only views {views}; bodies up to {limits.max_body_bytes} bytes")
+                  f"for {shown}; read-only views {views}; bodies up to {limits.max_body_bytes} bytes",
+                  markup=False, highlight=False)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

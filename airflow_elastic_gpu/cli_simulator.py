@@ -16,18 +16,24 @@ console = Console()
 
 
 def cmd_workload(args: argparse.Namespace) -> int:
+    from airflow_elastic_gpu.simulator.mixed import MixedCluster, load_typed_profiles, parse_cluster
     from airflow_elastic_gpu.simulator.profiles import load_profiles
     from airflow_elastic_gpu.simulator.trace import load_trace, write_trace
     from airflow_elastic_gpu.simulator.workload import generate_workload
 
+    cluster = parse_cluster(args.cluster) if args.cluster else None
+    if isinstance(cluster, MixedCluster):  # models drawn among those measured on every type
+        profiles: Any = load_typed_profiles(cluster, args.profiles)
+    else:
+        profiles = load_profiles(args.profiles, args.profile_source)
+    gpus = args.gpus if args.gpus is not None else cluster.capacity if cluster is not None else 16
     jobs = generate_workload(
-        load_trace(args.trace), gpus=args.gpus, hours=args.hours, load=args.load, seed=args.seed,
-        start_hour=args.start_hour, max_gpu_hours=args.max_gpu_hours,
-        profiles=load_profiles(args.profiles, args.profile_source),
+        load_trace(args.trace), gpus=gpus, hours=args.hours, load=args.load, seed=args.seed,
+        start_hour=args.start_hour, max_gpu_hours=args.max_gpu_hours, profiles=profiles,
     )
     write_trace(args.out, jobs)
     gpu_h = sum(j.gpu_time_s for j in jobs) / 3600
-    console.print(f"wrote {len(jobs)} jobs ({gpu_h:.1f} GPU-hours) to {args.out}")
+    console.print(f"wrote {len(jobs)} jobs ({gpu_h:.1f} GPU-hours) to {args.out}", markup=False, highlight=False)
     return 0
 
 
@@ -115,7 +121,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         report.plot_gpus_in_use(results, out / "gpus_in_use.png", f"GPUs in use on {cluster}")
         focus = next((r for r in results if r.policy == (args.timeline_policy or "adaptive")), results[0])
         report.plot_allocation_timeline(focus, out / f"timeline_{focus.policy}.png")
-        console.print(f"per-job CSVs, summary.csv and plots written to {out}")
+        console.print(f"per-job CSVs, summary.csv and plots written to {out}", markup=False, highlight=False)
     return 0
 
 
@@ -146,7 +152,11 @@ def add_simulator_commands(sub: Any) -> None:
 
     p = sub.add_parser("workload", help="cut a paper-scale workload from a raw job trace")
     p.add_argument("--trace", required=True, help="trace CSV (job_id, submit_time_s, num_gpus, duration_s)")
-    p.add_argument("--gpus", type=int, default=16, help="cluster size; larger jobs are dropped (default 16)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="cluster size; larger jobs are dropped (default: --cluster's GPUs, else 16)")
+    p.add_argument("--cluster", default=None,
+                   help="the cluster it is for, as simulate's --cluster; groups of GPU types (e.g. "
+                        "2x4:A100,2x4:T4) draw its models among those measured on every type")
     p.add_argument("--hours", type=float, default=8.0, help="arrival window length, at most 24 (default 8)")
     p.add_argument("--load", type=float, default=1.0,
                    help="GPU-time offered, as a multiple of gpus x hours (default 1.0)")
@@ -166,8 +176,7 @@ def add_simulator_commands(sub: Any) -> None:
     p.add_argument("--cluster", default="4x4",
                    help="NODESxGPUS_PER_NODE (default 4x4), or groups of GPU types, e.g. 2x4:V100,2x4:K80 "
                         "(each type's measured profiles; the trace's durations are on the first type; "
-                        "its models must be measured on every type: cut it with workload "
-                        "--profile-source gavel)")
+                        "its models must be measured on every type: cut it with workload --cluster)")
     p.add_argument("--policy", default="adaptive,static",
                    help="comma-separated (default adaptive,static): adaptive, static (the Kubernetes "
                         "default), termination, tiresias, optimus, afs_l, gavel (mixed types)")

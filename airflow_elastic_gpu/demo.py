@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 from sqlalchemy.engine import make_url
 
 from airflow_elastic_gpu.broker.history import applied_resizes
@@ -91,7 +92,7 @@ def summary_table(broker: GpuBroker, jobs, title: str) -> tuple[Table, int, int]
         grew, shrank = grew + up, shrank + down
         acc = (j.metrics or {}).get("accuracy")
         table.add_row(
-            j.name, j.status.value, f"{j.jct_s:.0f}" if j.jct_s is not None else "-",
+            Text(j.name), j.status.value, f"{j.jct_s:.0f}" if j.jct_s is not None else "-",
             f"{j.queueing_delay_s:.0f}" if j.queueing_delay_s is not None else "-",
             f"{j.gpu_seconds:.0f}", " -> ".join(map(str, counts)) or "-", str(resized), str(up), str(down),
             "-" if acc is None else f"{acc:.3f}",

@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from rich.table import Table
+from rich.text import Text
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -131,7 +132,7 @@ def summary(figures: list[TrainingFigures], kill: TriggererKill | None, title: s
         trig = " -> ".join(f.triggerers) + (f" ({kill.taken_over_after_s[f.map_index]:.0f}s after the kill)"
                                             if moved else "")
         table.add_row(
-            f"{TASK_ID}[{f.map_index}]", f.name, f.status, "-" if f.jct_s is None else f"{f.jct_s:.0f}",
+            Text(f"{TASK_ID}[{f.map_index}]"), Text(f.name), f.status, "-" if f.jct_s is None else f"{f.jct_s:.0f}",
             "-" if f.queueing_delay_s is None else f"{f.queueing_delay_s:.0f}", f"{f.gpu_seconds:.0f}",
             " -> ".join(map(str, f.gpus_over_time)) or "-", str(f.resizes_up), str(f.resizes_down),
             "-" if f.accuracy is None else f"{f.accuracy:.3f}", " -> ".join(f.workers), trig)

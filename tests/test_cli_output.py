@@ -182,10 +182,19 @@ def test_cancel_takes_the_start_of_an_id_as_jobs_shows_it(tmp_path, monkeypatch,
     job = broker.submit(JobSpec("train", "sleep 1", 1, 1, total_steps=10))
     capsys.readouterr()
     assert main(["cancel", "ffffffff-no-such-job"]) == 2
-    assert "unknown job 'ffffffff-no-such-job' (jobs lists the first 8 characters" in capsys.readouterr().err
+    assert "unknown job 'ffffffff-no-such-job': no job has this id" in capsys.readouterr().err
     assert main(["cancel", job.id[:8]]) == 0
     assert f"job {job.id} is cancelled" in capsys.readouterr().out
     assert broker.job(job.id).status.value == "cancelled"
+    # several active jobs: a start they share is named as ambiguous; the ended one does not count
+    others = [broker.submit(JobSpec(f"t{i}", "sleep 1", 1, 1, total_steps=10)) for i in range(40)]
+    first = {}
+    for other in others:
+        first.setdefault(other.id[0], []).append(other.id)
+    shared = next(ids for ids in first.values() if len(ids) > 1)
+    assert main(["cancel", shared[0][0]]) == 2
+    assert f"active jobs' ids start with {shared[0][0]!r}" in capsys.readouterr().err
+    assert all(broker.job(i).status.value != "cancelled" for i in shared)
     broker.engine.dispose()
 
 

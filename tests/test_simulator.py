@@ -414,3 +414,24 @@ def test_a_burst_of_a_measured_training_finishes_sooner_started_shortest_first()
     assert by_gain.summary()["avg_jct_s"] < 0.8 * at_once.summary()["avg_jct_s"]
     assert max(n for _, job, n in by_gain.allocations if job == "b0") == 4
     assert by_gain.summary()["makespan_s"] <= 1.05 * at_once.summary()["makespan_s"]
+
+
+def test_a_workload_cut_for_a_mixed_cluster_runs_on_it(tmp_path, capsys):
+    """workload --cluster with GPU types draws the models among those measured on every type and
+    sizes the workload to the cluster; a workload with a model some type lacks is refused with the
+    command that fixes it."""
+    from airflow_elastic_gpu.simulator.mixed import MixedCluster, load_typed_profiles
+
+    spec = "2x4:V100,2x4:K80"
+    common = set(load_typed_profiles(MixedCluster.parse(spec)).profiles)
+    wl = tmp_path / "mixed.csv"
+    assert cli_main(["workload", "--trace", str(bundled_data("itp_cluster02_day27_3d.csv")), "--hours", "4",
+                     "--cluster", spec, "--out", str(wl)]) == 0
+    jobs = load_trace(wl)
+    assert jobs and {j.model for j in jobs} <= common and max(j.num_gpus for j in jobs) <= 16
+    assert cli_main(["simulate", "--trace", str(wl), "--cluster", spec, "--policy", "adaptive,gavel"]) == 0
+    bad = write_rows(tmp_path / "bad.csv", ("job_id", "submit_time_s", "num_gpus", "duration_s", "model"),
+                     (0, 0, 1, 600, "yolov3"))
+    capsys.readouterr()
+    assert cli_main(["simulate", "--trace", str(bad), "--cluster", spec]) == 2
+    assert f"workload --cluster {spec}" in " ".join(capsys.readouterr().err.split())

@@ -190,7 +190,7 @@ class TypedProfileSet:
             known = ", ".join(sorted(next(iter(self.names.values()))))
             raise ProfileError(f"model {model!r} is not measured on every type of {self.cluster}; "
                                f"known on all: {known} (cut the workload with `airflow-elastic-gpu "
-                               "workload --profile-source gavel` to draw its models among them)") from None
+                               f"workload --cluster {self.cluster}` to draw its models among them)") from None
         return TypedProfile(model, by_type, self._node_types)
 
     def assign(self, model: str | None, gpu_time_s: float, rng: random.Random) -> TypedProfile:
