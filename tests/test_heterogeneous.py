@@ -334,3 +334,19 @@ def test_the_pool_s_speed_ratios_count_jobs_measured_on_both_types_not_their_fam
     queued = [JobState(job_id, 1, 1, 100, throughput_by_type=by_type) for job_id, by_type in priors.items()]
     assert all(len(j.throughput_by_type) == 2 for j in queued)
     assert pool_speed_ratios([measured, *queued])[("V100", "K80")] == pytest.approx(0.5)
+
+
+def test_guesses_that_land_on_one_time_go_to_the_fast_type_by_submit_time():
+    """The type choice ranks as the policy does: two jobs guessed at the same remaining time (400 s,
+    worked out through different speeds, so apart in the last bits of a float) are taken by submit
+    time, and the earlier one gets the one fast GPU."""
+    nodes = (NodeState("v", (0,), "V100"), NodeState("k", (0,), "K80"))
+
+    def job(name: str, steps: int, submit_s: float) -> JobState:
+        return JobState(name, 1, 1, steps, submit_time_s=submit_s, relative_speed={"V100": 2.0, "K80": 1.0},
+                        throughput=ThroughputModel(prior_steps_per_s=steps / 400.0))
+
+    late, early = job("late", 1_000_012, 5.0), job("early", 1_000_013, 1.0)
+    decided = AdaptivePolicy().decide(ClusterState(nodes, (late, early), 10.0))
+    assert decided.allocations["early"] == (GpuId("v", 0),)
+    assert decided.allocations["late"] == (GpuId("k", 0),)

@@ -74,6 +74,7 @@ and steps 1-7 run per type: :mod:`airflow_elastic_gpu.scheduling.heterogeneous`.
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -217,7 +218,7 @@ class AdaptivePolicy:
                             or (idle > 0 and self._idles_more(cluster, order, remaining_1_s, frozen, kept, r, idle))):
                         bad.append(r)
                     if gained[r] and counts[r] > 0:
-                        left_s = j.remaining_time_s(counts[r])
+                        left_s = round(j.remaining_time_s(counts[r]), 6)  # as the rank: ties by rank
                         if left_s < best_s:
                             best, best_s = r, left_s
                 if bad:
@@ -349,10 +350,10 @@ class AdaptivePolicy:
 
         node = cluster.max_node_gpus
         if free > 0:  # step 3 (free > 0 implies node > 0)
-            free = grant(order, remaining_1_s, frozen, counts, free, node, by_gain)
+            free = grant(order, frozen, counts, free, node, by_gain)
         if free > 0 and self.explore:  # step 4a: idle GPUs try a count no job has been measured on
             by_need = sorted(
-                range(num_jobs), key=lambda r: -order[r].remaining_time_s(max(1, order[r].num_gpus))
+                range(num_jobs), key=lambda r: -round(order[r].remaining_time_s(max(1, order[r].num_gpus)), 6)
             )
             for r in by_need:
                 if free <= 0:
@@ -428,6 +429,25 @@ class AdaptivePolicy:
         return out
 
     def decide(self, cluster: ClusterState) -> Decision:
+        """The allocation of every job of ``cluster`` (steps 1-7 of the module; per GPU type first on a
+        pool of several, with ``type_aware``).
+
+        Python's cyclic garbage collector is paused while it decides (unless the caller paused it):
+        a decision at 2,000 jobs allocates tens of thousands of short-lived objects, none in cycles
+        (reference counting frees them), and a full collection that fell inside it, scanning every
+        object of the pool's state, added 15-25 ms to one decision in three (``docs/benchmarks.md``,
+        section 6). The collection runs after the decision instead; the broker holds the pool's
+        lock for less.
+        """
+        if not gc.isenabled():  # the caller's choice, or a per-type decision inside this one
+            return self._decide(cluster)
+        gc.disable()
+        try:
+            return self._decide(cluster)
+        finally:
+            gc.enable()
+
+    def _decide(self, cluster: ClusterState) -> Decision:
         if self.type_aware and len(cluster.gpu_types) > 1:
             from airflow_elastic_gpu.scheduling.heterogeneous import decide_by_type
 

@@ -34,7 +34,6 @@ def _untie(waiting: dict[float, tuple | list[tuple]], neg_score: float, tied: li
 
 def grant(
     order: list[JobState],
-    remaining_1_s: list[float],
     frozen: list[bool],
     counts: list[int],
     free: int,
@@ -56,11 +55,11 @@ def grant(
     A waiting job marked in ``by_gain`` (at 0 GPUs) competes with its start:
     ``k = min_gpus`` and zero throughput at 0 GPUs.
 
-    The best job has the highest score, then the least ``remaining_time_s(1)``,
-    then the least job id (ids are unique). Hot path (thousands of grants per
+    The best job has the highest score, then the better rank (its place in ``order``: the
+    policy's service order, so a tie goes as the rank does). Hot path (thousands of grants per
     decision on a large pool), so the heap holds bare ``-score`` floats, which
     compare several times faster than tuples, and ``waiting`` maps each to its
-    job's entry ``(remaining_time_s(1), job_id, k, throughput(n + k), job)``, or
+    job's entry ``(rank, job_id, k, throughput(n + k), job)``, or
     to a sorted list of the entries that tie on it (the heap then holds the
     score once per entry). ``k`` and ``throughput(n + k)`` save the grant and the
     job's next score from working them out again; ``job`` is
@@ -93,7 +92,7 @@ def grant(
             neg_score = -((num_jobs - r) * speed_next / speed_1 / k)
         else:
             continue
-        _wait(waiting, neg_score, (remaining_1_s[r], j.job_id, k, speed_next, (r, speed, speed_1, max_gpus)))
+        _wait(waiting, neg_score, (r, j.job_id, k, speed_next, (r, speed, speed_1, max_gpus)))
         heap.append(neg_score)
     if not heap:
         return free
@@ -117,7 +116,7 @@ def grant(
                 k = 1 if n < node else min(node - n % node, max_gpus - n)
                 speed_n, speed_next = speed_next, speed(n + k)
                 next_neg = -((num_jobs - r) * (speed_next - speed_n) / speed_1 / k)
-                best = (remaining_1_s[r], job_id, k, speed_next, job)
+                best = (r, job_id, k, speed_next, job)
                 if not heap or next_neg < heap[0]:
                     neg_score = next_neg  # still the best: no heap traffic
                     continue
