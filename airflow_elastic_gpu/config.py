@@ -89,7 +89,8 @@ OPTIONS: tuple[Option, ...] = (
            env=ENV_WORK_DIR, example="/data/elastic_gpu_jobs"),
     Option("default_pool", "string", "default",
            "GPU pool of a training whose operator names none and whose broker connection has no "
-           "``pool`` field; also the CLI's pool when ``--pool`` is not given."),
+           "``pool`` field; also the pool of the CLI's ``pool``, ``status``, ``run-local`` and "
+           "``nodes add``/``detect`` when ``--pool`` is not given."),
     Option("poll_interval", "float", "5.0",
            "Seconds between two polls of a training job (by the trigger, or by the worker when "
            "``deferrable=False``) when the operator gives no ``poll_interval``."),

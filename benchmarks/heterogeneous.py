@@ -64,7 +64,7 @@ def policy_of(name: str):
     return name
 
 
-def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, repeats: int = 5) -> dict:
+def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, repeats: int = 11) -> dict:
     """Median wall time (s) of one type-aware adaptive decision on a busy synthetic pool whose nodes
     are half V100, half K80; jobs measured on the type they run on, with a relative-speed hint.
 

@@ -126,7 +126,7 @@ def timed_decisions(policy, cluster: ClusterState, repeats: int) -> tuple[list[f
     return wall, cpu
 
 
-def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, repeats: int = 5) -> dict:
+def decision_time(jobs: int = 2000, nodes: int = 1250, gpus_per_node: int = 8, repeats: int = 11) -> dict:
     """Median wall time of one adaptive decision on a busy synthetic pool (seconds); also its CPU time."""
     cluster = synthetic_pool(jobs, nodes, gpus_per_node)
     times, cpu = timed_decisions(AdaptivePolicy(), cluster, repeats)

@@ -1,5 +1,6 @@
-"""The re-creation cost sweep of ``benchmarks/scheduling.py``, on its quick workloads: it reads the
-measured container figure when there is one, and says so on the plot when there is none."""
+"""The scheduling benchmark: its re-creation cost sweep on its quick workloads (it reads the measured
+container figure when there is one, and says so on the plot when there is none), and the tables of
+docs/benchmarks.md made from its committed results."""
 
 from __future__ import annotations
 
@@ -33,14 +34,23 @@ def test_without_a_measurement_the_sweep_has_none_and_a_bad_file_is_refused(tmp_
 
 
 def test_the_documented_scheduling_tables_are_the_committed_results():
-    """Every row of docs/benchmarks.md section 2's tables is the one ``benchmarks/tables.py`` makes
-    from the committed results: a re-run of the benchmark that is not carried into the document
-    (or a hand edit of a figure) fails here."""
-    import subprocess
+    """Every table of docs/benchmarks.md that ``benchmarks/tables.py`` makes from the committed
+    results is, row for row, the one it makes: a re-run of a benchmark that is not carried into the
+    document, a hand edit of a figure, a stale or a missing row fails here."""
+    import tables
 
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "tables.py")], check=True,
-                         capture_output=True, text=True).stdout
-    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
-    assert len(rows) > 60  # six tables
-    doc = set((REPO / "docs" / "benchmarks.md").read_text().splitlines())
-    assert [row for row in rows if row not in doc] == []
+    made = tables.tables(REPO / "benchmarks" / "results")
+    assert len(made) == 8  # sections 2 (six tables and the ablation's) and 6
+    doc = (REPO / "docs" / "benchmarks.md").read_text()
+    assert tables.with_tables(doc, made) == doc
+
+
+def test_tables_replace_a_documents_tables_by_header_in_order(tmp_path):
+    import tables
+
+    doc = "# t\n\n| a | b |\n| --- | --- |\n| 1 | old |\n| stale | row |\n\ntext\n\n| c |\n| --- |\n| 3 |\n"
+    new = [["| a | b |", "| --- | --- |", "| 1 | 2 |"], ["| c |", "| --- |", "| 4 |"]]
+    assert tables.with_tables(doc, new) == "# t\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\n\ntext\n\n| c |\n| --- |\n| 4 |\n"
+    with pytest.raises(ValueError, match="no table with the header '| d |'"):
+        tables.with_tables(doc, [["| d |", "| --- |"]])
+    assert tables.tables(tmp_path) == []  # no result files: no tables
