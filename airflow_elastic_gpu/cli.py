@@ -109,10 +109,15 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type)
     elif args.action == "kube-sync":
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+        from kubernetes.config.config_exception import ConfigException
 
         from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
 
-        core_v1 = KubernetesHook(conn_id=args.kubernetes_conn_id).core_v1_client
+        try:
+            core_v1 = KubernetesHook(conn_id=args.kubernetes_conn_id).core_v1_client
+        except ConfigException as exc:  # no kube-config, no in-cluster service account
+            raise BackendError(f"no Kubernetes cluster to read through connection {args.kubernetes_conn_id!r}: "
+                               f"{exc} (set the connection's kube_config_path, or run in the cluster)") from None
         names = register_nodes_from_cluster(broker, core_v1, pool=args.pool, label_selector=args.label_selector)
         console.print(f"registered {len(names)} GPU node(s) of the cluster in pool {escape(repr(args.pool))}")
     elif args.action == "detect":
@@ -316,6 +321,11 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
     ui_token = get_option("ui_token") or None
     check_bind_address(args.host, ui_token)
+    # the database answers before the server does: a bad or unreachable URL is one line and exit 2
+    # here, not a server whose every API call fails with 500 behind a page that loads
+    probe = _broker(args)
+    probe.pools()
+    probe.engine.dispose()
     overrides = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),
                                    ("max_metrics_bytes", args.max_metrics_bytes)) if v is not None}
     limits = dataclasses.replace(ApiLimits.from_env(), **overrides)

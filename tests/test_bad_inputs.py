@@ -94,6 +94,9 @@ def test_hostile_text_is_stored_verbatim_and_harms_nothing(broker):
     (lambda b: b.configure_pool(lease_s=math.nan), InvalidRequest, "lease_s must be a number of seconds"),
     (lambda b: b.register_node("x" * 254, 2), InvalidRequest, "node name must be at most 253 characters"),
     (lambda b: b.register_node("n1", 2, pool="p" * 129), InvalidRequest, "GPU pool name must be at most 128"),
+    (lambda b: b.register_node("n1", 2, pool="team/a"), InvalidRequest, "GPU pool name must not contain '/'"),
+    (lambda b: b.register_node("n1", 2, pool="team-a "), InvalidRequest,
+     "GPU pool name must not start or end with a space"),
     (lambda b: b.register_node("n1", gpu_indices=[2**40]), InvalidRequest, "GPU index must be at most 1023"),
     (lambda b: b.register_node("n1", 1_000_000), InvalidRequest, "num_gpus must be at most 1024"),
     (lambda b: b.register_node("n\x001", 2), InvalidRequest, "node name must not contain NUL"),
@@ -184,6 +187,30 @@ def test_broker_serve_rejects_a_port_out_of_range(capsys):
         cli(["broker", "serve", "--port", "99999"])
     assert exit_.value.code == 2
     assert "--port: must be between 1 and 65535, got 99999" in capsys.readouterr().err
+
+
+def test_broker_serve_refuses_a_database_it_cannot_use_before_it_listens(capsys, monkeypatch):
+    """A bad or unreachable broker URL is one line and exit 2 at start-up: the server used to start,
+    load its page and answer every API call with 500."""
+    import airflow_elastic_gpu.cli as cli_module
+
+    monkeypatch.setattr(cli_module, "CLI_RECONNECT_DEADLINE_S", 0.5)
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("the server started"))
+    assert cli(["--broker-url", "foo://x", "broker", "serve"]) == 2
+    assert "database 'foo' is not supported" in capsys.readouterr().err
+    assert cli(["--broker-url", "postgresql+psycopg://nobody@127.0.0.1:1/none", "broker", "serve"]) == 2
+    assert "cannot reach the broker database" in capsys.readouterr().err
+
+
+def test_kube_sync_without_a_cluster_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-config"))
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # no in-cluster configuration either
+    assert cli(["--broker-url", f"sqlite:///{tmp_path / 'b.db'}", "nodes", "kube-sync"]) == 2
+    err = capsys.readouterr().err
+    assert "no Kubernetes cluster to read through connection 'kubernetes_default'" in " ".join(err.split())
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(("argv", "message"), [

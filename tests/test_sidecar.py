@@ -185,10 +185,13 @@ def test_log_parser_reads_json_lines_generations_and_metrics(tmp_path):
 
 
 def test_log_parser_uses_a_progress_regex(tmp_path):
+    """With a progress pattern the steps come from it, and the final metrics line is read all the
+    same (it was ignored: the job ended without its accuracy)."""
     log = tmp_path / "train.log"
-    log.write_text("epoch 1 iter 40/100 loss 0.3\nepoch 1 iter 80/100 loss 0.2\n")
+    log.write_text('epoch 1 iter 40/100 loss 0.3\nepoch 1 iter 80/100 loss 0.2\n{"final": true, "accuracy": 0.93}\n')
     parser = LogParser(compile_progress_pattern(r"iter (?P<step>\d+)/"))
     assert [s for _, s in parser.read(log)] == [40.0, 80.0]
+    assert parser.metrics == {"final": True, "accuracy": 0.93}
 
 
 @pytest.fixture

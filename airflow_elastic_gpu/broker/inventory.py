@@ -13,11 +13,11 @@ from airflow_elastic_gpu.broker.models import Gpu, GpuPool, Node
 from airflow_elastic_gpu.broker.rows import request_rebalance
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
-    MAX_POOL_CHARS,
     InvalidRequest,
     NodeView,
     NotFound,
     check_int,
+    check_pool_name,
     check_text,
 )
 from airflow_elastic_gpu.scheduling.policy import get_policy
@@ -50,7 +50,7 @@ class Inventory(Lifecycle):
             too large indices.
         """
         check_text("node name", name, MAX_NODE_CHARS)
-        check_text("GPU pool name", pool, MAX_POOL_CHARS)
+        check_pool_name("GPU pool name", pool)
         check_text("gpu_type", gpu_type, 128)
         if gpu_indices is None:
             if num_gpus is None or isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:

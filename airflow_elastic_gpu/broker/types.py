@@ -13,7 +13,8 @@ from airflow_elastic_gpu.states import BrokerError, InvalidRequest, JobStatus, N
 
 __all__ = [
     "BACKENDS", "DEFAULT_POOL", "BrokerError", "EventView", "GpuView", "InvalidRequest", "JobSpec", "JobStatus",
-    "JobView", "NodeView", "NotFound", "PoolSnapshot", "Target", "check_int", "check_text", "compile_progress_pattern",
+    "JobView", "NodeView", "NotFound", "PoolSnapshot", "Target", "check_int", "check_pool_name", "check_text",
+    "compile_progress_pattern",
     "family_of", "task_family",
 ]
 
@@ -54,6 +55,17 @@ def check_text(name: str, value: Any, max_chars: int, *, empty_ok: bool = False)
         raise InvalidRequest(f"{name} must be at most {max_chars} characters, got {len(value)}")
     if "\x00" in value:
         raise InvalidRequest(f"{name} must not contain NUL characters")
+
+
+def check_pool_name(name: str, value: Any) -> None:
+    """Raise :class:`InvalidRequest` unless ``value`` is a GPU pool name: :func:`check_text` of at most
+    :data:`MAX_POOL_CHARS` characters, no ``/`` (the API's and the page's URLs carry the name as one
+    path segment) and no space at either end (``"a "`` would be another pool than ``"a"``)."""
+    check_text(name, value, MAX_POOL_CHARS)
+    if "/" in value:
+        raise InvalidRequest(f"{name} must not contain '/', got {value!r}")
+    if value != value.strip():
+        raise InvalidRequest(f"{name} must not start or end with a space, got {value!r}")
 
 
 def check_int(name: str, value: Any, low: int, high: int = MAX_INT32) -> None:
@@ -138,7 +150,7 @@ class JobSpec:
                 )
         if self.key is not None:
             check_text("key", self.key, MAX_KEY_CHARS)
-        check_text("pool", self.pool, MAX_POOL_CHARS)
+        check_pool_name("pool", self.pool)
         check_int("priority", self.priority, -MAX_INT32, MAX_INT32)
         if self.checkpoint_dir is not None:
             check_text("checkpoint_dir", self.checkpoint_dir, 4096)

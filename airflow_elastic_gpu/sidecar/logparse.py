@@ -1,8 +1,8 @@
 """The agent's incremental reader of a trainer's log: progress steps per generation, metrics, last lines.
 
-Progress lines: by default JSON objects with a ``"step"`` key (a JSON object with ``"final": true``
-is kept as the job's metrics); or any line matching ``progress_pattern`` (group ``step``, or its
-only group). A line of :func:`~.protocol.generation_line` marks where a generation starts.
+Progress lines: by default JSON objects with a ``"step"`` key; or any line matching
+``progress_pattern`` (group ``step``, or its only group). Either way a JSON object with
+``"final": true`` is kept as the job's metrics. A line of :func:`~.protocol.generation_line` marks where a generation starts.
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ class LogParser:
         return out
 
     def _step(self, line: str) -> float | None:
+        obj = _json_object(line)
+        if obj is not None and obj.get("final"):  # the final metrics line, with a pattern or without
+            self.metrics = _finite(obj)
         if self.pattern is not None:
             m = self.pattern.search(line)
             if not m:
@@ -71,20 +74,23 @@ class LogParser:
                 return _finite_step(float(raw))
             except (TypeError, ValueError):
                 return None
-        if not line.startswith("{"):
+        if obj is None:
             return None
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict):
-            return None
-        if obj.get("final"):
-            self.metrics = _finite(obj)
         step = obj.get("step")
         if not isinstance(step, (int, float)) or isinstance(step, bool):
             return None
         return _finite_step(float(step))
+
+
+def _json_object(line: str) -> dict[str, Any] | None:
+    """The JSON object on ``line``, or None when it holds none."""
+    if not line.startswith("{"):
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def _finite_step(step: float) -> float | None:
