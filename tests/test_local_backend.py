@@ -148,10 +148,11 @@ def test_urls_are_masked_wherever_they_are_shown(url, capsys, monkeypatch):
         assert "hunter2" not in str(exc)
     import uvicorn
 
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)  # `broker serve` prints, then serves
-    assert cli.main(["--broker-url", url, "broker", "serve"]) == 0
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: pytest.fail("served a database it cannot use"))
+    monkeypatch.setattr(cli, "CLI_RECONNECT_DEADLINE_S", 0.5)
+    assert cli.main(["--broker-url", url, "broker", "serve"]) == 2  # refused before it listens
     out = capsys.readouterr()
-    assert "hunter2" not in out.out + out.err and "broker API on http://127.0.0.1:8793" in out.out
+    assert "hunter2" not in out.out + out.err and "error:" in out.err
 
 
 # --------------------------------------------------------------------------- atomic starts
@@ -248,3 +249,18 @@ def test_nodes_detect_and_add_do_not_put_this_host_in_a_second_pool(local, capsy
     assert "this host's GPUs are already in pool 'default'" in " ".join(capsys.readouterr().err.split())
     assert broker.pools() == ["default"]
     assert cli.main(["--broker-url", broker.url, "nodes", "detect"]) == 0  # its own pool again: fine
+
+
+def test_broker_serve_shows_a_working_database_url_with_its_password_masked(postgres_server_url, capsys,
+                                                                            monkeypatch):
+    """The line `broker serve` prints before it listens names the database without its password
+    (the test server trusts local connections, so any password connects)."""
+    import uvicorn
+    from sqlalchemy.engine import make_url
+
+    url = make_url(postgres_server_url).set(password="hunter2").render_as_string(hide_password=False)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)  # `broker serve` prints, then serves
+    assert cli.main(["--broker-url", url, "broker", "serve"]) == 0
+    out = capsys.readouterr()
+    assert "hunter2" not in out.out + out.err and "broker API on http://127.0.0.1:8793" in out.out
+    assert ":***@" in out.out
