@@ -29,6 +29,7 @@ from airflow_elastic_gpu.broker.types import (
     JobSpec,
     JobView,
     check_int,
+    check_pool_name,
     task_family,
 )
 from airflow_elastic_gpu.compat import AirflowException, Asset, BaseOperator, StartTriggerArgs
@@ -155,6 +156,8 @@ class ElasticTrainingOperator(BaseOperator):
         if start_from_trigger and not deferrable:
             raise AirflowException(f"{self.task_id}: start_from_trigger=True needs deferrable=True")
         try:
+            if gpu_pool is not None:  # named as the argument the user wrote (JobSpec's field is pool)
+                check_pool_name("gpu_pool", gpu_pool)
             spec = JobSpec(  # the one validation of a job's fields, also run by the broker at submit
                 name=job_name or self.task_id, command=command, min_gpus=min_gpus, max_gpus=max_gpus,
                 total_steps=total_steps, requested_gpus=requested_gpus,
