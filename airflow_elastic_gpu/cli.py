@@ -13,9 +13,7 @@ and ``status`` say on stderr which broker and job directory they use.
 from __future__ import annotations
 
 import argparse
-import difflib
 import itertools
-import math
 import shlex
 import sys
 import time
@@ -40,6 +38,7 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     NotFound,
 )
+from airflow_elastic_gpu.cli_parsing import Parser, port, positive_s
 from airflow_elastic_gpu.cli_simulator import add_simulator_commands
 from airflow_elastic_gpu.cli_simulator import console as simulator_console
 from airflow_elastic_gpu.cli_views import full_width_unless_terminal, jobs_table, snapshot_view
@@ -61,28 +60,6 @@ CLI_RECONNECT_DEADLINE_S = 10.0
 
 def _broker(args: argparse.Namespace) -> GpuBroker:
     return GpuBroker(args.broker_url or default_broker_url(), reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S)
-
-
-def _port(text: str) -> int:
-    """An argparse type: a TCP port number, 1-65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 65535, got {port}")
-    return port
-
-
-def _positive_s(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
 
 
 def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
@@ -341,57 +318,6 @@ def cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
-class Parser(argparse.ArgumentParser):
-    """An argument parser that takes no abbreviation of an option and names an unknown option, with the
-    nearest known one, before anything else is checked.
-
-    Plain argparse lets ``run-local``'s command (everything after the options) swallow a misspelled
-    option with the rest of the line, then complains that a correctly spelled later option is missing.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        self._reject_unknown_options(args)
-        return super().parse_known_args(args, namespace)
-
-    def _reject_unknown_options(self, args: list[str]) -> None:
-        """:raises SystemExit: (via :meth:`error`) an option this parser does not know comes before its
-        sub-command or its command's words."""
-        subcommands = {name for a in self._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
-        takes_rest = any(a.nargs == argparse.REMAINDER for a in self._actions if not a.option_strings)
-        skip_value = False
-        for word in args:
-            if skip_value:
-                skip_value = False
-                continue
-            if word == "--" or word in subcommands:
-                return
-            if not word.startswith("-") or word == "-" or _is_number(word):
-                if takes_rest:
-                    return
-                continue
-            option, has_value, _ = word.partition("=")
-            action = self._option_string_actions.get(option)
-            if action is None:
-                known = [o for o in self._option_string_actions if o.startswith("--")]
-                near = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
-                hint = f"; did you mean {near[0]}?" if near else f"; see {self.prog} --help"
-                self.error(f"unknown option {option}{hint}")
-            skip_value = action.nargs != 0 and not has_value
-
-
-def _is_number(word: str) -> bool:
-    try:
-        float(word)
-    except ValueError:
-        return False
-    return True
-
-
 POOL_DEFAULT = f"[elastic_gpu] default_pool in airflow.cfg, else {DEFAULT_POOL!r}"
 
 
@@ -452,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="the pool: GPU grid, jobs, latest events")
     p.add_argument("--pool", default=None, help=f"the pool to show (default {POOL_DEFAULT})")
     p.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
-    p.add_argument("--interval", type=_positive_s, default=1.0,
+    p.add_argument("--interval", type=positive_s, default=1.0,
                    help="seconds between refreshes with --watch (default 1)")
     p.set_defaults(fn=cmd_status)
 
@@ -504,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1); any but a loopback one needs "
                         "$AIRFLOW_ELASTIC_GPU_UI_TOKEN")
-    p.add_argument("--port", type=_port, default=8793, help="TCP port (default 8793)")
+    p.add_argument("--port", type=port, default=8793, help="TCP port (default 8793)")
     p.add_argument("--api-docs", action="store_true",
                    help="also serve Swagger UI (/docs) and ReDoc (/redoc); their assets load from a CDN")
     p.add_argument("--max-body-bytes", type=int, default=None,
