@@ -83,7 +83,13 @@ from typing import ClassVar
 from airflow_elastic_gpu.scheduling.grant import grant
 from airflow_elastic_gpu.scheduling.placement import PlacementRequest, place_with_leftover
 from airflow_elastic_gpu.scheduling.reasons import Reasons
-from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState
+from airflow_elastic_gpu.scheduling.state import (
+    RANK_DECIMALS,
+    ClusterState,
+    Decision,
+    GpuId,
+    JobState,
+)
 from airflow_elastic_gpu.scheduling.suspension import SuspensionRule
 
 
@@ -165,9 +171,7 @@ class AdaptivePolicy:
         jobs = cluster.jobs
         # remaining_time_s(1), inlined (a decision ranks every job): steps left / steps/s on one GPU
         left = [max(0.0, j.total_steps - j.steps_done) / j.throughput.steps_per_s(1) for j in jobs]
-        # ranked on microseconds: times worked out through different speeds that agree but for the
-        # last bits of a float (two trainings guessed at one time) tie, and go by submit time
-        keys = [(-j.priority, round(t, 6), j.submit_time_s, j.job_id) for j, t in zip(jobs, left)]
+        keys = [(-j.priority, round(t, RANK_DECIMALS), j.submit_time_s, j.job_id) for j, t in zip(jobs, left)]
         ranked = sorted(range(len(jobs)), key=keys.__getitem__)  # stable, as sorting the jobs by key
         return [jobs[i] for i in ranked], [left[i] for i in ranked]
 
@@ -218,7 +222,7 @@ class AdaptivePolicy:
                             or (idle > 0 and self._idles_more(cluster, order, remaining_1_s, frozen, kept, r, idle))):
                         bad.append(r)
                     if gained[r] and counts[r] > 0:
-                        left_s = round(j.remaining_time_s(counts[r]), 6)  # as the rank: ties by rank
+                        left_s = round(j.remaining_time_s(counts[r]), RANK_DECIMALS)  # ties: by rank
                         if left_s < best_s:
                             best, best_s = r, left_s
                 if bad:
@@ -353,7 +357,8 @@ class AdaptivePolicy:
             free = grant(order, frozen, counts, free, node, by_gain)
         if free > 0 and self.explore:  # step 4a: idle GPUs try a count no job has been measured on
             by_need = sorted(
-                range(num_jobs), key=lambda r: -round(order[r].remaining_time_s(max(1, order[r].num_gpus)), 6)
+                range(num_jobs),
+                key=lambda r: -round(order[r].remaining_time_s(max(1, order[r].num_gpus)), RANK_DECIMALS),
             )
             for r in by_need:
                 if free <= 0:

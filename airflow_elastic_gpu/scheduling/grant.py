@@ -59,11 +59,11 @@ def grant(
     policy's service order, so a tie goes as the rank does). Hot path (thousands of grants per
     decision on a large pool), so the heap holds bare ``-score`` floats, which
     compare several times faster than tuples, and ``waiting`` maps each to its
-    job's entry ``(rank, job_id, k, throughput(n + k), job)``, or
+    job's entry ``(rank, k, throughput(n + k), job)``, or
     to a sorted list of the entries that tie on it (the heap then holds the
-    score once per entry). ``k`` and ``throughput(n + k)`` save the grant and the
-    job's next score from working them out again; ``job`` is
-    ``(rank, throughput.steps_per_s, throughput(1), max_gpus)``.
+    score once per entry; ranks are unique, so entries sort on them alone). ``k`` and
+    ``throughput(n + k)`` save the grant and the job's next score from working them out again;
+    ``job`` is ``(throughput.steps_per_s, throughput(1), max_gpus)``.
 
     :returns: the GPUs still free.
     """
@@ -92,7 +92,7 @@ def grant(
             neg_score = -((num_jobs - r) * speed_next / speed_1 / k)
         else:
             continue
-        _wait(waiting, neg_score, (r, j.job_id, k, speed_next, (r, speed, speed_1, max_gpus)))
+        _wait(waiting, neg_score, (r, k, speed_next, (speed, speed_1, max_gpus)))
         heap.append(neg_score)
     if not heap:
         return free
@@ -105,9 +105,9 @@ def grant(
     while True:
         if neg_score >= 0.0:
             return free  # nobody gains from another GPU
-        _, job_id, k, speed_next, job = best
+        r, k, speed_next, job = best
         if k <= free:  # else a whole node is not free; smaller growths of others may still fit
-            r, speed, speed_1, max_gpus = job
+            speed, speed_1, max_gpus = job
             n = counts[r] = counts[r] + k
             free -= k
             if free <= 0:
@@ -116,7 +116,7 @@ def grant(
                 k = 1 if n < node else min(node - n % node, max_gpus - n)
                 speed_n, speed_next = speed_next, speed(n + k)
                 next_neg = -((num_jobs - r) * (speed_next - speed_n) / speed_1 / k)
-                best = (r, job_id, k, speed_next, job)
+                best = (r, k, speed_next, job)
                 if not heap or next_neg < heap[0]:
                     neg_score = next_neg  # still the best: no heap traffic
                     continue

@@ -45,6 +45,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from airflow_elastic_gpu.scheduling.state import (
+    RANK_DECIMALS,
     ClusterState,
     Decision,
     GpuId,
@@ -197,7 +198,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
         models.append(pairs)
         work.append(w)
         rests.append(rest)
-        keys.append((-j.priority, round(min(w), 6), j.submit_time_s, j.job_id))  # as AdaptivePolicy.rank
+        keys.append((-j.priority, round(min(w), RANK_DECIMALS), j.submit_time_s, j.job_id))  # as AdaptivePolicy.rank
         alloc, cur = j.allocation, None
         if alloc:
             t = node_type.get(alloc[0].node)

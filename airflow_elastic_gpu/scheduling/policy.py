@@ -51,13 +51,7 @@ def get_policy(name: str, /, **params: Any) -> Policy:
 
     :raises ValueError: unknown name (the message lists the known ones), or bad params.
     """
-    known = policy_classes()
-    try:
-        cls = known[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown scheduling policy {name!r}; choose one of {', '.join(sorted(known))}"
-        ) from None
+    cls = _policy_class(name)
     accepted = _parameters(cls)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
@@ -76,10 +70,18 @@ def policy_parameters(name: str) -> list[str]:
 
     :raises ValueError: unknown name.
     """
+    return _parameters(_policy_class(name))
+
+
+def _policy_class(name: str) -> type:
+    """:raises ValueError: unknown name (the message lists the known ones)."""
     known = policy_classes()
-    if name not in known:
-        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {', '.join(sorted(known))}")
-    return _parameters(known[name])
+    try:
+        return known[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown scheduling policy {name!r}; choose one of {', '.join(sorted(known))}"
+        ) from None
 
 
 def _parameters(cls: type) -> list[str]:

@@ -28,6 +28,13 @@ class GpuId(NamedTuple):
         return f"{self.node}:{self.index}"
 
 
+RANK_DECIMALS = 6
+"""Remaining times (seconds) are compared rounded to this many decimals (a microsecond) wherever
+jobs are ordered by them: times worked out through different speeds that agree but for the last
+bits of a float (two never-measured trainings guessed at one time) tie, and the tie goes by rank
+(submit time)."""
+
+
 @dataclass(frozen=True)
 class NodeState:
     """A node of a GPU pool.
