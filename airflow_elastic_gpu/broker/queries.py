@@ -24,7 +24,14 @@ from airflow_elastic_gpu.broker.models import (
     ProgressSample,
 )
 from airflow_elastic_gpu.broker.rebalance import Rebalancing
-from airflow_elastic_gpu.broker.rows import JOB_COLUMNS, Executor, job_gpus, read_job, throughput_of
+from airflow_elastic_gpu.broker.rows import (
+    JOB_COLUMNS,
+    Executor,
+    job_gpus,
+    read_job,
+    throughput_of,
+    unknown_pool,
+)
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
     EventView,
@@ -164,8 +171,7 @@ class Queries(Rebalancing):
         def read(s: Session) -> tuple[str, dict[str, Any]]:
             row = s.get(GpuPool, pool)
             if row is None:
-                known = s.scalars(select(GpuPool.name).order_by(GpuPool.name)).all()
-                raise NotFound(f"unknown GPU pool {pool!r}; known pools: {', '.join(known) or 'none'}")
+                raise unknown_pool(s, pool)
             return row.policy, dict(row.policy_params or {})
 
         return self._read(read)

@@ -35,7 +35,7 @@ from airflow_elastic_gpu.broker.models import (
     Node,
     RebalanceRequest,
 )
-from airflow_elastic_gpu.broker.types import family_of
+from airflow_elastic_gpu.broker.types import NotFound, family_of
 from airflow_elastic_gpu.scheduling.core import JobBook
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
@@ -239,3 +239,10 @@ def add_event(s: Executor, time_s: float, pool: str, kind: EventKind, message: s
 def request_rebalance(s: Executor, pool: str, time_s: float) -> None:
     """Ask for a rebalance of ``pool`` (see :mod:`airflow_elastic_gpu.broker.rebalance`)."""
     s.execute(_ADD_REQUEST, {"pool": pool, "time_s": time_s})
+
+
+def unknown_pool(s: Session, pool: str) -> NotFound:
+    """The error for ``pool`` not being a pool of the broker, naming the ones it has."""
+    known = s.scalars(select(GpuPool.name).order_by(GpuPool.name)).all()
+    return NotFound(f"unknown GPU pool {pool!r}; known pools: {', '.join(known) or 'none'} "
+                    "(register a node in it first: airflow-elastic-gpu nodes add)")

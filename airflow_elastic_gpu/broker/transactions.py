@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from airflow_elastic_gpu.broker import db
 from airflow_elastic_gpu.broker.models import GpuPool, Job
-from airflow_elastic_gpu.broker.rows import Executor, add_event
+from airflow_elastic_gpu.broker.rows import Executor, add_event, unknown_pool
 from airflow_elastic_gpu.broker.types import InvalidRequest, NotFound
 from airflow_elastic_gpu.scheduling.policy import Policy
 from airflow_elastic_gpu.states import EventKind
@@ -150,11 +150,7 @@ class BrokerBase:
         ).scalar_one_or_none()
         if row is None:
             if not create:
-                known = session.scalars(select(GpuPool.name).order_by(GpuPool.name)).all()
-                raise NotFound(
-                    f"unknown GPU pool {pool!r}; known pools: {', '.join(known) or 'none'} "
-                    "(register a node in it first: airflow-elastic-gpu nodes add)"
-                )
+                raise unknown_pool(session, pool)
             row = GpuPool(
                 name=pool, created_s=self.clock(), last_rebalance_s=0.0, policy="adaptive",
                 lease_s=60.0, rebalance_interval_s=10.0,

@@ -2,7 +2,8 @@
 
 Progress lines: by default JSON objects with a ``"step"`` key; or any line matching
 ``progress_pattern`` (group ``step``, or its only group). Either way a JSON object with
-``"final": true`` is kept as the job's metrics. A line of :func:`~.protocol.generation_line` marks where a generation starts.
+``"final": true`` is kept as the job's metrics. A line of :func:`~.protocol.generation_line` marks
+where a generation starts.
 """
 
 from __future__ import annotations
