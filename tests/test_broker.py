@@ -221,6 +221,18 @@ def test_bad_broker_url_is_a_clear_error():
         GpuBroker("mysql://u@h/db")
 
 
+def test_a_sqlite_file_in_a_missing_directory_is_named_and_nothing_is_made(tmp_path, monkeypatch):
+    """A mistyped directory would make a new, empty broker in new directories: refused, naming it;
+    only Airflow's home (the default broker file's directory) is created when missing."""
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "airflow"))
+    typo = tmp_path / "brokr" / "state"
+    with pytest.raises(ValueError, match=f"the directory '{typo}' of its SQLite file does not exist"):
+        GpuBroker(f"sqlite:///{typo / 'broker.db'}")
+    assert not (tmp_path / "brokr").exists()
+    GpuBroker(f"sqlite:///{tmp_path / 'airflow' / 'broker.db'}").register_node("n0", 1)
+    assert (tmp_path / "airflow" / "broker.db").is_file()
+
+
 def test_heartbeat_and_target_tell_the_agent_the_pool_lease(broker):
     """The sidecar fences its trainer within the pool's lease: the broker says what the lease is."""
     broker.register_node("n0", 1)

@@ -129,7 +129,7 @@ def test_an_existing_job_directory_is_made_private_again(local):
 
 
 def test_a_new_sqlite_broker_file_is_readable_by_its_owner_only(tmp_path):
-    path = tmp_path / "new" / "broker.db"
+    path = tmp_path / "broker.db"
     broker = GpuBroker(f"sqlite:///{path}")
     broker.register_node("n", 1)  # a write: the WAL file exists now
     for p in (path, Path(f"{path}-wal")):

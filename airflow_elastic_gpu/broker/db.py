@@ -21,15 +21,37 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 
-from airflow_elastic_gpu.config import ENV_BROKER_URL, default_broker_url, mask_url  # noqa: F401 - re-exported
+from airflow_elastic_gpu.config import (  # noqa: F401 - ENV_BROKER_URL, default_broker_url re-exported
+    ENV_BROKER_URL,
+    airflow_home,
+    default_broker_url,
+    mask_url,
+)
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+def _check_directory(path: Path, url: str) -> None:
+    """The directory of a broker's SQLite file exists; :func:`airflow_home` (the default one) is
+    created when it does not, any other is an error that names it."""
+    directory = path.parent
+    if directory.is_dir():
+        return
+    if directory.resolve() == airflow_home().expanduser().resolve():
+        directory.mkdir(parents=True, exist_ok=True)
+        return
+    raise ValueError(
+        f"broker URL {mask_url(url)!r}: the directory {str(directory)!r} of its SQLite file does not "
+        "exist; create it (mkdir -p) or correct the path"
+    )
 
 
 def create_broker_engine(url: str) -> Engine:
     """Engine for a broker URL (``sqlite:///PATH``, ``sqlite://`` in memory, ``postgresql+psycopg://...``).
 
-    :raises ValueError: the URL is malformed, names a driver that is not installed,
+    :raises ValueError: the URL is malformed, names a driver that is not installed, a SQLite
+        file in a directory that does not exist (only the default one, :func:`airflow_home`, is
+        created: a mistyped path would otherwise make a new, empty broker in new directories),
         or a database other than SQLite or PostgreSQL.
     """
     try:
@@ -44,7 +66,7 @@ def create_broker_engine(url: str) -> Engine:
         database = parsed.database or ""
         in_memory = database in ("", ":memory:")
         if not in_memory:
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            _check_directory(Path(database.removeprefix("file:").split("?")[0]).expanduser(), url)
             if not database.startswith("file:"):
                 _create_private(Path(database).expanduser())
         engine = create_engine(
