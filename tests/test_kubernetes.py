@@ -1,31 +1,24 @@
-"""Kubernetes backend: manifests validated against the official schema (strict), their semantics,
-and a job's whole life against a fake of the CoreV1 API (no cluster here)."""
+"""Kubernetes backend: a job's whole life against a fake of the CoreV1 API (no cluster here), and
+the helpers the other Kubernetes tests share (the strict schema check, a config, a fake API);
+the manifests themselves: ``test_kubernetes_manifests.py``."""
 
 from __future__ import annotations
 
 import copy
 import http.server
 import json
-import subprocess
-import sys
 import threading
 
 import kubernetes_validate
 import pytest
-import yaml
 from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 
 from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.backends.kubernetes import (
-    LABEL_GENERATION,
-    LABEL_JOB,
-    LABEL_MANAGED_BY,
     KubernetesBackend,
     KubernetesJobConfig,
-    PodBuilder,
     register_nodes_from_cluster,
-    to_dict,
 )
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
@@ -44,195 +37,6 @@ def validate(manifest: dict) -> None:
 def config(**kw) -> KubernetesJobConfig:
     return KubernetesJobConfig(image="registry.example/train:1", broker_api_url="http://broker:8793",
                                namespace="ml", **kw)
-
-
-TEMPLATE = {
-    "apiVersion": "v1", "kind": "Pod",
-    "metadata": {"labels": {"team": "vision"}},
-    "spec": {"priorityClassName": "batch", "containers": [{"name": "base", "image": "ignored"}],
-             "nodeSelector": {"pool": "a100"}},
-}
-
-
-@pytest.mark.parametrize("kind", ["inplace", "recreate", "template_file", "full_pod_spec", "knobs", "own_users"])
-def test_every_manifest_validates_strictly_against_the_kubernetes_schema(tmp_path, kind):
-    extra: dict = {}
-    if kind == "recreate":
-        extra = {"resize_mechanism": "recreate"}
-    elif kind == "template_file":
-        path = tmp_path / "pod.yaml"
-        path.write_text(yaml.safe_dump(TEMPLATE))
-        extra = {"pod_template_file": str(path)}
-    elif kind == "full_pod_spec":
-        extra = {"full_pod_spec": TEMPLATE}
-    elif kind == "knobs":
-        extra = {"image_pull_secrets": ("regcred",), "tolerations": ({"key": "gpu", "operator": "Exists",
-                                                                    "effect": "NoSchedule"},),
-                 "volumes": ({"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}},),
-                 "volume_mounts": ({"name": "ckpt", "mountPath": "/ckpt"},),
-                 "container_resources": {"requests": {"cpu": "4", "memory": "16Gi"}},
-                 "service_account_name": "trainer", "labels": {"team": "nlp"},
-                 "automount_service_account_token": True}
-    elif kind == "own_users":  # the images' own users, and a profiler's capability for the trainer
-        extra = {"run_as_user": None, "run_as_group": None,
-                 "trainer_security_context": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
-                                              "capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE"]}}}
-    builder = PodBuilder(config(**extra))
-    pod = to_dict(builder.pod("3f1c-job", "python train.py --gpus {num_gpus}", "gpu-node-7", 2,
-                              progress_pattern=r"step (?P<step>\d+)", checkpoint_dir="/ckpt/run1",
-                              env={"WANDB_MODE": "offline"}, context=CONTEXT))
-    validate(pod)
-    validate(to_dict(builder.secret("3f1c-job", "tok")))
-    if kind in ("template_file", "full_pod_spec"):
-        assert pod["spec"]["priorityClassName"] == "batch" and pod["spec"]["nodeSelector"] == {"pool": "a100"}
-        assert pod["metadata"]["labels"]["team"] == "vision"
-
-
-def test_the_schema_check_is_strict():
-    with pytest.raises(kubernetes_validate.ValidationError):
-        validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
-                  "spec": {"containers": [{"name": "c", "image": "i", "restartPolicyy": "Always"}]}})
-
-
-def test_pod_semantics_the_schema_cannot_check():
-    pod = to_dict(PodBuilder(config()).pod("job-1", "python train.py", "gpu-node-7", 3, context=CONTEXT))
-    spec = pod["spec"]
-    copy_init, agent = spec["initContainers"]
-    (trainer,) = spec["containers"]
-    assert agent["name"] == "elastic-agent" and agent["restartPolicy"] == "Always"  # native sidecar
-    assert "restartPolicy" not in copy_init  # a plain init container runs to completion first
-    assert spec["nodeName"] == "gpu-node-7" and spec["restartPolicy"] == "Never"
-    assert spec["runtimeClassName"] == "nvidia"
-    assert "nvidia.com/gpu" not in str(pod)  # GPUs come from the broker, not the device plugin's requests
-    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in trainer["env"]
-    for c in (copy_init, agent, trainer):  # the shared volume is in every container
-        assert {"name": "elastic", "mountPath": "/elastic"} in c["volumeMounts"]
-    assert {"name": "elastic", "emptyDir": {}} in spec["volumes"]
-    assert "env" not in agent  # the token is a file of the job's Secret, mounted into the agent only
-    assert {"name": "elastic-token", "mountPath": "/var/run/secrets/elastic-gpu", "readOnly": True} \
-        in agent["volumeMounts"]
-    (token_volume,) = [v for v in spec["volumes"] if v["name"] == "elastic-token"]
-    assert token_volume["secret"] == {"secretName": "elastic-gpu-token-job-1", "defaultMode": 0o440}
-    assert agent["args"][agent["args"].index("--token-file") + 1] == "/var/run/secrets/elastic-gpu/token"
-    assert all(m["name"] != "elastic-token" for c in (copy_init, trainer) for m in c["volumeMounts"])
-    assert "--broker-api" in agent["args"] and "--broker-url" not in agent["args"]  # no DB password in pods
-    assert trainer["command"] == ["python3", "/elastic/launcher.py"]
-    assert trainer["args"][-2:] == ["--", "python train.py"]
-    assert "--echo" in trainer["args"]  # kubectl logs shows the trainer's output
-    assert "--pod-generation" not in agent["args"]  # in place: the agent applies every generation
-    labels, notes = pod["metadata"]["labels"], pod["metadata"]["annotations"]
-    assert labels[LABEL_JOB] == "job-1" and labels[LABEL_GENERATION] == "3"
-    assert labels["elastic-gpu.airflow.apache.org/dag_id"] == "nightly_retraining"
-    assert notes["elastic-gpu.airflow.apache.org/run_id"] == CONTEXT["run_id"]  # not label-safe: annotation
-    assert pod["metadata"]["name"] == "elastic-gpu-job-1-g3"
-
-
-RESTRICTED = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-              "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def test_every_container_is_hardened_and_no_service_account_token_is_mounted():
-    pod = to_dict(PodBuilder(config()).pod("job-1", "python train.py", "gpu-node-7", 1))
-    spec = pod["spec"]
-    copy_init, agent = spec["initContainers"]
-    (trainer,) = spec["containers"]
-    for sidecar in (copy_init, agent):  # the backend's own images: read-only root as well
-        assert sidecar["securityContext"] == {**RESTRICTED, "readOnlyRootFilesystem": True}
-    assert trainer["securityContext"] == RESTRICTED  # the user's image may write to its filesystem
-    assert spec["automountServiceAccountToken"] is False
-    # one non-root user in every container: the agent and the launcher share files of mode 0600
-    assert spec["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-                                       "fsGroupChangePolicy": "OnRootMismatch",
-                                       "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def test_the_trainers_security_context_and_user_can_be_overridden():
-    custom = {"runAsNonRoot": True, "capabilities": {"drop": ["ALL"], "add": ["SYS_PTRACE"]}}
-    pod = to_dict(PodBuilder(config(trainer_security_context=custom, run_as_user=None, run_as_group=None,
-                                    automount_service_account_token=True)).pod("j", "x", "n", 1))
-    (trainer,) = pod["spec"]["containers"]
-    assert trainer["securityContext"] == custom  # replaces the default, is not merged with it
-    assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
-    assert pod["spec"]["automountServiceAccountToken"] is True
-    token_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "elastic-token")
-    assert token_volume["secret"]["defaultMode"] == 0o444  # no fsGroup: readable by the agent's own user
-    assert pod["spec"]["initContainers"][1]["securityContext"]["runAsNonRoot"] is True  # the agent stays hardened
-    bare = to_dict(PodBuilder(config(trainer_security_context={})).pod("j", "x", "n", 1))
-    assert "securityContext" not in bare["spec"]["containers"][0]
-
-
-@pytest.mark.parametrize("key", [LABEL_JOB, LABEL_GENERATION, LABEL_MANAGED_BY,
-                                 "elastic-gpu.airflow.apache.org/dag_id"])
-@pytest.mark.parametrize("field", ["labels", "annotations"])
-def test_the_backends_own_labels_cannot_be_set_by_the_user(key, field):
-    with pytest.raises(BackendError, match=rf"{field}: '{key}' is set by airflow-elastic-gpu"):
-        config(**{field: {key: "other-job"}})
-
-
-@pytest.mark.parametrize("source", ["pod_template_file", "full_pod_spec"])
-def test_a_pod_template_cannot_overwrite_the_backends_own_labels(tmp_path, source):
-    template = copy.deepcopy(TEMPLATE)
-    template["metadata"]["labels"].update({LABEL_JOB: "other-job", LABEL_GENERATION: "99",
-                                           LABEL_MANAGED_BY: "someone-else"})
-    template["metadata"]["annotations"] = {LABEL_JOB: "other-job"}
-    if source == "pod_template_file":
-        path = tmp_path / "pod.yaml"
-        path.write_text(yaml.safe_dump(template))
-        extra = {"pod_template_file": str(path)}
-    else:
-        extra = {"full_pod_spec": template}
-    pod = to_dict(PodBuilder(config(**extra)).pod("job-1", "python train.py", "gpu-node-7", 3))
-    labels = pod["metadata"]["labels"]
-    assert labels[LABEL_JOB] == "job-1" and labels[LABEL_GENERATION] == "3"
-    assert labels[LABEL_MANAGED_BY] == "airflow-elastic-gpu" and labels["team"] == "vision"
-    assert pod["metadata"]["annotations"][LABEL_JOB] == "job-1"
-
-
-def test_building_a_pod_without_a_template_does_not_import_airflow():
-    code = (
-        "import sys\n"
-        "sys.modules['airflow'] = None  # any import of Airflow now fails\n"
-        "from airflow_elastic_gpu.backends.kubernetes import KubernetesJobConfig, PodBuilder\n"
-        "pod = PodBuilder(KubernetesJobConfig(image='i')).pod('job-1', 'python train.py', 'node', 1)\n"
-        "assert pod.spec.node_name == 'node'\n"
-        "assert not [m for m in sys.modules if m.startswith('airflow.')]\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-
-
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"image": ""}, "needs an image"),
-    ({"resize_mechanism": "migrate"}, "resize_mechanism must be one of"),
-    ({"on_finish_action": "explode"}, "on_finish_action must be one of"),
-    ({"broker_api_url": "broker:8793"}, "must start with http"),
-    ({"container_resources": {"limits": {"nvidia.com/gpu": 1}}}, "do not request nvidia.com/gpu"),
-    ({"namespace": "Bad_NS!"}, "namespace must be a DNS-1123 label"),
-    ({"namespace": "a" * 64}, "namespace must be a DNS-1123 label"),
-    ({"startup_grace_s": -1}, "startup_grace_s must be a number of seconds >= 0"),
-    ({"startup_grace_s": float("nan")}, "startup_grace_s must be a number of seconds >= 0"),
-    ({"startup_grace_s": "120"}, "startup_grace_s must be a number of seconds >= 0"),
-    ({"volumes": "abc"}, "volumes must be a list of dicts"),
-    ({"volumes": ["abc"]}, "volumes must be a list of dicts"),
-    ({"volume_mounts": {"name": "x"}}, "volume_mounts must be a list of dicts"),
-    ({"tolerations": "gpu"}, "tolerations must be a list of dicts"),
-    ({"volumes": [{"name": "elastic", "emptyDir": {}}]}, "'elastic' is the backend's own"),
-    ({"image_pull_secrets": "regcred"}, "image_pull_secrets must be a list of Secret names"),
-    ({"labels": "team=nlp"}, "labels must be a dict of strings"),
-    ({"labels": {"team": "NLP team!"}}, r"labels\['team'\]: 'NLP team!' is not a valid label value"),
-    ({"labels": {"bad key": "x"}}, "labels: 'bad key' is not a valid key"),
-    ({"annotations": {"note": 3}}, "annotations must be a dict of strings"),
-    ({"run_as_user": 0}, "run_as_user must be an integer >= 1"),
-    ({"trainer_security_context": "restricted"}, "trainer_security_context must be a dict"),
-    ({"automount_service_account_token": "no"}, "automount_service_account_token must be True or False"),
-])
-def test_bad_kubernetes_settings_are_rejected(kw, message):
-    args = {"image": "train:1", **kw}
-    with pytest.raises(BackendError, match=message):
-        KubernetesJobConfig(**args)
-
-
-# --------------------------------------------------------------------------- fake API
 
 
 class Listing:
@@ -622,11 +426,6 @@ def test_nodes_are_registered_from_gpu_feature_discovery_labels(tmp_path):
     nodes = {n.name: n for n in broker.nodes("gpus")}
     assert len(nodes["a100-0"].gpus) == 8 and nodes["a100-0"].gpus[0].gpu_type == "NVIDIA-A100-SXM4-80GB"
     assert len(nodes["t4-0"].gpus) == 4
-
-
-def test_config_round_trips_through_the_trigger_kwargs():
-    c = config(tolerations=({"key": "gpu", "operator": "Exists"},), image_pull_secrets=("regcred",))
-    assert KubernetesJobConfig.from_dict(c.to_dict()) == c
 
 
 def test_operator_and_trigger_run_a_kubernetes_job_against_the_fake_api(cluster, monkeypatch):
