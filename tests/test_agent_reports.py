@@ -1,0 +1,131 @@
+"""The agent and the launcher's pure parts, without processes: fence periods within the lease, the
+log parser's refusal of non-finite steps, the classification of broker answers, and an agent that
+drops rejected reports and stops its trainer once the broker no longer knows its job (the fencing
+of real processes: ``test_fencing.py``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from sqlalchemy.exc import OperationalError
+
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.service import InvalidRequest, NotFound
+from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.agent import Agent, Outcome, classify
+from airflow_elastic_gpu.sidecar.http_transport import BrokerRejected, BrokerUnavailable, JobGone
+from airflow_elastic_gpu.sidecar.logparse import LogParser
+from airflow_elastic_gpu.states import Target
+
+
+def test_fence_periods_fit_in_the_lease():
+    default = protocol.fence_periods(60.0)
+    assert (default.fence_s, default.kill_s, default.lease_s) == (30.0, 54.0, 60.0)
+    short = protocol.fence_periods(3.0)
+    assert (short.fence_s, short.kill_s) == (1.5, 2.0)
+    tiny = protocol.fence_periods(1.0)
+    assert tiny.fence_s <= tiny.kill_s < tiny.lease_s
+    assert protocol.fence_periods(60.0, fence_s=10.0, margin_s=5.0) == protocol.FencePeriods(60.0, 10.0, 55.0)
+    with pytest.raises(ValueError, match="fence_s=58 leaves no time"):
+        protocol.fence_periods(60.0, fence_s=58.0)
+    with pytest.raises(ValueError, match="margin_s=60 must be shorter"):
+        protocol.fence_periods(60.0, margin_s=60.0)
+    with pytest.raises(ValueError, match="lease_s must be a finite number"):
+        protocol.fence_periods(float("inf"))
+
+
+def test_log_parser_drops_non_finite_steps(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text('{"step": 1}\n{"step": NaN}\n{"step": Infinity}\n{"step": 1e400}\n{"step": 2}\n'
+                   '{"final": true, "step": 2, "accuracy": 0.5, "loss": NaN}\n')
+    parser = LogParser()
+    assert [s for _, s in parser.read(log)] == [1.0, 2.0, 2.0]
+    assert parser.metrics == {"final": True, "step": 2, "accuracy": 0.5, "loss": None}
+    regex = tmp_path / "regex.log"
+    regex.write_text("iter nan/100\niter inf/100\niter 7/100\n")
+    assert [s for _, s in LogParser(__import__("re").compile(r"iter (\S+)/")).read(regex)] == [7.0]
+
+
+def test_broker_answers_are_classified_as_ok_transient_rejected_or_ended():
+    assert classify(NotFound("unknown job")) is Outcome.ENDED
+    assert classify(JobGone("HTTP 403", 403)) is Outcome.ENDED
+    assert classify(InvalidRequest("step must be finite")) is Outcome.REJECTED
+    assert classify(BrokerRejected("HTTP 422", 422)) is Outcome.REJECTED
+    assert classify(BrokerUnavailable("refused")) is Outcome.TRANSIENT
+    assert classify(OperationalError("select 1", {}, Exception("the database system is shutting down"))) \
+        is Outcome.TRANSIENT
+
+
+class FlakyBroker:
+    """A transport that fails the way a real broker can: unavailable at first, rejecting reports."""
+
+    def __init__(self, outages: int = 2) -> None:
+        self.outages = outages
+        self.calls: list[tuple] = []
+
+    def heartbeat(self, job_id: str) -> Target:
+        self.calls.append(("heartbeat",))
+        if self.outages:
+            self.outages -= 1
+            raise BrokerUnavailable("connection refused")
+        return Target(job_id, JobStatus.RUNNING, 1, (GpuId("localhost", 0),))
+
+    def progress(self, job_id, step, *, generation=None, time_s=None):
+        self.calls.append(("progress", step, generation))
+        if step < 0:
+            raise InvalidRequest(f"step must be a finite number >= 0, got {step!r}")
+
+    def ack(self, job_id, generation):
+        self.calls.append(("ack", generation))
+        raise BrokerRejected("HTTP 422: bad generation", 422)
+
+    def finish(self, job_id, exit_code=0, metrics=None):
+        self.calls.append(("finish", metrics))
+        if metrics is not None:
+            raise InvalidRequest("metrics too large")
+
+    def fail(self, job_id, reason, exit_code=None, metrics=None):
+        self.calls.append(("fail", reason))
+
+
+def test_the_agent_drops_rejected_reports_and_reports_the_end_without_the_rejected_metrics(tmp_path):
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    log = tmp_path / protocol.LOG
+    log.write_text(protocol.generation_line(1, "on GPUs [0]: x") + '{"step": -3}\n')
+    broker = FlakyBroker()
+    agent = Agent(broker, "job", tmp_path, poll_s=0.01, lease_s=3.0)
+
+    def trainer_ends() -> None:
+        with open(log, "a") as f:
+            f.write('{"final": true, "step": 4, "accuracy": 1}\n')
+        protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, "exit_code": 0})
+
+    threading.Timer(0.15, lambda: protocol.write_json(
+        tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.RUNNING, "pid": None})).start()
+    threading.Timer(0.4, trainer_ends).start()
+    before = time.time()
+    assert agent.run() == 0
+    kinds = [c[0] for c in broker.calls]
+    assert kinds[:3] == ["heartbeat"] * 3  # two outages ridden out
+    assert broker.calls.count(("progress", -3.0, 1)) == 1  # rejected once, dropped, not retried
+    assert broker.calls.count(("ack", 1)) == 1  # a rejected ack is not retried either
+    assert ("progress", 4.0, 1) in broker.calls
+    assert [c for c in broker.calls if c[0] == "finish"] == [("finish", {"final": True, "step": 4, "accuracy": 1}),
+                                                            ("finish", None)]
+    lease = protocol.read_json(tmp_path / protocol.LEASE)
+    assert before <= lease["contact_s"] <= time.time()
+    assert (lease["fence_s"], lease["kill_s"], lease["lease_s"]) == (1.5, 2.0, 3.0)
+
+
+def test_the_agent_stops_the_trainer_when_the_broker_no_longer_knows_the_job(tmp_path):
+    class Gone(FlakyBroker):
+        def heartbeat(self, job_id):
+            raise JobGone("HTTP 403: the token is not valid for this job", 403)
+
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    assert Agent(Gone(0), "job", tmp_path, poll_s=0.01, stop_timeout_s=0.2).run() == 0
+    assert protocol.read_json(tmp_path / protocol.DESIRED)["stop"] is True
+    assert not (tmp_path / protocol.LEASE).exists()  # no confirmed contact, ever
