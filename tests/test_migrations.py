@@ -118,3 +118,61 @@ def test_a_sqlite_migration_that_would_leave_a_dangling_reference_is_refused_and
             assert conn.execute(text("SELECT count(*) FROM gpu_target WHERE job_id = 'no-such-job'")).scalar() == moved
     finally:
         broker.engine.dispose()
+
+
+def test_a_database_written_by_the_first_release_upgrades_with_its_jobs_gpus_and_history(broker, clock):
+    """Rows as the first schema (0001) held them, written by hand: a running job on one of two GPUs,
+    a finished job with its metrics, progress samples and events. After ``upgrade head`` the broker
+    reads them as they were, the running job keeps its GPU (a new job gets the other one only), its
+    progress goes on from the step recorded and is measured."""
+    engine = broker.engine
+    run_migration(engine, "downgrade", "0001")
+    now = clock()
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO gpu_pool (name, last_rebalance_s, created_s, policy, policy_params, lease_s, "
+            "rebalance_interval_s) VALUES ('default', :t, :t, 'adaptive', NULL, 60, 30)"), {"t": now - 100})
+        # ids from the tables' own sequences, as the first release's inserts took them
+        conn.execute(text("INSERT INTO node (pool, name, schedulable) VALUES ('default', 'n0', :yes)"), {"yes": True})
+        node_id = conn.execute(text("SELECT id FROM node WHERE name = 'n0'")).scalar_one()
+        for i in (0, 1):
+            conn.execute(text("INSERT INTO gpu (node_id, \"index\", gpu_type, healthy) "
+                              "VALUES (:n, :i, 'NVIDIA A100', :yes)"), {"n": node_id, "i": i, "yes": True})
+        gpu0 = conn.execute(text("SELECT id FROM gpu WHERE \"index\" = 0")).scalar_one()
+        common = ("key, pool, name, command, min_gpus, max_gpus, requested_gpus, total_steps, priority, backend, "
+                  "status, steps_done, target_generation, acked_generation, num_resizes, gpu_seconds, submit_s, "
+                  "last_heartbeat_s")
+        conn.execute(text(
+            f"INSERT INTO job (id, {common}, start_s, in_use_since_s, published_s) VALUES ('old-running', "
+            "'k1', 'default', 'train', 'python train.py', 1, 1, 1, 1000, 0, 'local', 'running', 100, 1, 1, 0, 0, "
+            ":t, :now, :t, :t, :t)"), {"t": now - 90, "now": now})
+        conn.execute(text(
+            f"INSERT INTO job (id, {common}, metrics, start_s, end_s) VALUES ('old-done', 'k2', 'default', "
+            "'sweep[1]', 'python train.py', 1, 1, 1, 10, 0, 'local', 'succeeded', 10, 1, 1, 0, 5, :t, :t, "
+            "'{\"accuracy\": 0.97}', :t, :t)"), {"t": now - 95})
+        for gpu_table in ("gpu_in_use", "gpu_target"):
+            conn.execute(text(f"INSERT INTO {gpu_table} (gpu_id, job_id, generation) VALUES (:g, 'old-running', 1)"),
+                         {"g": gpu0})
+        for time_s, step in ((now - 80, 0.0), (now - 40, 50.0), (now, 100.0)):
+            conn.execute(text("INSERT INTO progress_sample (job_id, time_s, step, num_gpus, generation) "
+                              "VALUES ('old-running', :t, :s, 1, 1)"), {"t": time_s, "s": step})
+        conn.execute(text("INSERT INTO event (time_s, pool, job_id, kind, message, data) VALUES "
+                          "(:t, 'default', 'old-running', 'submit', 'submitted', NULL)"), {"t": now - 90})
+
+    run_migration(engine, "upgrade", "head")
+    assert schema_is_current(engine)
+    upgraded = GpuBroker(engine.url.render_as_string(hide_password=False), clock=clock)
+    running, done = upgraded.job("old-running"), upgraded.job("old-done")
+    assert (running.status, running.steps_done, [g.index for g in running.in_use_gpus]) == (JobStatus.RUNNING, 100, [0])
+    assert (done.status, done.metrics, done.family) == (JobStatus.SUCCEEDED, {"accuracy": 0.97}, "sweep")
+    assert [(e.job_id, e.kind) for e in upgraded.events(limit=10)][:1] == [("old-running", "submit")]
+    new = upgraded.submit(JobSpec(name="eval", command="python eval.py", key="k3", total_steps=100))
+    upgraded.rebalance()
+    assert [g.index for g in upgraded.job(new.id).target_gpus] == [1], "the old job's GPU stays its own"
+    clock.advance(40)
+    upgraded.progress("old-running", 200, generation=1)
+    after = upgraded.job("old-running")
+    assert after.steps_done == 200
+    # measured on from the step the first release recorded: 100 steps in 40 s on one GPU
+    assert [(n, round(speed, 2)) for n, speed in after.throughput] == [(1, 2.5)]
+    upgraded.engine.dispose()
