@@ -283,10 +283,11 @@ def test_a_job_the_backend_cannot_start_is_failed_with_the_reason_and_frees_its_
     assert job.in_use_gpus == () and job.target_gpus == ()
 
 
-def _trigger_ti(run_id: str = "manual__1"):
+def _trigger_ti(run_id: str = "manual__1", ti_id: str = "0193a1b2-try-1"):
+    """The trigger's task instance as the triggerer gives it: ``id`` is new for every try."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(dag_id="sft", task_id="train", run_id=run_id, map_index=-1, try_number=1)
+    return SimpleNamespace(id=ti_id, dag_id="sft", task_id="train", run_id=run_id, map_index=-1, try_number=1)
 
 
 def test_started_from_the_triggerer_the_trigger_submits_the_job_and_a_restarted_one_reattaches(worker_env):
@@ -310,6 +311,30 @@ def test_started_from_the_triggerer_the_trigger_submits_the_job_and_a_restarted_
     ti = _FakeTI()
     result = op.execute_complete({"ti": ti}, event.payload)
     assert result["final_step"] == 30 and ti.xcom == {"job_id": job_id, "gpu_pool": "default"}
+
+
+def test_a_trigger_made_again_after_its_job_ended_fires_that_end_and_a_retry_trains_anew(worker_env):
+    """The triggerer was away while the job it submitted ended: the trigger made again from its
+    stored arguments submits the key again and gets that ended job back (it does not train it a
+    second time); only a new try of the task (a new task instance id) starts a new job."""
+    broker, backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 30", total_steps=30,
+                                 virtual_gpus=2, poll_interval=0.2, start_from_trigger=True)
+    kwargs = op.start_trigger_args.trigger_kwargs
+    first = ElasticTrainingTrigger(**kwargs)
+    first.task_instance = _trigger_ti()
+    job_id = asyncio.run(asyncio.to_thread(first._submit)).id
+    wait_for(lambda: broker.job(job_id).status.terminal, timeout_s=60)  # no trigger watched it end
+    again = ElasticTrainingTrigger(**ElasticTrainingTrigger(**kwargs).serialize()[1])
+    again.task_instance = _trigger_ti()
+    event = asyncio.run(asyncio.wait_for(again.run().__anext__(), 60))
+    assert event.payload["job_id"] == job_id and event.payload["status"] == "succeeded"
+    assert [j.id for j in broker.jobs()] == [job_id], "the ended job was not submitted again"
+    retry = ElasticTrainingTrigger(**kwargs)
+    retry.task_instance = _trigger_ti(ti_id="0193a1b2-try-2")
+    new_id = asyncio.run(asyncio.to_thread(retry._submit)).id
+    assert new_id != job_id and broker.job(job_id).key == f"sft/train/manual__1/-1@{job_id}"
+    backend.stop(new_id, timeout_s=10)
 
 
 def test_a_job_the_triggerer_cannot_submit_fails_the_task_with_the_reason(worker_env):

@@ -67,7 +67,7 @@ def token_hash(token: str) -> str:
 
 
 # statements of the hot calls, built once (parameters bound per call)
-_BY_KEY = select(Job.id, Job.status, Job.token_hash).where(Job.key == bindparam("key"))
+_BY_KEY = select(Job.id, Job.status, Job.token_hash, Job.attempt).where(Job.key == bindparam("key"))
 _ADD_JOB = insert(Job)
 # schedulable healthy GPUs per node of the pool (``size``), with the pool's rebalance settings and
 # pending requests (what ``_due`` reads) on every row: no row for an unknown pool, one row of size
@@ -166,9 +166,10 @@ class Lifecycle(Queries):
     def submit(self, spec: JobSpec) -> JobView:
         """Submit a job (idempotent on ``spec.key``) and rebalance its pool (coalesced).
 
-        A key whose job is unfinished returns that job unchanged; a key whose job has ended (a task
-        retry) starts a new job and keeps the old one's record under ``KEY@OLD_ID``. The reply of a
-        new job carries its API token (only there).
+        A key whose job is unfinished returns that job unchanged; a key whose job has ended returns
+        it too when ``spec.attempt`` submitted it (the same task try again, e.g. a trigger made
+        again after a triggerer restart), else (a task retry) starts a new job and keeps the old
+        one's record under ``KEY@OLD_ID``. The reply of a new job carries its API token (only there).
 
         :raises InvalidRequest: not a :class:`JobSpec`, or a job the pool cannot place (the message
             names the field).
@@ -194,11 +195,14 @@ class Lifecycle(Queries):
                         # our own job when this transaction is redone after its commit went
                         # through but the connection was lost before the reply: reply with its token
                         return existing.id, (True if existing.token_hash == token_hash(token) else None)
+                    if spec.attempt is not None and existing.attempt == spec.attempt:
+                        return existing.id, None  # this attempt's job, ended: not trained again
                     update_job(conn, existing.id, key=f"{key}@{existing.id}")
                 now = self.clock()
                 job_id = str(uuid.uuid4())
                 conn.execute(_ADD_JOB, {
                     "id": job_id, "key": key, "pool": spec.pool, "name": spec.name, "family": spec.family,
+                    "attempt": spec.attempt,
                     "command": spec.command,
                     "min_gpus": spec.min_gpus, "max_gpus": spec.max_gpus,
                     "requested_gpus": spec.requested_gpus or spec.max_gpus, "total_steps": spec.total_steps,

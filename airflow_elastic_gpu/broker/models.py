@@ -101,6 +101,8 @@ class Job(Base):
     name: Mapped[str] = mapped_column(String(256))
     # the training it repeats (throughput prior of unmeasured jobs); always set at submit
     family: Mapped[str | None] = mapped_column(String(256), default=None)
+    # the Airflow task try that submitted it (JobSpec.attempt), if one did
+    attempt: Mapped[str | None] = mapped_column(String(64), default=None)
     command: Mapped[str] = mapped_column(Text)
     min_gpus: Mapped[int] = mapped_column(Integer)
     max_gpus: Mapped[int] = mapped_column(Integer)

@@ -107,6 +107,10 @@ class JobSpec:
         measured, the broker assumes it runs as fast as the other jobs of its family (the running
         ones, else the latest finished one). The operator sets ``dag_id.task_id``; default: the name
         without a trailing map index (:func:`family_of`).
+    :param attempt: the Airflow task try that submits it (the task instance's id, new for every
+        try), at most 64 characters: when the job of ``key`` has ended, the same attempt submitting
+        the key again gets that job back (a trigger made again after a triggerer restart: its job
+        ended meanwhile and must not train again), any other attempt a new job (a retry).
     :raises InvalidRequest: a bad field; the message names it.
     """
 
@@ -125,6 +129,7 @@ class JobSpec:
     preemptible: bool = False
     relative_speed: Mapping[str, float] | None = None
     family: str | None = None
+    attempt: str | None = None
 
     def __post_init__(self) -> None:
         check_text("name", self.name, MAX_NAME_CHARS)
@@ -150,6 +155,8 @@ class JobSpec:
                 )
         if self.key is not None:
             check_text("key", self.key, MAX_KEY_CHARS)
+        if self.attempt is not None:
+            check_text("attempt", self.attempt, 64)
         check_pool_name("pool", self.pool)
         check_int("priority", self.priority, -MAX_INT32, MAX_INT32)
         if self.checkpoint_dir is not None:

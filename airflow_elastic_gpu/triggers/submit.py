@@ -17,8 +17,8 @@ class Started:
     """A submitted job with its processes started.
 
     :param job: the job as the broker records it after the start.
-    :param reattached: its processes were running already (a retried task, a restarted triggerer):
-        nothing new was started.
+    :param reattached: its processes were running already (a retried task, a restarted triggerer),
+        or it had ended (the same try's job, ``JobSpec.attempt``): nothing new was started.
     """
 
     job: JobView
@@ -28,7 +28,8 @@ class Started:
 def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env: Mapping[str, str] | None,
                      labels: Mapping[str, str], log: logging.Logger) -> Started:
     """Register ``spec.pool`` if the backend can (local: this host's GPUs), check the command,
-    submit ``spec`` (idempotent on ``spec.key``) and start the job's processes.
+    submit ``spec`` (idempotent on ``spec.key``; for ``spec.attempt`` also once its job has ended)
+    and start the job's processes, unless they run already or the job has ended.
 
     Blocking (DB and backend calls): a trigger runs it in a thread.
 
@@ -44,6 +45,10 @@ def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env:
     env = check_env(env)
     backend.check(spec.command, spec.checkpoint_dir)
     job = broker.submit(spec)
+    if job.status.terminal:  # this attempt's job ended (the broker answers it for spec.attempt): nothing to start
+        log.info("job %s of this try already %s (while the triggerer was away): not started again",
+                 job.id, job.status.value)
+        return Started(job, True)
     running = backend.is_running(job.id)
     job = start_job(broker, backend, job, env=env, context=labels)
     log.info("%s job %s (%d-%d GPUs, %d steps) on the %s backend: %s",

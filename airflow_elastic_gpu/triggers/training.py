@@ -12,7 +12,9 @@ the job's end is the truth, whatever happened to the processes.
 Started without a job id (the operator's ``start_from_trigger=True``), it first submits and starts
 the job it is given (:func:`~airflow_elastic_gpu.triggers.submit.submit_and_start`, in a thread, with
 the task instance's key): a restarted triggerer submits again, which the broker answers with the
-same job (the key is idempotent) and the backend reattaches to its running processes. A job it
+same job (the key is idempotent) and the backend reattaches to its running processes; a job that
+ended meanwhile is answered too (the job records the task try that submitted it,
+``JobSpec.attempt``), and the trigger fires its end rather than train it again. A job it
 cannot submit (a bad command, a broker that refuses it) fires ``{"job_id": None, "status": "error",
 "reason": ...}``, which fails the task with that reason.
 """
@@ -28,6 +30,13 @@ from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
 from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
 TRIGGER_CLASSPATH = "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger"
+
+
+def _attempt(ti: Any) -> str | None:
+    """The task try's identity (``JobSpec.attempt``): the task instance's id, which Airflow 3 makes
+    anew for every try; None when it has none."""
+    ti_id = getattr(ti, "id", None)
+    return None if ti_id is None else str(ti_id)
 
 
 class ElasticTrainingTrigger(BaseTrigger):
@@ -123,6 +132,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
             backend=self.backend, preemptible=bool(job.get("preemptible", False)),
             relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
+            attempt=_attempt(ti),
         )
         started = submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log)
         hook.broker.engine.dispose()  # the watcher makes its own client
