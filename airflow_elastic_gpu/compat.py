@@ -6,7 +6,7 @@ Everything else imports Airflow names from here, so a move between Airflow versi
 
 from __future__ import annotations
 
-from airflow.sdk import Asset, BaseHook, BaseOperator, BaseOperatorLink, Metadata
+from airflow.sdk import Asset, BaseHook, BaseOperator, BaseOperatorLink, Metadata, XComArg
 
 try:
     from airflow.sdk.exceptions import AirflowException, TaskDeferred
@@ -22,4 +22,4 @@ except ImportError:  # pragma: no cover - older task SDK
 from airflow.triggers.base import BaseTrigger, StartTriggerArgs, TriggerEvent
 
 __all__ = ["AirflowException", "Asset", "BaseHook", "BaseOperator", "BaseOperatorLink", "BaseTrigger",
-           "Metadata", "StartTriggerArgs", "TaskDeferred", "TriggerEvent", "XCom"]
+           "Metadata", "StartTriggerArgs", "TaskDeferred", "TriggerEvent", "XCom", "XComArg"]

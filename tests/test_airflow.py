@@ -108,6 +108,23 @@ def test_the_hook_reads_the_forms_fields_and_falls_back_to_the_config_section(mo
         f"sqlite:///{tmp_path / 'cfg.db'}", "cfg-pool", None)
 
 
+def test_a_connection_that_cannot_be_read_is_an_error_not_the_config_sections_broker(monkeypatch, tmp_path):
+    """Only a connection that is not defined falls back: one that a secrets backend denies (or
+    cannot serve now) would otherwise give this task another broker than the others' (the same
+    GPUs handed out twice)."""
+    from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__BROKER_URL", f"sqlite:///{tmp_path / 'cfg.db'}")
+
+    def denied(cls, conn_id):
+        raise PermissionError(f"secrets backend: access to {conn_id} denied")
+
+    monkeypatch.setattr(GpuBrokerHook, "get_connection", classmethod(denied))
+    with pytest.raises(PermissionError, match="access to elastic_gpu_default denied"):
+        GpuBrokerHook().get_url()
+    assert not (tmp_path / "cfg.db").exists()
+
+
 def test_deferrable_and_poll_interval_default_to_the_config_section(monkeypatch):
     args = {"task_id": "t", "command": "python train.py", "total_steps": 10}
     op = ElasticTrainingOperator(**args)

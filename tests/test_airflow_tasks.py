@@ -58,6 +58,7 @@ def test_trigger_serialization_round_trips():
     ({"priority": "high"}, "priority must be an integer"),
     ({"gpu_pool": ""}, "gpu_pool must not be empty"),
     ({"gpu_pool": "team/a"}, "gpu_pool must not contain '/'"),
+    ({"job_name": " "}, "job_name must not be empty"),
     ({"command": ""}, "command must not be empty"),
     ({"requested_gpus": 99, "max_gpus": 2}, "requested_gpus"),
     ({"virtual_gpus": 0}, "virtual_gpus must be an integer >= 1"),
@@ -79,6 +80,38 @@ def test_bad_operator_arguments_fail_at_dag_parse_time(kwargs, match):
     args = {"task_id": "t", "command": "python train.py", "total_steps": 10, **kwargs}
     with pytest.raises(AirflowException, match=match):
         ElasticTrainingOperator(**args)
+
+
+def test_template_fields_may_take_an_upstream_tasks_output_and_are_checked_when_the_task_runs():
+    """``command=build.output`` (an XComArg) is known only when the task runs: the DAG parses, and
+    the fields the operator checks at parse time are checked then instead."""
+    from airflow.sdk import DAG, task
+
+    with DAG("xcom_args", schedule=None):
+        @task
+        def build() -> str:
+            return "python train.py"
+
+        made = build()
+        op = ElasticTrainingOperator(task_id="train", command=made, total_steps=10, job_name=made,
+                                     checkpoint_dir=made, env={"RUN": made, "OMP_NUM_THREADS": "1"})
+    assert op.command is made and op.env == {"OMP_NUM_THREADS": "1", "RUN": made}
+    with pytest.raises(AirflowException, match=r"env\['N'\] must be a string"):
+        ElasticTrainingOperator(task_id="bad", command="python train.py", total_steps=10, env={"N": 1})
+    with pytest.raises(AirflowException, match=r"start_from_trigger=True cannot take an upstream task's output "
+                                               r"\(command, env\)"):
+        ElasticTrainingOperator(task_id="early", command=made, total_steps=10, env={"RUN": made},
+                                start_from_trigger=True)
+
+
+def test_the_brokers_figures_are_not_replaced_by_trainer_metrics_of_the_same_name(tmp_path):
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    broker.register_node("n0", 1)
+    job = broker.submit(JobSpec("t", "python train.py", total_steps=10))
+    broker.ack(job.id, 1)
+    broker.finish(job.id, 0, {"final": True, "step": 10, "job_id": "mine", "exit_code": 3, "accuracy": 0.9})
+    result = ElasticTrainingOperator.metrics(broker.job(job.id))
+    assert (result["job_id"], result["exit_code"], result["accuracy"]) == (job.id, 0, 0.9)
 
 
 def test_trigger_fires_on_the_brokers_terminal_state_and_on_kill_releases_gpus(tmp_path, monkeypatch):
@@ -335,6 +368,18 @@ def test_a_trigger_made_again_after_its_job_ended_fires_that_end_and_a_retry_tra
     new_id = asyncio.run(asyncio.to_thread(retry._submit)).id
     assert new_id != job_id and broker.job(job_id).key == f"sft/train/manual__1/-1@{job_id}"
     backend.stop(new_id, timeout_s=10)
+
+
+def test_a_trigger_whose_broker_has_no_such_job_fails_the_task_rather_than_wait_forever(worker_env):
+    """A triggerer configured with another broker than the worker's (a missing connection on one
+    of them) finds no such job: no retry changes that, so the task fails with the reason."""
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=3, poll_interval=0.1)
+    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id="no-such-job", labels=None))
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 30))
+    assert event.payload["status"] == "error" and "unknown job 'no-such-job'" in event.payload["reason"]
+    assert "the triggerer must reach the broker the task submitted to" in event.payload["reason"]
+    with pytest.raises(AirflowException, match="could not follow training job no-such-job: unknown job"):
+        op.execute_complete({"ti": _FakeTI()}, event.payload)
 
 
 def test_a_job_the_triggerer_cannot_submit_fails_the_task_with_the_reason(worker_env):

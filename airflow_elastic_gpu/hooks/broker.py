@@ -74,10 +74,21 @@ class GpuBrokerHook(BaseHook):
 
     @cached_property
     def connection(self) -> Any | None:
-        """The Airflow connection ``broker_conn_id``, or ``None`` when there is none (read once)."""
+        """The Airflow connection ``broker_conn_id``, or ``None`` when it is not defined (read once).
+
+        Only a connection that is not defined falls back to the ``[elastic_gpu]`` settings: one that
+        is defined but cannot be read (a secrets backend that denies it or is down, the API
+        server unreachable) raises, since falling back would give this process another broker
+        than the rest of the deployment's (the same GPUs handed out twice).
+
+        :raises Exception: whatever Airflow raised reading a connection that may exist.
+        """
+        from airflow.exceptions import AirflowNotFoundException
+
         try:
             return self.get_connection(self.broker_conn_id)
-        except Exception:  # noqa: BLE001 - AirflowNotFoundException and friends: fall back
+        except AirflowNotFoundException:
+            self.log.debug("no connection %r: the broker is the [elastic_gpu] section's", self.broker_conn_id)
             return None
 
     def _field(self, name: str) -> str | None:

@@ -17,7 +17,7 @@ worker only runs ``execute_complete``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -25,14 +25,22 @@ from airflow_elastic_gpu.backends import Backend, BackendError, backend_settings
 from airflow_elastic_gpu.backends.base import check_env
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
+    MAX_NAME_CHARS,
     BrokerError,
     JobSpec,
     JobView,
     check_int,
     check_pool_name,
+    check_text,
     task_family,
 )
-from airflow_elastic_gpu.compat import AirflowException, Asset, BaseOperator, StartTriggerArgs
+from airflow_elastic_gpu.compat import (
+    AirflowException,
+    Asset,
+    BaseOperator,
+    StartTriggerArgs,
+    XComArg,
+)
 from airflow_elastic_gpu.config import (
     airflow_conf,
     default_deferrable,
@@ -45,6 +53,12 @@ from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
 from airflow_elastic_gpu.triggers.submit import submit_and_start
 from airflow_elastic_gpu.triggers.training import TRIGGER_CLASSPATH, ElasticTrainingTrigger
 from airflow_elastic_gpu.triggers.watcher import JobWatcher
+
+
+def _later(value: object) -> bool:
+    """Whether a template field's value is an upstream task's output (``XComArg``): known only
+    when the task runs, so checked then rather than when the DAG is parsed."""
+    return isinstance(value, XComArg)
 
 
 class ElasticTrainingOperator(BaseOperator):
@@ -155,21 +169,39 @@ class ElasticTrainingOperator(BaseOperator):
                                    f"got {poll_interval!r}")
         if start_from_trigger and not deferrable:
             raise AirflowException(f"{self.task_id}: start_from_trigger=True needs deferrable=True")
+        if start_from_trigger:  # its trigger's arguments are fixed when the DAG is parsed
+            upstream = [name for name, value in (("command", command), ("env", env), ("checkpoint_dir", checkpoint_dir),
+                                                 ("job_name", job_name)) if _later(value) or (
+                        isinstance(value, Mapping) and any(_later(v) for v in value.values()))]
+            if upstream:
+                raise AirflowException(
+                    f"{self.task_id}: start_from_trigger=True cannot take an upstream task's output "
+                    f"({', '.join(upstream)}): the trigger's arguments are fixed when the DAG is parsed; "
+                    "start the job from a worker (start_from_trigger=False)")
         try:
             if gpu_pool is not None:  # named as the argument the user wrote (JobSpec's field is pool)
                 check_pool_name("gpu_pool", gpu_pool)
+            if job_name is not None and not _later(job_name):  # named as the argument (JobSpec's is name)
+                check_text("job_name", job_name, MAX_NAME_CHARS)
+            # template fields given an upstream task's output (XComArg) are known only when the task
+            # runs: checked then (execute, or the trigger's submit), here a stand-in of the right type
             spec = JobSpec(  # the one validation of a job's fields, also run by the broker at submit
-                name=job_name or self.task_id, command=command, min_gpus=min_gpus, max_gpus=max_gpus,
+                name=self.task_id if job_name is None or _later(job_name) else job_name,
+                command="resolved when the task runs" if _later(command) else command,
+                min_gpus=min_gpus, max_gpus=max_gpus,
                 total_steps=total_steps, requested_gpus=requested_gpus,
                 pool=DEFAULT_POOL if gpu_pool is None else gpu_pool, priority=priority,
-                progress_pattern=progress_pattern, checkpoint_dir=checkpoint_dir, backend=backend,
-                preemptible=preemptible, relative_speed=relative_speed,
+                progress_pattern=progress_pattern, checkpoint_dir=None if _later(checkpoint_dir) else checkpoint_dir,
+                backend=backend, preemptible=preemptible, relative_speed=relative_speed,
             )
             self.kubernetes = backend_settings(backend, image=image, kubernetes=kubernetes)
             if virtual_gpus is not None:
                 check_int("virtual_gpus", virtual_gpus, 1)
             check_int("virtual_nodes", virtual_nodes, 1)
-            env = check_env(env)
+            if not _later(env):  # a value from an upstream task's output: checked when the task runs
+                checked = check_env({k: v for k, v in env.items() if not _later(v)}
+                                    if isinstance(env, Mapping) else env)
+                env = {**checked, **{k: v for k, v in env.items() if _later(v)}} if env else checked
         except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
         max_gpus = spec.max_gpus
@@ -300,12 +332,15 @@ class ElasticTrainingOperator(BaseOperator):
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the trigger fired: log the job's resizes, return its metrics.
 
-        :raises AirflowException: the trigger could not submit the job (``start_from_trigger``), or
-            the job did not succeed.
+        :raises AirflowException: the trigger could not submit the job (``start_from_trigger``) or
+            follow it, or the job did not succeed.
         """
         if event.get("job_id") is None:
             raise AirflowException(f"{self.task_id}: the triggerer could not start the training: "
                                    f"{event.get('reason')}")
+        if event.get("status") == "error":
+            raise AirflowException(f"{self.task_id}: the triggerer could not follow training job "
+                                   f"{event['job_id']}: {event.get('reason')}")
         broker = self.hook.broker
         job = broker.job(event["job_id"])
         if self.start_from_trigger:  # the triggerer cannot push XCom: the link's job id comes now
@@ -339,11 +374,13 @@ class ElasticTrainingOperator(BaseOperator):
 
     @staticmethod
     def metrics(job: JobView) -> dict[str, Any]:
-        """The XCom result: JCT, queueing delay and GPU-seconds (s), resizes, final step, exit code, trainer metrics."""
+        """The XCom result: the trainer's metrics, then JCT, queueing delay and GPU-seconds (s), resizes,
+        final step and exit code (these replace trainer metrics of the same name)."""
         extra = {k: v for k, v in (job.metrics or {}).items() if k not in ("final", "step")}
-        return {"job_id": job.id, "jct_s": job.jct_s, "queueing_delay_s": job.queueing_delay_s,
+        # the broker's figures win: a trainer's metric named like one (e.g. job_id) does not replace it
+        return {**extra, "job_id": job.id, "jct_s": job.jct_s, "queueing_delay_s": job.queueing_delay_s,
                 "gpu_seconds": job.gpu_seconds, "num_resizes": job.num_resizes, "final_step": job.steps_done,
-                "exit_code": job.exit_code, **extra}
+                "exit_code": job.exit_code}
 
     @staticmethod
     def asset_metadata(job: JobView) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from airflow_elastic_gpu.broker.types import BrokerError, JobSpec, JobView, task_family
+from airflow_elastic_gpu.broker.types import BrokerError, JobSpec, JobView, NotFound, task_family
 from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
 from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
@@ -40,7 +40,9 @@ def _attempt(ti: Any) -> str | None:
 
 
 class ElasticTrainingTrigger(BaseTrigger):
-    """Fires ``{"job_id", "status", "reason"}`` when job ``job_id`` ends.
+    """Fires ``{"job_id", "status", "reason"}`` when job ``job_id`` ends; ``status`` ``"error"``
+    when it cannot be followed (the broker has no such job: the triggerer's broker is another
+    than the task's) or, with ``job_id=None``, cannot be submitted (``job_id`` then ``None``).
 
     :param job_id: the broker's job id; ``None``: submit the job described by ``command``,
         ``checkpoint_dir``, ``job_name`` and ``job`` first (``start_from_trigger``).
@@ -172,13 +174,19 @@ class ElasticTrainingTrigger(BaseTrigger):
 
             try:
                 self.job_id = (await asyncio.to_thread(self._submit)).id
-            except (BrokerError, BackendError, ValueError) as exc:
+            except (BrokerError, BackendError, ValueError, OSError) as exc:
                 self.log.error("could not submit the training: %s", exc)
                 yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc)})
                 return
         while True:
             try:
                 job = await asyncio.to_thread(self._poll)
+            except NotFound as exc:  # no retry brings it back: this triggerer's broker is not the worker's
+                reason = (f"{exc} in the triggerer's broker: the triggerer must reach the broker the task "
+                          f"submitted to (connection {self.broker_conn_id!r} or [elastic_gpu] broker_url)")
+                self.log.error("%s", reason)
+                yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": reason})
+                return
             except Exception as exc:  # noqa: BLE001 - the broker DB or the cluster API is briefly unreachable
                 self.log.warning("polling job %s failed (%s); retrying in %ss with new clients", self.job_id,
                                  exc, self.poll_interval)
