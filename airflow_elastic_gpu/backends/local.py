@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -38,8 +37,13 @@ from airflow_elastic_gpu.backends.base import (  # BackendError: also from here
     Problem,
     check_env,
 )
+from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backend's public names
+    LOCAL_NODE,
+    check_host_not_in_another_pool,
+    detect_gpus,
+)
 from airflow_elastic_gpu.broker.types import JobView
-from airflow_elastic_gpu.config import ENV_BROKER_URL, default_virtual_gpus
+from airflow_elastic_gpu.config import ENV_BROKER_URL
 from airflow_elastic_gpu.sidecar import protocol
 
 if TYPE_CHECKING:
@@ -47,8 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOCAL_NODE = "localhost"
-"""The node name under which this host's GPUs are registered (``localhost-<i>`` for virtual nodes)."""
 TRAINER_ENV_DROPPED = ("AIRFLOW_ELASTIC_GPU_", "AIRFLOW_CONN_", "AIRFLOW_VAR_", "AIRFLOW__")
 """Prefixes of the variables a trainer does not inherit: this provider's (the broker URL, job
 tokens), Airflow's connections and variables, and Airflow's configuration (its database URL,
@@ -87,15 +89,6 @@ def _private_file(path: Path) -> None:
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class HostGpus:
-    """GPUs found on this host: device indices, product name, and whether they are virtual."""
-
-    indices: tuple[int, ...]
-    gpu_type: str
-    virtual: bool
-
-
 def _kill_group(pid: int) -> None:
     """SIGKILL the process group led by ``pid`` (the agent, launcher and trainer each lead one)."""
     try:
@@ -115,32 +108,6 @@ def _writable_dir(path: Path, what: str, mode: int = 0o777) -> None:
         raise BackendError(f"{what} {str(path)!r} cannot be created: {exc}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise BackendError(f"{what} {str(path)!r} is not writable")
-
-
-def detect_gpus(virtual_gpus: int | None = None, nvidia_smi: str = "nvidia-smi") -> HostGpus:
-    """The host's NVIDIA GPUs via ``nvidia-smi``, else ``virtual_gpus`` virtual ones.
-
-    :param virtual_gpus: count of virtual GPUs when none is found (default
-        ``[elastic_gpu] virtual_gpus``, ``$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS``, or 4); >= 1.
-    :raises ValueError: ``virtual_gpus`` < 1, or a configured value that is not an integer.
-    """
-    exe = shutil.which(nvidia_smi)
-    if exe:
-        try:
-            out = subprocess.run(
-                [exe, "--query-gpu=index,name", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20, check=True,
-            ).stdout
-            rows = [line.split(",", 1) for line in out.strip().splitlines() if line.strip()]
-            if rows:
-                return HostGpus(tuple(int(i) for i, _ in rows), rows[0][1].strip(), False)
-        except (subprocess.SubprocessError, ValueError, OSError):
-            pass
-    if virtual_gpus is None:
-        virtual_gpus = default_virtual_gpus()
-    if virtual_gpus < 1:
-        raise ValueError(f"virtual_gpus must be >= 1, got {virtual_gpus}")
-    return HostGpus(tuple(range(virtual_gpus)), "virtual", True)
 
 
 def pool_lease_s(broker: GpuBroker, pool: str) -> float:
@@ -190,28 +157,6 @@ class LocalHandle:
         data = json.loads(ref)
         return cls(Path(data["job_dir"]), int(data["agent_pid"]), int(data["launcher_pid"]),
                    tuple((str(n), int(p)) for n, p in (data.get("node_pids") or {}).items()))
-
-
-_HOST_NODE = re.compile(rf"{re.escape(LOCAL_NODE)}(-\d+)?")
-
-
-def check_host_not_in_another_pool(broker: GpuBroker, pool: str) -> None:
-    """Refuse to register this host's GPUs (node :data:`LOCAL_NODE`, or ``LOCAL_NODE-<i>`` for
-    virtual nodes) in ``pool`` when another pool has them: the same devices in two pools would be
-    handed to a job of each.
-
-    Checked before the registration, in its own read: two first runs naming two new pools at the
-    same moment could both pass (a host's first registration is a set-up step, not a hot path).
-
-    :raises BackendError: naming the pool that has them.
-    """
-    elsewhere = sorted({n.pool for n in broker.nodes() if _HOST_NODE.fullmatch(n.name) and n.pool != pool})
-    if elsewhere:
-        raise BackendError(
-            f"this host's GPUs are already in pool {elsewhere[0]!r}: registering them in {pool!r} too "
-            f"would hand the same GPUs to two jobs. Use pool {elsewhere[0]!r} (--pool, the operator's "
-            f"pool=), or register other GPUs in {pool!r} (airflow-elastic-gpu nodes add NAME --gpus N)"
-        )
 
 
 class LocalBackend:
