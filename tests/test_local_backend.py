@@ -264,3 +264,44 @@ def test_broker_serve_shows_a_working_database_url_with_its_password_masked(post
     out = capsys.readouterr()
     assert "hunter2" not in out.out + out.err and "broker API on http://127.0.0.1:8793" in out.out
     assert ":***@" in out.out
+
+
+RESUMING_TRAINER = """
+import json, os, pathlib, sys
+ckpt = pathlib.Path(os.environ["ELASTIC_CHECKPOINT_DIR"]) / "step"
+start = int(ckpt.read_text()) if ckpt.exists() else 0
+print(json.dumps({"resumed_from": start}), flush=True)
+for step in range(start + 1, 11):
+    ckpt.write_text(str(step))
+    print(json.dumps({"step": step}), flush=True)
+    if step == 4 and start == 0:
+        sys.exit(1)  # the first try dies after its checkpoint of step 4
+print(json.dumps({"final": True, "step": 10, "resumed_from": start}), flush=True)
+"""
+
+
+def test_a_retried_task_resumes_from_the_failed_trys_checkpoint_and_a_succeeded_run_keeps_its_own(local, tmp_path):
+    """Without checkpoint_dir, the tries of one task (one key) share a checkpoint directory: the
+    retry resumes at step 4 where the first try died, not at step 0. Once the job succeeds the
+    directory moves into the job's own, so a later run of the task (cleared) starts from 0."""
+    broker, backend = local
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(RESUMING_TRAINER)
+    key = "nightly/train/scheduled__2026-11-26T00:00:00+00:00/-1"
+
+    def run():
+        job = broker.submit(JobSpec("train", f"{sys.executable} {trainer}", 1, 1, total_steps=10, key=key))
+        start_job(broker, backend, job)
+        done = ended(broker, job.id)
+        backend.stop(job.id, succeeded=done.status is JobStatus.SUCCEEDED)
+        return done
+
+    first = run()
+    assert first.status is JobStatus.FAILED
+    shared = backend.default_checkpoint_dir(first)
+    assert shared.parent == tmp_path / "jobs" / "checkpoints" and (shared / "step").read_text() == "4"
+    retry = run()
+    assert (retry.status, retry.metrics["resumed_from"]) == (JobStatus.SUCCEEDED, 4)
+    assert not shared.exists() and (backend.job_dir(retry.id) / "checkpoints" / "step").read_text() == "10"
+    cleared = run()  # from step 0 again: it dies at step 4 as the first try did (resumed at 10, it would succeed)
+    assert cleared.status is JobStatus.FAILED and (shared / "step").read_text() == "4"
