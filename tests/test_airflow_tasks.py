@@ -382,6 +382,29 @@ def test_a_trigger_whose_broker_has_no_such_job_fails_the_task_rather_than_wait_
         op.execute_complete({"ti": _FakeTI()}, event.payload)
 
 
+def test_execution_timeout_holds_while_the_task_is_deferred(worker_env):
+    """Airflow does not time out a deferred task: the trigger cancels the job once it has run
+    ``execution_timeout`` since its submission, stops its processes, and the task fails."""
+    from datetime import timedelta
+
+    from airflow.sdk.exceptions import TaskDeferred
+
+    broker, backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
+                                 total_steps=100000, virtual_gpus=1, poll_interval=0.2,
+                                 execution_timeout=timedelta(seconds=2))
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({"ti": _FakeTI()})
+    trigger = deferred.value.trigger
+    assert trigger.serialize()[1]["execution_timeout_s"] == 2.0
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 60))
+    job = broker.job(event.payload["job_id"])
+    assert event.payload["status"] == "cancelled" and "execution_timeout" in event.payload["reason"]
+    assert job.in_use_gpus == () and not backend.is_running(job.id)
+    with pytest.raises(AirflowException, match="cancelled: execution_timeout"):
+        op.execute_complete({"ti": _FakeTI()}, event.payload)
+
+
 def test_a_job_the_triggerer_cannot_submit_fails_the_task_with_the_reason(worker_env):
     op = ElasticTrainingOperator(task_id="train", command="no-such-program-xyz --epochs 1", total_steps=3,
                                  virtual_gpus=2, start_from_trigger=True)

@@ -100,7 +100,9 @@ class ElasticTrainingOperator(BaseOperator):
     :param deferrable: defer to the triggerer; False waits in the worker, with the same job watcher
         as the trigger. Default ``[elastic_gpu] default_deferrable`` (true: Airflow's own
         ``[operators] default_deferrable`` is false out of the box, and a training would hold a
-        worker slot for its whole length).
+        worker slot for its whole length). Airflow does not enforce ``execution_timeout`` while a
+        task is deferred; the trigger does: past it, counted from the job's submission, the job is
+        cancelled and the task fails (and is retried as on Airflow's own timeout).
     :param start_from_trigger: submit and start the job from the triggerer, so the task takes a
         worker slot only for ``execute_complete`` (needs ``deferrable``; a mapped task starts from a
         worker all the same, as its mapped arguments are only known there).
@@ -259,6 +261,8 @@ class ElasticTrainingOperator(BaseOperator):
             "job_id": job_id, "broker_conn_id": self.broker_conn_id, "poll_interval": self.poll_interval,
             "backend": self.backend, "work_dir": None, "kubernetes": self.kubernetes,
             "env": self.env or None, "context": labels,
+            # Airflow does not enforce it while the task is deferred: the trigger does
+            "execution_timeout_s": self.execution_timeout.total_seconds() if self.execution_timeout else None,
         }
         if job_id is not None:
             kwargs["work_dir"] = str(default_work_dir(conf=airflow_conf()))

@@ -22,6 +22,7 @@ cannot submit (a bad command, a broker that refuses it) fires ``{"job_id": None,
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -58,6 +59,11 @@ class ElasticTrainingTrigger(BaseTrigger):
     :param command: the training command to submit (rendered in the triggerer).
     :param checkpoint_dir: its checkpoint directory (rendered in the triggerer).
     :param job_name: its name in the broker (default the task id, with ``[map_index]``).
+    :param execution_timeout_s: the task's ``execution_timeout`` (seconds; None: none), which Airflow
+        does not enforce while a task is deferred: once the job's time since its submission (the
+        broker's timestamp, not the trigger's start, which a triggerer restart moves) passes it, the
+        trigger cancels the job, stops its processes and fires its end (the task fails, and is
+        retried as Airflow's timeout would be).
     :param job: the other job fields to submit: ``total_steps``, ``min_gpus``, ``max_gpus``,
         ``requested_gpus``, ``progress_pattern``, ``gpu_pool`` (``None``: the connection's
         default), ``priority``, ``preemptible``, ``virtual_gpus``, ``virtual_nodes``, ``relative_speed``,
@@ -69,7 +75,7 @@ class ElasticTrainingTrigger(BaseTrigger):
                  after_event_id: int = 0, kubernetes: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, context: dict[str, str] | None = None,
                  command: str | None = None, checkpoint_dir: str | None = None, job_name: str | None = None,
-                 job: dict[str, Any] | None = None) -> None:
+                 job: dict[str, Any] | None = None, execution_timeout_s: float | None = None) -> None:
         super().__init__()
         self.job_id = job_id
         self.broker_conn_id = broker_conn_id
@@ -84,13 +90,15 @@ class ElasticTrainingTrigger(BaseTrigger):
         self.checkpoint_dir = checkpoint_dir
         self.job_name = job_name
         self.job = job
+        self.execution_timeout_s = execution_timeout_s
         self._watcher: JobWatcher | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         kwargs: dict[str, Any] = {
             "job_id": self.job_id, "broker_conn_id": self.broker_conn_id, "poll_interval": self.poll_interval,
             "backend": self.backend, "work_dir": self.work_dir, "after_event_id": self.after_event_id,
-            "kubernetes": self.kubernetes, "env": self.env, "context": self.context}
+            "kubernetes": self.kubernetes, "env": self.env, "context": self.context,
+            "execution_timeout_s": self.execution_timeout_s}
         if self.job is not None:
             kwargs.update(command=self.command, checkpoint_dir=self.checkpoint_dir, job_name=self.job_name,
                           job=self.job)
@@ -196,7 +204,19 @@ class ElasticTrainingTrigger(BaseTrigger):
             if job.status.terminal:
                 yield TriggerEvent({"job_id": job.id, "status": job.status.value, "reason": job.reason})
                 return
+            if self.execution_timeout_s is not None and time.time() >= job.submit_s + self.execution_timeout_s:
+                await asyncio.to_thread(self._time_out)
+                continue  # the next poll reads the cancelled job and fires its end
             await asyncio.sleep(self.poll_interval)
+
+    def _time_out(self) -> None:
+        """Cancel the job past ``execution_timeout_s`` and stop its processes (blocking)."""
+        reason = (f"execution_timeout: the training ran past {self.execution_timeout_s:g} s since its "
+                  "submission; cancelled")
+        self.log.error("job %s: %s", self.job_id, reason)
+        watcher = self._get_watcher()
+        watcher.broker.cancel(self.job_id, reason)
+        watcher.backend.stop(self.job_id, timeout_s=30)
 
     def _still_deferred(self) -> bool:
         """Whether this trigger's task instance is still deferred, asked through the triggerer's
