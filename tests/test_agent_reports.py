@@ -40,10 +40,13 @@ def test_fence_periods_fit_in_the_lease():
 def test_log_parser_drops_non_finite_steps(tmp_path):
     log = tmp_path / "train.log"
     log.write_text('{"step": 1}\n{"step": NaN}\n{"step": Infinity}\n{"step": 1e400}\n{"step": 2}\n'
-                   '{"final": true, "step": 2, "accuracy": 0.5, "loss": NaN}\n')
+                   '{"final": true, "step": 2, "accuracy": 0.5, "loss": NaN, '
+                   '"per_class": [0.9, NaN, {"f1": -Infinity}]}\n')
     parser = LogParser()
     assert [s for _, s in parser.read(log)] == [1.0, 2.0, 2.0]
-    assert parser.metrics == {"final": True, "step": 2, "accuracy": 0.5, "loss": None}
+    # at any depth: one NaN in a list would make the broker refuse every metric of the report
+    assert parser.metrics == {"final": True, "step": 2, "accuracy": 0.5, "loss": None,
+                              "per_class": [0.9, None, {"f1": None}]}
     regex = tmp_path / "regex.log"
     regex.write_text("iter nan/100\niter inf/100\niter 7/100\n")
     assert [s for _, s in LogParser(__import__("re").compile(r"iter (\S+)/")).read(regex)] == [7.0]

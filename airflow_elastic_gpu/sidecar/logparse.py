@@ -102,6 +102,13 @@ def _finite_step(step: float) -> float | None:
     return None
 
 
-def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
-    """``metrics`` with non-finite numbers replaced by ``None`` (JSON and the broker refuse them)."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+def _finite(metrics: Any) -> Any:
+    """``metrics`` with non-finite numbers replaced by ``None`` at any depth (JSON and the broker
+    refuse them; one NaN in a per-class list would otherwise cost the report all its metrics)."""
+    if isinstance(metrics, float):
+        return metrics if math.isfinite(metrics) else None
+    if isinstance(metrics, dict):
+        return {k: _finite(v) for k, v in metrics.items()}
+    if isinstance(metrics, list):
+        return [_finite(v) for v in metrics]
+    return metrics
