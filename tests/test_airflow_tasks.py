@@ -405,6 +405,34 @@ def test_execution_timeout_holds_while_the_task_is_deferred(worker_env):
         op.execute_complete({"ti": _FakeTI()}, event.payload)
 
 
+def test_a_trigger_killed_while_it_submits_stops_the_job_it_started(worker_env, monkeypatch):
+    """A user marks the task failed while its trigger is still submitting: the triggerer cancels
+    ``run`` and calls ``on_kill``, which waits for the submission and stops the job it started
+    (rather than leave it training with no task to stop it)."""
+    broker, backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
+                                 total_steps=100000, virtual_gpus=1, poll_interval=0.2, start_from_trigger=True)
+    trigger = ElasticTrainingTrigger(**op.start_trigger_args.trigger_kwargs)
+    trigger.task_instance = _trigger_ti()
+    submit = trigger._submit
+
+    def slow_submit():
+        time.sleep(1.0)
+        return submit()
+
+    monkeypatch.setattr(trigger, "_submit", slow_submit)
+
+    async def kill_while_submitting():
+        running = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.sleep(0.3)
+        running.cancel()  # as the triggerer does, then on_kill
+        await trigger.on_kill()
+
+    asyncio.run(kill_while_submitting())
+    (job,) = broker.jobs()
+    assert job.status is JobStatus.CANCELLED and not backend.is_running(job.id)
+
+
 def test_a_job_the_triggerer_cannot_submit_fails_the_task_with_the_reason(worker_env):
     op = ElasticTrainingOperator(task_id="train", command="no-such-program-xyz --epochs 1", total_steps=3,
                                  virtual_gpus=2, start_from_trigger=True)

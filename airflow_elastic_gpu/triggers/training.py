@@ -22,6 +22,8 @@ cannot submit (a bad command, a broker that refuses it) fires ``{"job_id": None,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -92,6 +94,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         self.job = job
         self.execution_timeout_s = execution_timeout_s
         self._watcher: JobWatcher | None = None
+        self._submit_future: concurrent.futures.Future[JobView] | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         kwargs: dict[str, Any] = {
@@ -148,6 +151,22 @@ class ElasticTrainingTrigger(BaseTrigger):
         hook.broker.engine.dispose()  # the watcher makes its own client
         return started.job
 
+    def _submitting(self) -> concurrent.futures.Future[JobView]:
+        """:meth:`_submit` in a thread of its own; its future outlives a cancelled :meth:`run`, so
+        that :meth:`on_kill` can wait for a submission under way and stop the job it started."""
+        future: concurrent.futures.Future[JobView] = concurrent.futures.Future()
+
+        def work() -> None:
+            try:
+                future.set_result(self._submit())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
+                future.set_exception(exc)
+
+        future.set_running_or_notify_cancel()  # running: a cancelled run() cannot cancel it
+        self._submit_future = future
+        threading.Thread(target=work, name="elastic-gpu-submit", daemon=True).start()
+        return future
+
     def _get_watcher(self) -> JobWatcher:
         """The watcher, with a new hook (broker client) and backend after :meth:`_drop_watcher`.
         Blocking (reads the Airflow connection): call it in a thread."""
@@ -181,7 +200,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             from airflow_elastic_gpu.backends import BackendError
 
             try:
-                self.job_id = (await asyncio.to_thread(self._submit)).id
+                self.job_id = (await asyncio.wrap_future(self._submitting())).id
             except (BrokerError, BackendError, ValueError, OSError) as exc:
                 self.log.error("could not submit the training: %s", exc)
                 yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc)})
@@ -238,11 +257,17 @@ class ElasticTrainingTrigger(BaseTrigger):
 
     async def on_kill(self) -> None:
         """The user marked the deferred task failed/success or cleared it: stop the job, free its GPUs
-        (nothing to stop before a ``start_from_trigger`` trigger has submitted its job).
+        (a ``start_from_trigger`` trigger killed while it submits waits for the submission, then
+        stops the job it started).
 
         Airflow 3.3 also calls ``on_kill`` on a live triggerer whose trigger was given to another
         one (its heartbeat was late, e.g. on a loaded machine): the task instance is then still
         deferred, the other triggerer watches the job, and the job goes on."""
+        if self.job_id is None and self._submit_future is not None:  # killed while it submits: wait
+            try:
+                self.job_id = (await asyncio.wrap_future(self._submit_future)).id
+            except Exception:  # noqa: BLE001 - the submission failed: no job was started
+                return
         if self.job_id is None:
             return
         if await asyncio.to_thread(self._still_deferred):
