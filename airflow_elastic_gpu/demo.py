@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     env = demo_env()
     DEMO.mkdir(exist_ok=True)
+    Path(env["AIRFLOW_HOME"]).mkdir(exist_ok=True)  # the broker's SQLite file goes there, before Airflow makes it
     url = default_broker_url(env)
     Path(make_url(url).database).unlink(missing_ok=True)
     broker = GpuBroker(url)
