@@ -383,8 +383,8 @@ def test_a_trigger_whose_broker_has_no_such_job_fails_the_task_rather_than_wait_
 
 
 def test_execution_timeout_holds_while_the_task_is_deferred(worker_env):
-    """Airflow does not time out a deferred task: the trigger cancels the job once it has run
-    ``execution_timeout`` since its submission, stops its processes, and the task fails."""
+    """Airflow does not time out a deferred task: the trigger cancels the job once the try has run
+    ``execution_timeout`` (a deadline in its arguments), stops its processes, and the task fails."""
     from datetime import timedelta
 
     from airflow.sdk.exceptions import TaskDeferred
@@ -396,12 +396,12 @@ def test_execution_timeout_holds_while_the_task_is_deferred(worker_env):
     with pytest.raises(TaskDeferred) as deferred:
         op.execute({"ti": _FakeTI()})
     trigger = deferred.value.trigger
-    assert trigger.serialize()[1]["execution_timeout_s"] == 2.0
+    assert 0 < trigger.serialize()[1]["deadline_s"] - time.time() <= 2.0
     event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 60))
     job = broker.job(event.payload["job_id"])
     assert event.payload["status"] == "cancelled" and "execution_timeout" in event.payload["reason"]
     assert job.in_use_gpus == () and not backend.is_running(job.id)
-    with pytest.raises(AirflowException, match="cancelled: execution_timeout"):
+    with pytest.raises(AirflowException, match="cancelled: execution_timeout: the task's time ran out"):
         op.execute_complete({"ti": _FakeTI()}, event.payload)
 
 
@@ -431,6 +431,36 @@ def test_a_trigger_killed_while_it_submits_stops_the_job_it_started(worker_env, 
     asyncio.run(kill_while_submitting())
     (job,) = broker.jobs()
     assert job.status is JobStatus.CANCELLED and not backend.is_running(job.id)
+
+
+@pytest.mark.parametrize("still_deferred", [True, None, False])
+def test_a_cancelled_trigger_stops_its_job_only_once_the_task_is_no_longer_deferred(worker_env, still_deferred):
+    """Airflow cancels ``run`` without ``on_kill`` when a ``start_from_trigger`` task's
+    execution_timeout (its trigger timeout) passes: the task is then no longer deferred, and the
+    job is stopped. A triggerer shutting down or handing the trigger over leaves the task deferred,
+    or cannot tell (no supervisor to ask, None): the job goes on."""
+    broker, backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
+                                 total_steps=100000, virtual_gpus=1, poll_interval=0.2, start_from_trigger=True)
+    trigger = ElasticTrainingTrigger(**op.start_trigger_args.trigger_kwargs)
+    trigger.task_instance = _trigger_ti()
+    if still_deferred is not None:
+        trigger._still_deferred = lambda unsure=False: still_deferred
+
+    async def cancel_while_it_watches():
+        running = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.sleep(2.0)  # submitted and started, now polling
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+
+    asyncio.run(cancel_while_it_watches())
+    (job,) = broker.jobs()
+    if still_deferred is False:
+        assert job.status is JobStatus.CANCELLED and not backend.is_running(job.id)
+    else:
+        assert job.status is JobStatus.RUNNING and backend.is_running(job.id)
+        backend.stop(job.id, timeout_s=10)
 
 
 def test_a_job_the_triggerer_cannot_submit_fails_the_task_with_the_reason(worker_env):

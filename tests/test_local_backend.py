@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -283,7 +284,7 @@ print(json.dumps({"final": True, "step": 10, "resumed_from": start}), flush=True
 def test_a_retried_task_resumes_from_the_failed_trys_checkpoint_and_a_succeeded_run_keeps_its_own(local, tmp_path):
     """Without checkpoint_dir, the tries of one task (one key) share a checkpoint directory: the
     retry resumes at step 4 where the first try died, not at step 0. Once the job succeeds the
-    directory moves into the job's own, so a later run of the task (cleared) starts from 0."""
+    directory is renamed <dir>@<job id>, so a later run of the task (cleared) starts from 0."""
     broker, backend = local
     trainer = tmp_path / "trainer.py"
     trainer.write_text(RESUMING_TRAINER)
@@ -302,6 +303,26 @@ def test_a_retried_task_resumes_from_the_failed_trys_checkpoint_and_a_succeeded_
     assert shared.parent == tmp_path / "jobs" / "checkpoints" and (shared / "step").read_text() == "4"
     retry = run()
     assert (retry.status, retry.metrics["resumed_from"]) == (JobStatus.SUCCEEDED, 4)
-    assert not shared.exists() and (backend.job_dir(retry.id) / "checkpoints" / "step").read_text() == "10"
+    assert not shared.exists() and (shared.with_name(f"{shared.name}@{retry.id}") / "step").read_text() == "10"
     cleared = run()  # from step 0 again: it dies at step 4 as the first try did (resumed at 10, it would succeed)
     assert cleared.status is JobStatus.FAILED and (shared / "step").read_text() == "4"
+
+
+def test_a_try_waits_for_the_earlier_one_still_writing_its_checkpoint(tmp_path):
+    """A cleared task's new try must not write the checkpoint directory while the stopped try's
+    trainer still writes its last checkpoint: it waits, and refuses past the wait."""
+    from airflow_elastic_gpu.backends import local_checkpoints
+
+    path = tmp_path / "checkpoints" / "train-0123"
+    local_checkpoints.claim(path, "old", lambda job_id: False, 1.0)
+    stops_at = time.monotonic() + 0.5
+    assert local_checkpoints.claim(path, "new", lambda job_id: time.monotonic() < stops_at, 5.0) == path
+    assert time.monotonic() >= stops_at and path.with_name("train-0123.owner").read_text() == "new"
+    with pytest.raises(BackendError, match="is still used by job new"):
+        local_checkpoints.claim(path, "newer", lambda job_id: True, 0.3)
+    path.mkdir()
+    local_checkpoints.keep_after_success(path, "other")  # not its user: left alone
+    assert path.is_dir()
+    local_checkpoints.keep_after_success(path, "new")
+    local_checkpoints.keep_after_success(path, "new")  # a second stop: nothing left to rename
+    assert not path.exists() and path.with_name("train-0123@new").is_dir()

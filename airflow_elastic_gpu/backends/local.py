@@ -6,9 +6,9 @@ The GPUs are the host's (``nvidia-smi``) or, where there is none, ``N``
 laptop. Each job gets a directory ``<work_dir>/<job_id>/`` (mode 0700) holding the shared
 files of :mod:`airflow_elastic_gpu.sidecar.protocol`, ``agent.log``,
 ``launcher.log`` and ``handle.json`` (the pids); the logs are 0600. A job without a
-``checkpoint_dir`` checkpoints in ``<work_dir>/checkpoints/<its key>/``, shared by the tries of one
-Airflow task, so that a retry resumes where the failed try stopped
-(:meth:`LocalBackend.default_checkpoint_dir`). Both processes start in their
+``checkpoint_dir`` checkpoints in ``<work_dir>/checkpoints/<its key>-<hash>/``, shared by the tries
+of one Airflow task, so that a retry resumes where the failed try stopped
+(:mod:`.local_checkpoints`). Both processes start in their
 own session through a short-lived spawner, so they outlive the caller (an
 Airflow worker slot is freed while the task is deferred) and leave no zombie.
 
@@ -21,11 +21,9 @@ trainer cannot reach the broker, nor Airflow's database, connections or variable
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -37,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from airflow_elastic_gpu.backends import local_checkpoints
 from airflow_elastic_gpu.backends.base import (  # BackendError: also from here
     BackendError,
     Problem,
@@ -342,7 +341,8 @@ class LocalBackend:
         its own directory with the job's one checkpoint directory; ``(first pid, node pids)``."""
         nodes = self.gang_nodes(job)
         dirs = [(node, job_dir / protocol.NODES / node) for node in nodes] or [("", job_dir)]
-        checkpoint_dir = job.checkpoint_dir or str(self.default_checkpoint_dir(job))
+        checkpoint_dir = job.checkpoint_dir or str(local_checkpoints.claim(
+            self.default_checkpoint_dir(job), job.id, self.is_running, self.grace_s + 10))
         node_pids: list[tuple[str, int]] = []
         try:
             for node, shared in dirs:
@@ -362,26 +362,17 @@ class LocalBackend:
         return node_pids[0][1], tuple(node_pids) if nodes else ()
 
     def default_checkpoint_dir(self, job: JobView) -> Path:
-        """Where a job without ``checkpoint_dir`` checkpoints: ``<work_dir>/checkpoints/<key>-<hash>``
-        (its key made a file name, with a hash of the whole key). One Airflow task's tries share a
-        key, so a retried task resumes from the checkpoint of the try that failed, was lost or was
-        stopped, rather than from step 0; once a job succeeds, :meth:`stop` moves the directory into
-        the job's own, so that a later run of the task (cleared) trains anew."""
-        key = job.key.removesuffix(f"@{job.id}")  # the key of an ended job that a retry replaced
-        name = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._-")[:100] or "job"
-        return self.work_dir / "checkpoints" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        """Where a job without ``checkpoint_dir`` checkpoints (:mod:`.local_checkpoints`): one
+        directory per task key, so that a retried task resumes where the failed try stopped."""
+        return local_checkpoints.default_dir(self.work_dir, job)
 
-    def _keep_checkpoints_with_the_job(self, job_id: str) -> None:
-        """A succeeded job's default checkpoint directory moves to ``<job dir>/checkpoints``: kept,
-        and out of the way of the task's next run."""
+    def _keep_checkpoints_of_a_success(self, job_id: str) -> None:
         try:
             job = self.broker.job(job_id)
         except BrokerError:
             return
         if job.checkpoint_dir is None:
-            kept = self.default_checkpoint_dir(job)
-            if kept.is_dir() and not (self.job_dir(job_id) / "checkpoints").exists():
-                kept.rename(self.job_dir(job_id) / "checkpoints")
+            local_checkpoints.keep_after_success(self.default_checkpoint_dir(job), job_id)
 
     def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
              context: Mapping[str, str] | None = None) -> None:
@@ -408,7 +399,7 @@ class LocalBackend:
     def stop(self, job_id: str, *, succeeded: bool = False, timeout_s: float | None = None) -> None:
         """Ask the launcher(s) to stop the trainer, then kill whatever is left after ``timeout_s``
         (default ``grace_s`` + 10 s). The job directory is kept (see :meth:`cleanup`); with
-        ``succeeded``, the default checkpoint directory moves into it
+        ``succeeded``, the default checkpoint directory is renamed out of the task's way
         (:meth:`default_checkpoint_dir`)."""
         h = self.handle(job_id)
         if h is None:
@@ -430,7 +421,7 @@ class LocalBackend:
         protocol.signal_processes([p for p in workers if protocol.pid_alive(p)], signal.SIGKILL)
         self._report_stopped(job_id, pids + workers)
         if succeeded:
-            self._keep_checkpoints_with_the_job(job_id)
+            self._keep_checkpoints_of_a_success(job_id)
 
     def _report_stopped(self, job_id: str, pids: list[int]) -> None:
         """Once every process of an ended job (cancelled: the broker holds its GPUs until its

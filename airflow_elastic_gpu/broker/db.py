@@ -38,7 +38,11 @@ def _check_directory(path: Path, url: str) -> None:
     if directory.is_dir():
         return
     if directory.resolve() == airflow_home().expanduser().resolve():
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # e.g. a link to a directory that is gone
+            raise ValueError(f"broker URL {mask_url(url)!r}: its directory {str(directory)!r} (Airflow's "
+                             f"home) cannot be created: {exc}") from None
         return
     raise ValueError(
         f"broker URL {mask_url(url)!r}: the directory {str(directory)!r} of its SQLite file does not "

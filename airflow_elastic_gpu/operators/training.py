@@ -56,9 +56,10 @@ from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
 
 def _later(value: object) -> bool:
-    """Whether a template field's value is an upstream task's output (``XComArg``): known only
-    when the task runs, so checked then rather than when the DAG is parsed."""
-    return isinstance(value, XComArg)
+    """Whether a template field's value is resolved only when the task runs (an upstream task's
+    output, ``XComArg``, or a mapped task group's argument: what Airflow resolves, by its
+    ``resolve``/``iter_references`` protocol), so checked then rather than when the DAG is parsed."""
+    return isinstance(value, XComArg) or (hasattr(value, "resolve") and hasattr(value, "iter_references"))
 
 
 class ElasticTrainingOperator(BaseOperator):
@@ -101,8 +102,8 @@ class ElasticTrainingOperator(BaseOperator):
         as the trigger. Default ``[elastic_gpu] default_deferrable`` (true: Airflow's own
         ``[operators] default_deferrable`` is false out of the box, and a training would hold a
         worker slot for its whole length). Airflow does not enforce ``execution_timeout`` while a
-        task is deferred; the trigger does: past it, counted from the job's submission, the job is
-        cancelled and the task fails (and is retried as on Airflow's own timeout).
+        task is deferred; the trigger does: past it (counted from the start of this try), the job
+        is cancelled and the task fails (and is retried as on Airflow's own timeout).
     :param start_from_trigger: submit and start the job from the triggerer, so the task takes a
         worker slot only for ``execute_complete`` (needs ``deferrable``; a mapped task starts from a
         worker all the same, as its mapped arguments are only known there).
@@ -253,7 +254,8 @@ class ElasticTrainingOperator(BaseOperator):
         url = self.hook.broker_api_url()
         return {**self.kubernetes, "broker_api_url": url} if url else self.kubernetes
 
-    def _trigger_kwargs(self, *, job_id: str | None, labels: dict[str, str] | None) -> dict[str, Any]:
+    def _trigger_kwargs(self, *, job_id: str | None, labels: dict[str, str] | None,
+                        deadline_s: float | None = None) -> dict[str, Any]:
         """The trigger's arguments. Without ``job_id`` (``start_from_trigger``) they describe the job
         to submit; ``command``, ``env``, ``checkpoint_dir`` and ``job_name`` are rendered in the
         triggerer (the operator's template fields that are trigger arguments)."""
@@ -261,10 +263,9 @@ class ElasticTrainingOperator(BaseOperator):
             "job_id": job_id, "broker_conn_id": self.broker_conn_id, "poll_interval": self.poll_interval,
             "backend": self.backend, "work_dir": None, "kubernetes": self.kubernetes,
             "env": self.env or None, "context": labels,
-            # Airflow does not enforce it while the task is deferred: the trigger does
-            "execution_timeout_s": self.execution_timeout.total_seconds() if self.execution_timeout else None,
         }
         if job_id is not None:
+            kwargs["deadline_s"] = deadline_s  # Airflow does not enforce execution_timeout while deferred
             kwargs["work_dir"] = str(default_work_dir(conf=airflow_conf()))
             kwargs["kubernetes"] = self._kubernetes_settings()
             return kwargs
@@ -292,6 +293,7 @@ class ElasticTrainingOperator(BaseOperator):
     # -- Airflow entry points
     def execute(self, context: Any) -> dict[str, Any] | None:
         ti = context["ti"]
+        started_s = time.time()  # this try's execution_timeout counts from here, while deferred too
         labels = self.task_labels(context)
         try:
             broker = self.hook.broker
@@ -312,7 +314,9 @@ class ElasticTrainingOperator(BaseOperator):
         ti.xcom_push(key="job_id", value=job.id)
         ti.xcom_push(key="gpu_pool", value=job.pool)
         if self.deferrable:
-            self.defer(trigger=ElasticTrainingTrigger(**self._trigger_kwargs(job_id=job.id, labels=labels)),
+            deadline_s = started_s + self.execution_timeout.total_seconds() if self.execution_timeout else None
+            self.defer(trigger=ElasticTrainingTrigger(**self._trigger_kwargs(job_id=job.id, labels=labels,
+                                                                             deadline_s=deadline_s)),
                        method_name="execute_complete")
         return self._wait_in_worker(JobWatcher(broker, backend, job.id, env=self.env, context=labels,
                                                log=self.log), context)

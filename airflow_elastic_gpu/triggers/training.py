@@ -61,11 +61,13 @@ class ElasticTrainingTrigger(BaseTrigger):
     :param command: the training command to submit (rendered in the triggerer).
     :param checkpoint_dir: its checkpoint directory (rendered in the triggerer).
     :param job_name: its name in the broker (default the task id, with ``[map_index]``).
-    :param execution_timeout_s: the task's ``execution_timeout`` (seconds; None: none), which Airflow
-        does not enforce while a task is deferred: once the job's time since its submission (the
-        broker's timestamp, not the trigger's start, which a triggerer restart moves) passes it, the
-        trigger cancels the job, stops its processes and fires its end (the task fails, and is
-        retried as Airflow's timeout would be).
+    :param deadline_s: when the task's ``execution_timeout`` runs out (Unix time, seconds; None:
+        no timeout), which Airflow does not enforce while a task is deferred: past it the trigger
+        cancels the job, stops its processes and fires its end (the task fails, and is retried as on
+        Airflow's own timeout). A deadline, not a duration from the trigger's start, which a
+        triggerer restart would move. (A ``start_from_trigger`` task's timeout is Airflow's trigger
+        timeout: Airflow cancels :meth:`run`, which stops the job once the task is no longer
+        deferred.)
     :param job: the other job fields to submit: ``total_steps``, ``min_gpus``, ``max_gpus``,
         ``requested_gpus``, ``progress_pattern``, ``gpu_pool`` (``None``: the connection's
         default), ``priority``, ``preemptible``, ``virtual_gpus``, ``virtual_nodes``, ``relative_speed``,
@@ -77,7 +79,7 @@ class ElasticTrainingTrigger(BaseTrigger):
                  after_event_id: int = 0, kubernetes: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, context: dict[str, str] | None = None,
                  command: str | None = None, checkpoint_dir: str | None = None, job_name: str | None = None,
-                 job: dict[str, Any] | None = None, execution_timeout_s: float | None = None) -> None:
+                 job: dict[str, Any] | None = None, deadline_s: float | None = None) -> None:
         super().__init__()
         self.job_id = job_id
         self.broker_conn_id = broker_conn_id
@@ -92,7 +94,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         self.checkpoint_dir = checkpoint_dir
         self.job_name = job_name
         self.job = job
-        self.execution_timeout_s = execution_timeout_s
+        self.deadline_s = deadline_s
         self._watcher: JobWatcher | None = None
         self._submit_future: concurrent.futures.Future[JobView] | None = None
 
@@ -101,7 +103,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             "job_id": self.job_id, "broker_conn_id": self.broker_conn_id, "poll_interval": self.poll_interval,
             "backend": self.backend, "work_dir": self.work_dir, "after_event_id": self.after_event_id,
             "kubernetes": self.kubernetes, "env": self.env, "context": self.context,
-            "execution_timeout_s": self.execution_timeout_s}
+            "deadline_s": self.deadline_s}
         if self.job is not None:
             kwargs.update(command=self.command, checkpoint_dir=self.checkpoint_dir, job_name=self.job_name,
                           job=self.job)
@@ -196,6 +198,22 @@ class ElasticTrainingTrigger(BaseTrigger):
         return job
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        fired = False
+        try:
+            async for event in self._events():
+                fired = True
+                yield event
+        except asyncio.CancelledError:
+            # Airflow ended the deferral without on_kill (a start_from_trigger task's execution_timeout
+            # is a trigger timeout): once the task instance is no longer deferred nobody watches the
+            # job, so it is stopped. A triggerer that shuts down, or gives the trigger to another,
+            # leaves the task deferred (or cannot tell): the job goes on.
+            if not fired and (self.job_id is not None or self._submit_future is not None):
+                await self._stop_unless_deferred("the task's deferral ended without the job (timed out)",
+                                                 unsure=True)
+            raise
+
+    async def _events(self) -> AsyncIterator[TriggerEvent]:
         if self.job_id is None:
             from airflow_elastic_gpu.backends import BackendError
 
@@ -208,6 +226,9 @@ class ElasticTrainingTrigger(BaseTrigger):
         while True:
             try:
                 job = await asyncio.to_thread(self._poll)
+                if not job.status.terminal and self.deadline_s is not None and time.time() >= self.deadline_s:
+                    await asyncio.to_thread(self._time_out)
+                    continue  # the next poll reads the cancelled job and fires its end
             except NotFound as exc:  # no retry brings it back: this triggerer's broker is not the worker's
                 reason = (f"{exc} in the triggerer's broker: the triggerer must reach the broker the task "
                           f"submitted to (connection {self.broker_conn_id!r} or [elastic_gpu] broker_url)")
@@ -223,27 +244,39 @@ class ElasticTrainingTrigger(BaseTrigger):
             if job.status.terminal:
                 yield TriggerEvent({"job_id": job.id, "status": job.status.value, "reason": job.reason})
                 return
-            if self.execution_timeout_s is not None and time.time() >= job.submit_s + self.execution_timeout_s:
-                await asyncio.to_thread(self._time_out)
-                continue  # the next poll reads the cancelled job and fires its end
             await asyncio.sleep(self.poll_interval)
 
     def _time_out(self) -> None:
-        """Cancel the job past ``execution_timeout_s`` and stop its processes (blocking)."""
-        reason = (f"execution_timeout: the training ran past {self.execution_timeout_s:g} s since its "
-                  "submission; cancelled")
+        """Cancel the job past ``deadline_s`` and stop its processes (blocking)."""
+        reason = "execution_timeout: the task's time ran out while it was deferred; cancelled"
         self.log.error("job %s: %s", self.job_id, reason)
+        self._kill(reason)
+
+    def _kill(self, reason: str) -> None:
+        """Cancel the job (``reason``) and stop its processes (blocking; after a submission under
+        way, once it is done)."""
+        if self.job_id is None and self._submit_future is not None:
+            try:
+                self.job_id = self._submit_future.result().id
+            except Exception:  # noqa: BLE001 - the submission failed: no job was started
+                return
+        if self.job_id is None:
+            return
         watcher = self._get_watcher()
         watcher.broker.cancel(self.job_id, reason)
         watcher.backend.stop(self.job_id, timeout_s=30)
 
-    def _still_deferred(self) -> bool:
+    def _still_deferred(self, unsure: bool = False) -> bool:
         """Whether this trigger's task instance is still deferred, asked through the triggerer's
-        supervisor (blocking: call it in a thread). ``False`` when it cannot be told (no task
-        instance, or an Airflow without the call): ``on_kill``'s documented meaning, a user acted."""
+        supervisor (blocking: call it in a thread).
+
+        :param unsure: the answer when it cannot be told (no task instance, no supervisor to ask):
+            ``False`` for ``on_kill`` (its documented meaning: a user acted), ``True`` for a
+            cancelled :meth:`run` (a triggerer shutting down must never stop a job).
+        """
         ti = self.task_instance
         if ti is None:
-            return False
+            return unsure
         try:
             from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
@@ -251,9 +284,22 @@ class ElasticTrainingTrigger(BaseTrigger):
                 dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id], map_index=ti.map_index,
                 states=["deferred"]) > 0
         except Exception as exc:  # noqa: BLE001 - no supervisor to ask (a test, an older Airflow)
-            self.log.warning("could not read the state of task instance %s (%s); taking on_kill as a "
-                             "user's action", ti, exc)
-            return False
+            self.log.warning("could not read the state of task instance %s (%s); taking it as %s", ti, exc,
+                             "deferred" if unsure else "ended by a user")
+            return unsure
+
+    async def _stop_unless_deferred(self, reason: str, unsure: bool) -> None:
+        """Cancel the job and stop its processes unless the task instance is still deferred (one
+        thread for the check, the wait for a submission under way and the stop: it goes on if the
+        caller is cancelled)."""
+        def stop() -> None:
+            if self._still_deferred(unsure):
+                self.log.info("job %s goes on: its task instance is still deferred (the trigger moved to "
+                              "another triggerer, or the triggerer stops)", self.job_id or "being submitted")
+                return
+            self._kill(reason)
+
+        await asyncio.to_thread(stop)
 
     async def on_kill(self) -> None:
         """The user marked the deferred task failed/success or cleared it: stop the job, free its GPUs
@@ -263,21 +309,6 @@ class ElasticTrainingTrigger(BaseTrigger):
         Airflow 3.3 also calls ``on_kill`` on a live triggerer whose trigger was given to another
         one (its heartbeat was late, e.g. on a loaded machine): the task instance is then still
         deferred, the other triggerer watches the job, and the job goes on."""
-        if self.job_id is None and self._submit_future is not None:  # killed while it submits: wait
-            try:
-                self.job_id = (await asyncio.wrap_future(self._submit_future)).id
-            except Exception:  # noqa: BLE001 - the submission failed: no job was started
-                return
-        if self.job_id is None:
+        if self.job_id is None and self._submit_future is None:
             return
-        if await asyncio.to_thread(self._still_deferred):
-            self.log.info("job %s goes on: its task instance is still deferred (the trigger moved to "
-                          "another triggerer)", self.job_id)
-            return
-
-        def kill() -> None:
-            watcher = self._get_watcher()
-            watcher.broker.cancel(self.job_id, "task instance killed by a user while deferred")
-            watcher.backend.stop(self.job_id, timeout_s=30)
-
-        await asyncio.to_thread(kill)
+        await self._stop_unless_deferred("task instance killed by a user while deferred", unsure=False)
