@@ -86,6 +86,29 @@ def test_growth_waits_until_the_shrinking_job_acks(pool, clock):
     assert not set(b.target_gpus) & set(pool.job(a.id).in_use_gpus)
 
 
+def test_a_gpu_of_an_unacked_generation_goes_to_nobody_else_until_the_job_acks(broker, clock):
+    """A job's agent starts its trainer on a new generation before it acks it: a later decision that
+    shrinks the job must not hand the GPUs it drops to another job before that ack (both trainers
+    would run on them). The shrink waits for the ack; the GPUs move once the job runs without them."""
+    broker.register_node("n0", 4)
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    a = broker.submit(spec("a", min_gpus=1, max_gpus=4, total_steps=100_000))
+    broker.rebalance()
+    assert len(broker.job(a.id).target_gpus) == 4  # generation 1, not acked yet: its trainer may be starting
+    clock.advance(5)
+    b = broker.submit(spec("b", min_gpus=2, max_gpus=2, total_steps=100, priority=10))
+    broker.rebalance()
+    assert broker.job(b.id).target_gpus == () and len(broker.job(a.id).target_gpus) == 4
+    assert broker.ack(a.id, 1)  # A runs on all four
+    broker.rebalance()  # A's shrink is published now; B waits for A's ack of it
+    shrunk = broker.job(a.id)
+    assert len(shrunk.target_gpus) == 2 and broker.job(b.id).target_gpus == ()
+    assert broker.ack(a.id, shrunk.target_generation)
+    broker.rebalance()
+    given = set(broker.job(b.id).target_gpus)
+    assert len(given) == 2 and not given & set(broker.job(a.id).in_use_gpus)
+
+
 def test_stale_ack_changes_nothing(pool):
     a = pool.submit(spec("a"))
     assert pool.ack(a.id, 7) is False

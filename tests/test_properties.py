@@ -40,6 +40,7 @@ class BrokerMachine(RuleBasedStateMachine):
                                    lease_s=120)
         self.job_ids: list[str] = []
         self.count = 0
+        self.published: dict[str, dict[int, set]] = {}  # job -> generation -> its GPUs, as published
 
     @rule(min_gpus=st.integers(1, 4), extra=st.integers(0, 3), steps=st.integers(1, 5000),
           priority=st.integers(0, 2))
@@ -91,6 +92,20 @@ class BrokerMachine(RuleBasedStateMachine):
             for y in jobs:
                 if x.id != y.id:
                     assert not set(x.target_gpus) & set(y.in_use_gpus), (x.name, y.name)
+        # a trainer may run on its acked generation's GPUs and on those of every generation published
+        # since (its agent starts it, then acks): no GPU of those is another live trainer's
+        maybe_used = {}
+        for j in jobs:
+            published = self.published.setdefault(j.id, {})
+            if j.target_generation:
+                published[j.target_generation] = set(j.target_gpus)
+            if j.status.terminal and not (j.status is JobStatus.CANCELLED and (j.in_use_gpus or j.target_gpus)):
+                continue  # its trainer has stopped (reported, or fenced within the lease)
+            maybe_used[j.id] = set(j.in_use_gpus).union(
+                *(gpus for generation, gpus in published.items() if generation > j.acked_generation))
+        for x, used_x in maybe_used.items():
+            for y, used_y in maybe_used.items():
+                assert x == y or not used_x & used_y, (x, y, used_x & used_y)
         for j in jobs:
             if j.status is JobStatus.CANCELLED:  # held until its trainer stops: at most a lease
                 assert not (j.in_use_gpus or j.target_gpus) or self.clock() - j.last_heartbeat_s <= 120

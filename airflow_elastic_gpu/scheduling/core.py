@@ -292,7 +292,9 @@ class SchedulingCore:
 
         A published job's book gets its new target and generation (``published_s`` and, for a
         resize, ``last_resize_s`` set to ``now_s``). A growth that needs GPUs another job has not
-        given back yet waits for a later rebalance; a running job is taken to zero GPUs (suspended)
+        given back yet waits for a later rebalance, and so does any change but a growth of a job
+        that has not acked its latest generation (its trainer may run on those GPUs already: they
+        go to nobody else before it acks); a running job is taken to zero GPUs (suspended)
         only by a preemptive policy, or, when the policy suspends (``suspend=True``), if it is
         preemptible. A suspension appends ``now_s`` to ``suspensions_s``; a start or resume sets
         ``last_start_s``.
@@ -319,6 +321,7 @@ class SchedulingCore:
             preemptive=getattr(self.policy, "preemptive", False),
             suspendable={b.job_id for b in books if b.preemptible} if getattr(self.policy, "suspend", False)
             else (),
+            unacked={b.job_id for b in books if b.target_generation > b.acked_generation},
         ):
             book = by_id[job_id]
             previous = len(book.target)

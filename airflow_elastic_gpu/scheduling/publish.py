@@ -3,7 +3,10 @@
 A policy decides where every job should be; the broker (and the simulator, which copies the
 broker's loop) publishes a job's new target only when every GPU in it is neither in use by another
 job (that job has not acked its shrink yet) nor in another job's target. Shrinks go first, since
-their GPUs leave the target sets at once. What is blocked now is published by a later rebalance,
+their GPUs leave the target sets at once. A job whose latest generation is not acked yet may
+already run on every GPU of it (its agent starts the trainer, then acks): its target is not
+replaced by one without some of those GPUs until it acks, since they would be free for another
+job while its trainer still uses them. What is blocked now is published by a later rebalance,
 after the holders ack. Pure: GPUs are any hashable key (the broker's row ids, the simulator's
 :class:`~airflow_elastic_gpu.scheduling.state.GpuId`).
 """
@@ -26,6 +29,7 @@ def publishable(
     *,
     preemptive: bool = False,
     suspendable: Collection[str] = (),
+    unacked: Collection[str] = (),
 ) -> list[tuple[str, frozenset[K]]]:
     """The ``(job id, new target)`` pairs to publish now, in publishing order.
 
@@ -38,6 +42,8 @@ def publishable(
     :param preemptive: allow taking every GPU of a started job; otherwise such a change is skipped.
     :param suspendable: started jobs that may be taken to zero GPUs (suspended) even when not
         ``preemptive``: preemptible jobs, when the pool allows suspension.
+    :param unacked: jobs whose current target's generation is not acked yet: only a target that
+        keeps all of its GPUs (a growth) is published for them until they ack.
     """
     holders = dict(target_holder)
     changed = [
@@ -50,6 +56,8 @@ def publishable(
     for job_id, new in changed:
         if any(in_use_holder.get(g, job_id) != job_id or holders.get(g, job_id) != job_id for g in new):
             continue  # published by a later rebalance, once the holders ack
+        if job_id in unacked and not new >= frozenset(targets[job_id]):
+            continue  # its trainer may run on its unacked target already: changed once it acks
         if not new and job_id in started and not preemptive and job_id not in suspendable:
             continue  # a running job is never taken to zero GPUs, unless it may be suspended
         for g in targets[job_id]:
