@@ -383,6 +383,10 @@ class KubernetesBackend:
             raise BackendError(f"job {job_id} spans nodes {sorted(nodes)} but is not larger than a node")
         (node,) = nodes
         current = self.state(job_id, pods)
+        if current is not None and current.phase == "Pending" and current.problem is None:
+            # its containers have not started (scheduling, an image pull of minutes): no trainer runs
+            # and no agent heartbeats yet, so the backend keeps the job's lease for the pod meanwhile
+            self.broker.heartbeat(job_id)
         if current is not None and current.node == node and (
             self.config.resize_mechanism == "inplace" or current.generation >= target.generation
         ):

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import select
 
 from airflow_elastic_gpu.broker.lifecycle import Lifecycle
-from airflow_elastic_gpu.broker.models import Gpu, GpuPool, Node
+from airflow_elastic_gpu.broker.models import Gpu, GpuInUse, GpuPool, GpuTarget, Job, Node
 from airflow_elastic_gpu.broker.rows import request_rebalance
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
@@ -123,7 +123,8 @@ class Inventory(Lifecycle):
         ``policy_params`` replaces the parameters set before (the CLI's ``pool --param`` adds to
         them); given without ``policy``, they are checked against the pool's own policy.
 
-        :raises InvalidRequest: unknown or preemptive policy, bad parameters, or a bad period.
+        :raises InvalidRequest: unknown or preemptive policy, bad parameters, a bad period, or a
+            shorter lease while jobs of the pool hold GPUs.
         :raises NotFound: unknown pool.
         """
         if policy_params is not None and not isinstance(policy_params, dict):
@@ -148,6 +149,12 @@ class Inventory(Lifecycle):
                     _check_policy(row.policy, policy_params)
                     row.policy_params = policy_params
                 if lease_s is not None:
+                    if float(lease_s) < row.lease_s and _holders(s, pool):
+                        raise InvalidRequest(
+                            f"lease_s can be lowered (from {row.lease_s:g}s to {float(lease_s):g}s) only while no job "
+                            f"of GPU pool {pool!r} holds GPUs: their agents fence their trainers within the lease "
+                            "they were told, and a shorter one would free GPUs a trainer may still use. Lower it "
+                            "once they have ended, or raise it at any time")
                     row.lease_s = float(lease_s)
                 if rebalance_interval_s is not None:
                     row.rebalance_interval_s = float(rebalance_interval_s)
@@ -171,3 +178,9 @@ def _check_policy(name: str, params: dict[str, Any] | None) -> None:
             f"policy {chosen.name!r} preempts running jobs (takes all their GPUs), which the "
             "broker never does; it is available in the simulator only"
         )
+
+
+def _holders(s: Any, pool: str) -> bool:
+    """Whether a job of ``pool`` holds GPUs (in use, or in a published target)."""
+    return any(s.execute(select(held.job_id).join(Job, Job.id == held.job_id).where(Job.pool == pool).limit(1)).first()
+               for held in (GpuInUse, GpuTarget))

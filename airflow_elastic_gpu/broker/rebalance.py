@@ -99,6 +99,18 @@ _FINISHED_MEASURED = (Job.pool == bindparam("pool"), Job.status == literal_colum
                       Job.throughput.is_not(None))
 
 
+def _silent_for(job: Any, now: float) -> float:
+    """Seconds the job counts as silent against the pool's lease: since its agent's last heartbeat or
+    its last publication, whichever is later (a new generation's agent, e.g. a new pod, has a whole
+    lease to start and report). A job never placed (no generation published) is never silent: it
+    holds no GPU, and a backend may start its agent only once it is placed (Kubernetes creates the
+    pod then); its task watches it meanwhile. Only delays reaping, never hastens it: a silent
+    agent's launcher has fenced its trainer within the lease of its last contact."""
+    if not job.target_generation:
+        return 0.0
+    return now - max(job.last_heartbeat_s, job.published_s or 0.0)
+
+
 def _latest_of_family(family: Any, samples: Any) -> Any:
     """The samples of ``family``'s latest finished job that has samples (``samples``: the JSON
     ``observed`` key is present): at most one row, read backwards along ``ix_job_pool_family_end``."""
@@ -384,10 +396,10 @@ class Rebalancing(BrokerBase):
             s.execute(_TOUCH_POOL, {"pool": pool, "now": now})  # the watermark first: the delete sees as much
             s.execute(_SERVED, {"pool": pool})
         jobs = s.execute(_ACTIVE_JOBS, {"pool": pool}).all()
-        silent = [j.id for j in jobs if now - j.last_heartbeat_s > row.lease_s]
+        silent = [j.id for j in jobs if _silent_for(j, now) > row.lease_s]
         reaped = set()
         for job in self._locked_active(s, silent).values():  # reap jobs whose agent went silent
-            if now - job.last_heartbeat_s > row.lease_s:
+            if _silent_for(job, now) > row.lease_s:
                 self._release(
                     s, job, JobStatus.LOST,
                     f"no heartbeat from the job's agent for {now - job.last_heartbeat_s:.0f}s "
