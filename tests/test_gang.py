@@ -194,6 +194,21 @@ def test_a_gang_runs_a_shrink_only_once_the_dropped_node_has_stopped_its_trainer
     protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "suspended", "generation": 3})
     assert gang.status(3)["state"] == "running"
 
+
+def test_a_gang_has_exited_only_once_a_dropped_node_has_stopped_its_trainer_too(tmp_path):
+    """The agent reports the job's end on the gang's exit, and the broker then frees every node's
+    GPUs: a node the last generation dropped, still stopping its old trainer, holds that back."""
+    dirs = {n: tmp_path / n for n in ("localhost-0", "localhost-1")}
+    for d in dirs.values():
+        d.mkdir()
+    gang = Gang(dirs)
+    gang.publish(3, [("localhost-0", 0), ("localhost-0", 1)])
+    protocol.write_json(dirs["localhost-0"] / protocol.STATUS, {"state": "exited", "exit_code": 0, "generation": 3})
+    protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "stopping", "generation": 2, "pid": 12})
+    assert gang.status(3)["state"] == "starting"
+    protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "suspended", "generation": 3})
+    assert (gang.status(3)["state"], gang.status(3)["exit_code"]) == ("exited", 0)
+
 def test_a_gang_shrinks_to_one_node_for_a_newcomer_and_grows_back_to_two(tmp_path):
     broker, backend = gang_setup(tmp_path, grace_s=5)
     trainer = tmp_path / "gang_trainer.py"
