@@ -196,6 +196,15 @@ def test_drained_node_gets_no_new_jobs(broker):
     assert {g.node for g in a.target_gpus} == {"n0"}
 
 
+def test_a_node_registered_in_one_pool_is_refused_in_another(broker):
+    """The same machine in two pools would give a job of each its GPU 0 (kube-sync or nodes add run
+    for two pools): refused, naming the pool that has it."""
+    broker.register_node("gpu-node-1", 1, pool="a")
+    with pytest.raises(InvalidRequest, match="node 'gpu-node-1' is already in GPU pool 'a'"):
+        broker.register_node("gpu-node-1", 1, pool="b")
+    assert [n.name for n in broker.nodes("a")] == ["gpu-node-1"] and broker.register_node("gpu-node-1", 2, pool="a")
+
+
 def test_register_node_is_idempotent_and_records_gpu_type(broker):
     broker.register_node("n0", 2, gpu_type="NVIDIA H100")
     broker.register_node("n0", 2, gpu_type="NVIDIA H100")

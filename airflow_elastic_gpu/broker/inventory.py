@@ -47,7 +47,9 @@ class Inventory(Lifecycle):
 
         :param num_gpus: GPUs on the node (1-1024), indices ``0..num_gpus-1``; or give ``gpu_indices``.
         :raises InvalidRequest: empty or too long name, pool or type; no GPUs; negative, duplicate or
-            too large indices.
+            too large indices; a node of that name in another pool (checked in the registration's
+            transaction; two first registrations of one name in two pools at the same moment
+            could both pass).
         """
         check_text("node name", name, MAX_NODE_CHARS)
         check_pool_name("GPU pool name", pool)
@@ -68,6 +70,12 @@ class Inventory(Lifecycle):
             with self._tx(pool, create_pool=True) as s:
                 node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
                 if node is None:
+                    other = s.scalar(select(Node.pool).where(Node.name == name, Node.pool != pool).limit(1))
+                    if other is not None:
+                        raise InvalidRequest(
+                            f"node {name!r} is already in GPU pool {other!r}: a node's GPUs belong to one pool "
+                            f"(in two, a job of each could get the same GPU); register it in {other!r}, or "
+                            "give this node its own name if it is another machine")
                     node = Node(pool=pool, name=name, schedulable=True)
                     s.add(node)
                     s.flush()
