@@ -194,21 +194,6 @@ def test_a_gang_runs_a_shrink_only_once_the_dropped_node_has_stopped_its_trainer
     protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "suspended", "generation": 3})
     assert gang.status(3)["state"] == "running"
 
-
-def test_a_gang_has_exited_only_once_a_dropped_node_has_stopped_its_trainer_too(tmp_path):
-    """The agent reports the job's end on the gang's exit, and the broker then frees every node's
-    GPUs: a node the last generation dropped, still stopping its old trainer, holds that back."""
-    dirs = {n: tmp_path / n for n in ("localhost-0", "localhost-1")}
-    for d in dirs.values():
-        d.mkdir()
-    gang = Gang(dirs)
-    gang.publish(3, [("localhost-0", 0), ("localhost-0", 1)])
-    protocol.write_json(dirs["localhost-0"] / protocol.STATUS, {"state": "exited", "exit_code": 0, "generation": 3})
-    protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "stopping", "generation": 2, "pid": 12})
-    assert gang.status(3)["state"] == "starting"
-    protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "suspended", "generation": 3})
-    assert (gang.status(3)["state"], gang.status(3)["exit_code"]) == ("exited", 0)
-
 def test_a_gang_shrinks_to_one_node_for_a_newcomer_and_grows_back_to_two(tmp_path):
     broker, backend = gang_setup(tmp_path, grace_s=5)
     trainer = tmp_path / "gang_trainer.py"
@@ -400,3 +385,42 @@ def test_a_preemptible_real_trainer_is_suspended_for_a_short_job_and_resumes_fro
     long_resume = min(e.time_s for e in broker.events(job_id=long.id) if e.kind == "resume")
     assert short_start < long_resume  # the short job ran while the long one was suspended
     assert sampler.samples > 20 and sampler.violations == []
+
+
+def test_a_gang_reports_its_end_only_once_a_dropped_nodes_trainer_has_stopped(tmp_path):
+    """The gang's last generation dropped a node whose old trainer still checkpoints when the
+    others exit with 0: the broker frees every node's GPUs on the end report, so the agent waits for
+    that trainer to stop before it reports."""
+    import threading
+    import time
+
+    from airflow_elastic_gpu.sidecar.agent import Agent
+
+    class Broker:
+        finished_s = None
+
+        def progress(self, *args, **kwargs):
+            return None
+
+        def finish(self, job_id, exit_code=0, metrics=None, *, node=None):
+            Broker.finished_s = time.monotonic()
+
+    dirs = {n: tmp_path / protocol.NODES / n for n in ("localhost-0", "localhost-1")}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    agent = Agent(Broker(), "j", tmp_path, poll_s=0.05, stop_timeout_s=10)
+    agent.gang.publish(3, [("localhost-0", 0), ("localhost-0", 1)])
+    agent.written = 3
+    protocol.write_json(dirs["localhost-0"] / protocol.STATUS, {"state": "exited", "exit_code": 0, "generation": 3})
+    (dirs["localhost-0"] / protocol.LOG).write_text('{"final": true, "step": 10, "accuracy": 0.9}\n')
+    protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "stopping", "generation": 2, "pid": 12})
+    stopped_s = []
+
+    def dropped_node_stops():
+        time.sleep(0.5)
+        stopped_s.append(time.monotonic())
+        protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "stopped", "generation": 3})
+
+    threading.Thread(target=dropped_node_stops).start()
+    assert agent._report_exit(0) == 0
+    assert Broker.finished_s is not None and stopped_s and Broker.finished_s >= stopped_s[0]

@@ -89,6 +89,11 @@ class EndReports:
                 "fail", lambda: self.broker.fail(self.job_id, reason, code),
                 lambda: self.broker.fail(self.job_id, f"trainer on node {node} exited with code {code}", code),
             )
+        if self.gang is not None and not self._stopped("the gang's trainers ended"):
+            # a node the last generation dropped may still stop its old trainer (its grace period):
+            # the job's GPUs, that node's included, are freed only once it has
+            log.error("a node's trainer did not stop: the broker's lease will end the job")
+            return 1
         metrics = self._log_parser().metrics
         node = self._node_kw  # a gang of pods: this node's GPUs only, the others' stay held until they report
         if self.node is not None and code == 0 and metrics is None and self._await_end():

@@ -162,15 +162,13 @@ class Gang:
         if any(s.get("state") == protocol.STOPPED for s in statuses.values()):
             return {**base, "state": protocol.STOPPED}
         of_gen = [statuses[n] for n in using]
-        # a node the generation no longer uses may still run the previous generation's trainer on
-        # GPUs the broker frees on the ack (or on the job's end): the gang runs the generation, or
-        # has exited, only once those stopped too
-        dropped = [statuses[n] for n in self.dirs if n not in using]
-        if of_gen and all(s.get("state") == protocol.EXITED for s in of_gen) and all(
-                s.get("state") in (protocol.SUSPENDED, protocol.STOPPED, protocol.EXITED) for s in dropped):
+        if of_gen and all(s.get("state") == protocol.EXITED for s in of_gen):
             return {**base, "state": protocol.EXITED, "exit_code": 0}
         if any(s.get("state") == protocol.FENCED for s in of_gen):
             return {**base, "state": protocol.FENCED}
+        # a node the generation no longer uses may still run the previous generation's trainer on
+        # GPUs the broker frees on the ack: the gang runs the generation only once those stopped too
+        dropped = [statuses[n] for n in self.dirs if n not in using]
         if not of_gen and all(s.get("state") == protocol.SUSPENDED and int(s.get("generation", 0)) >= generation
                               for s in dropped):
             return {**base, "state": protocol.SUSPENDED}
