@@ -72,3 +72,50 @@ def test_the_lease_is_not_shortened_under_jobs_that_hold_gpus(lease_cluster):
     broker.finish(job.id)
     broker.configure_pool(lease_s=3)
     assert broker.job(job.id).status is JobStatus.SUCCEEDED
+
+
+def test_a_pod_pending_past_startup_grace_fails_the_job_and_its_lease_is_no_longer_kept(lease_cluster):
+    """A pod that never starts (unschedulable, an agent image that cannot be pulled, a volume that
+    cannot be mounted) must not hold its GPUs forever through the backend's heartbeats."""
+    from datetime import UTC, datetime, timedelta
+
+    from kubernetes.client import models as k8s
+
+    broker, backend, api, clock = lease_cluster
+    job = submit(broker, "stuck", 4)
+    backend.start(job)
+    (pod,) = api.pods
+    api.pods[pod].metadata.creation_timestamp = datetime.now(UTC) - timedelta(seconds=700)  # > 600 s
+    beat_s = broker.job(job.id).last_heartbeat_s
+    clock.advance(10)
+    backend.sync(broker.job(job.id))
+    assert broker.job(job.id).last_heartbeat_s == beat_s  # no longer kept
+    problem = backend.problem(broker.job(job.id))
+    assert problem is not None and "has been Pending for 7" in problem.reason and "startup_grace_s 600s" in problem.reason
+    api.pods[pod].metadata.creation_timestamp = datetime.now(UTC)
+    api.pods[pod].status = k8s.V1PodStatus(phase="Pending", init_container_statuses=[k8s.V1ContainerStatus(
+        name="elastic-agent", image="agent", image_id="", ready=False, restart_count=0,
+        state=k8s.V1ContainerState(waiting=k8s.V1ContainerStateWaiting(reason="ImagePullBackOff",
+                                                                       message="not found")))])
+    assert "elastic-agent container cannot start: ImagePullBackOff" in backend.problem(broker.job(job.id)).reason
+
+
+def test_a_gang_whose_pods_pull_their_images_keeps_its_lease(tmp_path):
+    """The same for a gang of pods (one per node): none of its agents runs while its pods are
+    Pending, and the backend keeps the lease meanwhile."""
+    from test_kubernetes_gang import GANG, NODES, FakeCoreV1WithServices
+
+    clock = FakeClock()
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}", clock=clock)
+    for node in NODES:
+        broker.register_node(node, 4, gpu_type="NVIDIA A100")
+    broker.configure_pool(lease_s=60)
+    backend = KubernetesBackend(config(), broker, FakeCoreV1WithServices())
+    job = broker.submit(JobSpec("gang", GANG, 8, 8, total_steps=1000, backend="kubernetes"))
+    backend.start(job)
+    for _ in range(12):  # two minutes, all its pods Pending
+        clock.advance(10)
+        backend.sync(broker.job(job.id))
+        broker.rebalance()
+    assert broker.job(job.id).status is JobStatus.RUNNING
+    broker.engine.dispose()

@@ -34,7 +34,7 @@ The Kubernetes API is reached through ``apache-airflow-providers-cncf-kubernetes
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,11 @@ from airflow_elastic_gpu.backends.kubernetes_config import (  # re-exported: the
     hardened_security_context,
     label_value,
     resource_name,
+)
+from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the backend's public names
+    PodState,
+    _any_live,
+    pod_problem,
 )
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobView
@@ -200,44 +205,6 @@ class PodBuilder:
         return PodGenerator.deserialize_model_dict(c.full_pod_spec)
 
 
-def _any_live(pods: list[Any]) -> bool:
-    """True if one of ``pods`` (``V1Pod``) is pending or running (or has no phase yet)."""
-    return any((p.status.phase if p.status else None) in ("Pending", "Running", None) for p in pods)
-
-
-@dataclass(frozen=True)
-class PodState:
-    """What the backend sees of a job's pod: its name, node, generation, phase and a problem, if any."""
-
-    name: str
-    node: str | None
-    generation: int
-    phase: str
-    problem: str | None = None
-
-
-def pod_problem(pod: Any) -> str | None:
-    """Why ``pod`` (a ``V1Pod``) can no longer train, or ``None``: eviction, a failed phase, a
-    terminated trainer (OOMKilled, Error), an unpullable image."""
-    status = pod.status
-    if status is None:
-        return None
-    if status.reason == "Evicted" or (status.phase == "Failed" and status.reason):
-        return f"pod {pod.metadata.name} {status.reason or 'failed'}: {status.message or ''}".strip()
-    for cs in status.container_statuses or []:
-        if cs.name != "trainer" or cs.state is None:
-            continue
-        if cs.state.waiting and cs.state.waiting.reason in ("ErrImagePull", "ImagePullBackOff",
-                                                            "CreateContainerConfigError", "InvalidImageName"):
-            return f"trainer container cannot start: {cs.state.waiting.reason}: {cs.state.waiting.message or ''}".strip()
-        if cs.state.terminated and cs.state.terminated.reason in ("OOMKilled", "Error", "ContainerCannotRun"):
-            t = cs.state.terminated
-            return f"trainer container terminated: {t.reason} (exit code {t.exit_code})"
-    if status.phase == "Failed":
-        return f"pod {pod.metadata.name} failed"
-    return None
-
-
 class KubernetesBackend:
     """Runs jobs as pods (the :class:`~airflow_elastic_gpu.backends.base.Backend` protocol).
 
@@ -345,9 +312,11 @@ class KubernetesBackend:
         if not pods:
             return None
         pod = pods[-1]
-        return PodState(pod.metadata.name, pod.spec.node_name,
-                        int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
-                        (pod.status.phase if pod.status else None) or "Pending", pod_problem(pod))
+        phase = (pod.status.phase if pod.status else None) or "Pending"
+        created = pod.metadata.creation_timestamp
+        pending_s = (datetime.now(UTC) - created).total_seconds() if phase == "Pending" and created else None
+        return PodState(pod.metadata.name, pod.spec.node_name, int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
+                        phase, pod_problem(pod), pending_s)
 
     def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
              context: Mapping[str, str] | None = None) -> str:
@@ -383,9 +352,11 @@ class KubernetesBackend:
             raise BackendError(f"job {job_id} spans nodes {sorted(nodes)} but is not larger than a node")
         (node,) = nodes
         current = self.state(job_id, pods)
-        if current is not None and current.phase == "Pending" and current.problem is None:
+        if (current is not None and current.phase == "Pending" and current.problem is None
+                and (current.pending_s or 0.0) <= self.config.startup_grace_s):
             # its containers have not started (scheduling, an image pull of minutes): no trainer runs
             # and no agent heartbeats yet, so the backend keeps the job's lease for the pod meanwhile
+            # (for startup_grace_s at most; then problem() fails the job)
             self.broker.heartbeat(job_id)
         if current is not None and current.node == node and (
             self.config.resize_mechanism == "inplace" or current.generation >= target.generation
@@ -420,6 +391,9 @@ class KubernetesBackend:
         if state is None:
             expected = bool(job.target_gpus) and job.acked_generation >= 1
             return Problem("the job's pod was deleted from outside the broker") if expected else None
+        if state.problem is None and state.pending_s is not None and state.pending_s > self.config.startup_grace_s:
+            return Problem(f"pod {state.name} has been Pending for {state.pending_s:.0f}s (startup_grace_s "
+                           f"{self.config.startup_grace_s:g}s): not scheduled, or its images or volumes cannot be had")
         return None if state.problem is None else Problem(state.problem)
 
     def is_running(self, job_id: str) -> bool:

@@ -69,7 +69,9 @@ class KubernetesJobConfig:
         form, replacing the default (:func:`hardened_security_context` without a read-only root),
         e.g. to add ``SYS_PTRACE`` for a profiler; ``{}``: none. The trainer must still run as the
         agent's user (a root trainer's files are not readable by the agent).
-    :param startup_grace_s: seconds a pod may take to appear before it counts as missing (>= 0).
+    :param startup_grace_s: seconds a pod may stay Pending (scheduling, pulling its images,
+        mounting its volumes) before that fails the job (>= 0; default 600); meanwhile the backend
+        keeps the job's heartbeat lease, since its agent has not started.
     :param rendezvous_port: a job on several nodes (one pod per node): the TCP port of the
         rendezvous at the pod of node rank 0 (``{master_port}`` in the command; 1-65535).
     :raises BackendError: a bad setting; the message names it.
@@ -97,7 +99,7 @@ class KubernetesJobConfig:
     run_as_user: int | None = 1000
     run_as_group: int | None = 1000
     trainer_security_context: dict[str, Any] | None = None
-    startup_grace_s: float = 120.0
+    startup_grace_s: float = 600.0
     rendezvous_port: int = 29500
 
     def __post_init__(self) -> None:

@@ -33,6 +33,7 @@ sees the job ended and stops its trainer. Half a job never runs on.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from kubernetes.client import models as k8s
@@ -46,6 +47,7 @@ from airflow_elastic_gpu.backends.kubernetes_config import (
     label_value,
     resource_name,
 )
+from airflow_elastic_gpu.backends.kubernetes_pods import pod_problem
 from airflow_elastic_gpu.broker.types import JobView
 from airflow_elastic_gpu.sidecar.gang import pod_hostname
 
@@ -119,6 +121,16 @@ class GangBuilder:
         return pod
 
 
+def _starting(pod: Any, grace_s: float) -> bool:
+    """Whether ``pod`` is Pending (its agent not started: scheduling, an image pull), without a
+    problem, for at most ``grace_s`` seconds since it was created."""
+    status = pod.status
+    if (status.phase if status else None) not in (None, "Pending") or pod_problem(pod) is not None:
+        return False
+    created = pod.metadata.creation_timestamp
+    return created is None or (datetime.now(UTC) - created).total_seconds() <= grace_s
+
+
 class GangPods:
     """The gang half of :class:`~.kubernetes.KubernetesBackend`: its pods, Service and acks."""
 
@@ -157,6 +169,8 @@ class GangPods:
         if pods is None:
             pods = b.pods(job.id)
         live = _live(pods)
+        if any(_starting(p, b.config.startup_grace_s) for p in live):
+            b.broker.heartbeat(job.id)  # a node's pod has not started its agent yet (see KubernetesBackend._sync)
         done: list[str] = []
         deleted: list[Any] = []
         if b.config.resize_mechanism == "recreate":
