@@ -119,3 +119,20 @@ def test_a_gang_whose_pods_pull_their_images_keeps_its_lease(tmp_path):
         broker.rebalance()
     assert broker.job(job.id).status is JobStatus.RUNNING
     broker.engine.dispose()
+
+
+def test_kube_sync_into_a_second_pool_registers_nothing_when_a_node_is_in_the_first(tmp_path):
+    from kubernetes.client import models as k8s
+
+    from airflow_elastic_gpu.backends.base import BackendError
+    from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    api = FakeCoreV1()
+    api.nodes = [k8s.V1Node(metadata=k8s.V1ObjectMeta(name=name, labels={"nvidia.com/gpu.count": "8"}))
+                 for name in ("a100-0", "a100-1")]
+    broker.register_node("a100-1", 8, pool="first")
+    with pytest.raises(BackendError, match=r"node\(s\) a100-1 are in another GPU pool already"):
+        register_nodes_from_cluster(broker, api, pool="second")
+    assert [n.name for n in broker.nodes()] == ["a100-1"]  # a100-0 was not registered either
+    broker.engine.dispose()

@@ -452,14 +452,21 @@ def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = 
     label (GPU feature discovery) or the ``nvidia.com/gpu`` capacity, type from ``nvidia.com/gpu.product``.
 
     :returns: the registered node names.
+    :raises BackendError: nodes listed are in another pool already (a node belongs to one pool);
+        none is registered then.
     """
-    names = []
+    found = []
     for node in core_v1.list_node(label_selector=label_selector).items:
         labels = node.metadata.labels or {}
         count = labels.get("nvidia.com/gpu.count") or (node.status.capacity or {}).get("nvidia.com/gpu")
-        if not count or int(count) < 1:
-            continue
-        broker.register_node(node.metadata.name, int(count), pool=pool,
-                             gpu_type=labels.get("nvidia.com/gpu.product", "nvidia"))
-        names.append(node.metadata.name)
-    return names
+        if count and int(count) >= 1:
+            found.append((node.metadata.name, int(count), labels.get("nvidia.com/gpu.product", "nvidia")))
+    elsewhere = sorted(n.name for n in broker.nodes() if n.pool != pool and n.name in {f[0] for f in found})
+    if elsewhere:
+        raise BackendError(
+            f"node(s) {', '.join(elsewhere[:5])}{' ...' if len(elsewhere) > 5 else ''} are in another GPU pool "
+            f"already (a node belongs to one pool): give pool {pool!r} its own nodes with a label selector "
+            "(kube-sync --label-selector)")
+    for name, count, gpu_type in found:
+        broker.register_node(name, count, pool=pool, gpu_type=gpu_type)
+    return [name for name, _, _ in found]
