@@ -402,8 +402,8 @@ class Rebalancing(BrokerBase):
             if _silent_for(job, now) > row.lease_s:
                 self._release(
                     s, job, JobStatus.LOST,
-                    f"no heartbeat from the job's agent for {now - job.last_heartbeat_s:.0f}s "
-                    f"(lease {row.lease_s:.0f}s); its GPUs were reclaimed",
+                    f"no heartbeat from the job's agent for {_silent_for(job, now):.0f}s since its last "
+                    f"heartbeat or placement (lease {row.lease_s:.0f}s); its GPUs were reclaimed",
                     None,
                 )
                 reaped.add(job.id)
