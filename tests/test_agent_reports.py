@@ -132,3 +132,32 @@ def test_the_agent_stops_the_trainer_when_the_broker_no_longer_knows_the_job(tmp
     assert Agent(Gone(0), "job", tmp_path, poll_s=0.01, stop_timeout_s=0.2).run() == 0
     assert protocol.read_json(tmp_path / protocol.DESIRED)["stop"] is True
     assert not (tmp_path / protocol.LEASE).exists()  # no confirmed contact, ever
+
+
+@pytest.mark.parametrize(("from_broker", "raised"), [(True, JobGone), (False, BrokerUnavailable)])
+def test_a_404_stops_the_trainer_only_when_the_broker_itself_answered(from_broker, raised):
+    """A proxy or ingress in front of the broker answers 404 while the API restarts: taken for "the
+    job ended", that would stop a live trainer. Only the broker's own answer (its header) counts."""
+    import http.server
+
+    from airflow_elastic_gpu.sidecar.http_transport import HttpBrokerTransport
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(404)
+            if from_broker:
+                self.send_header("x-elastic-gpu-broker", "1")
+            self.end_headers()
+            self.wfile.write(b"<html>404 Not Found</html>")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        transport = HttpBrokerTransport(f"http://127.0.0.1:{server.server_address[1]}", "token", timeout_s=5)
+        with pytest.raises(raised, match="HTTP 404"):
+            transport.heartbeat("job")
+    finally:
+        server.shutdown()

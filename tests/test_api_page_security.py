@@ -44,11 +44,14 @@ def test_the_page_has_a_csp_and_no_inline_script(client):  # noqa: F811
         assert not any(sink in line for line in code), sink  # the page builds its DOM from text only
 
 
-def test_every_answer_says_nosniff(broker, client):  # noqa: F811
+def test_every_answer_says_nosniff_and_that_it_comes_from_the_broker(broker, client):  # noqa: F811
+    """The agent stops its trainer on a 401/403/404/410 only when the broker's header says the
+    broker answered (not a proxy in front of it)."""
     job = running_job(broker)
     for r in (client.get("/api/v1/pools"), client.post(f"/api/v1/jobs/{job.id}/heartbeat"),
-              client.get("/openapi.json"), client.get("/nowhere")):
+              client.get("/openapi.json"), client.get("/nowhere"), client.post("/api/v1/jobs/nope/heartbeat")):
         assert r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["x-elastic-gpu-broker"] == "1"
 
 
 def test_swagger_and_redoc_are_off_unless_asked_for(broker):  # noqa: F811

@@ -314,6 +314,7 @@ def token_checking_api(cluster):
             token = self.headers.get("Authorization", "").removeprefix("Bearer ")
             ok = broker.verify_token(job_id, token)
             self.send_response(200 if ok else 403)
+            self.send_header("x-elastic-gpu-broker", "1")  # as the broker's every answer
             self.end_headers()
             self.wfile.write(b"null" if ok else json.dumps({"detail": "bad token"}).encode())
 

@@ -170,9 +170,15 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
+BROKER_HEADER = "x-elastic-gpu-broker"
+"""A header on every answer of the broker's API: the agent takes a 401/403/404/410 for "the job
+ended" only from the broker itself, not from a proxy or ingress in front of it (a 404 while the API
+restarts), which would otherwise stop a live trainer."""
+
+
 class SecurityHeaders:
-    """ASGI middleware: ``X-Content-Type-Options: nosniff`` on every answer, and
-    :data:`PAGE_HEADERS` (the Content-Security-Policy) on answers to ``page_paths``.
+    """ASGI middleware: ``X-Content-Type-Options: nosniff`` and :data:`BROKER_HEADER` on every
+    answer, and :data:`PAGE_HEADERS` (the Content-Security-Policy) on answers to ``page_paths``.
 
     :param page_paths: request paths (below the app's ``root_path``) of the page and its assets.
     """
@@ -190,7 +196,7 @@ class SecurityHeaders:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
-        extra = [(b"x-content-type-options", b"nosniff")]
+        extra = [(b"x-content-type-options", b"nosniff"), (BROKER_HEADER.encode(), b"1")]
         if path in self.page_paths:
             extra += self.page_headers
 

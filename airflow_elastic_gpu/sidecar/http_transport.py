@@ -5,7 +5,9 @@ the broker's database password. Transient failures (connection refused, 5xx, 408
 :class:`BrokerUnavailable`; the agent keeps the trainer running and retries. A refusal raises
 :class:`BrokerRejected` (a report the broker will never take: the agent drops it) or its subclass
 :class:`JobGone` (401, 403, 404, 410: the job ended, its token stopped working, or it is unknown:
-the agent stops the trainer).
+the agent stops the trainer). Those four count only when the broker itself answered (its
+``x-elastic-gpu-broker`` header): from a proxy or ingress in front of it (a 404 while the API
+restarts) they are transient.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class JobGone(BrokerRejected):
 
 
 GONE_STATUSES = frozenset({401, 403, 404, 410})
+BROKER_HEADER = "x-elastic-gpu-broker"  # broker.api_guards.BROKER_HEADER (this module imports no broker code)
 RETRY_STATUSES = frozenset({408, 429})
 
 
@@ -94,6 +97,8 @@ class HttpBrokerTransport:
             if exc.code >= 500 or exc.code in RETRY_STATUSES:
                 raise BrokerUnavailable(message) from None
             if exc.code in GONE_STATUSES:
+                if exc.headers is None or exc.headers.get(BROKER_HEADER) is None:
+                    raise BrokerUnavailable(f"{message} (not from the broker: a proxy's answer, retried)") from None
                 raise JobGone(message, exc.code) from None
             raise BrokerRejected(message, exc.code) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:
