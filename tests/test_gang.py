@@ -339,21 +339,23 @@ def test_a_preemptible_real_trainer_is_suspended_for_a_short_job_and_resumes_fro
     waits), runs the short job, then resumes the long one from its checkpoint; the sampler finds no
     GPU in two jobs throughout."""
     # a restart assumed to cost 2 s until measured: the suspension pays however fast this machine
-    # trains (with the default 10 s it paid only while the long job had more than ~20 s to go)
+    # trains (with the default 10 s it paid only while the long job had more than ~20 s to go); the
+    # long job's own start, measured, can take 10-20 s on a loaded machine (two slow tests at once),
+    # so it has 12,000 steps: with 5,000 it sometimes had too little left for a suspension to pay
     broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}", default_restart_overhead_s=2.0)
     broker.register_node("localhost", 2)
     broker.configure_pool(policy_params={"suspend": True, "hysteresis": 0.0, "min_runtime_s": 5.0,
                                          "min_resize_interval_s": 2.0}, lease_s=60)
     backend = LocalBackend(tmp_path / "jobs", broker, grace_s=20, poll_s=0.3)
     ddp = (f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node={{num_gpus}} "
-           f"{TRAIN_SCRIPT} --hidden 128 --checkpoint-every 25 --total-steps 5000")
+           f"{TRAIN_SCRIPT} --hidden 128 --checkpoint-every 25 --total-steps 12000")
     stand_in = tmp_path / "gang_trainer.py"
     stand_in.write_text(STAND_IN_GANG_TRAINER)
     job_ids: list[str] = []
     sampler = Sampler(broker, backend, job_ids)
     deadline = time.monotonic() + 420
     try:
-        long = broker.submit(JobSpec("long", ddp, 2, 2, total_steps=5000, key="long", preemptible=True))
+        long = broker.submit(JobSpec("long", ddp, 2, 2, total_steps=12000, key="long", preemptible=True))
         broker.start(long.id, backend.start(long))
         job_ids.append(long.id)
         sampler.start()
@@ -372,7 +374,7 @@ def test_a_preemptible_real_trainer_is_suspended_for_a_short_job_and_resumes_fro
             backend.stop(j, timeout_s=10)
     job = broker.job(long.id)
     assert job.status is JobStatus.SUCCEEDED and broker.job(short).status is JobStatus.SUCCEEDED, job.reason
-    assert job.steps_done == 5000 and job.metrics["accuracy"] >= 0.9, job.metrics
+    assert job.steps_done == 12000 and job.metrics["accuracy"] >= 0.9, job.metrics
     kinds = [e.kind for e in broker.events(job_id=long.id)]
     assert "suspend" in kinds and "resume" in kinds[kinds.index("suspend"):], kinds
     log = (backend.job_dir(long.id) / protocol.LOG).read_text().splitlines()
