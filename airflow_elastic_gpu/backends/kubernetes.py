@@ -34,7 +34,6 @@ The Kubernetes API is reached through ``apache-airflow-providers-cncf-kubernetes
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +60,8 @@ from airflow_elastic_gpu.backends.kubernetes_config import (  # re-exported: the
 from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the backend's public names
     PodState,
     _any_live,
-    pod_problem,
+    pod_problem,  # noqa: F401 - re-exported
+    pod_state,
 )
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobView
@@ -311,12 +311,7 @@ class KubernetesBackend:
             pods = self.pods(job_id)
         if not pods:
             return None
-        pod = pods[-1]
-        phase = (pod.status.phase if pod.status else None) or "Pending"
-        created = pod.metadata.creation_timestamp
-        pending_s = (datetime.now(UTC) - created).total_seconds() if phase == "Pending" and created else None
-        return PodState(pod.metadata.name, pod.spec.node_name, int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
-                        phase, pod_problem(pod), pending_s)
+        return pod_state(pods[-1])
 
     def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
              context: Mapping[str, str] | None = None) -> str:
@@ -352,8 +347,7 @@ class KubernetesBackend:
             raise BackendError(f"job {job_id} spans nodes {sorted(nodes)} but is not larger than a node")
         (node,) = nodes
         current = self.state(job_id, pods)
-        if (current is not None and current.phase == "Pending" and current.problem is None
-                and (current.pending_s or 0.0) <= self.config.startup_grace_s):
+        if current is not None and current.starting(self.config.startup_grace_s):
             # its containers have not started (scheduling, an image pull of minutes): no trainer runs
             # and no agent heartbeats yet, so the backend keeps the job's lease for the pod meanwhile
             # (for startup_grace_s at most; then problem() fails the job)

@@ -33,7 +33,6 @@ sees the job ended and stops its trainer. Half a job never runs on.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from kubernetes.client import models as k8s
@@ -47,7 +46,7 @@ from airflow_elastic_gpu.backends.kubernetes_config import (
     label_value,
     resource_name,
 )
-from airflow_elastic_gpu.backends.kubernetes_pods import pod_problem
+from airflow_elastic_gpu.backends.kubernetes_pods import pod_problem, pod_state
 from airflow_elastic_gpu.broker.types import JobView
 from airflow_elastic_gpu.sidecar.gang import pod_hostname
 
@@ -121,16 +120,6 @@ class GangBuilder:
         return pod
 
 
-def _starting(pod: Any, grace_s: float) -> bool:
-    """Whether ``pod`` is Pending (its agent not started: scheduling, an image pull), without a
-    problem, for at most ``grace_s`` seconds since it was created."""
-    status = pod.status
-    if (status.phase if status else None) not in (None, "Pending") or pod_problem(pod) is not None:
-        return False
-    created = pod.metadata.creation_timestamp
-    return created is None or (datetime.now(UTC) - created).total_seconds() <= grace_s
-
-
 class GangPods:
     """The gang half of :class:`~.kubernetes.KubernetesBackend`: its pods, Service and acks."""
 
@@ -169,7 +158,7 @@ class GangPods:
         if pods is None:
             pods = b.pods(job.id)
         live = _live(pods)
-        if any(_starting(p, b.config.startup_grace_s) for p in live):
+        if any(pod_state(p).starting(b.config.startup_grace_s) for p in live):
             b.broker.heartbeat(job.id)  # a node's pod has not started its agent yet (see KubernetesBackend._sync)
         done: list[str] = []
         deleted: list[Any] = []
@@ -236,8 +225,6 @@ class GangPods:
         """Why the gang cannot go on: one pod broken (evicted, failed, its trainer terminated, its
         image not pulled), or the pod of a node that runs the acked generation gone from the API
         while no resize is under way. Either fails the whole job."""
-        from airflow_elastic_gpu.backends.kubernetes import pod_problem
-
         listed = self.backend.pods(job.id)
         missing: list[str] = []  # nodes running the acked generation whose pod is gone (no resize under way)
         if job.acked_generation >= max(job.target_generation, 1):
@@ -256,8 +243,6 @@ class GangPods:
 
     def log_pod(self, job_id: str) -> Any | None:
         """The pod whose trainer log tells the story: a broken one, else the first by node."""
-        from airflow_elastic_gpu.backends.kubernetes import pod_problem
-
         pods = sorted(self.backend.pods(job_id), key=lambda p: (pod_problem(p) is None, p.spec.node_name or ""))
         return pods[0] if pods else None
 

@@ -5,7 +5,10 @@ train (eviction, a failed phase, a container that cannot start or was killed).""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
+
+from airflow_elastic_gpu.backends.kubernetes_config import LABEL_GENERATION
 
 
 def _any_live(pods: list[Any]) -> bool:
@@ -24,6 +27,24 @@ class PodState:
     problem: str | None = None
     pending_s: float | None = None  # seconds since it was created, while Pending
 
+    def starting(self, grace_s: float) -> bool:
+        """Pending without a problem (its agent not started yet: scheduling, an image pull) for at
+        most ``grace_s`` seconds since it was created (a pod without a creation time: yes)."""
+        return self.phase == "Pending" and self.problem is None and (self.pending_s or 0.0) <= grace_s
+
+
+def pod_state(pod: Any) -> PodState:
+    """:class:`PodState` of ``pod`` (a ``V1Pod`` the backend made: it has the generation label)."""
+    phase = (pod.status.phase if pod.status else None) or "Pending"
+    created = pod.metadata.creation_timestamp
+    pending_s = (datetime.now(UTC) - created).total_seconds() if phase == "Pending" and created else None
+    return PodState(pod.metadata.name, pod.spec.node_name, int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
+                    phase, pod_problem(pod), pending_s)
+
+
+# a container waiting for one of these will not start without a change to the pod or its images
+_CANNOT_START = ("ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError", "InvalidImageName")
+
 
 def pod_problem(pod: Any) -> str | None:
     """Why ``pod`` (a ``V1Pod``) can no longer train, or ``None``: eviction, a failed phase, a
@@ -33,17 +54,15 @@ def pod_problem(pod: Any) -> str | None:
         return None
     if status.reason == "Evicted" or (status.phase == "Failed" and status.reason):
         return f"pod {pod.metadata.name} {status.reason or 'failed'}: {status.message or ''}".strip()
-    for cs in status.init_container_statuses or []:  # the agent (a native sidecar)
-        if cs.state is not None and cs.state.waiting and cs.state.waiting.reason in (
-                "ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError", "InvalidImageName"):
-            return f"{cs.name} container cannot start: {cs.state.waiting.reason}: {cs.state.waiting.message or ''}".strip()
-    for cs in status.container_statuses or []:
-        if cs.name != "trainer" or cs.state is None:
+    # the agent (an init container: a native sidecar), then the trainer
+    containers = [*(status.init_container_statuses or []),
+                  *(cs for cs in status.container_statuses or [] if cs.name == "trainer")]
+    for cs in containers:
+        if cs.state is None:
             continue
-        if cs.state.waiting and cs.state.waiting.reason in ("ErrImagePull", "ImagePullBackOff",
-                                                            "CreateContainerConfigError", "InvalidImageName"):
-            return f"trainer container cannot start: {cs.state.waiting.reason}: {cs.state.waiting.message or ''}".strip()
-        if cs.state.terminated and cs.state.terminated.reason in ("OOMKilled", "Error", "ContainerCannotRun"):
+        if cs.state.waiting and cs.state.waiting.reason in _CANNOT_START:
+            return f"{cs.name} container cannot start: {cs.state.waiting.reason}: {cs.state.waiting.message or ''}".strip()
+        if cs.name == "trainer" and cs.state.terminated and cs.state.terminated.reason in ("OOMKilled", "Error", "ContainerCannotRun"):
             t = cs.state.terminated
             return f"trainer container terminated: {t.reason} (exit code {t.exit_code})"
     if status.phase == "Failed":

@@ -399,10 +399,10 @@ class Rebalancing(BrokerBase):
         silent = [j.id for j in jobs if _silent_for(j, now) > row.lease_s]
         reaped = set()
         for job in self._locked_active(s, silent).values():  # reap jobs whose agent went silent
-            if _silent_for(job, now) > row.lease_s:
+            if (silent_s := _silent_for(job, now)) > row.lease_s:
                 self._release(
                     s, job, JobStatus.LOST,
-                    f"no heartbeat from the job's agent for {_silent_for(job, now):.0f}s since its last "
+                    f"no heartbeat from the job's agent for {silent_s:.0f}s since its last "
                     f"heartbeat or placement (lease {row.lease_s:.0f}s); its GPUs were reclaimed",
                     None,
                 )

@@ -208,7 +208,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             # is a trigger timeout): once the task instance is no longer deferred nobody watches the
             # job, so it is stopped. A triggerer that shuts down, or gives the trigger to another,
             # leaves the task deferred (or cannot tell): the job goes on.
-            if not fired and (self.job_id is not None or self._submit_future is not None):
+            if not fired:
                 await self._stop_unless_deferred("the task's deferral ended without the job (timed out)",
                                                  unsure=True)
             raise
@@ -291,7 +291,10 @@ class ElasticTrainingTrigger(BaseTrigger):
     async def _stop_unless_deferred(self, reason: str, unsure: bool) -> None:
         """Cancel the job and stop its processes unless the task instance is still deferred (one
         thread for the check, the wait for a submission under way and the stop: it goes on if the
-        caller is cancelled)."""
+        caller is cancelled); nothing to do before a submission started."""
+        if self.job_id is None and self._submit_future is None:
+            return
+
         def stop() -> None:
             if self._still_deferred(unsure):
                 self.log.info("job %s goes on: its task instance is still deferred (the trigger moved to "
@@ -309,6 +312,4 @@ class ElasticTrainingTrigger(BaseTrigger):
         Airflow 3.3 also calls ``on_kill`` on a live triggerer whose trigger was given to another
         one (its heartbeat was late, e.g. on a loaded machine): the task instance is then still
         deferred, the other triggerer watches the job, and the job goes on."""
-        if self.job_id is None and self._submit_future is None:
-            return
         await self._stop_unless_deferred("task instance killed by a user while deferred", unsure=False)
