@@ -56,6 +56,7 @@ class EventKind(StrEnum):
     SUSPEND = "suspend"  # a generation with no GPUs published to a preemptible job (RUNNING -> SUSPENDED)
     RESUME = "resume"  # a generation with GPUs published to a suspended job (SUSPENDED -> RUNNING)
     ACK = "ack"  # the agent runs the trainer on a generation's GPUs
+    FINISHING = "finishing"  # one node's trainer of a gang of pods exited cleanly; the others run on
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"

@@ -417,19 +417,40 @@ def test_a_pods_agent_acks_its_node_only(tmp_path):
     assert broker.report_nodes == ["gpu-node-1"]  # its node's GPUs: the others' when their agents report
 
 
-def test_a_pod_whose_trainer_ends_without_metrics_leaves_the_report_to_rank0s_pod(tmp_path):
+def test_a_pod_whose_trainer_ends_without_metrics_reports_its_node_and_waits_for_the_end(tmp_path):
+    """Not the global rank 0: the agent reports its node's clean exit without metrics (the broker
+    records it, the job runs on) and heartbeats until the job has ended, however long rank 0's
+    trainer still runs; it reports nothing more (the broker freed its node at the end)."""
     running = target(1, [("gpu-node-0", 0), ("gpu-node-1", 0)])
     ended = target(1, [], status=JobStatus.SUCCEEDED)  # the other pod's agent reported it, with metrics
-    broker = FakeBroker(running, running, ended)
+    broker = FakeBroker(running, *[running] * 50, ended)
     agent = node_agent(tmp_path, broker, "gpu-node-0")
+    agent.end_report_timeout_s = 0.0  # a deadline on waiting would give up long before the end
     protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, "exit_code": 0})
     protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
     (tmp_path / protocol.LOG).write_text(json.dumps({"step": 10}) + "\n")  # not the global rank 0's metrics
     assert agent.run() == 0
     assert broker.answers == [ended]  # it waited, heartbeating, until the job had ended
-    # then it reports only that its own node's trainer has stopped (no end of its own)
-    assert [r[0] for r in broker.reports if r[0] in ("finish", "fail")] == ["fail"]
+    assert [r for r in broker.reports if r[0] in ("finish", "fail")] == [("finish", None)]
     assert broker.report_nodes == ["gpu-node-0"]
+
+
+def test_a_pod_waiting_for_the_end_gives_up_when_the_broker_stays_unreachable(tmp_path):
+    broker = FakeBroker(target(1, [("gpu-node-0", 0), ("gpu-node-1", 0)]))
+    agent = node_agent(tmp_path, broker, "gpu-node-0")
+    agent.end_report_timeout_s = 0.2
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, "exit_code": 0})
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    (tmp_path / protocol.LOG).write_text(json.dumps({"step": 10}) + "\n")
+    beats = []
+
+    def unreachable(job_id):
+        beats.append(job_id)
+        raise OSError("connection refused")
+
+    broker.heartbeat = unreachable
+    assert agent._report_exit(0) == 1  # the job's lease ends it
+    assert broker.reports[-1] == ("finish", None) and len(beats) > 1
 
 
 def test_a_cancelled_gang_s_pod_agent_reports_its_own_node_stopped(tmp_path):

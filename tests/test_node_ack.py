@@ -202,6 +202,53 @@ def test_a_gang_s_end_reported_by_one_node_holds_the_others_until_they_report(po
     assert broker.job(job.id).in_use_gpus == () and broker.job(job.id).status is JobStatus.SUCCEEDED
 
 
+def test_a_node_s_clean_exit_without_metrics_keeps_the_gang_running_and_its_allocation_fixed(pool):
+    """A node whose trainer exited with 0 without the final metrics line (not the global rank 0):
+    the job runs on with every GPU (rank 0 may still evaluate or write its last checkpoint), no
+    rebalance resizes it, and the metrics, whenever they come, end it with every exited node
+    freed at once."""
+    broker = pool
+    job = gang(broker, lo=4, hi=6)
+    for node in NODES:
+        broker.ack(job.id, 1, node=node)
+    running = broker.finish(job.id, 0, None, node="node-b")
+    assert running.status is JobStatus.RUNNING and len(running.in_use_gpus) == 6
+    assert broker.finish(job.id, 0, None, node="node-b").status is JobStatus.RUNNING  # a retry: the same
+    (finishing,) = [e for e in broker.events(job_id=job.id) if e.kind == EventKind.FINISHING.value]
+    assert "node-b" in finishing.message and "node-a, node-c" in finishing.message
+    other = broker.submit(JobSpec("other", "python train.py", 2, 2, total_steps=100, backend="kubernetes"))
+    broker.rebalance()  # the policy would shrink the gang to 4 GPUs for the newcomer: not published
+    assert broker.target(job.id).generation == 1 and broker.job(other.id).status is JobStatus.QUEUED
+    broker.finish(job.id, 0, None, node="node-c")
+    assert broker.job(job.id).status is JobStatus.RUNNING
+    done = broker.finish(job.id, 0, {"accuracy": 0.9}, node="node-a")
+    assert done.status is JobStatus.SUCCEEDED and done.metrics == {"accuracy": 0.9}
+    assert done.in_use_gpus == () and done.target_gpus == ()  # every node's trainer had exited
+    assert broker.job(other.id).status is JobStatus.RUNNING  # the freed GPUs went to the newcomer
+
+
+def test_a_gang_whose_trainers_all_exit_without_metrics_succeeds_with_the_last_node(pool):
+    broker = pool
+    job = gang(broker)
+    for node in NODES:
+        broker.ack(job.id, 1, node=node)
+    for node in NODES[:-1]:
+        assert broker.finish(job.id, 0, None, node=node).status is JobStatus.RUNNING
+    done = broker.finish(job.id, 0, None, node=NODES[-1])
+    assert done.status is JobStatus.SUCCEEDED and done.metrics is None and done.in_use_gpus == ()
+
+
+def test_a_failing_node_fails_a_finishing_gang_and_frees_the_nodes_that_had_exited(pool):
+    broker = pool
+    job = gang(broker)
+    for node in NODES:
+        broker.ack(job.id, 1, node=node)
+    broker.finish(job.id, 0, None, node="node-a")
+    failed = broker.fail(job.id, "trainer on node node-b exited with code 1", 1, node="node-b")
+    assert failed.status is JobStatus.FAILED
+    assert nodes_of(failed.in_use_gpus) == ["node-c"]  # still stopping: held until its agent reports
+
+
 def test_an_end_report_naming_a_node_outside_the_pool_is_rejected_and_changes_nothing(pool):
     broker = pool
     job = gang(broker)

@@ -160,6 +160,16 @@ def test_publish_takes_a_started_job_to_zero_only_when_it_may_be_suspended():
     assert publishable(*args, suspendable={"a"}) == [("a", frozenset())]
 
 
+def test_publish_changes_nothing_of_a_finishing_job():
+    """Some trainers of the job have exited cleanly (a gang of pods): neither suspended, shrunk nor
+    grown until it ends."""
+    args = (["a"], {"a": ("g",)}, {"a": ()}, {"g": "a"}, {"g": "a"}, {"a"})
+    assert publishable(*args, suspendable={"a"}, fixed={"a"}) == []
+    grow = (["a"], {"a": ("g",)}, {"a": ("g", "h")}, {"g": "a"}, {"g": "a"}, {"a"})
+    assert publishable(*grow) == [("a", frozenset({"g", "h"}))]
+    assert publishable(*grow, fixed={"a"}) == []
+
+
 def test_the_core_records_suspensions_and_resumes():
     core = SchedulingCore(SUSPEND, 10.0)
     long = JobBook("long", 2, 2, 20_000, 0.0, preemptible=True, throughput=LINEAR)

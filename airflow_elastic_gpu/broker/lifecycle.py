@@ -447,11 +447,28 @@ class Lifecycle(Queries):
                     if not hold and self._release_held(conn, job, f"{where} ({reason})", node):
                         self._ask_rebalance(conn, job.pool, self._due(job, added=1))
                     return
+                exited = list(job.finished_nodes or ())
+                if node is not None and status is JobStatus.SUCCEEDED and not metrics:
+                    # a gang of pods: this node's trainer exited cleanly without the final metrics
+                    # line; the trainer that prints it (global rank 0) may still run on another node
+                    _, in_use = job_gpus(conn, job.id)
+                    waiting = sorted({g.node for g in in_use} - {*exited, node})
+                    if waiting:
+                        if node not in exited:
+                            update_job(conn, job.id, finished_nodes=sorted({*exited, node}))
+                            self._event(conn, job.pool, EventKind.FINISHING,
+                                        f"its trainer on node {node} exited cleanly; the job ends once "
+                                        f"{', '.join(waiting)} {'has' if len(waiting) == 1 else 'have'} too "
+                                        "or the final metrics come (its allocation is kept until then)", job.id)
+                        return
                 # a gang of pods: one node's agent reports; the other nodes' trainers may still
                 # run until their agents see the end, so their GPUs stay held until they report
                 self._release(conn, job, status, reason, exit_code, metrics, hold=hold or node is not None)
                 if node is not None and not hold:
                     self._release_held(conn, job, f"{where} ({reason})", node)
+                for other in exited:  # nodes whose trainers exited cleanly earlier
+                    if other != node:
+                        self._release_held(conn, job, f"its trainer on node {other} had exited cleanly", other)
                 self._ask_rebalance(conn, job.pool, self._due(job, added=1))
 
         self._retrying(run)
@@ -463,7 +480,11 @@ class Lifecycle(Queries):
         but frees the GPUs the job still holds (its trainer has stopped: see :meth:`cancel`).
 
         :param node: as for :meth:`fail`: a gang of pods' node whose agent reports; the other
-            nodes' GPUs stay held until their agents report their trainers stopped.
+            nodes' GPUs stay held until their agents report their trainers stopped. Without
+            ``metrics`` (that node's trainer is not the one that prints them), the job succeeds
+            only once every node it runs on has reported so; until then the node is recorded
+            (``finished_nodes``), the job runs on with its allocation fixed, and the view returned
+            is still RUNNING.
         :raises InvalidRequest: ``node`` is not a node of the job's pool.
         """
         return self._end(job_id, JobStatus.SUCCEEDED, "trainer finished", exit_code, metrics, node=node)

@@ -136,6 +136,9 @@ class Job(Base):
     preemptible: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
     last_start_s: Mapped[float | None] = mapped_column(Float, default=None)
     suspensions: Mapped[list[float] | None] = mapped_column(JSON, default=None)
+    # a gang of pods: the nodes whose trainer exited with 0 without the final metrics line, while
+    # the job runs on (it succeeds once every node of its generation has, or the metrics come)
+    finished_nodes: Mapped[list[str] | None] = mapped_column(JSON, default=None)
 
 
 class GpuTarget(Base):

@@ -54,7 +54,7 @@ JOB_COLUMNS = tuple(Job.__table__.columns)
 
 BOOK_COLUMNS = (
     Job.id, Job.pool, Job.name, Job.family, Job.status, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus,
-    Job.priority, Job.throughput, Job.last_heartbeat_s, Job.preemptible, Job.suspensions,
+    Job.priority, Job.throughput, Job.last_heartbeat_s, Job.preemptible, Job.suspensions, Job.finished_nodes,
     *(getattr(Job, name) for name in BOOK_FIELDS),
 )
 """The job columns :func:`book_of` and :func:`book_changes` read, with the job's pool and status
@@ -91,7 +91,7 @@ def by_type_of(job: Job | Row[Any]) -> dict[str, ThroughputModel]:
 
 _BOOK_READS = (
     "id", "min_gpus", "max_gpus", "total_steps", "submit_s", "requested_gpus", "priority", "throughput",
-    "preemptible", "suspensions", "name", "family", *BOOK_FIELDS,
+    "preemptible", "suspensions", "name", "family", "finished_nodes", *BOOK_FIELDS,
 )
 
 
@@ -117,6 +117,7 @@ def book_of(job: Job | Row[Any], target: Iterable[GpuId] = (), in_use: Iterable[
                             if stored and "by_type" in stored else {}),
         relative_speed=stored.get("relative_speed", {}) if stored else {},
         family=v["family"] or family_of(v["name"]),  # always set at submit and by migration 0010
+        finishing=bool(v["finished_nodes"]),
     )
 
 

@@ -30,6 +30,7 @@ def publishable(
     preemptive: bool = False,
     suspendable: Collection[str] = (),
     unacked: Collection[str] = (),
+    fixed: Collection[str] = (),
 ) -> list[tuple[str, frozenset[K]]]:
     """The ``(job id, new target)`` pairs to publish now, in publishing order.
 
@@ -44,6 +45,8 @@ def publishable(
         ``preemptive``: preemptible jobs, when the pool allows suspension.
     :param unacked: jobs whose current target's generation is not acked yet: only a target that
         keeps all of its GPUs (a growth) is published for them until they ack.
+    :param fixed: jobs whose target is not changed at all (finishing: some of their trainers have
+        exited, the others are about to).
     """
     holders = dict(target_holder)
     changed = [
@@ -56,6 +59,8 @@ def publishable(
     for job_id, new in changed:
         if any(in_use_holder.get(g, job_id) != job_id or holders.get(g, job_id) != job_id for g in new):
             continue  # published by a later rebalance, once the holders ack
+        if job_id in fixed:
+            continue  # finishing: its GPUs are freed when it ends
         if job_id in unacked and not new >= frozenset(targets[job_id]):
             continue  # its trainer may run on its unacked target already: changed once it acks
         if not new and job_id in started and not preemptive and job_id not in suspendable:

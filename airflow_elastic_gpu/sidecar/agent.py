@@ -82,7 +82,8 @@ class Agent(EndReports):
     :param node, gang_domain, rendezvous_port: a gang with one agent per node (a pod per node):
         this agent's node, runs its part (:func:`~.gang.node_part`: the rank-0 node's pod in
         ``gang_domain`` at ``rendezvous_port``) and acks that node only; a trainer ending with 0
-        without final metrics (not the global rank 0) leaves the report to the one that has them.
+        without final metrics (not the global rank 0) reports its node's clean exit and waits for
+        the job's end (the broker ends it when the metrics come or every node has exited).
     :raises ValueError: fence periods that do not fit in the lease.
     """
 

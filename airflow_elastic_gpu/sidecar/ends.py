@@ -50,15 +50,23 @@ class EndReports:
         return {} if self.node is None else {"node": self.node}
 
     def _await_end(self) -> bool:
-        """A gang node's trainer ended with 0 and printed no final metrics: wait (heartbeating) for
-        the node whose trainer did to report the job's end; True once the broker has it, False
-        after ``end_report_timeout_s``."""
-        deadline = time.monotonic() + self.end_report_timeout_s
-        log.info("the trainer ended without final metrics: waiting for the gang's global rank 0 to report")
-        while time.monotonic() < deadline and not self.terminating.is_set():
+        """A gang node's trainer exited with 0 without the final metrics line, and the broker has
+        recorded it: wait (heartbeating) for the job's end, which the broker makes once the node
+        whose trainer prints the metrics (global rank 0) reports, or once every node's trainer
+        has exited cleanly. True once the job has ended; False if the broker stays unreachable
+        for ``end_report_timeout_s`` (the job's lease ends it) or the agent is told to stop."""
+        log.info("the trainer ended without final metrics: waiting for the gang's other nodes to end the job")
+        answered = time.monotonic()
+        while not self.terminating.is_set():
             outcome, target = self._call("heartbeat", self.broker.heartbeat, self.job_id)
             if outcome is Outcome.ENDED or (outcome is Outcome.OK and target.status.terminal):
                 return True
+            if outcome is not Outcome.TRANSIENT:
+                answered = time.monotonic()
+            elif time.monotonic() - answered >= self.end_report_timeout_s:
+                log.error("the broker stayed unreachable for %gs while the job finished; giving up "
+                          "(the job's lease ends it)", self.end_report_timeout_s)
+                return False
             self.terminating.wait(self.poll_s)
         return False
 
@@ -96,11 +104,13 @@ class EndReports:
             return 1
         metrics = self._log_parser().metrics
         node = self._node_kw  # a gang of pods: this node's GPUs only, the others' stay held until they report
-        if self.node is not None and code == 0 and metrics is None and self._await_end():
-            # the node that printed the metrics reported the end: this node's trainer has stopped too
-            self._call("report of the stopped trainer", self.broker.fail, self.job_id,
-                       "the trainer finished", **node)
-            return 0
+        if self.node is not None and code == 0 and metrics is None:
+            # not the trainer that prints the final metrics (global rank 0 may run on any node):
+            # the broker records this node's clean exit and ends the job once the metrics come
+            # or every node has exited; this node's GPUs are freed then
+            if self._report_end("finish", lambda: self.broker.finish(self.job_id, 0, None, **node)):
+                return 1
+            return 0 if self._await_end() else 1
         if code == 0:
             return self._report_end(
                 "finish", lambda: self.broker.finish(self.job_id, 0, metrics, **node),
