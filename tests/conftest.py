@@ -76,9 +76,14 @@ def broker_url(request, tmp_path) -> str:
     """A broker DB URL, empty: a SQLite file, or a clean schema in the test PostgreSQL database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'broker.db'}"
-    url = request.getfixturevalue("postgres_server_url")
-    _reset_postgres(url)
-    return url
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def postgres_url(postgres_server_url) -> str:
+    """The test PostgreSQL database, its schema emptied."""
+    _reset_postgres(postgres_server_url)
+    return postgres_server_url
 
 
 @pytest.fixture

@@ -45,7 +45,9 @@ class GpuBroker(Inventory):
     :param policy: a policy object that overrides every pool's configured one (the simulator and
         tests use this); default: each pool's own setting (:meth:`configure_pool`), which every
         process sharing the DB sees.
-    :param clock: returns the time in seconds (epoch); injected for tests and the simulator.
+    :param clock: returns the time in seconds (epoch); injected for tests and the simulator; default:
+        on PostgreSQL the database server's clock (:mod:`~airflow_elastic_gpu.broker.clock`), on
+        SQLite the machine's.
     :param default_restart_overhead_s: assumed until a job's first resize is measured (seconds).
     :param migrate: bring the schema to the latest revision if a version check finds it behind.
     """

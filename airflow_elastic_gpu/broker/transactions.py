@@ -25,6 +25,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from airflow_elastic_gpu.broker import db
+from airflow_elastic_gpu.broker.clock import broker_clock
 from airflow_elastic_gpu.broker.models import GpuPool, Job
 from airflow_elastic_gpu.broker.rows import Executor, add_event, unknown_pool
 from airflow_elastic_gpu.broker.types import InvalidRequest, NotFound
@@ -74,7 +75,9 @@ class BrokerBase:
         default :func:`airflow_elastic_gpu.config.default_broker_url`.
     :param policy: a policy object that overrides every pool's configured one
         (the simulator and tests use this); default: each pool's own setting.
-    :param clock: returns the time in seconds (epoch); injected for tests and the simulator.
+    :param clock: returns the time in seconds (epoch); injected for tests and the simulator; default
+        :func:`~airflow_elastic_gpu.broker.clock.broker_clock` (on PostgreSQL the server's clock, so
+        that processes on machines whose clocks differ count leases alike).
     :param default_restart_overhead_s: assumed until a job's first resize is measured (seconds, >= 0).
     :param migrate: bring the schema to the latest revision if a version check finds it behind.
     :param reconnect_deadline_s: how long a call keeps retrying while the database is unreachable
@@ -90,7 +93,7 @@ class BrokerBase:
         url_or_engine: str | Engine | None = None,
         *,
         policy: Policy | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         default_restart_overhead_s: float = 10.0,
         migrate: bool = True,
         coalesce_s: float = 0.25,
@@ -107,7 +110,6 @@ class BrokerBase:
         else:
             self.engine = db.broker_engine(url_or_engine or db.default_broker_url())
         self.policy_override = policy
-        self.clock = clock
         self.default_restart_overhead_s = default_restart_overhead_s
         self.coalesce_s = coalesce_s
         self.reconnect_deadline_s = reconnect_deadline_s
@@ -121,6 +123,7 @@ class BrokerBase:
         # transaction. SQLite keeps its transactions.
         self._autocommit = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
                         if self.engine.dialect.name == "postgresql" else self.engine)
+        self.clock: Callable[[], float] = clock or self._retrying(lambda: broker_clock(self.engine))
         if migrate:
             self._retrying(lambda: db.ensure_schema(self.engine))
 

@@ -1,0 +1,74 @@
+"""The broker's clock: the PostgreSQL server's, so that every process on a broker counts time alike.
+
+Heartbeats are stamped, and silent jobs reaped, by whichever process makes the call: the API
+server, a triggerer, a worker's task, the CLI, each on its own machine. A reaper whose clock runs
+ahead of the stamping process's by more than the lease's fence margin (``max(1 s, lease / 10)``,
+:func:`~airflow_elastic_gpu.sidecar.protocol.fence_periods`) would free a job's GPUs before its
+launcher has fenced the trainer. On PostgreSQL every process therefore counts on the database
+server's clock: it reads it once (``clock_timestamp()``, at the midpoint of the round trip) and
+then advances it with its own monotonic clock, which a step of the machine's wall clock (an NTP
+correction, a mis-set clock) does not move. SQLite is a local file: its processes share one
+machine's clock, and the broker uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+
+from sqlalchemy import Engine, text
+
+log = logging.getLogger(__name__)
+
+SKEW_WARNING_S = 1.0
+"""A machine clock further than this from the database server's is logged (seconds)."""
+
+_SERVER_NOW = text("SELECT extract(epoch FROM clock_timestamp())")
+_CLOCKS: weakref.WeakKeyDictionary[Engine, DatabaseClock] = weakref.WeakKeyDictionary()
+
+
+class DatabaseClock:
+    """The database server's time (epoch seconds), read once and advanced by ``monotonic``.
+
+    :param engine: a PostgreSQL engine.
+    :param monotonic: the local monotonic clock (seconds; default ``time.monotonic``).
+    :param wall: the local wall clock (epoch seconds; default ``time.time``), only to report the
+        skew (``skew_s``).
+    :raises sqlalchemy.exc.DBAPIError: the server cannot be reached.
+    """
+
+    def __init__(self, engine: Engine, *, monotonic: Callable[[], float] | None = None,
+                 wall: Callable[[], float] | None = None) -> None:
+        self._monotonic = monotonic = monotonic or time.monotonic
+        wall = wall or time.time
+        with engine.connect() as conn:
+            sent = monotonic()
+            server = float(conn.execute(_SERVER_NOW).scalar_one())
+            received = monotonic()
+        local = wall()
+        self._base = server - (sent + received) / 2  # the server's time at monotonic 0
+        self.skew_s = local - (self._base + received)
+        """How far this machine's wall clock is ahead of the server's (seconds; negative: behind)."""
+
+    def __call__(self) -> float:
+        return self._base + self._monotonic()
+
+
+def broker_clock(engine: Engine) -> Callable[[], float]:
+    """The clock a broker on ``engine`` counts time on: a :class:`DatabaseClock` on PostgreSQL
+    (one per engine, made on first use; a skew over :data:`SKEW_WARNING_S` is logged), else the
+    machine's wall clock (``time.time``).
+
+    :raises sqlalchemy.exc.DBAPIError: the PostgreSQL server cannot be reached.
+    """
+    if engine.dialect.name != "postgresql":
+        return time.time
+    clock = _CLOCKS.get(engine)
+    if clock is None:
+        clock = _CLOCKS.setdefault(engine, DatabaseClock(engine))
+        if abs(clock.skew_s) > SKEW_WARNING_S:
+            log.warning("this machine's clock is %+.1fs off the broker database server's; the broker counts "
+                        "time on the server's clock (heartbeats, leases, rebalance intervals)", clock.skew_s)
+    return clock

@@ -1,0 +1,73 @@
+"""The broker's clock on PostgreSQL is the database server's: a process on a machine whose clock
+runs ahead neither reaps jobs that other processes heartbeat nor stamps times from the future."""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+
+import pytest
+from sqlalchemy import text
+
+from airflow_elastic_gpu.broker import clock as clock_module
+from airflow_elastic_gpu.broker.clock import DatabaseClock, broker_clock
+from airflow_elastic_gpu.broker.db import create_broker_engine
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.states import JobStatus
+
+pytestmark = pytest.mark.postgres
+HOUR = 3600.0
+
+
+def server_now(engine) -> float:
+    with engine.connect() as conn:
+        return float(conn.execute(text("SELECT extract(epoch FROM clock_timestamp())")).scalar_one())
+
+
+def test_the_database_clock_reads_the_server_and_advances_on_the_monotonic_clock(postgres_url):
+    engine = create_broker_engine(postgres_url)
+    ticks = [100.0]
+    clock = DatabaseClock(engine, monotonic=lambda: ticks[0], wall=lambda: time.time() + HOUR)
+    start = clock()
+    assert abs(start - server_now(engine)) < 1.0
+    assert clock.skew_s == pytest.approx(HOUR, abs=1.0)  # this "machine" is an hour ahead
+    ticks[0] += 12.5  # only the monotonic clock moves it: a step of the wall clock does not
+    assert clock() == pytest.approx(start + 12.5)
+    engine.dispose()
+
+
+def test_a_broker_on_postgresql_counts_on_the_server_clock_and_on_sqlite_on_the_machines(postgres_url, tmp_path):
+    engine = create_broker_engine(postgres_url)
+    assert isinstance(broker_clock(engine), DatabaseClock)
+    assert broker_clock(engine) is broker_clock(engine)  # read once per engine
+    sqlite = create_broker_engine(f"sqlite:///{tmp_path / 'b.db'}")
+    assert broker_clock(sqlite) is time.time
+    broker = GpuBroker(postgres_url)
+    assert isinstance(broker.clock, DatabaseClock) and abs(broker.clock() - server_now(broker.engine)) < 1.0
+    engine.dispose()
+    sqlite.dispose()
+
+
+def test_a_process_whose_machine_clock_runs_ahead_does_not_reap_a_job_that_others_heartbeat(
+        postgres_url, monkeypatch, caplog):
+    here = GpuBroker(create_broker_engine(postgres_url))
+    here.register_node("gpu-node-0", 2)
+    job = here.submit(JobSpec("train", "python train.py", 1, 2, total_steps=100))
+    assert here.job(job.id).status is JobStatus.RUNNING
+    here.heartbeat(job.id)
+    # another process (a triggerer, the API server) on a machine whose clock is an hour ahead
+    ahead = types.SimpleNamespace(time=lambda: time.time() + HOUR, monotonic=time.monotonic)
+    monkeypatch.setattr(clock_module, "time", ahead)
+    with caplog.at_level(logging.WARNING, logger="airflow_elastic_gpu.broker.clock"):
+        there = GpuBroker(create_broker_engine(postgres_url))
+    assert "+3600" in caplog.text and "off the broker database server's" in caplog.text
+    there.rebalance()
+    assert there.job(job.id).status is JobStatus.RUNNING  # its heartbeat is seconds old, not an hour
+    # what that process would have done on its own machine's clock (the broker's default before)
+    on_machine_clock = GpuBroker(create_broker_engine(postgres_url), clock=ahead.time)
+    on_machine_clock.rebalance()
+    assert on_machine_clock.job(job.id).status is JobStatus.LOST
+    for b in (here, there, on_machine_clock):
+        b.engine.dispose()
