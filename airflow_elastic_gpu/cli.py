@@ -1,6 +1,7 @@
 """``airflow-elastic-gpu``: inspect and drive the GPU broker from a terminal (rich tables and progress).
 
-Commands: ``nodes`` (list, ``add``, ``detect``), ``pool`` (policy settings),
+Commands: ``nodes`` (list, ``add``, ``detect``, ``kube-sync``, ``drain``, ``uncordon``, ``remove``),
+``pool`` (policy settings),
 ``jobs``, ``status`` (``--watch`` for a live view), ``cancel``,
 ``run-local`` (submit a command as a job on this host and follow it),
 ``workload`` (cut a paper-scale workload from a trace) and ``simulate``
@@ -72,6 +73,9 @@ def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
 def cmd_nodes(args: argparse.Namespace) -> int:
     broker = _broker(args)
     args.pool_given = args.pool is not None
+    args.name_given = args.name is not None
+    if args.name is None:
+        args.name = LOCAL_NODE
     if args.pool is None:
         args.pool = default_pool()
     if args.action == "list" and args.pool_given:
@@ -97,6 +101,14 @@ def cmd_nodes(args: argparse.Namespace) -> int:
                                f"{exc} (set the connection's kube_config_path, or run in the cluster)") from None
         names = register_nodes_from_cluster(broker, core_v1, pool=args.pool, label_selector=args.label_selector)
         console.print(f"registered {len(names)} GPU node(s) of the cluster in pool {escape(repr(args.pool))}")
+    elif args.action in ("drain", "uncordon", "remove"):
+        if not args.name_given:
+            raise ValueError(f"`nodes {args.action}` needs the node's NAME (see `nodes list`)")
+        if args.action == "remove":
+            broker.remove_node(args.name, pool=args.pool)
+            console.print(f"removed node {escape(repr(args.name))} from pool {escape(repr(args.pool))}")
+        else:
+            broker.set_node_schedulable(args.name, args.action == "uncordon", pool=args.pool)
     elif args.action == "detect":
         from airflow_elastic_gpu.backends.local import check_host_not_in_another_pool, detect_gpus
 
@@ -338,20 +350,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("nodes", help="list nodes; add one; detect this host's GPUs; or register a Kubernetes "
                                      "cluster's GPU nodes")
-    p.add_argument("action", nargs="?", choices=["list", "add", "detect", "kube-sync"], default="list",
+    p.add_argument("action", nargs="?", choices=["list", "add", "detect", "kube-sync", "drain", "uncordon", "remove"],
+                   default="list",
                    help="list (default): the nodes and their GPUs; add NAME --gpus N: register a node; "
                         "detect: register this host's GPUs (nvidia-smi, else --virtual-gpus); kube-sync: "
-                        "register the Kubernetes cluster's GPU nodes (GPU feature discovery labels)")
+                        "register the Kubernetes cluster's GPU nodes (GPU feature discovery labels); "
+                        "drain NAME: no new GPUs of the node to any job, its jobs moved off it; uncordon "
+                        "NAME: schedulable again; remove NAME: take a drained node whose GPUs are free out "
+                        "of its pool (to retire it, or register it in another pool)")
     p.add_argument("--kubernetes-conn-id", default="kubernetes_default",
                    help="Airflow connection of the cluster (kube-sync; default kubernetes_default)")
     p.add_argument("--label-selector", default="nvidia.com/gpu.present=true",
                    help="which of the cluster's nodes have GPUs (kube-sync; default nvidia.com/gpu.present=true)")
-    p.add_argument("name", nargs="?", default=LOCAL_NODE, help=f"node name (add; default {LOCAL_NODE!r})")
+    p.add_argument("name", nargs="?", default=None,
+                   help=f"node name (add: default {LOCAL_NODE!r}; drain, uncordon, remove: required)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
     p.add_argument("--gpu-type", default="virtual", help="GPU model, e.g. \"NVIDIA H100\" (add; default virtual)")
     p.add_argument("--virtual-gpus", type=int, default=None, help="virtual GPUs when none is found (detect)")
     p.add_argument("--pool", default=None,
-                   help=f"add/detect/kube-sync: the nodes' GPU pool (default {POOL_DEFAULT}); "
+                   help=f"add/detect/kube-sync/drain/uncordon/remove: the nodes' GPU pool (default {POOL_DEFAULT}); "
                         "list: only this pool's nodes (default every pool)")
     p.set_defaults(fn=cmd_nodes)
 

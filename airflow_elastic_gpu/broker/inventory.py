@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select, text
 
 from airflow_elastic_gpu.broker.lifecycle import Lifecycle
 from airflow_elastic_gpu.broker.models import Gpu, GpuInUse, GpuPool, GpuTarget, Job, Node
@@ -26,6 +26,8 @@ from airflow_elastic_gpu.states import EventKind
 MAX_NODE_CHARS = 253  # a DNS name, as Kubernetes node names are
 MAX_GPUS_PER_NODE = 1024
 MAX_PERIOD_S = 10 * 365 * 24 * 3600.0  # ten years: "never", as the simulator uses it
+# PostgreSQL: a transaction-scoped advisory lock that serialises the first registrations of node names
+_NEW_NODE_LOCK = text("SELECT pg_advisory_xact_lock(724102)")
 
 
 class Inventory(Lifecycle):
@@ -47,9 +49,8 @@ class Inventory(Lifecycle):
 
         :param num_gpus: GPUs on the node (1-1024), indices ``0..num_gpus-1``; or give ``gpu_indices``.
         :raises InvalidRequest: empty or too long name, pool or type; no GPUs; negative, duplicate or
-            too large indices; a node of that name in another pool (checked in the registration's
-            transaction; two first registrations of one name in two pools at the same moment
-            could both pass).
+            too large indices; a node of that name in another pool (first registrations of a name
+            take one lock on PostgreSQL, so two at the same moment in two pools cannot both pass).
         """
         check_text("node name", name, MAX_NODE_CHARS)
         check_pool_name("GPU pool name", pool)
@@ -69,6 +70,11 @@ class Inventory(Lifecycle):
         def run() -> NodeView:
             with self._tx(pool, create_pool=True) as s:
                 node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
+                if node is None and s.get_bind().dialect.name == "postgresql":
+                    # first registrations of a name, in any pool, one at a time: the check below
+                    # then sees a concurrent one in another pool (SQLite: one writer already)
+                    s.execute(_NEW_NODE_LOCK)
+                    node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
                 if node is None:
                     other = s.scalar(select(Node.pool).where(Node.name == name, Node.pool != pool).limit(1))
                     if other is not None:
@@ -115,6 +121,36 @@ class Inventory(Lifecycle):
 
         self._retrying(run)
         self._serve_rebalance(pool)
+
+    def remove_node(self, name: str, *, pool: str = DEFAULT_POOL) -> None:
+        """Remove a node and its GPUs from ``pool`` (a machine retired, or moving to another pool:
+        register it there afterwards). Only a node none of whose GPUs a job holds or is published
+        can be removed: drain it first (:meth:`set_node_schedulable`), and the rebalance moves its
+        jobs off it once their agents have acked.
+
+        :raises NotFound: unknown node or pool.
+        :raises InvalidRequest: a job still holds or is published GPUs of the node (named).
+        """
+
+        def run() -> None:
+            with self._tx(pool) as s:
+                node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
+                if node is None:
+                    raise NotFound(f"unknown node {name!r} in pool {pool!r}")
+                gpu_ids = [g.id for g in node.gpus]
+                holders = sorted({job_id for held in (GpuInUse, GpuTarget)
+                                  for job_id in s.scalars(select(held.job_id).where(held.gpu_id.in_(gpu_ids)))})
+                if holders:
+                    raise InvalidRequest(
+                        f"node {name!r} of pool {pool!r} has GPUs of job(s) {', '.join(holders[:5])}"
+                        f"{' and more' if len(holders) > 5 else ''}: drain it first (`nodes drain {name}`) and "
+                        "remove it once its GPUs are free")
+                s.execute(delete(Gpu).where(Gpu.node_id == node.id))
+                s.execute(delete(Node).where(Node.id == node.id))
+                self._event(s, pool, EventKind.NODE, f"removed node {name} with {len(gpu_ids)} GPU(s)")
+                request_rebalance(s, pool, self.clock())
+
+        self._retrying(run)
 
     def configure_pool(
         self,
