@@ -54,6 +54,26 @@ def test_a_preemptible_job_is_suspended_acked_and_resumed(pool, clock):
     assert "suspend" in kinds and kinds.index("suspend") < kinds.index("resume")
 
 
+def test_a_suspended_job_holds_no_gpu_so_its_silence_is_no_loss_until_it_is_resumed(pool, clock):
+    """Once it acked its suspension a job holds no GPU, and its agent may be gone (a pod deleted
+    while the job waits): it is not reaped however long it waits. Its resume publishes GPUs,
+    which an agent must then take up within the lease."""
+    long = running_long_job(pool, clock, preemptible=True)
+    short = pool.submit(spec("short", total_steps=100))
+    pool.ack(long.id, 2)
+    pool.ack(short.id, 1)
+    clock.advance(5 * 3600)  # the long job's agent is silent for five leases; the short one beats
+    pool.heartbeat(short.id)
+    pool.rebalance()
+    assert pool.job(long.id).status is JobStatus.SUSPENDED
+    pool.finish(short.id)
+    assert pool.job(long.id).status is JobStatus.RUNNING  # resumed: 2 GPUs published
+    clock.advance(3601)
+    pool.rebalance()
+    lost = pool.job(long.id)
+    assert lost.status is JobStatus.LOST and lost.target_gpus == () and "since its last heartbeat or placement" in lost.reason
+
+
 def test_a_job_that_did_not_opt_in_is_never_suspended(pool, clock):
     long = running_long_job(pool, clock)
     short = pool.submit(spec("short", total_steps=100))

@@ -104,9 +104,13 @@ def _silent_for(job: Any, now: float) -> float:
     its last publication, whichever is later (a new generation's agent, e.g. a new pod, has a whole
     lease to start and report). A job never placed (no generation published) is never silent: it
     holds no GPU, and a backend may start its agent only once it is placed (Kubernetes creates the
-    pod then); its task watches it meanwhile. Only delays reaping, never hastens it: a silent
-    agent's launcher has fenced its trainer within the lease of its last contact."""
-    if not job.target_generation:
+    pod then); its task watches it meanwhile. Nor is a suspended job that has acked its
+    suspension: it holds no GPU either, and its agent may be gone (a pod deleted while it waits);
+    its resume is a publication, from which an agent has a whole lease again. Only delays
+    reaping, never hastens it: a silent agent's launcher has fenced its trainer within the lease
+    of its last contact."""
+    if not job.target_generation or (
+            job.status == JobStatus.SUSPENDED.value and job.acked_generation >= job.target_generation):
         return 0.0
     return now - max(job.last_heartbeat_s, job.published_s or 0.0)
 
