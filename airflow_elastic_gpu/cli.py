@@ -1,7 +1,7 @@
 """``airflow-elastic-gpu``: inspect and drive the GPU broker from a terminal (rich tables and progress).
 
 Commands: ``nodes`` (list, ``add``, ``detect``, ``kube-sync``, ``drain``, ``uncordon``, ``remove``),
-``pool`` (policy settings),
+``pool`` (policy settings), ``cleanup`` (job and checkpoint directories of long-ended jobs),
 ``jobs``, ``status`` (``--watch`` for a live view), ``cancel``,
 ``run-local`` (submit a command as a job on this host and follow it),
 ``workload`` (cut a paper-scale workload from a trace) and ``simulate``
@@ -39,6 +39,7 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     NotFound,
 )
+from airflow_elastic_gpu.cli_cleanup import add_cleanup_command
 from airflow_elastic_gpu.cli_parsing import Parser, port, positive_s
 from airflow_elastic_gpu.cli_simulator import add_simulator_commands
 from airflow_elastic_gpu.cli_simulator import console as simulator_console
@@ -458,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_broker)
 
     add_simulator_commands(sub)
+    add_cleanup_command(sub)
     return parser
 
 

@@ -21,7 +21,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 @pytest.mark.parametrize("command", ["run-local", "simulate", "workload", "nodes", "pool", "jobs", "status",
-                                     "cancel", "broker"])
+                                     "cancel", "broker", "cleanup"])
 def test_every_option_of_a_command_has_help_text(command):
     parser = subcommands(build_parser())[command]
     missing = [a.option_strings or a.dest for a in parser._actions if not a.help]

@@ -1,0 +1,104 @@
+"""``cleanup``: the job and checkpoint directories of jobs that ended long ago are removed; those of
+active jobs, of recent ones, of jobs the broker does not know, and a checkpoint a new try claimed
+meanwhile are kept."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from airflow_elastic_gpu.backends import local_cleanup
+from airflow_elastic_gpu.broker.types import JobSpec
+
+DAY = 86400.0
+
+
+def make_dir(path, size=1000):
+    path.mkdir(parents=True)
+    (path / "data.bin").write_bytes(b"x" * size)
+    return path
+
+
+@pytest.fixture
+def work(broker, clock, tmp_path):
+    """A work dir: an old success (job dir, renamed checkpoint), an old failure (job dir, checkpoint
+    it owns), a running job's and a recent success's directories, an unknown job's, other files."""
+    broker.register_node("n0", 4)
+    work = tmp_path / "jobs"
+    jobs = {k: broker.submit(JobSpec(k, "python train.py", 1, 1, total_steps=10, key=k)) for k in
+            ("old-ok", "old-failed", "running", "recent")}
+    broker.finish(jobs["old-ok"].id)
+    broker.fail(jobs["old-failed"].id, "trainer exited with code 1", 1)
+    clock.advance(15 * DAY)
+    broker.heartbeat(jobs["running"].id)  # its agent is alive
+    broker.finish(jobs["recent"].id)
+    for k, job in jobs.items():
+        make_dir(work / job.id)
+        ckpt = work / "checkpoints" / f"{k}-0123456789ab"
+        if k in ("old-ok", "recent"):
+            make_dir(ckpt.with_name(f"{ckpt.name}@{job.id}"), 5000)
+        else:
+            make_dir(ckpt, 3000)
+            ckpt.with_name(f"{ckpt.name}.owner").write_text(job.id)
+    jobs["unknown"] = make_dir(work / str(uuid.uuid4()))  # another broker's job
+    make_dir(work / "notes")
+    make_dir(work / "checkpoints" / "by-hand")  # never claimed
+    return work, jobs
+
+
+def test_only_directories_of_jobs_that_ended_long_enough_ago_are_listed_and_removed(broker, work):
+    work, jobs = work
+    found = local_cleanup.leftovers(broker, work, 14 * DAY)
+    listed = {(f.path.name, f.kind, f.job.id) for f in found}
+    ok, failed = jobs["old-ok"].id, jobs["old-failed"].id
+    assert listed == {(ok, "job directory", ok), (failed, "job directory", failed),
+                      (f"old-ok-0123456789ab@{ok}", "checkpoint of a success", ok),
+                      ("old-failed-0123456789ab", "checkpoint", failed)}
+    assert {f.size_bytes for f in found} == {1000, 5000, 3000}
+    assert all(f.age_s == pytest.approx(15 * DAY) for f in found)
+    for f in found:
+        assert local_cleanup.remove(f)
+    assert {p.name for p in work.iterdir()} == {jobs["running"].id, jobs["recent"].id, jobs["unknown"].name,
+                                                "checkpoints", "notes"}
+    assert not (work / "checkpoints" / "old-failed-0123456789ab.owner").exists()
+    assert sorted(p.name for p in (work / "checkpoints").iterdir()) == [
+        "by-hand", f"recent-0123456789ab@{jobs['recent'].id}", "running-0123456789ab", "running-0123456789ab.owner"]
+    assert len(local_cleanup.leftovers(broker, work, 0.0)) == 2  # the recent success's two
+
+
+def test_a_checkpoint_claimed_by_a_new_try_since_it_was_listed_is_kept(broker, work):
+    work, _ = work
+    (item,) = [f for f in local_cleanup.leftovers(broker, work, 14 * DAY) if f.kind == "checkpoint"]
+    item.path.with_name(f"{item.path.name}.owner").write_text(str(uuid.uuid4()))  # the retry's job
+    assert local_cleanup.remove(item) is False and (item.path / "data.bin").exists()
+
+
+def test_a_negative_age_is_refused(broker, tmp_path):
+    with pytest.raises(ValueError, match="number of days >= 0"):
+        local_cleanup.leftovers(broker, tmp_path, -1.0)
+
+
+def test_the_cli_lists_with_dry_run_then_removes(tmp_path, monkeypatch, capsys):
+    from airflow_elastic_gpu.broker.service import GpuBroker
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    broker = GpuBroker(url)
+    broker.register_node("n0", 1)
+    job = broker.submit(JobSpec("train", "python train.py", 1, 1, total_steps=10))
+    broker.finish(job.id)
+    work = tmp_path / "jobs"
+    make_dir(work / job.id, 2 * 2**20)
+    assert main(["cleanup", "--older-than", "1", "--work-dir", str(work)]) == 0
+    assert "nothing to remove" in capsys.readouterr().out and (work / job.id).exists()
+    assert main(["cleanup", "--older-than", "0", "--dry-run", "--work-dir", str(work)]) == 0
+    out = capsys.readouterr().out
+    assert "would remove" in out and job.id[:8] in out and "would free 2.0 MiB in 1 directories" in out
+    assert (work / job.id).exists()
+    assert main(["cleanup", "--older-than", "0", "--work-dir", str(work)]) == 0
+    assert "freed 2.0 MiB in 1 directories" in capsys.readouterr().out and not (work / job.id).exists()
+    with pytest.raises(SystemExit):
+        main(["cleanup", "--older-than", "-2"])
+    assert "a number of days >= 0, got '-2'" in capsys.readouterr().err
