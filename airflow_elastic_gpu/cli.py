@@ -52,6 +52,7 @@ from airflow_elastic_gpu.config import (
     mask_url,
 )
 from airflow_elastic_gpu.scheduling.policy import policy_parameters
+from airflow_elastic_gpu.states import JobStatus
 
 console = Console()
 notes = Console(stderr=True)
@@ -294,6 +295,9 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     if args.detach:
         return 0
     [view] = follow(broker, [job.id])
+    # as the operator does at a job's end: nothing of it left running, and the default checkpoint
+    # directory of a success renamed out of the key's way (a later run of the key trains anew)
+    backend.stop(job.id, succeeded=view.status is JobStatus.SUCCEEDED)
     console.print(jobs_table([view], title="result"))
     if view.status.value != "succeeded":
         console.print(f"[red]job {view.status.value}:[/red] {escape(view.reason or '')}")

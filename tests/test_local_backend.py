@@ -164,6 +164,23 @@ def run_local(broker: GpuBroker, tmp_path: Path, *extra: str) -> int:
                      "--work-dir", str(tmp_path / "jobs"), *extra, "--", "true"])
 
 
+def test_run_local_renames_the_default_checkpoint_directory_of_its_success(local, tmp_path, capsys):
+    """As the operator does: a later run of the same key trains anew rather than resuming at the
+    final step of the one that succeeded."""
+    broker, _ = local
+    trainer = tmp_path / "train.py"
+    trainer.write_text("import json, os, pathlib\n"
+                       "pathlib.Path(os.environ['ELASTIC_CHECKPOINT_DIR'], 'ckpt').write_text('5')\n"
+                       "print(json.dumps({'step': 5}), flush=True)\n")
+    assert cli.main(["--broker-url", broker.url, "run-local", "--total-steps", "5", "--key", "nightly/train",
+                     "--work-dir", str(tmp_path / "jobs"), "--", sys.executable, str(trainer)]) == 0
+    (job,) = broker.jobs()
+    assert job.status is JobStatus.SUCCEEDED
+    (kept,) = (tmp_path / "jobs" / "checkpoints").glob(f"nightly_train-*@{job.id}")
+    assert (kept / "ckpt").read_text() == "5"
+    assert [p.name for p in (tmp_path / "jobs" / "checkpoints").iterdir()] == [kept.name]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--work-dir", "/proc/forbidden"], r"work dir \(the parent of the job directories\) '/proc/forbidden' cannot be created"),
     (["--checkpoint-dir", "/proc/forbidden/ckpt"], "checkpoint_dir '/proc/forbidden/ckpt' cannot be created"),
