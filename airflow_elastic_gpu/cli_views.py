@@ -36,6 +36,17 @@ def _fmt_s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:,.1f}"
 
 
+def metric_text(value: object) -> str:
+    """A metric for a table cell: a number to 3 decimals, anything else (a trainer may print a
+    string, a list) as its text, at most 20 characters; ``-`` for none."""
+    if value is None:
+        return "-"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{value:.3f}"
+    text = str(value)
+    return text if len(text) <= 20 else text[:19] + "…"
+
+
 def jobs_table(jobs: list[JobView] | tuple[JobView, ...], title: str = "jobs") -> Table:
     table = Table(title=title)
     for col in ("job", "name", "status", "GPUs", "min-max", "step", "gen", "resizes", "JCT s",
@@ -47,7 +58,7 @@ def jobs_table(jobs: list[JobView] | tuple[JobView, ...], title: str = "jobs") -
             j.id[:8], _plain(j.name), j.status.value, str(len(j.in_use_gpus or j.target_gpus)),
             f"{j.min_gpus}-{j.max_gpus}", f"{j.steps_done:,.0f}/{j.total_steps:,}",
             f"{j.acked_generation}/{j.target_generation}", str(j.num_resizes), _fmt_s(j.jct_s),
-            f"{j.gpu_seconds:,.0f}", "-" if acc is None else f"{acc:.3f}",
+            f"{j.gpu_seconds:,.0f}", metric_text(acc),
         )
     return table
 

@@ -151,12 +151,13 @@ def airflow_home(environ: Mapping[str, str] = os.environ) -> Path:
 
 def _from_config_file(name: str, environ: Mapping[str, str]) -> str | None:
     path = Path(environ.get("AIRFLOW_CONFIG") or airflow_home(environ) / "airflow.cfg").expanduser()
-    parser = configparser.ConfigParser(interpolation=None)
+    parser = configparser.ConfigParser()  # interpolation as Airflow's: a literal % is written %%
     try:
         parser.read(path, encoding="utf-8")
+        return parser.get(SECTION, name, fallback=None)
     except (OSError, configparser.Error) as exc:
-        raise ValueError(f"cannot read [{SECTION}] {name} from {path}: {exc}") from None
-    return parser.get(SECTION, name, fallback=None)
+        raise ValueError(f"cannot read [{SECTION}] {name} from {path}: {exc} (a literal % is written %% "
+                         "in airflow.cfg)") from None
 
 
 def get_option(name: str, environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str:

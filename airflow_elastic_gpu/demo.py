@@ -27,8 +27,8 @@ from sqlalchemy.engine import make_url
 
 from airflow_elastic_gpu.broker.history import applied_resizes
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.cli_views import UNWRAPPED_WIDTH, snapshot_view
-from airflow_elastic_gpu.config import ENV_BROKER_URL, ENV_WORK_DIR, default_broker_url
+from airflow_elastic_gpu.cli_views import UNWRAPPED_WIDTH, metric_text, snapshot_view
+from airflow_elastic_gpu.config import default_broker_url, mask_url
 from airflow_elastic_gpu.states import EventKind
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,9 @@ def demo_env() -> dict[str, str]:
     directory at their defaults there (never a broker of the caller's)."""
     home = DEMO / "airflow"
     return {
-        **{k: v for k, v in os.environ.items() if k not in (ENV_BROKER_URL, ENV_WORK_DIR)},
+        # none of the caller's Airflow settings: its config file, [elastic_gpu] broker_url, metadata
+        # database or connections (elastic_gpu_default) would point the demo at the caller's broker
+        **{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
@@ -95,7 +97,7 @@ def summary_table(broker: GpuBroker, jobs, title: str) -> tuple[Table, int, int]
             Text(j.name), j.status.value, f"{j.jct_s:.0f}" if j.jct_s is not None else "-",
             f"{j.queueing_delay_s:.0f}" if j.queueing_delay_s is not None else "-",
             f"{j.gpu_seconds:.0f}", " -> ".join(map(str, counts)) or "-", str(resized), str(up), str(down),
-            "-" if acc is None else f"{acc:.3f}",
+            metric_text(acc),
         )
     return table, grew, shrank
 
@@ -139,14 +141,24 @@ def session_members(sid: int) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def stop() -> None:
     """Stop the demo's ``airflow standalone`` and everything it started: it runs in a session of its
     own, and some of its children (the scheduler's log server and executor workers) move to process
     groups of their own, so every process of the session is signalled, not only its group."""
     if PID_FILE.exists():
         pid = int(PID_FILE.read_text())
+        if not any(b"airflow" in _cmdline(p) for p in session_members(pid)):
+            PID_FILE.unlink(missing_ok=True)  # stale (a reboot, a crash): that pid is someone else's now
+            return
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for member in session_members(pid) or [pid]:
+            for member in session_members(pid):
                 try:
                     os.kill(member, sig)
                 except ProcessLookupError:
@@ -184,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     DEMO.mkdir(exist_ok=True)
     Path(env["AIRFLOW_HOME"]).mkdir(exist_ok=True)  # the broker's SQLite file goes there, before Airflow makes it
     url = default_broker_url(env)
-    Path(make_url(url).database).unlink(missing_ok=True)
+    database = Path(make_url(url).database or "").resolve()
+    if not database.is_relative_to(DEMO.resolve()):  # the demo starts afresh: never on another broker
+        raise SystemExit(f"the demo's broker would be {mask_url(url)}, outside {DEMO}; not touching it")
+    database.unlink(missing_ok=True)
     broker = GpuBroker(url)
     broker.register_node("localhost", VIRTUAL_GPUS, gpu_type="virtual")
     broker.configure_pool(policy_params={"hysteresis": 1.0, "min_resize_interval_s": 10.0},

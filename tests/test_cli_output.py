@@ -142,6 +142,27 @@ def test_names_and_messages_with_brackets_are_printed_as_they_are(tmp_path, monk
 
 
 
+@pytest.mark.parametrize(("accuracy", "shown"), [(0.93127, "0.931"), ("0.93", "0.93"), ([0.9, 0.8], "[0.9, 0.8]"),
+                                                 ({"top1": 0.9, "top5": 0.99}, "{'top1': 0.9, 'top5…"),
+                                                 (True, "True")])
+def test_a_metric_that_is_not_a_number_is_shown_not_fatal(tmp_path, monkeypatch, capsys, accuracy, shown):
+    """The API takes any JSON metric; ``jobs`` and ``status`` list every job, so one job whose
+    trainer printed its accuracy as a string broke both for good."""
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    monkeypatch.setenv("COLUMNS", "400")
+    broker = GpuBroker(url)
+    broker.register_node("n0", 1)
+    broker.finish(broker.submit(JobSpec("train", "python train.py", 1, 1, total_steps=10)).id, 0,
+                  {"accuracy": accuracy})
+    capsys.readouterr()
+    assert main(["jobs"]) == 0
+    assert shown in capsys.readouterr().out
+    assert main(["status"]) == 0
+
+
 def test_the_cli_uses_the_configured_default_pool(tmp_path, monkeypatch, capsys):
     """``[elastic_gpu] default_pool`` in airflow.cfg is the pool of nodes add, pool, status and
     run-local when --pool is not given, as for the operator."""

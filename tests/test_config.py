@@ -110,3 +110,14 @@ def test_the_provider_metadata_declares_the_connection_forms_fields_and_hides_th
     assert set(conn["conn-fields"]) == {"url", "pool", "api_url"}
     assert conn["conn-fields"]["url"]["schema"]["format"] == "password"  # it holds the DB password
     assert set(conn["ui-field-behaviour"]["hidden-fields"]) >= {"host", "schema", "login", "password", "port"}
+
+
+def test_airflow_cfg_is_read_with_airflows_escapes(tmp_path):
+    """Airflow's parser reads ``%%`` as ``%`` (a URL-encoded password must be written so in
+    airflow.cfg): the CLI and the broker server read the same password as the operators."""
+    (tmp_path / "airflow.cfg").write_text("[elastic_gpu]\nbroker_url = postgresql+psycopg://u:p%%40ss@h/db\n")
+    env = {"AIRFLOW_HOME": str(tmp_path)}
+    assert config.default_broker_url(env) == "postgresql+psycopg://u:p%40ss@h/db"
+    (tmp_path / "airflow.cfg").write_text("[elastic_gpu]\nbroker_url = postgresql+psycopg://u:p%40ss@h/db\n")
+    with pytest.raises(ValueError, match=r"cannot read \[elastic_gpu\] broker_url .*a literal % is written %%"):
+        config.default_broker_url(env)

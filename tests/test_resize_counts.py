@@ -99,8 +99,8 @@ def test_demo_stop_reaches_children_that_left_the_process_group(tmp_path, monkey
               "child = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setpgid(0, 0); time.sleep(60)'])\n"
               "print(child.pid, flush=True)\n"
               "time.sleep(60)\n")
-    leader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    leader = subprocess.Popen([sys.executable, "-c", script, "airflow standalone (stand-in)"], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
     child = int(leader.stdout.readline())
     time.sleep(0.3)  # the child has left the leader's process group
     assert os.getpgid(child) != os.getpgid(leader.pid)
@@ -111,3 +111,37 @@ def test_demo_stop_reaches_children_that_left_the_process_group(tmp_path, monkey
     demo.stop()
     leader.wait(5)
     assert demo.session_members(leader.pid) == [] and not pid_file.exists()
+
+
+def test_demo_stop_leaves_a_stale_pid_files_process_alone(tmp_path, monkeypatch):
+    """After a reboot or a crash the pid file names a pid that may be anyone's session now: the
+    demo's processes are Airflow's, and a session without one is not signalled."""
+    import subprocess
+    import sys
+
+    from airflow_elastic_gpu import demo
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    pid_file = tmp_path / "standalone.pid"
+    pid_file.write_text(str(other.pid))
+    monkeypatch.setattr(demo, "PID_FILE", pid_file)
+    try:
+        demo.stop()
+        assert other.poll() is None and not pid_file.exists()
+    finally:
+        other.kill()
+        other.wait(5)
+
+
+def test_the_demo_environment_drops_the_callers_airflow_settings(monkeypatch):
+    from airflow_elastic_gpu import demo
+    from airflow_elastic_gpu.config import default_broker_url
+
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__BROKER_URL", "postgresql+psycopg://u:p@prod/broker")
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", "elastic-gpu://?broker_url=postgresql%3A%2F%2Fprod")
+    monkeypatch.setenv("AIRFLOW_CONFIG", "/etc/airflow/airflow.cfg")
+    monkeypatch.setenv("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "postgresql://prod/airflow")
+    env = demo.demo_env()
+    assert not any(k in env for k in ("AIRFLOW__ELASTIC_GPU__BROKER_URL", "AIRFLOW_CONN_ELASTIC_GPU_DEFAULT",
+                                      "AIRFLOW_CONFIG", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"))
+    assert default_broker_url(env) == f"sqlite:///{demo.DEMO / 'airflow' / 'elastic_gpu_broker.db'}"
