@@ -82,6 +82,22 @@ def test_bad_bodies_get_422_naming_the_field(broker, client, path, body, field, 
     assert broker.job(job.id) == before
 
 
+def test_the_timeline_shows_the_newest_jobs_of_a_long_history(broker, client, monkeypatch):
+    """A pool's oldest events crowded the jobs of today out of the timeline once its history was
+    longer than the events it reads."""
+    from airflow_elastic_gpu.broker import api_models
+
+    for name in ("old", "older", "newest"):
+        job = broker.submit(JobSpec(name, "train", 1, 4, total_steps=10))
+        broker.ack(job.id, 1)
+        broker.finish(job.id)
+    monkeypatch.setattr(api_models, "TIMELINE_EVENTS", 4)  # the newest job's submit, start, ack, end
+    segments = client.get("/api/v1/pools/default/timeline").json()["segments"]
+    assert [s["name"] for s in segments] == ["newest"]
+    events = broker.events(limit=2, latest=True)
+    assert [e.id for e in events] == [e.id for e in broker.events()][-2:]  # oldest first, as always
+
+
 def test_read_only_views_show_holders_progress_timeline_and_reasons(broker, client):
     a = broker.submit(JobSpec("alpha", "train", 1, 4, total_steps=100))
     broker.ack(a.id, 1)

@@ -129,3 +129,26 @@ def test_hostile_names_reasons_and_metrics_are_shown_as_text(broker, api_server,
     assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]
     assert not chrome.execute_script("return document.getElementById('updated').textContent").startswith(
         "could not load")
+
+
+def test_two_jobs_of_one_name_are_told_apart_and_a_gpu_not_yet_taken_up_is_shown_handed_over(
+        broker, api_server, chrome):  # noqa: F811
+    """Two runs of one task (the job name is the task id) share a name: the grid and the timeline's
+    rows name each with the start of its id. A GPU published to a job whose trainer does not run on
+    it yet is drawn dashed, as the legend says, not as held."""
+    running = broker.submit(JobSpec("train", "train", 2, 2, total_steps=100))
+    broker.ack(running.id, 1)
+    starting = broker.submit(JobSpec("train", "train", 2, 2, total_steps=100))  # published, not acked
+    chrome.get(f"{api_server}/ui?pool=default")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    cells = chrome.execute_script(
+        "return [...document.querySelectorAll('.gpu')].map(c => [c.dataset.job, c.textContent, "
+        "c.classList.contains('moving')])")
+    by_job = {job: {(text, moving) for holder, text, moving in cells if holder == job}
+              for job in (running.id, starting.id)}
+    assert len(by_job[running.id]) == len(by_job[starting.id]) == 2
+    assert all(f"train · {running.id[:8]}" in t and not moving for t, moving in by_job[running.id])
+    assert all(f"train · {starting.id[:8]}" in t and moving for t, moving in by_job[starting.id])
+    timeline = chrome.execute_script("return document.getElementById('timeline').textContent")
+    assert f"train · {running.id[:8]}" in timeline
+    assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]

@@ -231,6 +231,10 @@ def snapshot_out(s: PoolSnapshot) -> SnapshotOut:
     )
 
 
+TIMELINE_EVENTS = 20_000
+"""The timeline is drawn from at most this many of the pool's newest events (a few hundred jobs)."""
+
+
 def timeline(broker: GpuBroker, pool: str) -> TimelineOut:
     """Each job's GPU count over time, from the broker's ack (running) and end events, and the resizes
     applied (:func:`~airflow_elastic_gpu.broker.history.applied_resizes`), each at the moment its
@@ -239,7 +243,10 @@ def timeline(broker: GpuBroker, pool: str) -> TimelineOut:
     open_: dict[str, Segment] = {}
     segments: list[Segment] = []
     resizes: list[EventOut] = []
-    events = [e for e in broker.events(pool, limit=100_000) if e.job_id is not None and e.job_id in jobs]
+    # the newest events: a pool's whole history would grow without bound, and its oldest events
+    # would crowd out the jobs of today
+    events = [e for e in broker.events(pool, limit=TIMELINE_EVENTS, latest=True)
+              if e.job_id is not None and e.job_id in jobs]
     for r in applied_resizes(events):  # at the ack, where the new bar starts; with the decision's reason
         shown = r.published or r.ack
         resizes.append(event_out(dataclasses.replace(shown, time_s=r.time_s)))

@@ -138,15 +138,17 @@ class Queries(Rebalancing):
         ])
 
     def events(self, pool: str | None = None, *, job_id: str | None = None, after_id: int = 0,
-               limit: int = 1000) -> list[EventView]:
-        """Events after ``after_id``, oldest first, at most ``limit``."""
+               limit: int = 1000, latest: bool = False) -> list[EventView]:
+        """Events after ``after_id``, oldest first, at most ``limit``: the oldest of them, or with
+        ``latest`` the newest."""
         def read(s: Session) -> list[EventView]:
-            q = select(Event).where(Event.id > after_id).order_by(Event.id).limit(limit)
+            q = select(Event).where(Event.id > after_id).order_by(Event.id.desc() if latest else Event.id).limit(limit)
             if pool is not None:
                 q = q.where(Event.pool == pool)
             if job_id is not None:
                 q = q.where(Event.job_id == job_id)
-            return [event_view(e) for e in s.scalars(q)]
+            found = [event_view(e) for e in s.scalars(q)]
+            return found[::-1] if latest else found
 
         return self._read(read)
 

@@ -58,7 +58,9 @@ function renderGrid(snap, names) {
     const row = el("div", "node", el("div", "node-name", text(node.name) + (node.schedulable ? "" : " (drained)")));
     for (const g of list(node.gpus)) {
       const holder = g.in_use_by || g.target_of || null;
-      const moving = g.in_use_by && g.target_of !== g.in_use_by;
+      // handed over: in use by one job and published to another (or to none), or published to a
+      // job whose trainer does not run on it yet
+      const moving = Boolean(holder) && g.target_of !== g.in_use_by;
       const cell = el("div", "gpu" + (holder ? "" : " free") + (moving ? " moving" : "")
                       + (holder && holder === focusJob ? " focus" : ""),
                       el("b", null, text(g.gpu)), el("span", null, holder ? label(holder, names) : "free"));
@@ -172,7 +174,12 @@ async function refresh() {
     const where = `api/v1/pools/${encodeURIComponent(pool)}`;
     const [snap, tl] = await Promise.all([get(`${where}/snapshot?events=100`), get(`${where}/timeline`)]);
     const jobs = list(snap.jobs);
-    const names = new Map(jobs.map(j => [j.id, text(j.name)]));
+    // a job's label: its name, with the start of its id where jobs share a name (two runs of one
+    // task), so that the grid, the events and the timeline's rows tell them apart
+    const seen = new Map();
+    for (const j of jobs) seen.set(text(j.name), (seen.get(text(j.name)) || 0) + 1);
+    const names = new Map(jobs.map(j => [j.id, seen.get(text(j.name)) > 1
+      ? `${text(j.name)} · ${text(j.id).slice(0, 8)}` : text(j.name)]));
     renderGrid(snap, names);
     renderJobs(snap);
     renderEvents(snap, names);
