@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import shlex
 import sys
 import time
@@ -106,6 +107,11 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     elif args.action in ("drain", "uncordon", "remove"):
         if not args.name_given:
             raise ValueError(f"`nodes {args.action}` needs the node's NAME (see `nodes list`)")
+        if not args.pool_given:  # a node name is in one pool only: its own
+            pools = [n.pool for n in broker.nodes() if n.name == args.name]
+            if not pools:
+                raise NotFound(f"unknown node {args.name!r} (`nodes list` shows the nodes of every pool)")
+            args.pool = pools[0]
         if args.action == "remove":
             broker.remove_node(args.name, pool=args.pool)
             console.print(f"removed node {escape(repr(args.name))} from pool {escape(repr(args.pool))}")
@@ -143,10 +149,13 @@ def _param_value(item: str, key: str, value: str) -> bool | int | float:
     except ValueError:
         pass
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
-        raise BrokerError(f"--param {item!r}: the value of {key} must be a number, true or false, "
-                          f"got {value!r}") from None
+        number = math.nan
+    if not math.isfinite(number):
+        raise BrokerError(f"--param {item!r}: the value of {key} must be a finite number, true or false, "
+                          f"got {value!r}")
+    return number
 
 
 def cmd_pool(args: argparse.Namespace) -> int:
@@ -170,9 +179,13 @@ def cmd_pool(args: argparse.Namespace) -> int:
                 notes.print(f"dropping parameters that policy {current!r} does not take: {', '.join(stale)}",
                             markup=False, highlight=False)
             policy, params = current, {**{k: v for k, v in stored.items() if k in accepted}, **params}
-    broker.configure_pool(args.pool, policy=policy, policy_params=params or None,
-                          lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
-    console.print(f"pool {escape(repr(args.pool))}: policy {escape(str(broker.pool_policy(args.pool)))}")
+    if params or policy is not None or args.lease_s is not None or args.rebalance_interval_s is not None:
+        broker.configure_pool(args.pool, policy=policy, policy_params=params or None,
+                              lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
+    # (a bare `pool` only shows the settings: it changes nothing and asks for no rebalance)
+    lease_s, interval_s = broker.pool_timing(args.pool)
+    console.print(f"pool {escape(repr(args.pool))}: policy {escape(str(broker.pool_policy(args.pool)))}; "
+                  f"lease {lease_s:g} s; rebalance every {interval_s:g} s")
     return 0
 
 
@@ -294,7 +307,12 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     console.print(f"job {job.id} started; files in {escape(str(work_dir / job.id))}")
     if args.detach:
         return 0
-    [view] = follow(broker, [job.id])
+    try:
+        [view] = follow(broker, [job.id])
+    except KeyboardInterrupt:  # the job's processes are detached: they run on, with their GPUs
+        console.print(f"\njob {job.id} still runs (it holds its GPUs); `airflow-elastic-gpu cancel {job.id[:8]}` "
+                      "stops it", markup=False, highlight=False)
+        return 130
     # as the operator does at a job's end: nothing of it left running, and the default checkpoint
     # directory of a success renamed out of the key's way (a later run of the key trains anew)
     backend.stop(job.id, succeeded=view.status is JobStatus.SUCCEEDED)
@@ -426,9 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: JSON lines with a \"step\" key)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="the trainer's checkpoint directory, $ELASTIC_CHECKPOINT_DIR (default: "
-                        "checkpoints/ in the job directory)")
+                        "checkpoints/<key>-<hash>/ in the work directory, shared by the runs of one --key "
+                        "until one succeeds)")
     p.add_argument("--key", default=None,
-                   help="idempotency key: submitting the same key again returns the existing job")
+                   help="idempotency key: while a job of this key is queued or running, submitting it "
+                        "again returns that job; once it has ended, a new job starts (and resumes from the "
+                        "key's default checkpoint directory unless the last job succeeded)")
     p.add_argument("--virtual-gpus", type=int, default=None,
                    help="size of the pool of virtual GPUs made when this host has no NVIDIA GPU "
                         "and the pool no node (default $AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS, else 4), per node; "
@@ -464,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulator_commands(sub)
     add_cleanup_command(sub)
+    parser.share_options_with_subcommands()
     return parser
 
 

@@ -46,6 +46,16 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.global_options: tuple[str, ...] = ()  # a sub-command's: its parent's, named where they go
+
+    def share_options_with_subcommands(self) -> None:
+        """Tell each sub-command's parser this parser's options, so that one given after the
+        sub-command is named where it goes (call once every sub-command is added)."""
+        mine = tuple(o for o in self._option_string_actions if o.startswith("--") and o != "--help")
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    child.global_options = mine
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
@@ -71,6 +81,9 @@ class Parser(argparse.ArgumentParser):
             option, has_value, _ = word.partition("=")
             action = self._option_string_actions.get(option)
             if action is None:
+                if option in self.global_options:
+                    top, _, command = self.prog.rpartition(" ")
+                    self.error(f"{option} goes before the command: {top} {option} ... {command} ...")
                 known = [o for o in self._option_string_actions if o.startswith("--")]
                 near = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
                 hint = f"; did you mean {near[0]}?" if near else f"; see {self.prog} --help"

@@ -19,12 +19,21 @@ from airflow_elastic_gpu.links.job import UI_PREFIX, ElasticJobLink
 
 
 def _ui_auth() -> list:
+    """Airflow's login for the page's read-only views (the plugins view permission). Where this
+    Airflow has no such check, every view is refused: never open to anyone who reaches Airflow."""
     try:
         from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
         from airflow.api_fastapi.core_api.security import requires_access_view
-    except ImportError:  # pragma: no cover - older Airflow
-        return []
+    except ImportError:  # pragma: no cover - an Airflow that moved them
+        return [_refused]
     return [requires_access_view(AccessView.PLUGINS)]
+
+
+def _refused() -> None:
+    from fastapi import HTTPException
+
+    raise HTTPException(403, "the GPU pool page cannot check Airflow's login on this Airflow version; "
+                             "use the broker's own server (airflow-elastic-gpu broker serve)")
 
 
 def _app():

@@ -120,3 +120,25 @@ def test_the_image_and_compose_file_do_not_serve_open_views():
     host = args[args.index("--host") + 1]
     with pytest.raises(ValueError):  # the image's default command starts only with the UI token
         check_bind_address(host, None)
+
+
+def test_the_airflow_plugin_refuses_its_views_where_it_cannot_check_airflows_login(broker, monkeypatch):  # noqa: F811
+    """An Airflow whose auth helpers moved: the plugin's views were open to anyone who reached
+    Airflow's server (no check at all); they are refused instead."""
+    import builtins
+
+    from airflow_elastic_gpu import plugins
+
+    real_import = builtins.__import__
+
+    def moved(name, *args, **kwargs):
+        if name.startswith("airflow.api_fastapi"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", moved)
+    guards = plugins._ui_auth()
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    c = TestClient(create_app(broker, ui_dependencies=guards))
+    refused = c.get("/api/v1/pools/default/snapshot")
+    assert refused.status_code == 403 and "broker serve" in refused.json()["detail"]

@@ -224,6 +224,9 @@ def test_kube_sync_without_a_cluster_is_one_line(tmp_path, capsys, monkeypatch):
     (["jobs", "--activ"], "unknown option --activ; did you mean --active?"),
     (["simulate", "--trace", "w.csv", "--polcy", "static"], "unknown option --polcy; did you mean --policy?"),
     (["status", "--frobnicate"], "unknown option --frobnicate; see airflow-elastic-gpu status --help"),
+    # the program's own option after the command: said where it goes, not "unknown"
+    (["jobs", "--broker-url", "sqlite://"],
+     "--broker-url goes before the command: airflow-elastic-gpu --broker-url ... jobs ..."),
 ])
 def test_cli_names_an_unknown_option_and_the_nearest_known_one(tmp_path, capsys, argv, message):
     url = f"sqlite:///{tmp_path / 'cli.db'}"

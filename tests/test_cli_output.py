@@ -76,6 +76,25 @@ def test_pool_params_from_the_command_line_keep_their_types(tmp_path, monkeypatc
     assert "suspend=True" in out and "max_suspensions_per_hour=3," in out and "hysteresis=1.5" in out
 
 
+def test_a_bare_pool_shows_the_settings_and_changes_nothing(tmp_path, monkeypatch, capsys):
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    assert main(["nodes", "add", "n1", "--gpus", "2"]) == 0
+    assert main(["pool", "--lease-s", "90"]) == 0
+    events = len(GpuBroker(url).events())
+    capsys.readouterr()
+    assert main(["pool"]) == 0
+    assert "lease 90 s; rebalance every 10 s" in capsys.readouterr().out
+    assert len(GpuBroker(url).events()) == events  # no config event, no rebalance
+    for value in ("inf", "nan", "1e999"):
+        assert main(["pool", "--param", f"hysteresis={value}"]) == 2
+        assert "the value of hysteresis must be a finite number" in capsys.readouterr().err
+    with pytest.raises(Exception, match="policy parameter hysteresis must be a finite number"):
+        GpuBroker(url).configure_pool(policy_params={"hysteresis": float("inf")})
+
+
 def test_each_pool_param_call_adds_to_the_parameters_set_before(tmp_path, monkeypatch, capsys):
     """The README sets pool parameters one call at a time (suspension, then admission): a later
     `pool --param` keeps the earlier ones; another --policy starts from its own defaults."""

@@ -181,6 +181,21 @@ def test_run_local_renames_the_default_checkpoint_directory_of_its_success(local
     assert [p.name for p in (tmp_path / "jobs" / "checkpoints").iterdir()] == [kept.name]
 
 
+def test_ctrl_c_while_run_local_follows_says_the_job_runs_on_and_how_to_stop_it(local, tmp_path, capsys, monkeypatch):
+    broker, _ = local
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "follow", interrupted)
+    assert cli.main(["--broker-url", broker.url, "run-local", "--total-steps", "5", "--work-dir",
+                     str(tmp_path / "jobs"), "--", "sleep", "30"]) == 130
+    (job,) = broker.jobs()
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"job {job.id} still runs (it holds its GPUs); `airflow-elastic-gpu cancel {job.id[:8]}` stops it" in out
+    assert not job.status.terminal
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--work-dir", "/proc/forbidden"], r"work dir \(the parent of the job directories\) '/proc/forbidden' cannot be created"),
     (["--checkpoint-dir", "/proc/forbidden/ckpt"], "checkpoint_dir '/proc/forbidden/ckpt' cannot be created"),

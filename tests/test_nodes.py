@@ -99,4 +99,18 @@ def test_the_cli_drains_uncordons_and_removes_a_node(tmp_path, monkeypatch, caps
     assert "removed node 'gpu-node-1' from pool 'default'" in capsys.readouterr().out
     assert broker.nodes() == []
     assert main(["nodes", "remove", "gpu-node-1"]) != 0
-    assert "unknown node 'gpu-node-1' in pool 'default'" in capsys.readouterr().err
+    assert "unknown node 'gpu-node-1' (`nodes list`" in capsys.readouterr().err
+
+
+def test_the_cli_finds_a_nodes_pool_by_its_name(tmp_path, monkeypatch, capsys):
+    from airflow_elastic_gpu.cli import main
+
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", f"sqlite:///{tmp_path / 'b.db'}")
+    assert main(["nodes", "add", "gpu-node-2", "--gpus", "2", "--pool", "a100"]) == 0
+    assert main(["nodes", "drain", "gpu-node-2"]) == 0  # no --pool: the one pool that has it
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    assert [(n.pool, n.schedulable) for n in broker.nodes()] == [("a100", False)]
+    capsys.readouterr()
+    assert main(["nodes", "remove", "gpu-node-9"]) != 0
+    assert "unknown node 'gpu-node-9' (`nodes list` shows the nodes of every pool)" in capsys.readouterr().err
+    assert main(["nodes", "remove", "gpu-node-2"]) == 0 and broker.nodes() == []

@@ -213,6 +213,9 @@ class Inventory(Lifecycle):
 def _check_policy(name: str, params: dict[str, Any] | None) -> None:
     """:raises InvalidRequest: ``name`` is not a policy the broker runs, or ``params`` are not its
     parameters."""
+    for key, value in (params or {}).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequest(f"policy parameter {key} must be a finite number, got {value!r}")
     try:
         chosen = get_policy(name, **(params or {}))
     except ValueError as exc:

@@ -178,6 +178,19 @@ class Queries(Rebalancing):
 
         return self._read(read)
 
+    def pool_timing(self, pool: str = DEFAULT_POOL) -> tuple[float, float]:
+        """``(lease_s, rebalance_interval_s)`` of ``pool`` (seconds).
+
+        :raises NotFound: unknown pool.
+        """
+        def read(s: Session) -> tuple[float, float]:
+            row = s.get(GpuPool, pool)
+            if row is None:
+                raise unknown_pool(s, pool)
+            return row.lease_s, row.rebalance_interval_s
+
+        return self._read(read)
+
     def pools(self) -> list[str]:
         return self._read(lambda s: list(s.scalars(select(GpuPool.name).order_by(GpuPool.name))))
 
