@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import shlex
 import sys
 import time
@@ -28,7 +29,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
 
 from airflow_elastic_gpu.backends.base import BackendError, start_job
 from airflow_elastic_gpu.backends.local import LOCAL_NODE
@@ -62,8 +64,28 @@ CLI_RECONNECT_DEADLINE_S = 10.0
 """A command gives up on an unreachable database after this long (agents and triggers wait longer)."""
 
 
-def _broker(args: argparse.Namespace) -> GpuBroker:
-    return GpuBroker(args.broker_url or default_broker_url(), reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S)
+def _broker(args: argparse.Namespace, *, existing: bool = False) -> GpuBroker:
+    """The broker of ``--broker-url`` (else the configured one).
+
+    :param existing: a command that only reads or changes what is there (``jobs``, ``status``,
+        ``cancel``, ``nodes list``, ``cleanup``): a SQLite file that does not exist is an error, not
+        a new, empty broker (a mistyped ``$AIRFLOW_HOME`` showed an empty pool and said nothing).
+    :raises NotFound: ``existing`` and no such SQLite file.
+    """
+    url = args.broker_url or default_broker_url()
+    try:
+        parsed = make_url(url)
+    except ArgumentError:  # GpuBroker names the problem
+        parsed = None
+    if (existing and parsed is not None and parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:")
+            and not parsed.database.startswith("file:") and not Path(parsed.database).expanduser().exists()):
+        hint = ("" if os.environ.get("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT") is None else
+                "; the elastic_gpu_default connection in the environment is read by Airflow's tasks, "
+                "not by this command: give its URL with --broker-url")
+        raise NotFound(f"no broker database at {parsed.database}: nothing has used this broker yet (check "
+                       f"$AIRFLOW_HOME, --broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url"
+                       f"{hint})")
+    return GpuBroker(url, reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S)
 
 
 def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
@@ -74,7 +96,7 @@ def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
-    broker = _broker(args)
+    broker = _broker(args, existing=args.action in ("list", "drain", "uncordon", "remove"))
     args.pool_given = args.pool is not None
     args.name_given = args.name is not None
     if args.name is None:
@@ -197,7 +219,7 @@ def _known_pool(broker: GpuBroker, pool: str | None) -> None:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     _say_where(args)
-    broker = _broker(args)
+    broker = _broker(args, existing=True)
     _known_pool(broker, args.pool)
     console.print(jobs_table(broker.jobs(args.pool, active_only=args.active)))
     return 0
@@ -205,7 +227,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     _say_where(args)
-    broker = _broker(args)
+    broker = _broker(args, existing=True)
     _known_pool(broker, args.pool)
     if not args.watch:
         console.print(snapshot_view(broker.snapshot(args.pool)))
@@ -220,7 +242,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    broker = _broker(args)
+    broker = _broker(args, existing=True)
     job = broker.cancel(_job_id(broker, args.job_id), args.reason)
     console.print(f"job {job.id} is {job.status.value}")
     return 0

@@ -33,7 +33,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
     work_dir = Path(args.work_dir).expanduser() if args.work_dir else default_work_dir()
     _say_where(args, work_dir)
-    found = local_cleanup.leftovers(_broker(args), work_dir, args.older_than * 86400.0)
+    found = local_cleanup.leftovers(_broker(args, existing=True), work_dir, args.older_than * 86400.0)
     if not found:
         console.print(f"nothing to remove: no directory under {escape(str(work_dir))} belongs to a job "
                       f"that ended {args.older_than:g} or more days ago")

@@ -140,7 +140,7 @@ def test_progress_rejects_impossible_steps(broker, step):
     (["pool", "--param", "hysteresis"], "NAME=VALUE"),
     (["pool", "--policy", "fifo"], "unknown scheduling policy 'fifo'"),
     (["pool", "--param", "name=1"], "bad parameters for policy 'adaptive': unknown 'name'"),
-    (["pool", "--param", "hysteresis=abc"], "the value of hysteresis must be a number, true or false, got 'abc'"),
+    (["pool", "--param", "hysteresis=abc"], "the value of hysteresis must be a finite number, true or false, got 'abc'"),
     (["status", "--pool", "nosuch"], "unknown GPU pool 'nosuch'; known pools: default"),
     (["jobs", "--pool", "nosuch"], "unknown GPU pool 'nosuch'"),
     (["run-local", "--total-steps", "10"], "command"),

@@ -258,3 +258,22 @@ def test_a_pool_holding_parameters_its_policy_does_not_take_is_repaired_by_the_n
     assert "dropping parameters that policy 'static' does not take: hysteresis" in capsys.readouterr().err
     assert broker.pool_settings() == ("static", {})
     broker.engine.dispose()
+
+
+def test_reading_commands_do_not_make_an_empty_broker_where_there_is_none(tmp_path, monkeypatch, capsys):
+    """A mistyped $AIRFLOW_HOME: `jobs` showed an empty table (a new SQLite file made on the spot)
+    and said nothing; it names the missing database instead, and makes none."""
+    from airflow_elastic_gpu.cli import main
+
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "airflw"))
+    monkeypatch.delenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", raising=False)
+    monkeypatch.delenv("AIRFLOW__ELASTIC_GPU__BROKER_URL", raising=False)
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", "postgresql://somewhere/broker")
+    for argv in (["jobs"], ["status"], ["nodes"], ["cancel", "abc"], ["cleanup", "--older-than", "1"]):
+        assert main(argv) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"no broker database at {tmp_path / 'airflw' / 'elastic_gpu_broker.db'}" in err
+        assert "elastic_gpu_default connection in the environment is read by Airflow's tasks" in err
+    assert not (tmp_path / "airflw" / "elastic_gpu_broker.db").exists()
+    assert main(["nodes", "add", "n0", "--gpus", "1"]) == 0  # a command that registers makes it
+    assert main(["jobs"]) == 0
