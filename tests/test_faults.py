@@ -79,6 +79,24 @@ def test_killed_agent_restarted_in_time_resumes_the_job(setup):
     assert held_by(broker, job.id) == []
 
 
+def test_agent_and_launcher_killed_together_leave_no_second_trainer_when_the_job_is_started_again(setup):
+    """Agent and launcher killed at once (an OOM kill of the slot): the trainer runs on in its own
+    session. Starting the job again (a supervisor, a retry) kills it before the new launcher starts
+    one on the same GPUs and checkpoint."""
+    broker, backend, start = setup
+    job, handle = start("relaunched", 100_000)
+    wait_for(lambda: broker.job(job.id).steps_done >= 5, 60, "progress")
+    old_trainer = int(protocol.read_json(handle.job_dir / protocol.STATUS)["pid"])
+    for pid in (handle.agent_pid, handle.launcher_pid):
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not protocol.pid_alive(handle.launcher_pid), 10, "the launcher to die")
+    assert protocol.pid_alive(old_trainer)
+    backend.start(job)
+    assert not protocol.pid_alive(old_trainer)
+    again = backend.handle(job.id)
+    assert again.launcher_pid != handle.launcher_pid
+
+
 def test_killed_agent_whose_lease_expires_is_lost_and_its_gpus_reclaimed(setup):
     broker, backend, start = setup
     broker.configure_pool(lease_s=2.0)

@@ -310,8 +310,12 @@ class LocalBackend:
             launcher_pid, node_pids = existing.launcher_pid, existing.node_pids
         else:
             if existing is not None:  # part of a gang is gone: start the whole gang again
-                for pid in existing.launcher_pids:
-                    _kill_group(pid)
+                # its trainers and their workers too (sessions of their own: a launcher's group
+                # misses them), else the new trainers would share GPUs and a checkpoint with them
+                killed = self._kill_processes(existing)
+                gone_by = time.monotonic() + 2.0  # SIGKILLed processes vanish within milliseconds
+                while any(map(protocol.pid_alive, killed)) and time.monotonic() < gone_by:
+                    time.sleep(0.01)
             launcher_pid, node_pids = self._start_launchers(job, job_dir, env)
         pids = [pid for _, pid in node_pids] or [launcher_pid]
         agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job.id,
@@ -411,17 +415,23 @@ class LocalBackend:
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and any(map(protocol.pid_alive, h.launcher_pids)):
             time.sleep(0.2)
+        self._report_stopped(job_id, self._kill_processes(h))
+        if succeeded:
+            self._keep_checkpoints_of_a_success(job_id)
+
+    @staticmethod
+    def _kill_processes(h: LocalHandle) -> list[int]:
+        """SIGKILL every process of the job left: its launchers' and agent's groups, its trainers'
+        and their workers in sessions of their own (recorded in each launcher's ``status.json``);
+        the pids signalled."""
         statuses = [protocol.read_json(d / protocol.STATUS) or {} for d in h.launcher_dirs()]
         pids = [int(p) for p in (*h.launcher_pids, h.agent_pid, *(s.get("pid") for s in statuses)) if p]
         for pid in pids:
             if protocol.pid_alive(pid):
                 _kill_group(pid)
-        # workers that run in their own sessions (torchrun's), recorded by the launcher
         workers = [int(p) for s in statuses for p in s.get("workers") or []]
         protocol.signal_processes([p for p in workers if protocol.pid_alive(p)], signal.SIGKILL)
-        self._report_stopped(job_id, pids + workers)
-        if succeeded:
-            self._keep_checkpoints_of_a_success(job_id)
+        return pids + workers
 
     def _report_stopped(self, job_id: str, pids: list[int]) -> None:
         """Once every process of an ended job (cancelled: the broker holds its GPUs until its

@@ -147,8 +147,13 @@ class Agent(EndReports):
         return protocol.read_json(self.dir / protocol.STATUS) or {}
 
     def _launcher_gone(self) -> int | None:
-        """The pid of a launcher that is no longer alive, if any."""
-        return next((p for p in self.launcher_pids if not protocol.pid_alive(p)), None)
+        """The pid of a launcher that is no longer alive without having reported its trainer's exit,
+        if any (a gang's node whose trainer exited before the others' is not gone: the job ends once
+        every node's has)."""
+        statuses = (self.gang.statuses().values() if self.gang is not None
+                    else [protocol.read_json(self.dir / protocol.STATUS) or {}])
+        exited = {s.get("launcher_pid") for s in statuses if s.get("state") == protocol.EXITED}
+        return next((p for p in self.launcher_pids if not protocol.pid_alive(p) and p not in exited), None)
 
     def terminate(self) -> None:
         """End :meth:`run` at its next poll (SIGTERM); a trainer exit already written is still reported."""
@@ -229,10 +234,16 @@ class Agent(EndReports):
                 # no launcher to stop it: kill the orphaned trainer and its workers before the GPUs
                 # are released, so nothing runs on GPUs the broker hands to another job (a gang:
                 # every node's, and the other launchers are told to stop)
-                orphans = [p for p in [status.get("pid"), *(status.get("workers") or [])] if p]
-                protocol.signal_processes([int(p) for p in orphans], signal.SIGKILL)
-                if self.gang is not None:
-                    self._stopped("a launcher of the gang died")
+                orphans = [int(p) for p in [status.get("pid"), *(status.get("workers") or [])] if p]
+                protocol.signal_processes(orphans, signal.SIGKILL)
+                killed_by = time.monotonic() + 2.0  # a SIGKILLed process vanishes within milliseconds
+                while any(map(protocol.pid_alive, orphans)) and time.monotonic() < killed_by:
+                    time.sleep(0.01)
+                if any(map(protocol.pid_alive, orphans)) or (
+                        self.gang is not None and not self._stopped("a launcher of the gang died")):
+                    # a trainer still runs: its GPUs must not be freed, the lease ends the job
+                    log.error("the dead launcher's trainer did not stop: the broker's lease will end the job")
+                    return 1
                 reason = self._with_tail(f"the launcher (pid {gone}) died without reporting "
                                          "an exit; its trainer was killed")
                 self._report_end("fail", functools.partial(self.broker.fail, self.job_id, reason, **self._node_kw))

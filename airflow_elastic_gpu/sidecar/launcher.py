@@ -157,13 +157,25 @@ class Launcher:
                 "workers": self.tree,
                 "fences": self.fences,
                 "fenced_s": self.fenced_s,
+                "launcher_pid": os.getpid(),
                 "time_s": time.time(),
             },
         )
 
     def _note(self, message: str) -> None:
-        with open(self.dir / protocol.LOG, "a") as f:
-            f.write(protocol.launcher_line(message))
+        self._append(protocol.launcher_line(message))
+
+    def _append(self, line: str) -> None:
+        """Append one of the launcher's lines to the log, on a line of its own: a trainer killed in
+        the middle of a line (or whose last line has no newline: its final metrics) would otherwise
+        have the launcher's line glued to it, and neither would parse."""
+        path = self.dir / protocol.LOG
+        with open(path, "a+b") as f:
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write(line.encode())
 
     # -- trainer
     def _start(self, desired: dict) -> None:
@@ -181,8 +193,7 @@ class Launcher:
         )
         env.setdefault("OMP_NUM_THREADS", "1")
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / protocol.LOG, "a") as f:
-            f.write(protocol.generation_line(self.generation, f"on GPUs {gpus}: {shlex.join(argv)}"))
+        self._append(protocol.generation_line(self.generation, f"on GPUs {gpus}: {shlex.join(argv)}"))
         log = open(self.dir / protocol.LOG, "ab")
         try:
             self.proc = subprocess.Popen(
@@ -204,8 +215,13 @@ class Launcher:
         if periods is not None:
             grace_s = max(0.0, min(grace_s, periods.kill_s - self.lease.age_s(time.time(), time.monotonic())))
         proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return None if proc is None else proc.returncode
+        if proc is None:
+            return None
+        if proc.poll() is not None:
+            # it exited by itself (a crash, a SIGKILL): workers in sessions of their own may live
+            # on, on the GPUs the next generation frees
+            self._kill_workers()
+            return proc.returncode
         self._status(protocol.STOPPING)
         self._note(f"stopping trainer (pid {proc.pid}): SIGTERM, {grace_s:.1f}s grace")
         tree = sorted(set(self.tree) | set(protocol.descendants(proc.pid)))  # workers in their own sessions
@@ -222,12 +238,19 @@ class Launcher:
         while any(protocol.pid_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
         _signal_group(proc.pid, signal.SIGKILL)  # stray workers of the group
-        protocol.signal_processes([p for p in tree if protocol.pid_alive(p)], signal.SIGKILL)
-        killed_by = time.monotonic() + 2.0  # SIGKILLed processes vanish within milliseconds
+        self.tree = tree
+        self._kill_workers()
+        return proc.returncode
+
+    def _kill_workers(self) -> None:
+        """SIGKILL the trainer's recorded workers that are still alive and wait (2 s at most: a
+        SIGKILLed process vanishes within milliseconds) for them to be gone; forget them."""
+        tree = [p for p in self.tree if protocol.pid_alive(p)]
+        protocol.signal_processes(tree, signal.SIGKILL)
+        killed_by = time.monotonic() + 2.0
         while any(protocol.pid_alive(p) for p in tree) and time.monotonic() < killed_by:
             time.sleep(0.01)
         self.tree = []
-        return proc.returncode
 
     def _fence(self, reason: str) -> None:
         """Stop the trainer because its lease is stale: SIGTERM now, SIGKILL of every process left
@@ -261,6 +284,14 @@ class Launcher:
     def _run(self) -> int:
         self._status(protocol.STARTING)
         while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                # first: an exit that happened is reported, even if a new generation, a suspension
+                # or a stop came meanwhile (restarting it would hide a success or a failure)
+                self._kill_workers()
+                code = self.proc.returncode
+                self._note(f"trainer exited with code {code}")
+                self._status(protocol.EXITED, code)
+                return code if code >= 0 else 128 - code
             if self._terminated.is_set():
                 self._stop()
                 self._status(protocol.STOPPED)
@@ -288,6 +319,16 @@ class Launcher:
             if fence is None and (gen > self.generation or resume) and desired.get("gpus"):
                 if (self.proc is not None and self._stop() is not None) or self.fenced:
                     self.restarts += 1
+                if (late := self._check_lease()) is not None:
+                    # contact was lost during the stop (a grace period): no new trainer without a lease
+                    self.proc = None
+                    if not self.fenced:
+                        self.fences += 1
+                        self.fenced = True
+                        self.fenced_s = time.time()
+                    self._note(f"not starting generation {gen}: {late}")
+                    self._status(protocol.FENCED)
+                    continue
                 if self.fenced:
                     self._note(f"contact with the broker is back: restarting the fenced trainer "
                                f"on generation {gen}")
@@ -307,12 +348,6 @@ class Launcher:
                 if tree and tree != self.tree:  # kept in status.json so a stop from outside finds them
                     self.tree = tree
                     self._status(protocol.RUNNING)
-            if self.proc is not None and self.proc.poll() is not None:
-                protocol.signal_processes([p for p in self.tree if protocol.pid_alive(p)], signal.SIGKILL)
-                code = self.proc.returncode
-                self._note(f"trainer exited with code {code}")
-                self._status(protocol.EXITED, code)
-                return code if code >= 0 else 128 - code
             time.sleep(self.poll_s)
 
     def _suspend(self, generation: int) -> None:

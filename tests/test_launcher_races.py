@@ -1,0 +1,161 @@
+"""The launcher where its trainer's exit meets the broker's next instruction: an exit is reported
+before a new generation, a suspension or a stop is acted on; workers of a trainer that died are
+killed before anything runs on its GPUs again; no trainer starts on a lease that went stale
+during a stop; the launcher's lines never glue onto a trainer's unfinished one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_sidecar import wait_for
+
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.launcher import Launcher
+from airflow_elastic_gpu.sidecar.logparse import LogParser
+
+
+def status(shared: Path) -> dict:
+    return protocol.read_json(shared / protocol.STATUS) or {}
+
+
+@pytest.mark.parametrize("next_desired", [
+    {"generation": 2, "gpus": [0, 1], "stop": False},  # a resize
+    {"generation": 2, "gpus": [], "stop": False},  # a suspension
+    {"generation": 1, "gpus": [0], "stop": True},  # a stop
+])
+@pytest.mark.parametrize("code", [0, 3])
+def test_an_exit_that_happened_is_reported_whatever_came_next(tmp_path, next_desired, code):
+    """The trainer exits while the broker's next instruction arrives within the same poll: the
+    exit is reported (a success was restarted from its checkpoint, or hidden until a resume; a
+    failure was retried unannounced)."""
+    shared = tmp_path / "job"
+    shared.mkdir()
+    launcher = Launcher(shared, f"{sys.executable} -c 'import sys; sys.exit({code})'", grace_s=2.0, poll_s=0.05)
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    launcher.generation = 1
+    launcher._start(protocol.read_json(shared / protocol.DESIRED))
+    launcher.proc.wait(30)  # it has exited; the launcher has not looked yet
+    protocol.write_json(shared / protocol.DESIRED, next_desired)
+    assert launcher._run() == code
+    assert status(shared)["state"] == protocol.EXITED and status(shared)["exit_code"] == code
+    assert launcher.restarts == 0
+
+
+def test_workers_of_a_trainer_that_died_are_killed_before_its_gpus_are_used_again(tmp_path):
+    """torchrun killed (a SIGKILL, a segfault) leaves its workers, each in a session of its own:
+    stopping the dead trainer for a resize still kills them."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
+    shared = tmp_path / "job"
+    shared.mkdir()
+    launcher = Launcher(shared, "true", grace_s=2.0, poll_s=0.05)
+    launcher.proc = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, {str(worker)!r}], start_new_session=True)"])
+    launcher.proc.wait(30)
+    orphan = wait_for(lambda: next((p for p in _pids_running(worker)), None), 10, "the worker to run")
+    launcher.tree = [orphan]
+    assert launcher._stop() == 0
+    wait_for(lambda: not protocol.pid_alive(orphan), 5, "the orphaned worker to be killed")
+    assert launcher.tree == []
+
+
+def _pids_running(script: Path) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(script).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_no_trainer_starts_on_a_lease_that_went_stale_during_the_stop(tmp_path):
+    """Contact is lost while the old trainer checkpoints (its grace period): the next generation
+    waits, fenced, until contact is back, instead of starting on GPUs the broker may reuse."""
+    shared = tmp_path / "job"
+    shared.mkdir()
+    trainer = tmp_path / "slow_stop.py"
+    trainer.write_text("import signal, sys, time\n"
+                       "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0)))\n"
+                       "while True:\n    time.sleep(0.05)\n")
+    launcher = Launcher(shared, f"{sys.executable} {trainer}", grace_s=5.0, poll_s=0.05)
+    lease = {"contact_s": time.time(), "lease_s": 6.0, "fence_s": 1.2, "kill_s": 5.0, "generation": 1,
+             "status": "running", "agent_pid": None}
+    protocol.write_json(shared / protocol.LEASE, lease)
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    done: list[int] = []
+    runner = threading.Thread(target=lambda: done.append(launcher._run()), daemon=True)
+    runner.start()
+    try:
+        wait_for(lambda: status(shared).get("state") == protocol.RUNNING, 30, "generation 1 to run")
+        first = status(shared)["pid"]
+        # the last contact: the new generation; the stop takes 1.5 s, past the fence at 1.2 s
+        protocol.write_json(shared / protocol.LEASE, {**lease, "contact_s": time.time(), "generation": 2})
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [0, 1], "stop": False})
+        wait_for(lambda: status(shared).get("state") == protocol.FENCED, 30, "the launcher to fence")
+        assert not protocol.pid_alive(first) and status(shared)["pid"] is None
+        assert "not starting generation 2" in (shared / protocol.LOG).read_text()
+        protocol.write_json(shared / protocol.LEASE, {**lease, "contact_s": time.time(), "generation": 2})
+        wait_for(lambda: status(shared).get("state") == protocol.RUNNING and status(shared)["generation"] == 2,
+                 30, "generation 2 to start once contact is back")
+    finally:
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [0, 1], "stop": True})
+        runner.join(30)
+
+
+def test_a_launcher_line_never_glues_onto_a_trainers_unfinished_line(tmp_path):
+    """A trainer killed mid-line, or whose final metrics line has no newline: the launcher's next
+    line starts on a line of its own, so the new generation's progress and the metrics still parse."""
+    shared = tmp_path / "job"
+    shared.mkdir()
+    trainer = tmp_path / "t.py"
+    trainer.write_text("import json, os, sys\n"
+                       "gen = int(os.environ['ELASTIC_GENERATION'])\n"
+                       "print(json.dumps({'step': 5 * gen}), flush=True)\n"
+                       "sys.stdout.write(json.dumps({'final': True, 'accuracy': 0.9}) if gen == 2 else '{\"st')\n")
+    launcher = Launcher(shared, f"{sys.executable} {trainer}", grace_s=2.0, poll_s=0.05)
+    launcher.generation = 1
+    launcher._start({"generation": 1, "gpus": [0]})
+    launcher.proc.wait(30)
+    launcher.proc = None  # as if stopped for the resize mid-line
+    launcher.generation = 2
+    launcher._start({"generation": 2, "gpus": [0, 1]})
+    launcher.proc.wait(30)
+    launcher._note("trainer exited with code 0")
+    parser = LogParser()
+    samples = list(parser.read(shared / protocol.LOG))
+    assert samples == [(1, 5.0), (2, 10.0)] and parser.metrics == {"final": True, "accuracy": 0.9}
+    assert '{"st\n' in (shared / protocol.LOG).read_text()  # the cut line ends where it was cut
+
+
+def test_a_gang_node_whose_trainer_finished_first_is_not_a_dead_launcher(tmp_path):
+    """A local gang: one node's trainer exits 0 (its launcher with it) while rank 0 still evaluates.
+    That launcher reported its exit: the agent waits for the rest of the gang instead of killing
+    rank 0 and failing the job ("the launcher died without reporting an exit")."""
+    from test_sidecar import MovedOnBroker
+
+    from airflow_elastic_gpu.sidecar.agent import Agent
+
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait(30)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        shared = tmp_path / "job"
+        for node, pid, state in (("node-a", alive.pid, protocol.RUNNING), ("node-b", finished.pid, protocol.EXITED)):
+            d = shared / protocol.NODES / node
+            d.mkdir(parents=True)
+            protocol.write_json(d / protocol.STATUS, {"generation": 1, "state": state, "exit_code": 0,
+                                                      "launcher_pid": pid})
+        agent = Agent(MovedOnBroker(1), "j", shared, launcher_pid=[alive.pid, finished.pid])
+        assert agent._launcher_gone() is None
+        protocol.write_json(shared / protocol.NODES / "node-b" / protocol.STATUS,
+                            {"generation": 1, "state": protocol.RUNNING, "launcher_pid": finished.pid})
+        assert agent._launcher_gone() == finished.pid  # dead without a word: that is a dead launcher
+    finally:
+        alive.kill()
+        alive.wait(5)
