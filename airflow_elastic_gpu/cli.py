@@ -114,8 +114,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             check_host_not_in_another_pool(broker, args.pool)
         broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type)
     elif args.action == "kube-sync":
-        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
-        from kubernetes.config.config_exception import ConfigException
+        try:
+            from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+            from kubernetes.config.config_exception import ConfigException
+        except ImportError as exc:
+            raise BackendError(f"kube-sync needs Airflow's Kubernetes provider ({exc}): "
+                               "pip install 'airflow-elastic-gpu[airflow]'") from None
 
         from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
 
@@ -348,10 +352,14 @@ def cmd_run_local(args: argparse.Namespace) -> int:
 def cmd_broker(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import uvicorn
+    try:
+        import uvicorn
 
-    from airflow_elastic_gpu.broker.api import check_bind_address, create_app
-    from airflow_elastic_gpu.broker.api_guards import ApiLimits
+        from airflow_elastic_gpu.broker.api import check_bind_address, create_app
+        from airflow_elastic_gpu.broker.api_guards import ApiLimits
+    except ImportError as exc:
+        raise BackendError(f"the broker server needs the api extra ({exc}): "
+                           "pip install 'airflow-elastic-gpu[api]'") from None
 
     ui_token = get_option("ui_token") or None
     check_bind_address(args.host, ui_token)

@@ -247,3 +247,23 @@ def test_run_local_leaves_the_words_of_its_command_alone(tmp_path, capsys):
     assert sorted(j.command for j in jobs) == ["true --max-gpu 2", "true --min_gpus -m"]
     for j in jobs:
         GpuBroker(url).cancel(j.id)
+
+
+@pytest.mark.parametrize(("argv", "blocked", "extra"), [
+    (["broker", "serve"], "uvicorn", "[api]"),
+    (["nodes", "kube-sync"], "airflow.providers.cncf.kubernetes.hooks.kubernetes", "[airflow]"),
+])
+def test_a_command_whose_extra_is_not_installed_names_the_extra(tmp_path, capsys, monkeypatch, argv, blocked, extra):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def missing(name, *args, **kwargs):
+        if name == blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", missing)
+    assert cli(["--broker-url", f"sqlite:///{tmp_path / 'b.db'}", *argv]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"pip install 'airflow-elastic-gpu{extra}'" in err and "Traceback" not in err
