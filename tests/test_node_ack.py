@@ -221,6 +221,9 @@ def test_a_node_s_clean_exit_without_metrics_keeps_the_gang_running_and_its_allo
     assert broker.target(job.id).generation == 1 and broker.job(other.id).status is JobStatus.QUEUED
     broker.finish(job.id, 0, None, node="node-c")
     assert broker.job(job.id).status is JobStatus.RUNNING
+    broker.register_node("node-d", 2)
+    broker.finish(job.id, 0, None, node="node-d")  # not one of the job's nodes: nothing recorded
+    assert [e.message for e in broker.events(job_id=job.id) if "node-d" in e.message] == []
     done = broker.finish(job.id, 0, {"accuracy": 0.9}, node="node-a")
     assert done.status is JobStatus.SUCCEEDED and done.metrics == {"accuracy": 0.9}
     assert done.in_use_gpus == () and done.target_gpus == ()  # every node's trainer had exited

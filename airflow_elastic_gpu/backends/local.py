@@ -316,6 +316,9 @@ class LocalBackend:
                 gone_by = time.monotonic() + 2.0  # SIGKILLed processes vanish within milliseconds
                 while any(map(protocol.pid_alive, killed)) and time.monotonic() < gone_by:
                     time.sleep(0.01)
+                if alive := [p for p in killed if protocol.pid_alive(p)]:
+                    raise BackendError(f"job {job.id}: its earlier processes {alive} survive SIGKILL (stuck in the "
+                                       "kernel?): not starting a second trainer on their GPUs")
             launcher_pid, node_pids = self._start_launchers(job, job_dir, env)
         pids = [pid for _, pid in node_pids] or [launcher_pid]
         agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job.id,

@@ -56,6 +56,21 @@ class DatabaseClock:
         return self._base + self._monotonic()
 
 
+class LazyBrokerClock:
+    """:func:`broker_clock` of ``engine``, looked up on the first call (inside the caller's
+    retried transaction), so that making a broker client does no I/O: an agent started while the
+    database is down retries like any call instead of failing at start."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._clock: Callable[[], float] | None = None
+
+    def __call__(self) -> float:
+        if self._clock is None:
+            self._clock = broker_clock(self._engine)
+        return self._clock()
+
+
 def broker_clock(engine: Engine) -> Callable[[], float]:
     """The clock a broker on ``engine`` counts time on: a :class:`DatabaseClock` on PostgreSQL
     (one per engine, made on first use; a skew over :data:`SKEW_WARNING_S` is logged), else the

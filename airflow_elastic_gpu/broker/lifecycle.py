@@ -452,7 +452,10 @@ class Lifecycle(Queries):
                     # a gang of pods: this node's trainer exited cleanly without the final metrics
                     # line; the trainer that prints it (global rank 0) may still run on another node
                     _, in_use = job_gpus(conn, job.id)
-                    waiting = sorted({g.node for g in in_use} - {*exited, node})
+                    nodes = {g.node for g in in_use}
+                    if node not in nodes and nodes:
+                        return  # a node the job no longer runs on (dropped): nothing of it to record
+                    waiting = sorted(nodes - {*exited, node})
                     if waiting:
                         if node not in exited:
                             update_job(conn, job.id, finished_nodes=sorted({*exited, node}))

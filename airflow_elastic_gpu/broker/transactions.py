@@ -25,7 +25,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from airflow_elastic_gpu.broker import db
-from airflow_elastic_gpu.broker.clock import broker_clock
+from airflow_elastic_gpu.broker.clock import LazyBrokerClock
 from airflow_elastic_gpu.broker.models import GpuPool, Job
 from airflow_elastic_gpu.broker.rows import Executor, add_event, unknown_pool
 from airflow_elastic_gpu.broker.types import InvalidRequest, NotFound
@@ -123,7 +123,8 @@ class BrokerBase:
         # transaction. SQLite keeps its transactions.
         self._autocommit = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
                         if self.engine.dialect.name == "postgresql" else self.engine)
-        self.clock: Callable[[], float] = clock or self._retrying(lambda: broker_clock(self.engine))
+        self.clock: Callable[[], float] = clock or (
+            LazyBrokerClock(self.engine) if self.engine.dialect.name == "postgresql" else time.time)
         if migrate:
             self._retrying(lambda: db.ensure_schema(self.engine))
 
