@@ -1,0 +1,113 @@
+"""``airflow-elastic-gpu nodes``: list a broker's nodes; add, detect, kube-sync, drain, uncordon or
+remove one."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from airflow_elastic_gpu.backends.base import BackendError
+from airflow_elastic_gpu.backends.local import LOCAL_NODE
+from airflow_elastic_gpu.broker.types import NotFound
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    from airflow_elastic_gpu.cli import _broker, _known_pool, console, default_pool
+
+    broker = _broker(args, existing=args.action in ("list", "drain", "uncordon", "remove"))
+    args.pool_given = args.pool is not None
+    args.name_given = args.name is not None
+    if args.name is None:
+        args.name = LOCAL_NODE
+    if args.pool is None:
+        args.pool = default_pool()
+    if args.action == "list" and args.pool_given:
+        _known_pool(broker, args.pool)
+    if args.action == "add":
+        if args.gpus is None:
+            raise ValueError(f"`nodes add {args.name}` needs --gpus N (the node's GPU count)")
+        if args.name == LOCAL_NODE:
+            from airflow_elastic_gpu.backends.local import check_host_not_in_another_pool
+
+            check_host_not_in_another_pool(broker, args.pool)
+        broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type)
+    elif args.action == "kube-sync":
+        try:
+            from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+            from kubernetes.config.config_exception import ConfigException
+        except ImportError as exc:
+            raise BackendError(f"kube-sync needs Airflow's Kubernetes provider ({exc}): "
+                               "pip install 'airflow-elastic-gpu[airflow]'") from None
+
+        from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
+
+        try:
+            core_v1 = KubernetesHook(conn_id=args.kubernetes_conn_id).core_v1_client
+        except ConfigException as exc:  # no kube-config, no in-cluster service account
+            raise BackendError(f"no Kubernetes cluster to read through connection {args.kubernetes_conn_id!r}: "
+                               f"{exc} (set the connection's kube_config_path, or run in the cluster)") from None
+        names = register_nodes_from_cluster(broker, core_v1, pool=args.pool, label_selector=args.label_selector)
+        console.print(f"registered {len(names)} GPU node(s) of the cluster in pool {escape(repr(args.pool))}")
+    elif args.action in ("drain", "uncordon", "remove"):
+        if not args.name_given:
+            raise ValueError(f"`nodes {args.action}` needs the node's NAME (see `nodes list`)")
+        if not args.pool_given:  # a node name is in one pool only: its own
+            pools = [n.pool for n in broker.nodes() if n.name == args.name]
+            if not pools:
+                raise NotFound(f"unknown node {args.name!r} (`nodes list` shows the nodes of every pool)")
+            args.pool = pools[0]
+        if args.action == "remove":
+            broker.remove_node(args.name, pool=args.pool)
+            console.print(f"removed node {escape(repr(args.name))} from pool {escape(repr(args.pool))}")
+        else:
+            broker.set_node_schedulable(args.name, args.action == "uncordon", pool=args.pool)
+    elif args.action == "detect":
+        from airflow_elastic_gpu.backends.local import check_host_not_in_another_pool, detect_gpus
+
+        check_host_not_in_another_pool(broker, args.pool)
+        found = detect_gpus(args.virtual_gpus)
+        broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type,
+                             gpu_indices=found.indices)
+    table = Table(title="nodes")
+    for col in ("pool", "node", "schedulable", "GPUs", "type", "in use"):
+        table.add_column(col)
+    # list: the pool named with --pool, else every pool; add/detect/kube-sync: every pool (the new
+    # node among them)
+    for n in broker.nodes(args.pool if args.action == "list" and args.pool_given else None):
+        table.add_row(Text(n.pool), Text(n.name), "yes" if n.schedulable else "no", str(len(n.gpus)),
+                      Text(n.gpus[0].gpu_type) if n.gpus else "-",
+                      str(sum(g.in_use_by is not None for g in n.gpus)))
+    console.print(table)
+    return 0
+
+
+def add_nodes_command(sub: argparse._SubParsersAction) -> None:
+    """Add ``nodes`` to the CLI's subcommands."""
+    from airflow_elastic_gpu.cli import POOL_DEFAULT
+
+    p = sub.add_parser("nodes", help="list nodes; add one; detect this host's GPUs; or register a Kubernetes "
+                                     "cluster's GPU nodes")
+    p.add_argument("action", nargs="?", choices=["list", "add", "detect", "kube-sync", "drain", "uncordon", "remove"],
+                   default="list",
+                   help="list (default): the nodes and their GPUs; add NAME --gpus N: register a node; "
+                        "detect: register this host's GPUs (nvidia-smi, else --virtual-gpus); kube-sync: "
+                        "register the Kubernetes cluster's GPU nodes (GPU feature discovery labels); "
+                        "drain NAME: no new GPUs of the node to any job, its jobs moved off it; uncordon "
+                        "NAME: schedulable again; remove NAME: take a drained node whose GPUs are free out "
+                        "of its pool (to retire it, or register it in another pool)")
+    p.add_argument("--kubernetes-conn-id", default="kubernetes_default",
+                   help="Airflow connection of the cluster (kube-sync; default kubernetes_default)")
+    p.add_argument("--label-selector", default="nvidia.com/gpu.present=true",
+                   help="which of the cluster's nodes have GPUs (kube-sync; default nvidia.com/gpu.present=true)")
+    p.add_argument("name", nargs="?", default=None,
+                   help=f"node name (add: default {LOCAL_NODE!r}; drain, uncordon, remove: required)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
+    p.add_argument("--gpu-type", default="virtual", help="GPU model, e.g. \"NVIDIA H100\" (add; default virtual)")
+    p.add_argument("--virtual-gpus", type=int, default=None, help="virtual GPUs when none is found (detect)")
+    p.add_argument("--pool", default=None,
+                   help=f"add/detect/kube-sync/drain/uncordon/remove: the nodes' GPU pool (default {POOL_DEFAULT}); "
+                        "list: only this pool's nodes (default every pool)")
+    p.set_defaults(fn=cmd_nodes)
