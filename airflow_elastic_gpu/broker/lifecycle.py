@@ -33,6 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
+from airflow_elastic_gpu.broker.endings import Endings
 from airflow_elastic_gpu.broker.models import (
     Gpu,
     GpuInUse,
@@ -43,7 +44,6 @@ from airflow_elastic_gpu.broker.models import (
     NodeAck,
     ProgressSample,
 )
-from airflow_elastic_gpu.broker.queries import Queries
 from airflow_elastic_gpu.broker.rows import (
     JOB_COLUMNS,
     PENDING_OF_POOL,
@@ -51,8 +51,6 @@ from airflow_elastic_gpu.broker.rows import (
     book_changes,
     book_of,
     job_gpus,
-    lock_book,
-    read_job,
     update_job,
 )
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
@@ -138,7 +136,6 @@ _ADD_NODE_ACK = insert(NodeAck)
 _NODES_ACKED = select(NodeAck.node).where(NodeAck.job_id == bindparam("job_id"),
                                           NodeAck.generation == bindparam("generation"))
 _FORGET_NODE_ACKS = delete(NodeAck).where(NodeAck.job_id == bindparam("job_id"))
-_NODE_OF_POOL = select(Node.id).where(Node.pool == bindparam("pool"), Node.name == bindparam("node"))
 _TARGET_TO_IN_USE = insert(GpuInUse).from_select(
     ["gpu_id", "job_id", "generation"],
     select(GpuTarget.gpu_id, GpuTarget.job_id, bindparam("generation", type_=Integer))
@@ -146,20 +143,8 @@ _TARGET_TO_IN_USE = insert(GpuInUse).from_select(
 )
 
 
-class Lifecycle(Queries):
+class Lifecycle(Endings):
     """Job calls of :class:`~airflow_elastic_gpu.broker.service.GpuBroker`."""
-
-    def _locked_job(self, conn: Connection, job_id: str) -> Any:
-        job = read_job(conn, job_id, lock=True)
-        if job is None:
-            raise NotFound(f"unknown job {job_id!r}")
-        return job
-
-    def _locked_book(self, conn: Connection, job_id: str) -> Any:
-        job = lock_book(conn, job_id)
-        if job is None:
-            raise NotFound(f"unknown job {job_id!r}")
-        return job
 
     # ------------------------------------------------------------------ submit
 
@@ -431,85 +416,3 @@ class Lifecycle(Queries):
                 return True
 
         return self._retrying(run)
-
-    # ------------------------------------------------------------------ the end
-
-    def _end(self, job_id: str, status: JobStatus, reason: str | None, exit_code: int | None,
-             metrics: dict[str, Any] | None, *, hold: bool = False, node: str | None = None) -> JobView:
-        def run() -> None:
-            with self.engine.begin() as conn:
-                job = self._locked_book(conn, job_id)
-                if node is not None and conn.execute(_NODE_OF_POOL, {"pool": job.pool, "node": node}).first() is None:
-                    raise InvalidRequest(f"node {node!r} is not a node of GPU pool {job.pool!r}")
-                where = "its trainer stopped" if node is None else f"its trainer on node {node} stopped"
-                if JobStatus(job.status) in TERMINAL:
-                    # the agent's report of a trainer that stopped after its job ended (cancelled)
-                    if not hold and self._release_held(conn, job, f"{where} ({reason})", node):
-                        self._ask_rebalance(conn, job.pool, self._due(job, added=1))
-                    return
-                exited = list(job.finished_nodes or ())
-                if node is not None and status is JobStatus.SUCCEEDED and not metrics:
-                    # a gang of pods: this node's trainer exited cleanly without the final metrics
-                    # line; the trainer that prints it (global rank 0) may still run on another node
-                    _, in_use = job_gpus(conn, job.id)
-                    nodes = {g.node for g in in_use}
-                    if node not in nodes and nodes:
-                        return  # a node the job no longer runs on (dropped): nothing of it to record
-                    waiting = sorted(nodes - {*exited, node})
-                    if waiting:
-                        if node not in exited:
-                            update_job(conn, job.id, finished_nodes=sorted({*exited, node}))
-                            self._event(conn, job.pool, EventKind.FINISHING,
-                                        f"its trainer on node {node} exited cleanly; the job ends once "
-                                        f"{', '.join(waiting)} {'has' if len(waiting) == 1 else 'have'} too "
-                                        "or the final metrics come (its allocation is kept until then)", job.id)
-                        return
-                # a gang of pods: one node's agent reports; the other nodes' trainers may still
-                # run until their agents see the end, so their GPUs stay held until they report
-                self._release(conn, job, status, reason, exit_code, metrics, hold=hold or node is not None)
-                if node is not None and not hold:
-                    self._release_held(conn, job, f"{where} ({reason})", node)
-                for other in exited:  # nodes whose trainers exited cleanly earlier
-                    if other != node:
-                        self._release_held(conn, job, f"its trainer on node {other} had exited cleanly", other)
-                self._ask_rebalance(conn, job.pool, self._due(job, added=1))
-
-        self._retrying(run)
-        return self.job(job_id)
-
-    def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None, *,
-               node: str | None = None) -> JobView:
-        """The trainer exited with 0: SUCCEEDED, GPUs released. On an ended job it changes nothing
-        but frees the GPUs the job still holds (its trainer has stopped: see :meth:`cancel`).
-
-        :param node: as for :meth:`fail`: a gang of pods' node whose agent reports; the other
-            nodes' GPUs stay held until their agents report their trainers stopped. Without
-            ``metrics`` (that node's trainer is not the one that prints them), the job succeeds
-            only once every node it runs on has reported so; until then the node is recorded
-            (``finished_nodes``), the job runs on with its allocation fixed, and the view returned
-            is still RUNNING.
-        :raises InvalidRequest: ``node`` is not a node of the job's pool.
-        """
-        return self._end(job_id, JobStatus.SUCCEEDED, "trainer finished", exit_code, metrics, node=node)
-
-    def fail(self, job_id: str, reason: str, exit_code: int | None = None,
-             metrics: dict[str, Any] | None = None, *, node: str | None = None) -> JobView:
-        """The job cannot go on (``reason`` says why): FAILED, GPUs released. On an ended job: as
-        :meth:`finish`.
-
-        :param node: a job with one agent per node (a gang of pods): the node whose agent reports,
-            whose trainer has stopped. Only that node's GPUs are released; the other nodes' stay
-            out of every allocation until their agents report their trainers stopped (the same
-            call) or until no heartbeat came for the pool's ``lease_s``, as after :meth:`cancel`.
-            None: the whole job's trainers have stopped.
-        :raises InvalidRequest: ``node`` is not a node of the job's pool.
-        """
-        return self._end(job_id, JobStatus.FAILED, reason, exit_code, metrics, node=node)
-
-    def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobView:
-        """Stop the job: CANCELLED at once; its agent sees the status on its next heartbeat and
-        stops the trainer (SIGTERM, the grace period). Its GPUs stay out of every allocation until
-        the agent reports the trainer stopped (:meth:`fail` or :meth:`finish` on the ended job), or
-        until no heartbeat came for the pool's ``lease_s`` (the launcher has fenced the trainer
-        by then): no other job starts on a GPU the cancelled trainer may still use."""
-        return self._end(job_id, JobStatus.CANCELLED, reason, None, None, hold=True)
