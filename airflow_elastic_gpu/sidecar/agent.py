@@ -131,6 +131,8 @@ class Agent(EndReports):
         self.pod_generation = pod_generation
         self.host_node, self.moved_away = host_node, False
         self.dropped = False  # a gang's pod: the newest generation runs on other nodes only
+        self.clean_nodes: set[str] = set()  # a gang on this host: nodes whose clean exit was reported
+        self.unapplied = 0  # a finishing gang: the newest generation it did not apply (logged once)
         self.node, self.gang_domain, self.rendezvous_port = node, gang_domain, rendezvous_port
         self.newest_generation = 0  # the newest target generation the broker has answered
         self.terminating = threading.Event()
@@ -211,6 +213,8 @@ class Agent(EndReports):
                     acked = gen
             if status.get("state") == protocol.EXITED:
                 return self._report_exit(int(status.get("exit_code") or 0))
+            if self.gang is not None and contact and status.get("state") != protocol.STOPPED:
+                self._report_clean_nodes()
             if status.get("state") == protocol.STOPPED:
                 if self._replaced():
                     log.info("the launcher stopped: this pod is being replaced (%s)",
@@ -302,6 +306,15 @@ class Agent(EndReports):
     def _apply_gang(self, target: Target, written: int) -> int:
         """:meth:`_apply` for a gang: a newer generation goes to every node at once (a gang resize)."""
         assert self.gang is not None
+        if target.generation > written and (finished := self._finished_nodes()):
+            # the gang is finishing: a new generation would stop the trainers still running (rank
+            # 0 may be evaluating) and never run on the finished nodes; the broker keeps the
+            # allocation fixed once it has their reports, and frees the GPUs at the job's end
+            if target.generation > self.unapplied:
+                log.info("generation %d not applied: the trainer on %s exited cleanly, the gang is finishing",
+                         target.generation, ", ".join(finished))
+                self.unapplied = target.generation
+            return written
         if target.generation > written and (target.gpus or written > 0):  # no GPUs after some: suspended
             pairs = [(g.node, g.index) for g in target.gpus]
             try:

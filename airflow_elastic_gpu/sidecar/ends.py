@@ -33,6 +33,7 @@ class EndReports:
     parser: LogParser
     parsers: dict[str, LogParser]
     written: int
+    clean_nodes: set[str]
     poll_s: float
     stop_timeout_s: float
     end_report_timeout_s: float
@@ -69,6 +70,32 @@ class EndReports:
                 return False
             self.terminating.wait(self.poll_s)
         return False
+
+    def _finished_nodes(self) -> list[str]:
+        """A gang on this host: the nodes whose trainer exited with 0 (the others' may still run:
+        global rank 0 evaluates and prints the final metrics after the rest have ended)."""
+        assert self.gang is not None
+        return [n for n, s in self.gang.statuses().items()
+                if s.get("state") == protocol.EXITED and int(s.get("exit_code") or 0) == 0]
+
+    def _report_clean_nodes(self) -> None:
+        """A gang on this host whose trainer exited with 0 on some of its nodes but not on all:
+        each such node is reported once, as a gang of pods' agent reports its own (``finish``
+        naming the node, without metrics), so that the broker keeps the job's allocation fixed
+        (no resize, no suspension) until the job ends. Once every node has exited the job's end is
+        reported as one (:meth:`_report_exit`, with the metrics); a transient failure is retried
+        at the next poll."""
+        assert self.gang is not None
+        finished, using = self._finished_nodes(), self.gang.using()
+        if not set(using) - set(finished):
+            return  # the gang's end, reported whole at the next poll
+        for node in finished:
+            if node in self.clean_nodes:
+                continue
+            outcome, _ = self._call(f"report of node {node}'s clean exit", self.broker.finish,
+                                    self.job_id, 0, None, node=node)
+            if outcome is not Outcome.TRANSIENT:
+                self.clean_nodes.add(node)
 
     def _log_parser(self) -> LogParser:
         """The parser whose log tells the job's story: a gang's failed node, else the node whose

@@ -8,7 +8,9 @@ generation does not use are suspended), every launcher stops its trainer (SIGTER
 checkpoints) and the nodes in the generation restart it with the new ``nnodes``, ``node_rank``
 and rendezvous endpoint; the agent acks the generation only when every one of them runs it. One
 node's trainer failing, or one node's launcher dying, stops the whole gang and fails the job:
-half a job never runs on.
+half a job never runs on. A node whose trainer exits with 0 while another's still runs (global
+rank 0 evaluating) makes the gang *finishing*: the agent reports that node to the broker (which
+then keeps the allocation fixed) and publishes no newer generation until the job ends.
 
 The rendezvous: node rank 0 (the first node by name) hosts it; on one host (virtual nodes) the
 address is 127.0.0.1 and the port a free one picked for each generation. The trainer's global rank
@@ -102,6 +104,10 @@ class Gang:
     def desired(self, node: str) -> dict[str, Any]:
         return protocol.read_json(self.dirs[node] / protocol.DESIRED) or {}
 
+    def using(self) -> list[str]:
+        """The nodes the last generation written runs on (the others are suspended)."""
+        return [n for n in self.dirs if self.desired(n).get("gpus")]
+
     def publish(self, generation: int, gpus: list[tuple[str, int]]) -> dict[str, dict[str, Any]]:
         """Write ``generation`` to every node: its part of :func:`~.protocol.gang_plan`, or no GPUs
         (the node is suspended) where the generation does not use it. A generation with no GPUs
@@ -151,7 +157,7 @@ class Gang:
         ``pid`` and ``workers``: every node's trainer processes (to kill orphans).
         """
         statuses = self.statuses()
-        using = [n for n, d in self.dirs.items() if (protocol.read_json(d / protocol.DESIRED) or {}).get("gpus")]
+        using = self.using()
         pids = [s["pid"] for s in statuses.values() if s.get("pid")]
         workers = [w for s in statuses.values() for w in s.get("workers") or []]
         base = {"generation": generation, "pid": None, "workers": pids + workers,
