@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from test_gang import GANG_ARGS, STAND_IN_GANG_TRAINER, Sampler, gang_setup, launch, starts, wait
 
@@ -72,15 +71,17 @@ def test_a_finishing_gang_applies_no_newer_generation(tmp_path):
     """The broker published a generation before the finished node's report reached it: the agent
     does not hand it to the launchers (it would stop rank 0 and never run on the finished node)."""
     class Broker:
-        finished: list[str] = []
+        def __init__(self) -> None:
+            self.finished: list[str | None] = []
 
         def finish(self, job_id, exit_code=0, metrics=None, *, node=None):
-            Broker.finished.append(node)
+            self.finished.append(node)
 
     dirs = {n: tmp_path / protocol.NODES / n for n in ("localhost-0", "localhost-1")}
     for d in dirs.values():
         d.mkdir(parents=True)
-    agent = Agent(Broker(), "j", tmp_path, poll_s=0.05)
+    broker = Broker()
+    agent = Agent(broker, "j", tmp_path, poll_s=0.05)
     four = [("localhost-0", 0), ("localhost-0", 1), ("localhost-1", 0), ("localhost-1", 1)]
     agent.gang.publish(3, four)
     protocol.write_json(dirs["localhost-0"] / protocol.STATUS, {"state": "running", "generation": 3, "pid": 11})
@@ -91,9 +92,9 @@ def test_a_finishing_gang_applies_no_newer_generation(tmp_path):
     assert {n: agent.gang.desired(n) for n in dirs} == before
     agent._report_clean_nodes()
     agent._report_clean_nodes()
-    assert Broker.finished == ["localhost-1"]  # reported once
+    assert broker.finished == ["localhost-1"]  # reported once
     protocol.write_json(dirs["localhost-0"] / protocol.STATUS, {"state": "exited", "exit_code": 0, "generation": 3})
-    Broker.finished.clear()
+    broker.finished.clear()
     agent.clean_nodes.clear()
     agent._report_clean_nodes()
-    assert Broker.finished == []  # every node ended: the job's end is reported whole, with the metrics
+    assert broker.finished == []  # every node ended: the job's end is reported whole, with the metrics
