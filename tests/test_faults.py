@@ -89,7 +89,9 @@ def test_agent_and_launcher_killed_together_leave_no_second_trainer_when_the_job
     old_trainer = int(protocol.read_json(handle.job_dir / protocol.STATUS)["pid"])
     for pid in (handle.agent_pid, handle.launcher_pid):
         os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not protocol.pid_alive(handle.launcher_pid), 10, "the launcher to die")
+    # both gone (a SIGKILLed process takes a moment to exit; a live agent makes start a no-op)
+    wait_for(lambda: not any(map(protocol.pid_alive, (handle.agent_pid, handle.launcher_pid))), 10,
+             "the agent and the launcher to die")
     assert protocol.pid_alive(old_trainer)
     backend.start(job)
     assert not protocol.pid_alive(old_trainer)
