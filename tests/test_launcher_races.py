@@ -159,3 +159,50 @@ def test_a_gang_node_whose_trainer_finished_first_is_not_a_dead_launcher(tmp_pat
     finally:
         alive.kill()
         alive.wait(5)
+
+
+DIES_IN_GENERATION_1 = """
+import os, sys, time
+if os.environ["ELASTIC_GENERATION"] == "1":
+    sys.exit(1)  # its peer node's trainer was stopped first: the rendezvous broke
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(("nnodes", "next_generation", "restarted"), [
+    (2, True, True),  # a gang's node: the exit was its peer's stop for the next generation
+    (2, False, False),  # a gang's node, no next generation in time: a failure
+    (1, True, False),  # one node: nothing stops before this launcher does, a failure
+])
+def test_a_gang_nodes_trainer_that_died_with_its_stopped_peer_restarts_on_the_next_generation(
+        tmp_path, nnodes, next_generation, restarted):
+    """Each node's launcher (or pod's agent) sees a gang's next generation at its own poll; a node
+    whose trainer fails because a peer's was stopped first is restarted on that generation from
+    its checkpoint, instead of failing the job."""
+    script = tmp_path / "trainer.py"
+    script.write_text(DIES_IN_GENERATION_1)
+    shared = tmp_path / "job"
+    shared.mkdir()
+    launcher = Launcher(shared, f"{sys.executable} {script}", grace_s=2.0, poll_s=0.05, peer_wait_s=2.0)
+    gang = {"nnodes": nnodes, "node_rank": 1, "master_addr": "127.0.0.1", "master_port": 29500}
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False, **gang})
+    launcher.generation = 1
+    launcher._start(protocol.read_json(shared / protocol.DESIRED))
+    launcher.proc.wait(30)  # it died; the next generation reaches this node a poll later
+    if next_generation:
+        threading.Timer(0.5, protocol.write_json, (shared / protocol.DESIRED,
+                                                   {"generation": 2, "gpus": [1], "stop": False, **gang})).start()
+    result: list[int] = []
+    runner = threading.Thread(target=lambda: result.append(launcher._run()), daemon=True)
+    runner.start()
+    if restarted:
+        wait_for(lambda: status(shared).get("state") == protocol.RUNNING and status(shared)["generation"] == 2,
+                 10, "the trainer to restart on generation 2")
+        assert launcher.restarts == 1 and "taken as that stop" in (shared / protocol.LOG).read_text()
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [1], "stop": True, **gang})
+        runner.join(15)
+        assert result == [0] and status(shared)["state"] == protocol.STOPPED
+    else:
+        runner.join(15)
+        assert result == [1] and status(shared)["state"] == protocol.EXITED and status(shared)["exit_code"] == 1
+        assert launcher.restarts == 0

@@ -309,6 +309,20 @@ def test_a_pod_of_one_generation_leaves_a_newer_one_to_its_replacement(tmp_path)
     assert not [c for c in broker.calls if c.startswith(("ack", "fail"))]
 
 
+@pytest.mark.parametrize(("newest", "failed"), [(2, False), (1, True)])
+def test_a_replaced_pods_trainer_that_died_with_its_generation_does_not_fail_the_job(tmp_path, newest, failed):
+    """Re-creation mode, a gang: the first old pod deleted breaks the others' rendezvous, and their
+    trainers exit non-zero before their own pods' deletion reaches them. The broker has moved past
+    their generation, so that exit is not the job's end (the new pods run it); the same exit in
+    the generation the broker runs is a failure."""
+    running(tmp_path, 1)
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, "exit_code": 1})
+    broker = MovedOnBroker(newest)
+    assert Agent(broker, "job", tmp_path, poll_s=0.01, pod_generation=1).run() == 0
+    assert [c for c in broker.calls if c.startswith("fail")] == (
+        ["fail: trainer exited with code 1"] if failed else [])
+
+
 def test_an_in_place_pod_leaves_a_generation_on_another_node_to_its_replacement(tmp_path):
     """The job moved to another node: the generation's device indices name that node's GPUs, so the
     pod's trainer is not restarted on them here (on this node they may be another job's), and the

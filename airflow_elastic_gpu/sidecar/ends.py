@@ -43,6 +43,7 @@ class EndReports:
     _status: Callable[[], dict[str, Any]]
     _desired: Callable[[], dict[str, Any]]
     _report_progress: Callable[..., Outcome | None]
+    _replaced: Callable[[], bool]
 
     @property
     def _node_kw(self) -> dict[str, str]:
@@ -112,6 +113,12 @@ class EndReports:
         return f"{reason}. Last log lines:\n{lines}" if lines else reason
 
     def _report_exit(self, code: int) -> int:
+        if code != 0 and self._replaced():
+            # a pod the broker has moved past (recreated, dropped from the gang, moved away): its
+            # trainer died with the generation (a gang's peer pod went first); the job runs on in
+            # the pods that replace it, which report its end
+            log.info("the trainer exited with code %d after this pod was replaced: not the job's end", code)
+            return 0
         self._report_progress(contact=True)
         if self.gang is not None and code != 0:  # half a job never runs on: stop the other nodes
             node = self._status().get("node")

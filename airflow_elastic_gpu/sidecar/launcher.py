@@ -14,7 +14,11 @@ replaced by the generation's GPU count on this node (and, for a job on several n
 ``ELASTIC_NNODES``, ``ELASTIC_NODE_RANK`` and ``ELASTIC_CHECKPOINT_DIR``; it runs in its own process group so that stopping
 it (SIGTERM, then SIGKILL after ``--grace-s`` seconds) reaches every worker
 ``torchrun`` started. The launcher exits with the trainer's exit code when the
-trainer ends by itself, 0 after a requested stop, 127 if the command is not found.
+trainer ends by itself, 0 after a requested stop, 127 if the command is not found. A trainer
+that is one node of a gang (``nnodes`` > 1) and exits non-zero is given ``--peer-wait-s``
+(5 s) for the gang's next generation or a stop: each node sees a generation at its own poll, and
+a peer's trainer stopped first breaks the others' rendezvous, so that exit is the resize's stop
+(the trainer restarts on the new generation from its checkpoint), not a failure.
 
 Fencing: once the agent has written ``lease.json`` (its last confirmed contact with
 the broker, see :mod:`protocol`), the launcher stops the trainer **on its own** when
@@ -126,6 +130,7 @@ class Launcher:
         grace_s: float = 30.0,
         poll_s: float = 0.2,
         echo: bool = False,
+        peer_wait_s: float = 5.0,
     ) -> None:
         self.dir = shared_dir
         self.command = command
@@ -133,8 +138,10 @@ class Launcher:
         self.grace_s = grace_s
         self.poll_s = poll_s
         self.echo = echo
+        self.peer_wait_s = peer_wait_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.generation = 0
+        self.nnodes = 1  # the running generation's node count (a gang's part: > 1)
         self.restarts = 0
         self.suspended = False
         self.tree: list[int] = []  # the trainer's descendants, refreshed every poll
@@ -180,6 +187,7 @@ class Launcher:
     # -- trainer
     def _start(self, desired: dict) -> None:
         gpus = [int(g) for g in desired["gpus"]]
+        self.nnodes = int(desired.get("nnodes") or 1)
         argv = shlex.split(protocol.expand_command(self.command, desired))
         env = dict(os.environ)
         env.update(
@@ -284,7 +292,7 @@ class Launcher:
     def _run(self) -> int:
         self._status(protocol.STARTING)
         while True:
-            if self.proc is not None and self.proc.poll() is not None:
+            if self.proc is not None and self.proc.poll() is not None and not self._peer_stopped_first():
                 # first: an exit that happened is reported, even if a new generation, a suspension
                 # or a stop came meanwhile (restarting it would hide a success or a failure)
                 self._kill_workers()
@@ -348,6 +356,32 @@ class Launcher:
                 if tree and tree != self.tree:  # kept in status.json so a stop from outside finds them
                     self.tree = tree
                     self._status(protocol.RUNNING)
+            time.sleep(self.poll_s)
+
+    def _peer_stopped_first(self) -> bool:
+        """The trainer exited with a non-zero code as part of a gang (``nnodes`` > 1) because a
+        peer node's trainer was stopped first for the gang's next generation: each node's
+        launcher (or pod's agent) sees a generation at its own poll, and the peers' processes fail
+        when one of them goes (a broken rendezvous, a collective that never completes). True when,
+        within ``peer_wait_s``, a newer generation or a stop arrives (or the launcher is stopped)
+        while the lease is fresh: the exit is then that stop's, handled as such (the trainer
+        restarts from its checkpoint on the new generation). An exit with 0, a single node's
+        trainer, or no newer generation in time: False (the exit is reported)."""
+        assert self.proc is not None
+        if self.proc.returncode == 0 or self.nnodes <= 1:
+            return False
+        self._kill_workers()
+        deadline = time.monotonic() + self.peer_wait_s
+        while True:
+            desired = protocol.read_json(self.dir / protocol.DESIRED) or {}
+            if self._terminated.is_set() or desired.get("stop") or int(desired.get("generation", 0)) > self.generation:
+                if self._check_lease() is not None:
+                    return False
+                self._note(f"trainer exited with code {self.proc.returncode} as the gang left generation "
+                           f"{self.generation} (a peer node's trainer was stopped first): taken as that stop")
+                return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(self.poll_s)
 
     def _suspend(self, generation: int) -> None:
@@ -428,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace-s", type=float, default=30.0)
     parser.add_argument("--poll-s", type=float, default=0.2)
     parser.add_argument("--echo", action="store_true", help="copy the trainer's log to stdout")
+    parser.add_argument("--peer-wait-s", type=float, default=5.0,
+                        help="a gang node's trainer exiting non-zero: how long to wait for the gang's "
+                             "next generation (a peer stopped first) before reporting the exit")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -437,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = command[0] if len(command) == 1 else shlex.join(command)
     return Launcher(
         args.shared_dir, cmd, checkpoint_dir=args.checkpoint_dir,
-        grace_s=args.grace_s, poll_s=args.poll_s, echo=args.echo,
+        grace_s=args.grace_s, poll_s=args.poll_s, echo=args.echo, peer_wait_s=args.peer_wait_s,
     ).run()
 
 
