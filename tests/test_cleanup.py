@@ -63,7 +63,7 @@ def test_only_directories_of_jobs_that_ended_long_enough_ago_are_listed_and_remo
                                                 "checkpoints", "notes"}
     assert not (work / "checkpoints" / "old-failed-0123456789ab.owner").exists()
     assert sorted(p.name for p in (work / "checkpoints").iterdir()) == [
-        "by-hand", f"recent-0123456789ab@{jobs['recent'].id}", "running-0123456789ab", "running-0123456789ab.owner"]
+        ".lock", "by-hand", f"recent-0123456789ab@{jobs['recent'].id}", "running-0123456789ab", "running-0123456789ab.owner"]
     assert len(local_cleanup.leftovers(broker, work, 0.0)) == 2  # the recent success's two
 
 
@@ -72,6 +72,40 @@ def test_a_checkpoint_claimed_by_a_new_try_since_it_was_listed_is_kept(broker, w
     (item,) = [f for f in local_cleanup.leftovers(broker, work, 14 * DAY) if f.kind == "checkpoint"]
     item.path.with_name(f"{item.path.name}.owner").write_text(str(uuid.uuid4()))  # the retry's job
     assert local_cleanup.remove(item) is False and (item.path / "data.bin").exists()
+
+
+def test_a_claim_during_a_removal_waits_for_it_and_starts_anew(broker, work, monkeypatch):
+    """A new try claims the task's checkpoint directory while cleanup removes it: the claim takes
+    effect either before the removal's check (kept, above) or after the directory is out of the
+    way; the new owner record is never deleted with the old directory, nor written into it."""
+    import threading
+
+    from airflow_elastic_gpu.backends import local_checkpoints
+
+    work, _ = work
+    (item,) = [f for f in local_cleanup.leftovers(broker, work, 14 * DAY) if f.kind == "checkpoint"]
+    retry = str(uuid.uuid4())
+    rmtree = local_cleanup.shutil.rmtree
+
+    def rmtree_racing_a_claim(path, *args, **kwargs):
+        claimer = threading.Thread(target=local_checkpoints.claim, args=(item.path, retry, lambda _: False, 5.0))
+        claimer.start()
+        claimer.join(10)
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(local_cleanup.shutil, "rmtree", rmtree_racing_a_claim)
+    assert local_cleanup.remove(item)
+    assert item.path.with_name(f"{item.path.name}.owner").read_text() == retry
+    assert not (item.path / "data.bin").exists()  # the retry starts from step 0, in a directory of its own
+    assert [p.name for p in item.path.parent.iterdir() if p.name.endswith(".removing")] == []
+
+
+def test_a_job_whose_processes_still_stop_is_not_listed(broker, work):
+    """--older-than 0 right after a cancel: its trainer may still write its last checkpoint."""
+    work, jobs = work
+    stopping = jobs["old-failed"].id
+    found = local_cleanup.leftovers(broker, work, 0.0, is_running=lambda job_id: job_id == stopping)
+    assert found and all(f.job.id != stopping for f in found)
 
 
 def test_a_negative_age_is_refused(broker, tmp_path):

@@ -178,7 +178,7 @@ def test_run_local_renames_the_default_checkpoint_directory_of_its_success(local
     assert job.status is JobStatus.SUCCEEDED
     (kept,) = (tmp_path / "jobs" / "checkpoints").glob(f"nightly_train-*@{job.id}")
     assert (kept / "ckpt").read_text() == "5"
-    assert [p.name for p in (tmp_path / "jobs" / "checkpoints").iterdir()] == [kept.name]
+    assert sorted(p.name for p in (tmp_path / "jobs" / "checkpoints").iterdir()) == [".lock", kept.name]
 
 
 def test_ctrl_c_while_run_local_follows_says_the_job_runs_on_and_how_to_stop_it(local, tmp_path, capsys, monkeypatch):

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.broker.types import JobView
 
@@ -38,29 +40,44 @@ def _owner(path: Path) -> Path:
     return path.with_name(f"{path.name}.owner")
 
 
+def lock(path: Path, timeout_s: float = 30.0) -> FileLock:
+    """The lock (one file, ``.lock``, in ``path``'s parent: the checkpoints directory) held while a
+    checkpoint directory's ``.owner`` is read and changed together with the directory: by a claim,
+    the rename after a success, and ``cleanup``'s removal, so none of them acts on an owner the
+    other has just changed. Held for milliseconds; ``timeout_s`` raises ``filelock.Timeout``."""
+    return FileLock(path.parent / ".lock", timeout=timeout_s)
+
+
 def claim(path: Path, job_id: str, is_running: Callable[[str], bool], wait_s: float) -> Path:
     """``path`` for job ``job_id``, once the job that used it before (its ``.owner``) no longer runs.
 
     :param is_running: whether a job's processes still run (``LocalBackend.is_running``).
     :param wait_s: how long to wait for them (seconds).
-    :raises BackendError: the earlier job still runs after ``wait_s``, or the directory's parent
-        cannot be made.
+    :raises BackendError: the earlier job still runs after ``wait_s``, the directory's parent
+        cannot be made, or its :func:`lock` is not free within 30 s.
     """
     owner = _owner(path)
-    previous = owner.read_text().strip() if owner.is_file() else ""
-    if previous and previous != job_id:
-        deadline = time.monotonic() + wait_s
-        while is_running(previous) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if is_running(previous):
-            raise BackendError(f"checkpoint directory {path} is still used by job {previous} (an earlier "
-                               "try of this task, still stopping); try again once it has stopped")
     try:
         path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        owner.write_text(job_id)
     except OSError as exc:
         raise BackendError(f"checkpoint directory {path} cannot be prepared: {exc}") from None
-    return path
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with lock(path):
+                previous = owner.read_text().strip() if owner.is_file() else ""
+                if not previous or previous == job_id or not is_running(previous):
+                    owner.write_text(job_id)
+                    return path
+        except Timeout:
+            raise BackendError(f"checkpoint directory {path}: its lock {path.parent / '.lock'} is held "
+                               "by another process for over 30 s") from None
+        except OSError as exc:
+            raise BackendError(f"checkpoint directory {path} cannot be prepared: {exc}") from None
+        if time.monotonic() >= deadline:
+            raise BackendError(f"checkpoint directory {path} is still used by job {previous} (an earlier "
+                               "try of this task, still stopping); try again once it has stopped")
+        time.sleep(0.2)
 
 
 def keep_after_success(path: Path, job_id: str) -> None:
@@ -68,10 +85,11 @@ def keep_after_success(path: Path, job_id: str) -> None:
     a failure is logged, not raised (the job succeeded all the same)."""
     owner = _owner(path)
     try:
-        if owner.read_text().strip() != job_id or not path.is_dir():
-            return
-        path.rename(path.with_name(f"{path.name}@{job_id}"))
-        owner.unlink()
+        with lock(path):
+            if owner.read_text().strip() != job_id or not path.is_dir():
+                return
+            path.rename(path.with_name(f"{path.name}@{job_id}"))
+            owner.unlink()
     except FileNotFoundError:
         return  # never claimed, or renamed already (a second stop)
     except OSError as exc:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import Timeout
+
+from airflow_elastic_gpu.backends import local_checkpoints
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobView, NotFound
 
@@ -78,15 +81,22 @@ def _candidates(work_dir: Path) -> Iterator[tuple[Path, str, str]]:
             yield p, CHECKPOINT, job_id
 
 
-def leftovers(broker: GpuBroker, work_dir: Path, older_than_s: float) -> list[Leftover]:
+def leftovers(broker: GpuBroker, work_dir: Path, older_than_s: float,
+              is_running: Callable[[str], bool] | None = None) -> list[Leftover]:
     """The directories under ``work_dir`` whose job ended at least ``older_than_s`` seconds ago.
 
     :param work_dir: the local backend's work directory (``[elastic_gpu] work_dir``).
     :param older_than_s: the least age of the job's end (seconds, >= 0).
+    :param is_running: whether a job's processes still run (default: the local backend's
+        :meth:`~.local.LocalBackend.is_running` on ``work_dir``): such a job's are not listed.
     :raises ValueError: a negative or non-finite ``older_than_s``.
     """
     if not 0 <= older_than_s < float("inf"):
         raise ValueError(f"the age must be a number of days >= 0, got {older_than_s / 86400!r}")
+    if is_running is None:
+        from airflow_elastic_gpu.backends.local import LocalBackend
+
+        is_running = LocalBackend(work_dir, broker).is_running
     now = broker.clock()
     found = []
     for path, kind, job_id in _candidates(work_dir):
@@ -94,7 +104,7 @@ def leftovers(broker: GpuBroker, work_dir: Path, older_than_s: float) -> list[Le
             job = broker.job(job_id)
         except NotFound:
             continue
-        if not job.status.terminal or job.end_s is None or now - job.end_s < older_than_s:
+        if not job.status.terminal or job.end_s is None or now - job.end_s < older_than_s or is_running(job_id):
             continue
         found.append(Leftover(path, kind, job, now - job.end_s, _size(path)))
     return found
@@ -103,19 +113,25 @@ def leftovers(broker: GpuBroker, work_dir: Path, older_than_s: float) -> list[Le
 def remove(leftover: Leftover) -> bool:
     """Delete ``leftover``'s directory (and a checkpoint directory's ``.owner`` record); False, and
     nothing deleted, if a new job of the task has claimed the checkpoint directory since it was
-    listed (a retry resumes from it).
+    listed (a retry resumes from it), or the checkpoints directory's lock stays held for 30 s.
 
     :raises OSError: it cannot be deleted (a permission).
     """
-    if leftover.kind == CHECKPOINT:
-        owner = leftover.path.with_name(f"{leftover.path.name}.owner")
-        try:
-            if owner.read_text().strip() != leftover.job.id:
-                return False
-        except FileNotFoundError:
-            return False
+    if leftover.kind != CHECKPOINT:
         shutil.rmtree(leftover.path)
-        owner.unlink(missing_ok=True)
         return True
-    shutil.rmtree(leftover.path)
+    path, owner = leftover.path, leftover.path.with_name(f"{leftover.path.name}.owner")
+    doomed = path.with_name(f".{path.name}.removing")
+    try:
+        with local_checkpoints.lock(path):  # a claim now waits; one before it changed the owner
+            try:
+                if owner.read_text().strip() != leftover.job.id:
+                    return False
+            except FileNotFoundError:
+                return False
+            path.rename(doomed)  # out of the way at once: a claim after this starts anew
+            owner.unlink(missing_ok=True)
+    except Timeout:
+        return False
+    shutil.rmtree(doomed)
     return True
