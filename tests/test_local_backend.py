@@ -181,6 +181,29 @@ def test_run_local_renames_the_default_checkpoint_directory_of_its_success(local
     assert sorted(p.name for p in (tmp_path / "jobs" / "checkpoints").iterdir()) == [".lock", kept.name]
 
 
+def test_a_detached_success_s_checkpoint_is_renamed_when_the_next_run_of_its_key_starts(local, tmp_path):
+    """``run-local --detach`` does not wait for the job's end, so nothing renames its checkpoint
+    directory then: the next job of the key renames it when it claims the directory, and trains anew."""
+    broker, _ = local
+    trainer = tmp_path / "train.py"
+    trainer.write_text("import json, os, pathlib\n"
+                       "ckpt = pathlib.Path(os.environ['ELASTIC_CHECKPOINT_DIR'], 'ckpt')\n"
+                       "print(json.dumps({'resumed': ckpt.exists()}), flush=True)\n"
+                       "ckpt.write_text('5')\n"
+                       "print(json.dumps({'step': 5}), flush=True)\n")
+    run = ["--broker-url", broker.url, "run-local", "--total-steps", "5", "--key", "nightly/train",
+           "--work-dir", str(tmp_path / "jobs"), "--", sys.executable, str(trainer)]
+    assert cli.main([*run[:2], run[2], "--detach", *run[3:]]) == 0
+    (first,) = broker.jobs()
+    wait_for(lambda: broker.job(first.id).status.terminal, 60, "the detached job to end")
+    assert broker.job(first.id).status is JobStatus.SUCCEEDED
+    assert cli.main(run) == 0
+    second = next(j for j in broker.jobs() if j.id != first.id)
+    assert '{"resumed": false}' in (tmp_path / "jobs" / second.id / "train.log").read_text()
+    (kept,) = (tmp_path / "jobs" / "checkpoints").glob(f"nightly_train-*@{first.id}")
+    assert (kept / "ckpt").read_text() == "5"
+
+
 def test_ctrl_c_while_run_local_follows_says_the_job_runs_on_and_how_to_stop_it(local, tmp_path, capsys, monkeypatch):
     broker, _ = local
 

@@ -49,6 +49,7 @@ from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backen
 from airflow_elastic_gpu.broker.types import BrokerError, JobView
 from airflow_elastic_gpu.config import ENV_BROKER_URL
 from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.states import JobStatus
 
 if TYPE_CHECKING:
     from airflow_elastic_gpu.broker.service import GpuBroker
@@ -349,7 +350,7 @@ class LocalBackend:
         nodes = self.gang_nodes(job)
         dirs = [(node, job_dir / protocol.NODES / node) for node in nodes] or [("", job_dir)]
         checkpoint_dir = job.checkpoint_dir or str(local_checkpoints.claim(
-            self.default_checkpoint_dir(job), job.id, self.is_running, self.grace_s + 10))
+            self.default_checkpoint_dir(job), job.id, self.is_running, self.grace_s + 10, self._succeeded))
         node_pids: list[tuple[str, int]] = []
         try:
             for node, shared in dirs:
@@ -372,6 +373,12 @@ class LocalBackend:
         """Where a job without ``checkpoint_dir`` checkpoints (:mod:`.local_checkpoints`): one
         directory per task key, so that a retried task resumes where the failed try stopped."""
         return local_checkpoints.default_dir(self.work_dir, job)
+
+    def _succeeded(self, job_id: str) -> bool:
+        try:
+            return self.broker.job(job_id).status is JobStatus.SUCCEEDED
+        except BrokerError:
+            return False
 
     def _keep_checkpoints_of_a_success(self, job_id: str) -> None:
         try:

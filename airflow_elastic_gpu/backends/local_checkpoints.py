@@ -7,7 +7,8 @@ was lost or was stopped, rather than from step 0. The job that uses the director
 to it (``<dir>.owner``): a job of the same key waits for an earlier one still stopping (its
 trainer writes its last checkpoint), so two trainers never write one checkpoint. Once a job
 succeeds the directory is renamed ``<dir>@<job id>``: kept, and out of the way of the task's next
-run (a cleared task trains anew).
+run (a cleared task trains anew); where nothing stopped the job at its end (``run-local --detach``),
+the next job of the key renames it when it claims the directory.
 """
 
 from __future__ import annotations
@@ -48,11 +49,16 @@ def lock(path: Path, timeout_s: float = 30.0) -> FileLock:
     return FileLock(path.parent / ".lock", timeout=timeout_s)
 
 
-def claim(path: Path, job_id: str, is_running: Callable[[str], bool], wait_s: float) -> Path:
+def claim(path: Path, job_id: str, is_running: Callable[[str], bool], wait_s: float,
+          succeeded: Callable[[str], bool] = lambda _: False) -> Path:
     """``path`` for job ``job_id``, once the job that used it before (its ``.owner``) no longer runs.
+    If that job succeeded and nothing renamed its directory at its end (``run-local --detach``, a
+    run interrupted with Ctrl-C, a stop that never came), it is renamed now (``<path>@<its id>``):
+    the new job trains anew, as after any success.
 
     :param is_running: whether a job's processes still run (``LocalBackend.is_running``).
     :param wait_s: how long to wait for them (seconds).
+    :param succeeded: whether a job succeeded (the broker's record).
     :raises BackendError: the earlier job still runs after ``wait_s``, the directory's parent
         cannot be made, or its :func:`lock` is not free within 30 s.
     """
@@ -67,6 +73,8 @@ def claim(path: Path, job_id: str, is_running: Callable[[str], bool], wait_s: fl
             with lock(path):
                 previous = owner.read_text().strip() if owner.is_file() else ""
                 if not previous or previous == job_id or not is_running(previous):
+                    if previous and previous != job_id and succeeded(previous):
+                        _rename_success(path, previous)
                     owner.write_text(job_id)
                     return path
         except Timeout:
@@ -80,16 +88,21 @@ def claim(path: Path, job_id: str, is_running: Callable[[str], bool], wait_s: fl
         time.sleep(0.2)
 
 
+def _rename_success(path: Path, job_id: str) -> None:
+    """Rename ``path`` to ``<path>@<job_id>`` (if it exists) and drop its owner record; the
+    caller holds :func:`lock` and has checked that ``job_id`` owns it."""
+    if path.is_dir():
+        path.rename(path.with_name(f"{path.name}@{job_id}"))
+    _owner(path).unlink(missing_ok=True)
+
+
 def keep_after_success(path: Path, job_id: str) -> None:
     """Rename ``path`` to ``<path>@<job_id>`` (same parent: no copy) if job ``job_id`` used it last;
     a failure is logged, not raised (the job succeeded all the same)."""
-    owner = _owner(path)
     try:
         with lock(path):
-            if owner.read_text().strip() != job_id or not path.is_dir():
-                return
-            path.rename(path.with_name(f"{path.name}@{job_id}"))
-            owner.unlink()
+            if _owner(path).read_text().strip() == job_id:
+                _rename_success(path, job_id)
     except FileNotFoundError:
         return  # never claimed, or renamed already (a second stop)
     except OSError as exc:
