@@ -38,6 +38,29 @@ def test_the_database_clock_reads_the_server_and_advances_on_the_monotonic_clock
     engine.dispose()
 
 
+def test_the_database_clock_reads_the_server_again_every_resync_period(postgres_url, caplog):
+    """Machines' monotonic clocks drift apart (and the server's clock may be stepped): a process
+    that read the server once would drift off the others for good; the re-read bounds it."""
+    engine = create_broker_engine(postgres_url)
+    ticks = [100.0]
+    clock = DatabaseClock(engine, monotonic=lambda: ticks[0], resync_s=300.0)
+    start = clock()
+    ticks[0] += 299.0  # this machine's monotonic clock ran 299 s while the server's did not
+    assert clock() == pytest.approx(start + 299.0)
+    ticks[0] += 2.0  # past the resync period: the server's time again, not 301 s ahead of it
+    assert abs(clock() - server_now(engine)) < 1.0
+    # the server unreachable at a re-read: logged, the last reading serves, tried again later
+    clock._engine = create_broker_engine("postgresql+psycopg://postgres@127.0.0.1:1/nowhere")
+    resynced = clock()
+    ticks[0] += 301.0
+    with caplog.at_level(logging.WARNING, logger="airflow_elastic_gpu.broker.clock"):
+        assert clock() == pytest.approx(resynced + 301.0, abs=0.5)
+    assert "could not read the broker database server's clock again" in caplog.text
+    assert clock._next_read == pytest.approx(ticks[0] + clock_module.RETRY_S)
+    clock._engine.dispose()
+    engine.dispose()
+
+
 def test_a_broker_on_postgresql_counts_on_the_server_clock_and_on_sqlite_on_the_machines(postgres_url, tmp_path):
     engine = create_broker_engine(postgres_url)
     assert isinstance(broker_clock(engine), DatabaseClock)

@@ -5,10 +5,12 @@ server, a triggerer, a worker's task, the CLI, each on its own machine. A reaper
 ahead of the stamping process's by more than the lease's fence margin (``max(1 s, lease / 10)``,
 :func:`~airflow_elastic_gpu.sidecar.protocol.fence_periods`) would free a job's GPUs before its
 launcher has fenced the trainer. On PostgreSQL every process therefore counts on the database
-server's clock: it reads it once (``clock_timestamp()``, at the midpoint of the round trip) and
-then advances it with its own monotonic clock, which a step of the machine's wall clock (an NTP
-correction, a mis-set clock) does not move. SQLite is a local file: its processes share one
-machine's clock, and the broker uses it.
+server's clock: it reads it (``clock_timestamp()``, at the midpoint of the round trip) and
+advances it with its own monotonic clock, which a step of the machine's wall clock (an NTP
+correction, a mis-set clock) does not move; it reads it again every :data:`RESYNC_S`, which bounds
+both the drift of the machines' monotonic clocks (tens of ppm: a second a day) and the
+disagreement a step of the server's own clock leaves between processes that read it before and
+after. SQLite is a local file: its processes share one machine's clock, and the broker uses it.
 """
 
 from __future__ import annotations
@@ -19,41 +21,66 @@ import weakref
 from collections.abc import Callable
 
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
 
 log = logging.getLogger(__name__)
 
 SKEW_WARNING_S = 1.0
 """A machine clock further than this from the database server's is logged (seconds)."""
 
+RESYNC_S = 300.0
+"""How often a process reads the database server's clock again (seconds)."""
+
+RETRY_S = 10.0
+"""After a failed re-read (the server unreachable), how long the last reading serves before the next try."""
+
 _SERVER_NOW = text("SELECT extract(epoch FROM clock_timestamp())")
 _CLOCKS: weakref.WeakKeyDictionary[Engine, DatabaseClock] = weakref.WeakKeyDictionary()
 
 
 class DatabaseClock:
-    """The database server's time (epoch seconds), read once and advanced by ``monotonic``.
+    """The database server's time (epoch seconds), read every ``resync_s`` and advanced by
+    ``monotonic`` in between.
 
     :param engine: a PostgreSQL engine.
     :param monotonic: the local monotonic clock (seconds; default ``time.monotonic``).
     :param wall: the local wall clock (epoch seconds; default ``time.time``), only to report the
         skew (``skew_s``).
-    :raises sqlalchemy.exc.DBAPIError: the server cannot be reached.
+    :param resync_s: how often the server's clock is read again (seconds; default :data:`RESYNC_S`).
+        A failed re-read is logged and tried again :data:`RETRY_S` later; the last reading serves
+        meanwhile.
+    :raises sqlalchemy.exc.DBAPIError: the server cannot be reached for the first reading.
     """
 
     def __init__(self, engine: Engine, *, monotonic: Callable[[], float] | None = None,
-                 wall: Callable[[], float] | None = None) -> None:
-        self._monotonic = monotonic = monotonic or time.monotonic
-        wall = wall or time.time
-        with engine.connect() as conn:
-            sent = monotonic()
+                 wall: Callable[[], float] | None = None, resync_s: float = RESYNC_S) -> None:
+        self._engine = engine
+        self._monotonic = monotonic or time.monotonic
+        self._wall = wall or time.time
+        self._resync_s = resync_s
+        self._read()
+
+    def _read(self) -> None:
+        with self._engine.connect() as conn:
+            sent = self._monotonic()
             server = float(conn.execute(_SERVER_NOW).scalar_one())
-            received = monotonic()
-        local = wall()
+            received = self._monotonic()
         self._base = server - (sent + received) / 2  # the server's time at monotonic 0
-        self.skew_s = local - (self._base + received)
+        self._next_read = received + self._resync_s
+        self.skew_s = self._wall() - (self._base + received)
         """How far this machine's wall clock is ahead of the server's (seconds; negative: behind)."""
 
     def __call__(self) -> float:
-        return self._base + self._monotonic()
+        now = self._monotonic()
+        if now >= self._next_read:
+            try:
+                self._read()
+                now = self._monotonic()
+            except DBAPIError as exc:
+                self._next_read = now + RETRY_S
+                log.warning("could not read the broker database server's clock again (%s); the last "
+                            "reading serves", type(exc).__name__)
+        return self._base + now
 
 
 class LazyBrokerClock:
