@@ -60,6 +60,8 @@ notes = Console(stderr=True)
 
 CLI_RECONNECT_DEADLINE_S = 10.0
 """A command gives up on an unreachable database after this long (agents and triggers wait longer)."""
+STATUS_ENDED_JOBS = 10
+"""``status`` lists the active jobs and this many of the latest ended ones (``jobs`` lists every one)."""
 
 
 def _broker(args: argparse.Namespace, *, existing: bool = False) -> GpuBroker:
@@ -164,13 +166,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     broker = _broker(args, existing=True)
     _known_pool(broker, args.pool)
     if not args.watch:
-        console.print(snapshot_view(broker.snapshot(args.pool)))
+        console.print(snapshot_view(broker.snapshot(args.pool, ended=STATUS_ENDED_JOBS)))
         return 0
-    with Live(snapshot_view(broker.snapshot(args.pool)), console=console, refresh_per_second=2) as live:
+    with Live(snapshot_view(broker.snapshot(args.pool, ended=STATUS_ENDED_JOBS)), console=console, refresh_per_second=2) as live:
         try:
             while True:
                 time.sleep(args.interval)
-                live.update(snapshot_view(broker.snapshot(args.pool)))
+                live.update(snapshot_view(broker.snapshot(args.pool, ended=STATUS_ENDED_JOBS)))
         except KeyboardInterrupt:
             return 0
 

@@ -88,4 +88,7 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
     for e in snap.events[-10:]:
         events.add_row(time.strftime("%H:%M:%S", time.localtime(e.time_s)),
                        _plain(names.get(e.job_id or "", "")), e.kind, _plain(e.message))
-    return Group(grid, jobs_table(list(snap.jobs)), events)
+    jobs = jobs_table(list(snap.jobs))
+    if snap.ended_hidden:
+        jobs.caption = f"and {snap.ended_hidden} older ended jobs (`airflow-elastic-gpu jobs` lists every one)"
+    return Group(grid, jobs, events)

@@ -223,6 +223,24 @@ def test_snapshot_shows_who_holds_which_gpu(pool):
     assert [j.id for j in snap.jobs] == [a.id] and snap.events
 
 
+def test_snapshot_lists_the_active_jobs_and_only_the_latest_ended_ones(pool, clock):
+    """A pool's history grows with every scheduled run; the page and ``status`` poll the snapshot."""
+    ended = []
+    for i in range(5):
+        job = pool.submit(spec(f"old-{i}"))
+        clock.advance(1)
+        pool.finish(job.id)
+        ended.append(job.id)
+    waiting = []
+    for i in range(3):  # two run, one is queued
+        waiting.append(pool.submit(spec(f"now-{i}", min_gpus=2, max_gpus=2)))
+        clock.advance(1)
+    snap = pool.snapshot(ended=2)
+    assert [j.id for j in snap.jobs] == [*ended[-2:], *(j.id for j in waiting)]
+    assert snap.ended_hidden == 3
+    assert pool.snapshot(ended=0).ended_hidden == 5 and len(pool.snapshot().jobs) == 8
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"min_gpus": 3, "max_gpus": 2}, r"min_gpus \(3\) must not be larger than max_gpus \(2\)"),
     ({"min_gpus": 0}, "min_gpus must be an integer >= 1, got 0"),

@@ -244,10 +244,11 @@ def create_app(
         return b.pools()
 
     @ui.get("/pools/{pool}/snapshot", response_model=SnapshotOut)
-    def snapshot(pool: str, b: BrokerDep, events: Annotated[int, Query(ge=0, le=10_000)] = 50) -> SnapshotOut:
+    def snapshot(pool: str, b: BrokerDep, events: Annotated[int, Query(ge=0, le=10_000)] = 50,
+                 ended: Annotated[int, Query(ge=0, le=10_000)] = 100) -> SnapshotOut:
         if pool not in b.pools():
             raise NotFound(f"unknown GPU pool {pool!r}")
-        return snapshot_out(b.snapshot(pool, events=events))
+        return snapshot_out(b.snapshot(pool, events=events, ended=ended))
 
     @ui.get("/pools/{pool}/timeline", response_model=TimelineOut)
     def pool_timeline(pool: str, b: BrokerDep) -> TimelineOut:

@@ -178,8 +178,9 @@ class SnapshotOut(BaseModel):
     pool: str
     time_s: float
     nodes: list[NodeOut]
-    jobs: list[JobOut]
+    jobs: list[JobOut] = Field(description="every queued, running or suspended job and the latest ended ones")
     events: list[EventOut]
+    ended_hidden: int = Field(0, description="the pool's ended jobs older than those in jobs (see /jobs)")
 
 
 class Segment(BaseModel):
@@ -227,7 +228,7 @@ def snapshot_out(s: PoolSnapshot) -> SnapshotOut:
         nodes=[NodeOut(name=n.name, schedulable=n.schedulable, gpus=[
             GpuOut(gpu=str(g.gpu), gpu_type=g.gpu_type, healthy=g.healthy, in_use_by=g.in_use_by,
                    target_of=g.target_of) for g in n.gpus]) for n in s.nodes],
-        jobs=[job_out(j) for j in s.jobs], events=[event_out(e) for e in s.events],
+        jobs=[job_out(j) for j in s.jobs], events=[event_out(e) for e in s.events], ended_hidden=s.ended_hidden,
     )
 
 

@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, select
+from sqlalchemy import Connection, Row, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from airflow_elastic_gpu.broker.models import (
@@ -216,14 +216,25 @@ class Queries(Rebalancing):
             for node in nodes
         ]
 
-    def snapshot(self, pool: str = DEFAULT_POOL, *, events: int = 50) -> PoolSnapshot:
-        """Nodes, GPUs and their holders, jobs and the latest ``events`` of one pool, read in one session."""
+    def snapshot(self, pool: str = DEFAULT_POOL, *, events: int = 50, ended: int = 100) -> PoolSnapshot:
+        """Nodes, GPUs and their holders, the jobs, and the latest ``events`` of one pool, read in
+        one session. The jobs are every queued, running or suspended one and the ``ended`` that
+        ended last (a pool's history grows with every run; :meth:`jobs` lists it all), in submit
+        order; ``ended_hidden`` counts the ended ones left out."""
         def read(s: Session) -> PoolSnapshot:
             nodes = self._node_views(s, list(s.scalars(
                 select(Node).options(selectinload(Node.gpus)).where(Node.pool == pool).order_by(Node.name))))
-            jobs = self._views(s, s.execute(select(*JOB_COLUMNS).where(Job.pool == pool).order_by(Job.submit_s)).all())
+            of_pool = select(*JOB_COLUMNS).where(Job.pool == pool)
+            last_ended = s.execute(of_pool.where(Job.status.not_in(ACTIVE))
+                                   .order_by(Job.end_s.desc(), Job.id).limit(ended)).all()
+            ended_total = s.scalar(select(func.count()).select_from(Job).where(
+                Job.pool == pool, Job.status.not_in(ACTIVE))) or 0
+            # one job ending between the two reads is in both: kept once
+            rows = {r.id: r for r in [*s.execute(of_pool.where(Job.status.in_(ACTIVE))).all(), *last_ended]}
+            jobs = sorted(self._views(s, list(rows.values())), key=lambda j: (j.submit_s, j.id))
             evs = s.scalars(select(Event).where(Event.pool == pool).order_by(Event.id.desc()).limit(events)).all()
             return PoolSnapshot(pool, self.clock(), tuple(nodes), tuple(jobs),
-                                tuple(event_view(e) for e in reversed(evs)))
+                                tuple(event_view(e) for e in reversed(evs)),
+                                ended_hidden=max(0, ended_total - len(last_ended)))
 
         return self._read(read)

@@ -280,6 +280,7 @@ class PoolSnapshot:
     nodes: tuple[NodeView, ...]
     jobs: tuple[JobView, ...]
     events: tuple[EventView, ...] = field(default=())
+    ended_hidden: int = 0  # ended jobs of the pool not in ``jobs`` (older than the ones shown)
 
 
 def compile_progress_pattern(pattern: str | None) -> re.Pattern[str] | None:

@@ -107,6 +107,11 @@ function renderJobs(snap) {
     return tr;
   });
   document.querySelector("#jobs tbody").replaceChildren(...rows);
+  const older = document.getElementById("older-jobs");
+  const hidden = isNum(snap.ended_hidden) ? snap.ended_hidden : 0;
+  older.hidden = hidden <= 0;
+  older.textContent = hidden > 0
+    ? `and ${hidden} older ended job${hidden === 1 ? "" : "s"} (api/v1/jobs, or \`airflow-elastic-gpu jobs\`, lists every one)` : "";
 }
 
 function renderEvents(snap, names) {
