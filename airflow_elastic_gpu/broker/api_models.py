@@ -240,14 +240,14 @@ def timeline(broker: GpuBroker, pool: str) -> TimelineOut:
     """Each job's GPU count over time, from the broker's ack (running) and end events, and the resizes
     applied (:func:`~airflow_elastic_gpu.broker.history.applied_resizes`), each at the moment its
     trainer ran on the new GPUs."""
-    jobs = {j.id: j for j in broker.jobs(pool)}
     open_: dict[str, Segment] = {}
     segments: list[Segment] = []
     resizes: list[EventOut] = []
     # the newest events: a pool's whole history would grow without bound, and its oldest events
-    # would crowd out the jobs of today
-    events = [e for e in broker.events(pool, limit=TIMELINE_EVENTS, latest=True)
-              if e.job_id is not None and e.job_id in jobs]
+    # would crowd out the jobs of today; the names of their jobs only
+    events = [e for e in broker.events(pool, limit=TIMELINE_EVENTS, latest=True) if e.job_id is not None]
+    names = broker.job_names([e.job_id for e in events if e.job_id is not None])
+    events = [e for e in events if e.job_id in names]
     for r in applied_resizes(events):  # at the ack, where the new bar starts; with the decision's reason
         shown = r.published or r.ack
         resizes.append(event_out(dataclasses.replace(shown, time_s=r.time_s)))
@@ -258,7 +258,7 @@ def timeline(broker: GpuBroker, pool: str) -> TimelineOut:
                 seg.end_s = e.time_s
                 segments.append(seg)
         if e.kind == "ack" and e.data and e.data.get("num_gpus"):
-            open_[e.job_id] = Segment(job_id=e.job_id, name=jobs[e.job_id].name, start_s=e.time_s, end_s=None,
+            open_[e.job_id] = Segment(job_id=e.job_id, name=names[e.job_id], start_s=e.time_s, end_s=None,
                                       num_gpus=int(e.data["num_gpus"]), generation=int(e.data.get("generation", 0)))
     segments.extend(open_.values())
     return TimelineOut(pool=pool, time_s=broker.clock(), segments=segments, resizes=resizes)

@@ -86,6 +86,18 @@ class Queries(Rebalancing):
 
         return self._read_conn(read)
 
+    def job_names(self, job_ids: Sequence[str]) -> dict[str, str]:
+        """Job id -> name of those of ``job_ids`` the broker has (one light query, for labels)."""
+        ids = sorted(set(job_ids))
+
+        def read(conn: Connection) -> dict[str, str]:
+            found: dict[str, str] = {}
+            for i in range(0, len(ids), 500):  # a bounded IN list per query
+                found.update(conn.execute(select(Job.id, Job.name).where(Job.id.in_(ids[i:i + 500]))).tuples().all())
+            return found
+
+        return self._read_conn(read)
+
     def _gpus_by_job(self, s: Executor, table: type[GpuTarget | GpuInUse],
                      job_ids: Sequence[str]) -> dict[str, tuple[GpuId, ...]]:
         found: dict[str, list[GpuId]] = defaultdict(list)

@@ -185,6 +185,8 @@ async function refresh() {
     for (const j of jobs) seen.set(text(j.name), (seen.get(text(j.name)) || 0) + 1);
     const names = new Map(jobs.map(j => [j.id, seen.get(text(j.name)) > 1
       ? `${text(j.name)} · ${text(j.id).slice(0, 8)}` : text(j.name)]));
+    // a timeline bar of an ended job older than the snapshot's: the name the timeline gives it
+    for (const s of list(tl.segments)) if (!names.has(s.job_id)) names.set(s.job_id, text(s.name));
     renderGrid(snap, names);
     renderJobs(snap);
     renderEvents(snap, names);
