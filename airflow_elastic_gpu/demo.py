@@ -240,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 last_event = print_new_events(broker, console, last_event)
             jobs = broker.jobs()
-            if len(jobs) >= 4 and all(j.status.terminal for j in jobs) and time.monotonic() - last_check > 5:
+            # the run's state: soon once its trainings have ended, and every 30 s before (a task
+            # that failed before submitting its job ends the run with fewer than 4 jobs)
+            every_s = 5 if len(jobs) >= 4 and all(j.status.terminal for j in jobs) else 30
+            if time.monotonic() - last_check > every_s:
                 last_check = time.monotonic()
                 res = airflow("dags", "state", DAG_ID, run_id, env=env)
                 state = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else state

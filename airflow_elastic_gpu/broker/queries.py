@@ -93,7 +93,8 @@ class Queries(Rebalancing):
         def read(conn: Connection) -> dict[str, str]:
             found: dict[str, str] = {}
             for i in range(0, len(ids), 500):  # a bounded IN list per query
-                found.update(conn.execute(select(Job.id, Job.name).where(Job.id.in_(ids[i:i + 500]))).tuples().all())
+                rows = conn.execute(select(Job.id, Job.name).where(Job.id.in_(ids[i:i + 500])))
+                found.update((r.id, r.name) for r in rows)
             return found
 
         return self._read_conn(read)
