@@ -16,12 +16,13 @@ after. SQLite is a local file: its processes share one machine's clock, and the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
 
 from sqlalchemy import Engine, text
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import SQLAlchemyError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class DatabaseClock:
         self._monotonic = monotonic or time.monotonic
         self._wall = wall or time.time
         self._resync_s = resync_s
+        self._reading = threading.Lock()
         self._read()
 
     def _read(self) -> None:
@@ -72,14 +74,18 @@ class DatabaseClock:
 
     def __call__(self) -> float:
         now = self._monotonic()
-        if now >= self._next_read:
+        # one thread re-reads (on a connection of its own, while the caller may hold one with row
+        # locks); the others, and every caller if the read fails, go on with the last reading
+        if now >= self._next_read and self._reading.acquire(blocking=False):
             try:
+                self._next_read = now + RETRY_S
                 self._read()
                 now = self._monotonic()
-            except DBAPIError as exc:
-                self._next_read = now + RETRY_S
+            except SQLAlchemyError as exc:  # the server unreachable, the connection pool exhausted
                 log.warning("could not read the broker database server's clock again (%s); the last "
                             "reading serves", type(exc).__name__)
+            finally:
+                self._reading.release()
         return self._base + now
 
 
