@@ -100,6 +100,22 @@ def test_a_claim_during_a_removal_waits_for_it_and_starts_anew(broker, work, mon
     assert [p.name for p in item.path.parent.iterdir() if p.name.endswith(".removing")] == []
 
 
+def test_a_removal_interrupted_before_its_rmtree_is_listed_and_finished_later(broker, work, monkeypatch):
+    work, jobs = work
+    (item,) = [f for f in local_cleanup.leftovers(broker, work, 14 * DAY) if f.kind == "checkpoint"]
+
+    def killed(path, *args, **kwargs):
+        raise KeyboardInterrupt  # the cleanup stopped between the rename and the deletion
+
+    monkeypatch.setattr(local_cleanup.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        local_cleanup.remove(item)
+    monkeypatch.undo()
+    (left,) = [f for f in local_cleanup.leftovers(broker, work, 14 * DAY) if f.kind == "interrupted removal"]
+    assert left.job.id == jobs["old-failed"].id and left.size_bytes == 3000
+    assert local_cleanup.remove(left) and not left.path.exists()
+
+
 def test_a_job_whose_processes_still_stop_is_not_listed(broker, work):
     """--older-than 0 right after a cancel: its trainer may still write its last checkpoint."""
     work, jobs = work

@@ -46,7 +46,7 @@ from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backen
     check_host_not_in_another_pool,
     detect_gpus,
 )
-from airflow_elastic_gpu.broker.types import BrokerError, JobView
+from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
 from airflow_elastic_gpu.config import ENV_BROKER_URL
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.states import JobStatus
@@ -375,10 +375,15 @@ class LocalBackend:
         return local_checkpoints.default_dir(self.work_dir, job)
 
     def _succeeded(self, job_id: str) -> bool:
+        """:raises BackendError: the broker cannot say (a wrong guess would resume a new run at a
+        success's final step, or rename a failed try's checkpoint away from its retry)."""
         try:
             return self.broker.job(job_id).status is JobStatus.SUCCEEDED
-        except BrokerError:
-            return False
+        except NotFound:
+            return False  # another broker's job, or one its database no longer has: not known to succeed
+        except BrokerError as exc:
+            raise BackendError(f"cannot tell whether job {job_id}, which used the checkpoint directory "
+                               f"last, succeeded: {exc}") from None
 
     def _keep_checkpoints_of_a_success(self, job_id: str) -> None:
         try:

@@ -69,11 +69,15 @@ def claim(path: Path, job_id: str, is_running: Callable[[str], bool], wait_s: fl
         raise BackendError(f"checkpoint directory {path} cannot be prepared: {exc}") from None
     deadline = time.monotonic() + wait_s
     while True:
+        # the earlier job's state is asked outside the lock (a broker call may take its retries);
+        # the owner is then checked again under it, unchanged, before the directory changes hands
+        previous = owner.read_text().strip() if owner.is_file() else ""
+        free = not previous or previous == job_id or not is_running(previous)
+        renamed = free and previous not in ("", job_id) and succeeded(previous)
         try:
             with lock(path):
-                previous = owner.read_text().strip() if owner.is_file() else ""
-                if not previous or previous == job_id or not is_running(previous):
-                    if previous and previous != job_id and succeeded(previous):
+                if free and (owner.read_text().strip() if owner.is_file() else "") == previous:
+                    if renamed:
                         _rename_success(path, previous)
                     owner.write_text(job_id)
                     return path
@@ -82,6 +86,8 @@ def claim(path: Path, job_id: str, is_running: Callable[[str], bool], wait_s: fl
                                "by another process for over 30 s") from None
         except OSError as exc:
             raise BackendError(f"checkpoint directory {path} cannot be prepared: {exc}") from None
+        if free:
+            continue  # the owner changed meanwhile: look again
         if time.monotonic() >= deadline:
             raise BackendError(f"checkpoint directory {path} is still used by job {previous} (an earlier "
                                "try of this task, still stopping); try again once it has stopped")

@@ -28,6 +28,7 @@ _JOB_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{
 JOB_DIRECTORY = "job directory"
 CHECKPOINT = "checkpoint"  # a task's default checkpoint directory whose last job ended (not renamed)
 KEPT_CHECKPOINT = "checkpoint of a success"  # renamed <dir>@<job id>
+INTERRUPTED = "interrupted removal"  # .<dir>.removing-<job id>: a cleanup stopped before it was deleted
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ class Leftover:
     """A directory whose job ended ``age_s`` seconds ago.
 
     :param path: the directory.
-    :param kind: :data:`JOB_DIRECTORY`, :data:`CHECKPOINT` or :data:`KEPT_CHECKPOINT`.
+    :param kind: :data:`JOB_DIRECTORY`, :data:`CHECKPOINT`, :data:`KEPT_CHECKPOINT` or
+        :data:`INTERRUPTED`.
     :param job: the job it belongs to (its last one, for a checkpoint directory).
     :param age_s: seconds since the job ended (broker clock).
     :param size_bytes: the bytes of the files under it.
@@ -67,6 +69,10 @@ def _candidates(work_dir: Path) -> Iterator[tuple[Path, str, str]]:
     checkpoints = work_dir / "checkpoints"
     for p in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else ():
         if not p.is_dir() or p.is_symlink():
+            continue
+        doomed, removing, job_id = p.name.rpartition(".removing-")
+        if removing and doomed.startswith(".") and _JOB_ID.fullmatch(job_id):
+            yield p, INTERRUPTED, job_id
             continue
         _, at, job_id = p.name.rpartition("@")
         if at and _JOB_ID.fullmatch(job_id):
@@ -121,7 +127,7 @@ def remove(leftover: Leftover) -> bool:
         shutil.rmtree(leftover.path)
         return True
     path, owner = leftover.path, leftover.path.with_name(f"{leftover.path.name}.owner")
-    doomed = path.with_name(f".{path.name}.removing")
+    doomed = path.with_name(f".{path.name}.removing-{leftover.job.id}")  # listed again if the rmtree stops
     try:
         with local_checkpoints.lock(path):  # a claim now waits; one before it changed the owner
             try:
