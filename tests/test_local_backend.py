@@ -12,6 +12,7 @@ import json
 import os
 import re
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -381,3 +382,27 @@ def test_a_try_waits_for_the_earlier_one_still_writing_its_checkpoint(tmp_path):
     local_checkpoints.keep_after_success(path, "new")
     local_checkpoints.keep_after_success(path, "new")  # a second stop: nothing left to rename
     assert not path.exists() and path.with_name("train-0123@new").is_dir()
+
+
+def test_pids_recorded_before_a_reboot_that_now_belong_to_other_processes_are_never_killed(local, tmp_path):
+    """After a host restart the pids in a job's handle and status files may be any process's: the
+    job counts as not running, and starting it again (a retry) kills none of them."""
+    broker, backend = local
+    job = broker.submit(JobSpec("j", f"{sys.executable} -c 'print(1)'", 1, 1, total_steps=1))
+    job_dir = backend.job_dir(job.id)
+    job_dir.mkdir(parents=True)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        # the handle and status as the job left them before the restart; the pids are now the stranger's
+        protocol.write_json(job_dir / "handle.json", {"job_dir": str(job_dir), "agent_pid": stranger.pid,
+                                                      "launcher_pid": stranger.pid})
+        protocol.write_json(job_dir / protocol.STATUS, {"state": "running", "generation": 1, "pid": stranger.pid,
+                                                        "workers": [stranger.pid]})
+        assert not backend.is_running(job.id)
+        backend.start(job)
+        again = backend.handle(job.id)
+        assert again.agent_pid != stranger.pid and backend.is_running(job.id)
+        assert stranger.poll() is None  # alive: not the job's, whatever the files say
+    finally:
+        stranger.kill()
+        stranger.wait()

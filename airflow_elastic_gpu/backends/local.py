@@ -46,6 +46,7 @@ from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backen
     check_host_not_in_another_pool,
     detect_gpus,
 )
+from airflow_elastic_gpu.backends.local_processes import JOB_MARK, job_process, kill_group
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
 from airflow_elastic_gpu.config import ENV_BROKER_URL
 from airflow_elastic_gpu.sidecar import protocol
@@ -92,14 +93,6 @@ def _private_file(path: Path) -> None:
         os.fchmod(fd, LOG_MODE)
     finally:
         os.close(fd)
-
-
-def _kill_group(pid: int) -> None:
-    """SIGKILL the process group led by ``pid`` (the agent, launcher and trainer each lead one)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _writable_dir(path: Path, what: str, mode: int = 0o777) -> None:
@@ -297,7 +290,7 @@ class LocalBackend:
             raise BackendError(f"fence_s: {exc}") from None
         job_dir = self.job_dir(job.id)
         existing = self.handle(job.id)
-        if existing is not None and protocol.pid_alive(existing.agent_pid):
+        if existing is not None and job_process(existing.agent_pid, job.id):
             return existing.to_ref()
         try:
             job_dir.mkdir(mode=JOB_DIR_MODE, exist_ok=True)
@@ -305,7 +298,7 @@ class LocalBackend:
             _private_file(job_dir / protocol.LOG)
         except OSError as exc:
             raise BackendError(f"job directory {job_dir} cannot be created: {exc}") from None
-        new_launcher = existing is None or not all(map(protocol.pid_alive, existing.launcher_pids))
+        new_launcher = existing is None or not all(job_process(p, job.id) for p in existing.launcher_pids)
         if not new_launcher:
             # the agent died but the trainer runs on: start a new agent for the same launcher(s)
             launcher_pid, node_pids = existing.launcher_pid, existing.node_pids
@@ -330,14 +323,14 @@ class LocalBackend:
         if job.progress_pattern:
             agent += ["--progress-pattern", job.progress_pattern]
         # the broker URL in the environment (readable by this user only), not in argv (which ps shows)
-        agent_env = {**os.environ, ENV_BROKER_URL: self.broker_url}
+        agent_env = {**os.environ, ENV_BROKER_URL: self.broker_url, JOB_MARK: job.id}
         agent_env.setdefault("OMP_NUM_THREADS", "1")
         try:
             agent_pid = self._spawn(job_dir / "agent.log", agent, agent_env)
         except BackendError:
             if new_launcher:  # no agent will ever tell it what to run: leave no idle launcher behind
                 for pid in pids:
-                    _kill_group(pid)
+                    kill_group(pid)
             raise
         handle = LocalHandle(job_dir, agent_pid, launcher_pid, node_pids)
         protocol.write_json(job_dir / "handle.json", json.loads(handle.to_ref()))
@@ -361,11 +354,11 @@ class LocalBackend:
                 if checkpoint_dir:
                     launcher += ["--checkpoint-dir", checkpoint_dir]
                 pid = self._spawn(shared / "launcher.log", [*launcher, "--", job.command],
-                                  trainer_environment(os.environ, env))
+                                  {**trainer_environment(os.environ, env), JOB_MARK: job.id})
                 node_pids.append((node, pid))
         except (BackendError, OSError) as exc:
             for _, pid in node_pids:  # half a gang never runs
-                _kill_group(pid)
+                kill_group(pid)
             raise exc if isinstance(exc, BackendError) else BackendError(f"job directory: {exc}") from None
         return node_pids[0][1], tuple(node_pids) if nodes else ()
 
@@ -411,9 +404,9 @@ class LocalBackend:
         return None if data is None else LocalHandle.from_ref(json.dumps(data))
 
     def is_running(self, job_id: str) -> bool:
-        """True while the job's agent or a launcher process is alive."""
+        """True while the job's agent or a launcher process is alive (:func:`job_process`)."""
         h = self.handle(job_id)
-        return h is not None and (protocol.pid_alive(h.agent_pid) or any(map(protocol.pid_alive, h.launcher_pids)))
+        return h is not None and any(job_process(p, job_id) for p in (h.agent_pid, *h.launcher_pids))
 
     def stop(self, job_id: str, *, succeeded: bool = False, timeout_s: float | None = None) -> None:
         """Ask the launcher(s) to stop the trainer, then kill whatever is left after ``timeout_s``
@@ -428,7 +421,7 @@ class LocalBackend:
             desired["stop"] = True
             protocol.write_json(d / protocol.DESIRED, desired)
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
-        while time.monotonic() < deadline and any(map(protocol.pid_alive, h.launcher_pids)):
+        while time.monotonic() < deadline and any(job_process(p, job_id) for p in h.launcher_pids):
             time.sleep(0.2)
         self._report_stopped(job_id, self._kill_processes(h))
         if succeeded:
@@ -437,15 +430,16 @@ class LocalBackend:
     @staticmethod
     def _kill_processes(h: LocalHandle) -> list[int]:
         """SIGKILL every process of the job left: its launchers' and agent's groups, its trainers'
-        and their workers in sessions of their own (recorded in each launcher's ``status.json``);
-        the pids signalled."""
+        and their workers in sessions of their own (recorded in each launcher's ``status.json``),
+        each only if it is still the job's (:func:`job_process`); the pids signalled."""
+        job_id = h.job_dir.name
         statuses = [protocol.read_json(d / protocol.STATUS) or {} for d in h.launcher_dirs()]
-        pids = [int(p) for p in (*h.launcher_pids, h.agent_pid, *(s.get("pid") for s in statuses)) if p]
+        pids = [int(p) for p in (*h.launcher_pids, h.agent_pid, *(s.get("pid") for s in statuses))
+                if p and job_process(int(p), job_id)]
         for pid in pids:
-            if protocol.pid_alive(pid):
-                _kill_group(pid)
-        workers = [int(p) for s in statuses for p in s.get("workers") or []]
-        protocol.signal_processes([p for p in workers if protocol.pid_alive(p)], signal.SIGKILL)
+            kill_group(pid)
+        workers = [int(p) for s in statuses for p in s.get("workers") or [] if job_process(int(p), job_id)]
+        protocol.signal_processes(workers, signal.SIGKILL)
         return pids + workers
 
     def _report_stopped(self, job_id: str, pids: list[int]) -> None:

@@ -1,0 +1,37 @@
+"""The local backend's processes: which recorded pid is still a job's, and killing one's group."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from airflow_elastic_gpu.sidecar import protocol
+
+JOB_MARK = "ELASTIC_GPU_JOB_ID"
+"""Set to the job's id in the environment of its agent and launchers, and so of its trainers and
+their workers: a pid the job recorded counts as the job's only while its process has it (after a
+reboot the pid may be any process's, and the backend must never kill that)."""
+
+
+def job_process(pid: int | None, job_id: str) -> bool:
+    """True if ``pid`` is alive and a process of job ``job_id`` (:data:`JOB_MARK` in its
+    environment). Where there is no ``/proc`` to tell, alive is enough; a process whose
+    environment cannot be read (another user's) is not the job's."""
+    if not pid or not protocol.pid_alive(pid):
+        return False
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")  # no /proc here (else: it has just exited)
+    except OSError:
+        return False
+    return f"{JOB_MARK}={job_id}".encode() in environ.split(b"\0")
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group led by ``pid`` (the agent, launcher and trainer each lead one)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
