@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -129,23 +130,22 @@ def airflow(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess
 
 
 def session_members(sid: int) -> list[int]:
-    """Pids of the live processes in session ``sid`` (Linux ``/proc``; zombies left out; empty elsewhere)."""
+    """Pids of the live processes in session ``sid`` (``psutil``: Linux, macOS; zombies left out)."""
     out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in psutil.process_iter(["status"]):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) == sid:
+                out.append(proc.pid)
+        except (OSError, psutil.Error):  # gone meanwhile, or not ours to ask
             continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # after the command: state, ppid, pgrp, session
-            out.append(int(stat.parent.name))
     return out
 
 
-def _cmdline(pid: int) -> bytes:
+def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
 
 
 def stop() -> None:
@@ -154,7 +154,7 @@ def stop() -> None:
     groups of their own, so every process of the session is signalled, not only its group."""
     if PID_FILE.exists():
         pid = int(PID_FILE.read_text())
-        if not any(b"airflow" in _cmdline(p) for p in session_members(pid)):
+        if not any("airflow" in _cmdline(p) for p in session_members(pid)):
             PID_FILE.unlink(missing_ok=True)  # stale (a reboot, a crash): that pid is someone else's now
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
