@@ -117,7 +117,8 @@ def _param_value(item: str, key: str, value: str) -> bool | int | float:
 
 
 def cmd_pool(args: argparse.Namespace) -> int:
-    broker = _broker(args)
+    changes = bool(args.param) or any(v is not None for v in (args.policy, args.lease_s, args.rebalance_interval_s))
+    broker = _broker(args, existing=not changes)  # a bare `pool` only reads: no empty SQLite file made
     params: dict[str, Any] = {}
     for item in args.param or []:
         key, sep, value = item.partition("=")
@@ -137,7 +138,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
                 notes.print(f"dropping parameters that policy {current!r} does not take: {', '.join(stale)}",
                             markup=False, highlight=False)
             policy, params = current, {**{k: v for k, v in stored.items() if k in accepted}, **params}
-    if params or policy is not None or args.lease_s is not None or args.rebalance_interval_s is not None:
+    if changes:
         broker.configure_pool(args.pool, policy=policy, policy_params=params or None,
                               lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
     # (a bare `pool` only shows the settings: it changes nothing and asks for no rebalance)

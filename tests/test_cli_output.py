@@ -269,7 +269,7 @@ def test_reading_commands_do_not_make_an_empty_broker_where_there_is_none(tmp_pa
     monkeypatch.delenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", raising=False)
     monkeypatch.delenv("AIRFLOW__ELASTIC_GPU__BROKER_URL", raising=False)
     monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", "postgresql://somewhere/broker")
-    for argv in (["jobs"], ["status"], ["nodes"], ["cancel", "abc"], ["cleanup", "--older-than", "1"]):
+    for argv in (["jobs"], ["status"], ["nodes"], ["pool"], ["cancel", "abc"], ["cleanup", "--older-than", "1"]):
         assert main(argv) == 2
         err = " ".join(capsys.readouterr().err.split())
         assert f"no broker database at {tmp_path / 'airflw' / 'elastic_gpu_broker.db'}" in err
