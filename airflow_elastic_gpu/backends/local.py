@@ -303,15 +303,11 @@ class LocalBackend:
             # the agent died but the trainer runs on: start a new agent for the same launcher(s)
             launcher_pid, node_pids = existing.launcher_pid, existing.node_pids
         else:
-            if existing is not None:  # part of a gang is gone: start the whole gang again
-                # its trainers and their workers too (sessions of their own: a launcher's group
-                # misses them), else the new trainers would share GPUs and a checkpoint with them
-                killed = self._kill_processes(existing)
-                gone_by = time.monotonic() + 2.0  # SIGKILLed processes vanish within milliseconds
-                while any(map(protocol.pid_alive, killed)) and time.monotonic() < gone_by:
-                    time.sleep(0.01)
-                if alive := [p for p in killed if protocol.pid_alive(p)]:
-                    raise BackendError(f"job {job.id}: its earlier processes {alive} survive SIGKILL (stuck in the "
+            # part of a gang is gone: start the whole gang again, killing its trainers and their
+            # workers too (sessions of their own: a launcher's group misses them), else the new
+            # trainers would share GPUs and a checkpoint with them
+            if existing is not None and (alive := protocol.survivors(self._kill_processes(existing))):
+                raise BackendError(f"job {job.id}: its earlier processes {alive} survive SIGKILL (stuck in the "
                                        "kernel?): not starting a second trainer on their GPUs")
             launcher_pid, node_pids = self._start_launchers(job, job_dir, env)
         pids = [pid for _, pid in node_pids] or [launcher_pid]
@@ -445,11 +441,8 @@ class LocalBackend:
     def _report_stopped(self, job_id: str, pids: list[int]) -> None:
         """Once every process of an ended job (cancelled: the broker holds its GPUs until its
         trainer stops) is gone, tell the broker, so that the GPUs go to other jobs now."""
-        gone_by = time.monotonic() + 2.0  # SIGKILLed processes vanish within milliseconds
-        while any(map(protocol.pid_alive, pids)):
-            if time.monotonic() > gone_by:
-                return  # the broker frees the GPUs a lease after the job's last heartbeat
-            time.sleep(0.02)
+        if protocol.survivors(pids):
+            return  # the broker frees the GPUs a lease after the job's last heartbeat
         try:
             job = self.broker.job(job_id)
             if job.status.terminal and (job.in_use_gpus or job.target_gpus):

@@ -240,10 +240,7 @@ class Agent(EndReports):
                 # every node's, and the other launchers are told to stop)
                 orphans = [int(p) for p in [status.get("pid"), *(status.get("workers") or [])] if p]
                 protocol.signal_processes(orphans, signal.SIGKILL)
-                killed_by = time.monotonic() + 2.0  # a SIGKILLed process vanishes within milliseconds
-                while any(map(protocol.pid_alive, orphans)) and time.monotonic() < killed_by:
-                    time.sleep(0.01)
-                if any(map(protocol.pid_alive, orphans)) or (
+                if protocol.survivors(orphans) or (
                         self.gang is not None and not self._stopped("a launcher of the gang died")):
                     # a trainer still runs: its GPUs must not be freed, the lease ends the job
                     log.error("the dead launcher's trainer did not stop: the broker's lease will end the job")

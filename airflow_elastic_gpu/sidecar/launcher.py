@@ -255,9 +255,7 @@ class Launcher:
         SIGKILLed process vanishes within milliseconds) for them to be gone; forget them."""
         tree = [p for p in self.tree if protocol.pid_alive(p)]
         protocol.signal_processes(tree, signal.SIGKILL)
-        killed_by = time.monotonic() + 2.0
-        while any(protocol.pid_alive(p) for p in tree) and time.monotonic() < killed_by:
-            time.sleep(0.01)
+        protocol.survivors(tree)
         self.tree = []
 
     def _fence(self, reason: str) -> None:
@@ -269,11 +267,17 @@ class Launcher:
         self._note(f"fencing the trainer: {reason}; it must be dead within {max(0.0, grace):.1f}s, "
                    "before the broker may give its GPUs to another job")
         self._stop()  # the grace period cut to the lease's kill_s
+        self._mark_fenced(f"fenced: the trainer and its workers are stopped (fence {self.fences + 1})")
+
+    def _mark_fenced(self, note: str) -> None:
+        """No trainer runs and none may start until contact is back: state ``fenced`` (one more
+        fence unless it already was)."""
         self.proc = None
-        self.fences += 1
-        self.fenced = True
-        self.fenced_s = time.time()
-        self._note(f"fenced: the trainer and its workers are stopped (fence {self.fences})")
+        if not self.fenced:
+            self.fences += 1
+            self.fenced = True
+            self.fenced_s = time.time()
+        self._note(note)
         self._status(protocol.FENCED)
 
     def run(self) -> int:
@@ -329,13 +333,7 @@ class Launcher:
                     self.restarts += 1
                 if (late := self._check_lease()) is not None:
                     # contact was lost during the stop (a grace period): no new trainer without a lease
-                    self.proc = None
-                    if not self.fenced:
-                        self.fences += 1
-                        self.fenced = True
-                        self.fenced_s = time.time()
-                    self._note(f"not starting generation {gen}: {late}")
-                    self._status(protocol.FENCED)
+                    self._mark_fenced(f"not starting generation {gen}: {late}")
                     continue
                 if self.fenced:
                     self._note(f"contact with the broker is back: restarting the fenced trainer "

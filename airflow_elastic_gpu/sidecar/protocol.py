@@ -241,6 +241,18 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+KILL_WAIT_S = 2.0
+"""How long a SIGKILLed process is waited for (it vanishes within milliseconds unless stuck in the kernel)."""
+
+
+def survivors(pids: list[int], timeout_s: float = KILL_WAIT_S) -> list[int]:
+    """Wait up to ``timeout_s`` for the processes ``pids`` (just SIGKILLed) to be gone; those still alive."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return alive
+
+
 def signal_processes(pids: list[int], sig: int) -> None:
     """Send ``sig`` to each pid's process group and to the pid itself; gone ones are skipped."""
     for pid in pids:
