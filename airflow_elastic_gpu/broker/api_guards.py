@@ -29,6 +29,7 @@ from airflow_elastic_gpu.config import (
     SECTION,
     get_option,
 )
+from airflow_elastic_gpu.sidecar.protocol import BROKER_HEADER
 
 #: The page's Content-Security-Policy: its scripts only from this server (no inline script, no eval),
 #: data only from this server, no plugins, no ``<base>``, no forms, framed only by its own origin
@@ -170,10 +171,6 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-BROKER_HEADER = "x-elastic-gpu-broker"
-"""A header on every answer of the broker's API: the agent takes a 401/403/404/410 for "the job
-ended" only from the broker itself, not from a proxy or ingress in front of it (a 404 while the API
-restarts), which would otherwise stop a live trainer."""
 
 
 class SecurityHeaders:

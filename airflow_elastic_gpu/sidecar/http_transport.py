@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.sidecar.protocol import BROKER_HEADER
 from airflow_elastic_gpu.states import JobStatus, Target
 
 
@@ -40,7 +41,6 @@ class JobGone(BrokerRejected):
 
 
 GONE_STATUSES = frozenset({401, 403, 404, 410})
-BROKER_HEADER = "x-elastic-gpu-broker"  # broker.api_guards.BROKER_HEADER (this module imports no broker code)
 RETRY_STATUSES = frozenset({408, 429})
 
 

@@ -241,6 +241,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+BROKER_HEADER = "x-elastic-gpu-broker"
+"""A header on every answer of the broker's API: the agent takes a 401/403/404/410 for "the job
+ended" only from the broker itself, not from a proxy or ingress in front of it (a 404 while the API
+restarts), which would otherwise stop a live trainer."""
+
 KILL_WAIT_S = 2.0
 """How long a SIGKILLed process is waited for (it vanishes within milliseconds unless stuck in the kernel)."""
 
