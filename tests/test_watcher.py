@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 from airflow_elastic_gpu.backends import Backend, BackendError, backend_settings, make_backend
 from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
 from airflow_elastic_gpu.backends.local import LocalBackend
+from airflow_elastic_gpu.backends.local_processes import JOB_MARK
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec, JobView
 from airflow_elastic_gpu.sidecar import protocol
@@ -67,7 +69,8 @@ def test_the_watcher_fails_a_local_job_whose_processes_are_gone_with_the_reason_
 def test_the_watcher_counts_only_polls_in_a_row_that_find_the_processes_gone(tmp_path, broker):
     backend = LocalBackend(tmp_path / "jobs", broker)
     job = broker.submit(JobSpec("flicker", "python train.py", 1, 2, total_steps=100))
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                             env={**os.environ, JOB_MARK: job.id})  # a process of this job
     try:
         started_with(backend, broker, job, dead_pid(), dead_pid())
         watcher = JobWatcher(broker, backend, job.id)
