@@ -391,7 +391,8 @@ def test_pids_recorded_before_a_reboot_that_now_belong_to_other_processes_are_ne
     job = broker.submit(JobSpec("j", f"{sys.executable} -c 'print(1)'", 1, 1, total_steps=1))
     job_dir = backend.job_dir(job.id)
     job_dir.mkdir(parents=True)
-    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                                env={**os.environ, "ELASTIC_GPU_JOB_ID": "another-job"})  # another job's process
     try:
         # the handle and status as the job left them before the restart; the pids are now the stranger's
         protocol.write_json(job_dir / "handle.json", {"job_dir": str(job_dir), "agent_pid": stranger.pid,

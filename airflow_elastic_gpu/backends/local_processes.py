@@ -15,9 +15,11 @@ reboot the pid may be any process's, and the backend must never kill that)."""
 
 
 def job_process(pid: int | None, job_id: str) -> bool:
-    """True if ``pid`` is alive and a process of job ``job_id`` (:data:`JOB_MARK` in its
-    environment). Where there is no ``/proc`` to tell, alive is enough; a process whose
-    environment cannot be read (another user's) is not the job's."""
+    """True if ``pid`` is alive and may be a process of job ``job_id``: its environment has
+    :data:`JOB_MARK` with that id, or none at all (a trainer that cleared its environment, a job
+    started by an older version: never taken for gone while it may hold the job's GPUs). Where
+    there is no ``/proc`` to tell, alive is enough; a process whose environment cannot be read
+    (another user's) is not the job's."""
     if not pid or not protocol.pid_alive(pid):
         return False
     try:
@@ -26,7 +28,10 @@ def job_process(pid: int | None, job_id: str) -> bool:
         return not os.path.isdir("/proc/self")  # no /proc here (else: it has just exited)
     except OSError:
         return False
-    return f"{JOB_MARK}={job_id}".encode() in environ.split(b"\0")
+    marks = [v for v in environ.split(b"\0") if v.startswith(f"{JOB_MARK}=".encode())]
+    # no mark at all (started by an older version, or a command that cleared its environment):
+    # possibly the job's, as a live pid always counted before; another job's mark: not this job's
+    return not marks or f"{JOB_MARK}={job_id}".encode() in marks
 
 
 def kill_group(pid: int) -> None:
