@@ -99,3 +99,27 @@ def test_a_finishing_gang_applies_no_newer_generation(tmp_path):
     agent.clean_nodes.clear()
     agent._report_clean_nodes()
     assert broker.finished == []  # every node ended: the job's end is reported whole, with the metrics
+
+
+def test_a_finishing_gang_s_fenced_trainer_restarts_on_the_generation_it_runs(tmp_path):
+    """Rank 0 was fenced (the broker unreachable for a while) while the gang was finishing and a
+    newer generation had been published before the finished node's report: once the broker
+    answers again, rank 0 may restart on the generation it ran (the broker keeps that
+    generation's GPUs until the newer one is acked, which a finishing gang never does)."""
+    class Broker:
+        def finish(self, job_id, exit_code=0, metrics=None, *, node=None):
+            return None
+
+    dirs = {n: tmp_path / protocol.NODES / n for n in ("localhost-0", "localhost-1")}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    agent = Agent(Broker(), "j", tmp_path, poll_s=0.05)
+    four = [("localhost-0", 0), ("localhost-0", 1), ("localhost-1", 0), ("localhost-1", 1)]
+    agent.gang.publish(3, four)
+    protocol.write_json(dirs["localhost-0"] / protocol.STATUS,
+                        {"state": "fenced", "generation": 3, "fences": 1})
+    protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "exited", "exit_code": 0, "generation": 3})
+    shrink = Target("j", JobStatus.RUNNING, 4, (GpuId("localhost-0", 0), GpuId("localhost-0", 1)), 60.0)
+    assert agent._apply_gang(shrink, 3) == 3
+    assert agent.gang.desired("localhost-0")["resume"] == 1 and agent.gang.desired("localhost-0")["generation"] == 3
+    assert "resume" not in agent.gang.desired("localhost-1")  # its trainer exited: nothing to restart

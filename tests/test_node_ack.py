@@ -258,3 +258,19 @@ def test_an_end_report_naming_a_node_outside_the_pool_is_rejected_and_changes_no
     with pytest.raises(InvalidRequest, match="'elsewhere' is not a node of GPU pool"):
         broker.fail(job.id, "oops", node="elsewhere")
     assert broker.job(job.id).status is JobStatus.RUNNING
+
+
+def test_a_node_s_clean_exit_before_the_first_ack_waits_for_the_others(pool):
+    """A node's trainer exited with 0 before every node had acked the first generation (nothing
+    is in use yet): the job runs on, waiting for the other nodes of its target, instead of
+    succeeding without metrics and stopping the trainer that would print them."""
+    broker = pool
+    job = gang(broker)
+    broker.ack(job.id, 1, node="node-b")
+    running = broker.finish(job.id, 0, None, node="node-b")
+    assert running.status is JobStatus.RUNNING and len(running.target_gpus) == 6
+    (finishing,) = [e for e in broker.events(job_id=job.id) if e.kind == EventKind.FINISHING.value]
+    assert "node-a, node-c" in finishing.message
+    done = broker.finish(job.id, 0, {"accuracy": 0.9}, node="node-a")
+    assert done.status is JobStatus.SUCCEEDED and done.metrics == {"accuracy": 0.9}
+    assert nodes_of((*done.target_gpus, *done.in_use_gpus)) == ["node-c"]  # held until its agent reports

@@ -51,9 +51,11 @@ class Endings(Queries):
                 exited = list(job.finished_nodes or ())
                 if node is not None and status is JobStatus.SUCCEEDED and not metrics:
                     # a gang of pods: this node's trainer exited cleanly without the final metrics
-                    # line; the trainer that prints it (global rank 0) may still run on another node
-                    _, in_use = job_gpus(conn, job.id)
-                    nodes = {g.node for g in in_use}
+                    # line; the trainer that prints it (global rank 0) may still run on another node.
+                    # The job's trainers run on its acked generation's GPUs or on its target's (a
+                    # generation not acked yet, the first one too: nothing is in use before it)
+                    target, in_use = job_gpus(conn, job.id)
+                    nodes = {g.node for g in (*target, *in_use)}
                     if node not in nodes and nodes:
                         return  # a node the job no longer runs on (dropped): nothing of it to record
                     waiting = sorted(nodes - {*exited, node})

@@ -311,6 +311,9 @@ class Agent(EndReports):
                 log.info("generation %d not applied: the trainer on %s exited cleanly, the gang is finishing",
                          target.generation, ", ".join(finished))
                 self.unapplied = target.generation
+            # the generation it runs keeps its GPUs until the newer one is acked (never, now): a
+            # trainer fenced on it (rank 0 evaluating) may restart, the broker still runs the job
+            self._resume_fenced(written)
             return written
         if target.generation > written and (target.gpus or written > 0):  # no GPUs after some: suspended
             pairs = [(g.node, g.index) for g in target.gpus]
@@ -326,14 +329,22 @@ class Agent(EndReports):
                      ", ".join(f"{n} (rank {p['node_rank']}): GPUs {p['gpus']}" for n, p in plan.items())
                      or "no GPUs (suspended on every node)")
             return target.generation
+        if target.gpus:
+            self._resume_fenced(target.generation)
+        return written
+
+    def _resume_fenced(self, generation: int) -> None:
+        """Let each node of a gang whose trainer was fenced on ``generation`` (a generation the
+        broker still runs the job on, with GPUs on that node) restart it, once per fence."""
+        assert self.gang is not None
         for node, status in self.gang.statuses().items():
             fences = int(status.get("fences") or 0)
-            if (status.get("state") == protocol.FENCED and int(status.get("generation", 0)) == target.generation
-                    and target.gpus and int(self.gang.desired(node).get("resume", 0)) < fences):
+            desired = self.gang.desired(node)
+            if (status.get("state") == protocol.FENCED and int(status.get("generation", 0)) == generation
+                    and desired.get("gpus") and int(desired.get("resume", 0)) < fences):
                 self.gang.resume(node, fences)
                 log.info("the broker still runs generation %d: node %s's fenced trainer may restart",
-                         target.generation, node)
-        return written
+                         generation, node)
 
     def _logs(self) -> list[tuple[LogParser, Path]]:
         """Each log the agent parses, with its launcher directory."""
