@@ -100,6 +100,31 @@ def test_a_claim_during_a_removal_waits_for_it_and_starts_anew(broker, work, mon
     assert [p.name for p in item.path.parent.iterdir() if p.name.endswith(".removing")] == []
 
 
+def test_a_claim_whose_owner_record_a_removal_takes_as_it_reads_it_starts_anew(tmp_path, monkeypatch):
+    """The owner record goes (a cleanup's removal, a rename after a success) between a claim's
+    look and its read: the claim takes the directory as unowned instead of failing the start."""
+    from pathlib import Path
+
+    from airflow_elastic_gpu.backends import local_checkpoints
+
+    path = make_dir(tmp_path / "checkpoints" / "k-0123456789ab")
+    owner = path.with_name(f"{path.name}.owner")
+    owner.write_text(str(uuid.uuid4()))
+    looked = Path.is_file
+
+    def is_file_then_removed(self):
+        found = looked(self)
+        if self == owner:
+            owner.unlink(missing_ok=True)
+        return found
+
+    monkeypatch.setattr(Path, "is_file", is_file_then_removed)
+    monkeypatch.setattr(Path, "exists", is_file_then_removed)
+    retry = str(uuid.uuid4())
+    assert local_checkpoints.claim(path, retry, lambda _: False, 1.0) == path
+    assert owner.read_text() == retry
+
+
 def test_a_removal_interrupted_before_its_rmtree_is_listed_and_finished_later(broker, work, monkeypatch):
     work, jobs = work
     (item,) = [f for f in local_cleanup.leftovers(broker, work, 14 * DAY) if f.kind == "checkpoint"]

@@ -37,8 +37,18 @@ def default_dir(work_dir: Path, job: JobView) -> Path:
     return work_dir / "checkpoints" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def _owner(path: Path) -> Path:
+def owner_path(path: Path) -> Path:
+    """The file naming the job that used checkpoint directory ``path`` last (``<path>.owner``)."""
     return path.with_name(f"{path.name}.owner")
+
+
+def owner_of(path: Path) -> str:
+    """The job id in ``path``'s ``.owner``, or "" when there is none (never claimed, or removed
+    by a rename or a cleanup between a look and the read)."""
+    try:
+        return owner_path(path).read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def lock(path: Path, timeout_s: float = 30.0) -> FileLock:
@@ -62,7 +72,7 @@ def claim(path: Path, job_id: str, is_running: Callable[[str], bool], wait_s: fl
     :raises BackendError: the earlier job still runs after ``wait_s``, the directory's parent
         cannot be made, or its :func:`lock` is not free within 30 s.
     """
-    owner = _owner(path)
+    owner = owner_path(path)
     try:
         path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     except OSError as exc:
@@ -71,12 +81,12 @@ def claim(path: Path, job_id: str, is_running: Callable[[str], bool], wait_s: fl
     while True:
         # the earlier job's state is asked outside the lock (a broker call may take its retries);
         # the owner is then checked again under it, unchanged, before the directory changes hands
-        previous = owner.read_text().strip() if owner.is_file() else ""
+        previous = owner_of(path)
         free = not previous or previous == job_id or not is_running(previous)
         renamed = free and previous not in ("", job_id) and succeeded(previous)
         try:
             with lock(path):
-                if free and (owner.read_text().strip() if owner.is_file() else "") == previous:
+                if free and owner_of(path) == previous:
                     if renamed:
                         _rename_success(path, previous)
                     owner.write_text(job_id)
@@ -99,7 +109,7 @@ def _rename_success(path: Path, job_id: str) -> None:
     caller holds :func:`lock` and has checked that ``job_id`` owns it."""
     if path.is_dir():
         path.rename(path.with_name(f"{path.name}@{job_id}"))
-    _owner(path).unlink(missing_ok=True)
+    owner_path(path).unlink(missing_ok=True)
 
 
 def keep_after_success(path: Path, job_id: str) -> None:
@@ -107,10 +117,8 @@ def keep_after_success(path: Path, job_id: str) -> None:
     a failure is logged, not raised (the job succeeded all the same)."""
     try:
         with lock(path):
-            if _owner(path).read_text().strip() == job_id:
+            if owner_of(path) == job_id:  # "" if never claimed, or renamed already (a second stop)
                 _rename_success(path, job_id)
-    except FileNotFoundError:
-        return  # never claimed, or renamed already (a second stop)
     except OSError as exc:
         log.warning("job %s succeeded; its checkpoint directory %s stays where it is (%s): a later run "
                     "of its task would resume from it", job_id, path, exc)

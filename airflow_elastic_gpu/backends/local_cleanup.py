@@ -78,10 +78,9 @@ def _candidates(work_dir: Path) -> Iterator[tuple[Path, str, str]]:
         if at and _JOB_ID.fullmatch(job_id):
             yield p, KEPT_CHECKPOINT, job_id
             continue
-        owner = p.with_name(f"{p.name}.owner")
         try:
-            job_id = owner.read_text().strip()
-        except OSError:  # never claimed: nothing says whose it is
+            job_id = local_checkpoints.owner_of(p)  # "": never claimed, nothing says whose it is
+        except OSError:  # unreadable
             continue
         if _JOB_ID.fullmatch(job_id):
             yield p, CHECKPOINT, job_id
@@ -105,10 +104,14 @@ def leftovers(broker: GpuBroker, work_dir: Path, older_than_s: float,
         is_running = LocalBackend(work_dir, broker).is_running
     now = broker.clock()
     found = []
+    jobs: dict[str, JobView | None] = {}  # a job's directory and its checkpoint: the broker asked once
     for path, kind, job_id in _candidates(work_dir):
-        try:
-            job = broker.job(job_id)
-        except NotFound:
+        if job_id not in jobs:
+            try:
+                jobs[job_id] = broker.job(job_id)
+            except NotFound:
+                jobs[job_id] = None
+        if (job := jobs[job_id]) is None:
             continue
         if not job.status.terminal or job.end_s is None or now - job.end_s < older_than_s or is_running(job_id):
             continue
@@ -126,17 +129,14 @@ def remove(leftover: Leftover) -> bool:
     if leftover.kind != CHECKPOINT:
         shutil.rmtree(leftover.path)
         return True
-    path, owner = leftover.path, leftover.path.with_name(f"{leftover.path.name}.owner")
+    path = leftover.path
     doomed = path.with_name(f".{path.name}.removing-{leftover.job.id}")  # listed again if the rmtree stops
     try:
         with local_checkpoints.lock(path):  # a claim now waits; one before it changed the owner
-            try:
-                if owner.read_text().strip() != leftover.job.id:
-                    return False
-            except FileNotFoundError:
+            if local_checkpoints.owner_of(path) != leftover.job.id:
                 return False
             path.rename(doomed)  # out of the way at once: a claim after this starts anew
-            owner.unlink(missing_ok=True)
+            local_checkpoints.owner_path(path).unlink(missing_ok=True)
     except Timeout:
         return False
     shutil.rmtree(doomed)
