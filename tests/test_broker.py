@@ -241,6 +241,21 @@ def test_snapshot_lists_the_active_jobs_and_only_the_latest_ended_ones(pool, clo
     assert pool.snapshot(ended=0).ended_hidden == 5 and len(pool.snapshot().jobs) == 8
 
 
+def test_snapshot_lists_an_older_ended_job_that_still_holds_gpus(pool, clock):
+    """A cancelled job's GPUs stay held until its trainer has stopped: the page labels them with
+    its name however many jobs ended after it."""
+    stopping = pool.submit(spec("stopping", max_gpus=2))
+    pool.ack(stopping.id, 1)
+    pool.cancel(stopping.id)
+    for i in range(3):
+        clock.advance(1)
+        pool.finish(pool.submit(spec(f"later-{i}", max_gpus=1)).id)
+    snap = pool.snapshot(ended=1)
+    held = {g.in_use_by for n in snap.nodes for g in n.gpus} - {None}
+    assert held == {stopping.id} and stopping.id in [j.id for j in snap.jobs]
+    assert snap.ended_hidden == 2 and len(snap.jobs) == 2
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"min_gpus": 3, "max_gpus": 2}, r"min_gpus \(3\) must not be larger than max_gpus \(2\)"),
     ({"min_gpus": 0}, "min_gpus must be an integer >= 1, got 0"),

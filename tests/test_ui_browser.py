@@ -152,3 +152,21 @@ def test_two_jobs_of_one_name_are_told_apart_and_a_gpu_not_yet_taken_up_is_shown
     timeline = chrome.execute_script("return document.getElementById('timeline').textContent")
     assert f"train · {running.id[:8]}" in timeline
     assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]
+
+
+def test_two_old_runs_of_one_name_known_only_from_the_timeline_are_told_apart(
+        broker, api_server, chrome):  # noqa: F811
+    """Runs ended before the snapshot's latest 100 ended jobs get their names from the timeline:
+    two of one task still get a row each, named with the start of their ids."""
+    old = []
+    for _ in range(2):
+        job = broker.submit(JobSpec("nightly", "train", 2, 2, total_steps=100))
+        broker.ack(job.id, 1)
+        broker.finish(job.id)
+        old.append(job.id)
+    for i in range(100):
+        broker.finish(broker.submit(JobSpec(f"later-{i}", "train", 1, 1, total_steps=10)).id)
+    chrome.get(f"{api_server}/ui?pool=default")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    timeline = chrome.execute_script("return document.getElementById('timeline').textContent")
+    assert all(f"nightly · {job_id[:8]}" in timeline for job_id in old), timeline[:500]

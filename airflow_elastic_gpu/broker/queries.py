@@ -231,23 +231,32 @@ class Queries(Rebalancing):
 
     def snapshot(self, pool: str = DEFAULT_POOL, *, events: int = 50, ended: int = 100) -> PoolSnapshot:
         """Nodes, GPUs and their holders, the jobs, and the latest ``events`` of one pool, read in
-        one session. The jobs are every queued, running or suspended one and the ``ended`` that
-        ended last (a pool's history grows with every run; :meth:`jobs` lists it all), in submit
-        order; ``ended_hidden`` counts the ended ones left out."""
+        one session. The jobs are every queued, running or suspended one, the ``ended`` that
+        ended last (a pool's history grows with every run; :meth:`jobs` lists it all) and any
+        older ended one that still holds a GPU, in submit order; ``ended_hidden`` counts the ended
+        ones left out."""
         def read(s: Session) -> PoolSnapshot:
             nodes = self._node_views(s, list(s.scalars(
                 select(Node).options(selectinload(Node.gpus)).where(Node.pool == pool).order_by(Node.name))))
             of_pool = select(*JOB_COLUMNS).where(Job.pool == pool)
+            # the active jobs first: one ending before the ended ones are read is in both (its
+            # newer row kept); read the other way round, it would be in neither
+            rows = {r.id: r for r in s.execute(of_pool.where(Job.status.in_(ACTIVE))).all()}
             last_ended = s.execute(of_pool.where(Job.status.not_in(ACTIVE))
-                                   .order_by(Job.end_s.desc(), Job.id).limit(ended)).all()
+                                   .order_by(Job.end_s.desc().nulls_last(), Job.id).limit(ended)).all()
+            rows.update((r.id, r) for r in last_ended)
             ended_total = s.scalar(select(func.count()).select_from(Job).where(
                 Job.pool == pool, Job.status.not_in(ACTIVE))) or 0
-            # one job ending between the two reads is in both: kept once
-            rows = {r.id: r for r in [*s.execute(of_pool.where(Job.status.in_(ACTIVE))).all(), *last_ended]}
+            # an older ended job that still holds GPUs (a cancelled trainer stopping): its GPUs are
+            # drawn with its name
+            holders = {h for n in nodes for g in n.gpus for h in (g.in_use_by, g.target_of) if h} - rows.keys()
+            if holders:
+                rows.update((r.id, r) for r in s.execute(of_pool.where(Job.id.in_(sorted(holders)))).all())
             jobs = sorted(self._views(s, list(rows.values())), key=lambda j: (j.submit_s, j.id))
+            shown_ended = sum(1 for r in rows.values() if JobStatus(r.status) not in ACTIVE)
             evs = s.scalars(select(Event).where(Event.pool == pool).order_by(Event.id.desc()).limit(events)).all()
             return PoolSnapshot(pool, self.clock(), tuple(nodes), tuple(jobs),
                                 tuple(event_view(e) for e in reversed(evs)),
-                                ended_hidden=max(0, ended_total - len(last_ended)))
+                                ended_hidden=max(0, ended_total - shown_ended))
 
         return self._read(read)

@@ -180,13 +180,14 @@ async function refresh() {
     const [snap, tl] = await Promise.all([get(`${where}/snapshot?events=100`), get(`${where}/timeline`)]);
     const jobs = list(snap.jobs);
     // a job's label: its name, with the start of its id where jobs share a name (two runs of one
-    // task), so that the grid, the events and the timeline's rows tell them apart
+    // task), so that the grid, the events and the timeline's rows tell them apart; a timeline bar
+    // of an ended job older than the snapshot's has the name the timeline gives it
+    const byId = new Map(jobs.map(j => [j.id, text(j.name)]));
+    for (const s of list(tl.segments)) if (!byId.has(s.job_id)) byId.set(s.job_id, text(s.name));
     const seen = new Map();
-    for (const j of jobs) seen.set(text(j.name), (seen.get(text(j.name)) || 0) + 1);
-    const names = new Map(jobs.map(j => [j.id, seen.get(text(j.name)) > 1
-      ? `${text(j.name)} · ${text(j.id).slice(0, 8)}` : text(j.name)]));
-    // a timeline bar of an ended job older than the snapshot's: the name the timeline gives it
-    for (const s of list(tl.segments)) if (!names.has(s.job_id)) names.set(s.job_id, text(s.name));
+    for (const name of byId.values()) seen.set(name, (seen.get(name) || 0) + 1);
+    const names = new Map([...byId].map(([id, name]) => [id, seen.get(name) > 1
+      ? `${name} · ${text(id).slice(0, 8)}` : name]));
     renderGrid(snap, names);
     renderJobs(snap);
     renderEvents(snap, names);
