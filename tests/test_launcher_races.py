@@ -206,3 +206,34 @@ def test_a_gang_nodes_trainer_that_died_with_its_stopped_peer_restarts_on_the_ne
         runner.join(15)
         assert result == [1] and status(shared)["state"] == protocol.EXITED and status(shared)["exit_code"] == 1
         assert launcher.restarts == 0
+
+
+def test_a_gang_node_waits_as_long_as_its_agents_lease_says_for_the_peers_generation(tmp_path):
+    """A gang of pods: each pod's agent polls the broker (2 s) over HTTP (a 10 s timeout), so a
+    node may see the next generation well after its peer's trainer was stopped. The agent's lease
+    names that wait, longer than the launcher's own."""
+    script = tmp_path / "trainer.py"
+    script.write_text(DIES_IN_GENERATION_1)
+    shared = tmp_path / "job"
+    shared.mkdir()
+    launcher = Launcher(shared, f"{sys.executable} {script}", grace_s=2.0, poll_s=0.05, peer_wait_s=0.5)
+    gang = {"nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1", "master_port": 29500}
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False, **gang})
+    periods = protocol.fence_periods(60.0)
+    protocol.write_json(shared / protocol.LEASE, {
+        "contact_s": time.time(), "lease_s": periods.lease_s, "fence_s": periods.fence_s,
+        "kill_s": periods.kill_s, "generation": 1, "status": "running", "agent_pid": None, "peer_wait_s": 4.0})
+    launcher.generation = 1
+    launcher._start(protocol.read_json(shared / protocol.DESIRED))
+    launcher.proc.wait(30)
+    threading.Timer(1.5, protocol.write_json, (shared / protocol.DESIRED,
+                                               {"generation": 2, "gpus": [1], "stop": False, **gang})).start()
+    result: list[int] = []
+    runner = threading.Thread(target=lambda: result.append(launcher._run()), daemon=True)
+    runner.start()
+    wait_for(lambda: status(shared).get("state") == protocol.RUNNING and status(shared)["generation"] == 2,
+             10, "the trainer to restart on generation 2")
+    assert launcher.restarts == 1 and "taken as that stop" in (shared / protocol.LOG).read_text()
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [1], "stop": True, **gang})
+    runner.join(15)
+    assert result == [0]

@@ -367,6 +367,8 @@ class Agent(EndReports):
             "contact_s": sent_s, "lease_s": self.periods.lease_s, "fence_s": self.periods.fence_s,
             "kill_s": self.periods.kill_s, "generation": target.generation, "status": target.status.value,
             "agent_pid": os.getpid() if self.launcher_pid is not None else None,
+            # a gang's node sees a generation up to two polls and a request later than another's
+            "peer_wait_s": 2 * self.poll_s + float(getattr(self.broker, "timeout_s", 0.0) or 0.0),
         }
         if self.gang is not None:
             self.gang.write_all(protocol.LEASE, lease)

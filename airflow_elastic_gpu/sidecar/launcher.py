@@ -68,6 +68,7 @@ class LeaseWatch:
         self._seen_mono = 0.0
         self.agent_pid: int | None = None
         self._agent_gone_mono: float | None = None
+        self.peer_wait_s = 0.0  # the agent's: how much later a peer's agent may see a generation
 
     def update(self, data: dict | None, now_s: float, now_mono: float) -> None:
         """Take in the current ``lease.json`` (``None``: not written yet); a malformed file
@@ -78,9 +79,12 @@ class LeaseWatch:
                 periods = protocol.FencePeriods(float(data["lease_s"]), float(data["fence_s"]),
                                                 float(data["kill_s"]))
                 agent_pid = int(data["agent_pid"]) if data.get("agent_pid") else None
+                peer_wait_s = float(data.get("peer_wait_s") or 0.0)
             except (KeyError, TypeError, ValueError):
                 pass
             else:
+                if 0.0 <= peer_wait_s < periods.lease_s:  # anything else is no sane wait: the launcher's own
+                    self.peer_wait_s = peer_wait_s
                 if contact != self.contact_s:
                     self.contact_s = contact
                     self._seen_mono = now_mono - max(0.0, now_s - contact)
@@ -361,7 +365,9 @@ class Launcher:
         peer node's trainer was stopped first for the gang's next generation: each node's
         launcher (or pod's agent) sees a generation at its own poll, and the peers' processes fail
         when one of them goes (a broken rendezvous, a collective that never completes). True when,
-        within ``peer_wait_s``, a newer generation or a stop arrives (or the launcher is stopped)
+        within ``peer_wait_s`` (or the longer wait the agent's lease names: a gang of pods'
+        agents each poll the broker, one up to two polls and a request timeout after another), a
+        newer generation or a stop arrives (or the launcher is stopped)
         while the lease is fresh: the exit is then that stop's, handled as such (the trainer
         restarts from its checkpoint on the new generation). An exit with 0, a single node's
         trainer, or no newer generation in time: False (the exit is reported)."""
@@ -369,7 +375,8 @@ class Launcher:
         if self.proc.returncode == 0 or self.nnodes <= 1:
             return False
         self._kill_workers()
-        deadline = time.monotonic() + self.peer_wait_s
+        self._check_lease()  # the agent's latest word on the wait
+        deadline = time.monotonic() + max(self.peer_wait_s, self.lease.peer_wait_s)
         while True:
             desired = protocol.read_json(self.dir / protocol.DESIRED) or {}
             if self._terminated.is_set() or desired.get("stop") or int(desired.get("generation", 0)) > self.generation:
