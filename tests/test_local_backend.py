@@ -407,3 +407,39 @@ def test_pids_recorded_before_a_reboot_that_now_belong_to_other_processes_are_ne
     finally:
         stranger.kill()
         stranger.wait()
+
+
+@pytest.mark.parametrize("recorded", ["another boot", "another start"])
+def test_a_handles_pids_now_held_by_unmarked_processes_are_not_the_jobs(local, tmp_path, recorded):
+    """A process with no job mark counts as possibly the job's (one started before the mark
+    existed); the boot and start time recorded with the pids tell the job's own from a process
+    that got the pid after a host restart, or after the job's ended."""
+    from airflow_elastic_gpu.backends.local_processes import boot_id, start_ticks
+
+    broker, backend = local
+    job = broker.submit(JobSpec("j", f"{sys.executable} -c 'print(1)'", 1, 1, total_steps=1))
+    job_dir = backend.job_dir(job.id)
+    job_dir.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != "ELASTIC_GPU_JOB_ID"}
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                                env=env)  # no mark at all
+    try:
+        handle = {"job_dir": str(job_dir), "agent_pid": stranger.pid, "launcher_pid": stranger.pid}
+        protocol.write_json(job_dir / "handle.json", handle)
+        assert backend.is_running(job.id)  # nothing tells it from the job's own
+        if recorded == "another boot":
+            handle["boot_id"] = "00000000-0000-0000-0000-000000000000"
+        else:
+            handle.update(boot_id=boot_id(), starts={str(stranger.pid): start_ticks(stranger.pid) - 1})
+        protocol.write_json(job_dir / "handle.json", handle)
+        protocol.write_json(job_dir / protocol.STATUS, {"state": "running", "generation": 1, "pid": stranger.pid,
+                                                        "workers": [stranger.pid]})
+        assert not backend.is_running(job.id)
+        backend.start(job)
+        again = backend.handle(job.id)
+        assert again.boot == boot_id() and dict(again.starts)[again.agent_pid] == start_ticks(again.agent_pid)
+        assert backend.is_running(job.id) and stranger.poll() is None  # alive: not the job's
+    finally:
+        stranger.kill()
+        stranger.wait()
+        backend.stop(job.id, timeout_s=5)

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,7 +45,13 @@ from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backen
     check_host_not_in_another_pool,
     detect_gpus,
 )
-from airflow_elastic_gpu.backends.local_processes import JOB_MARK, job_process, kill_group
+from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-exported
+    JOB_MARK,
+    LocalHandle,
+    boot_id,
+    kill_group,
+    start_ticks,
+)
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
 from airflow_elastic_gpu.config import ENV_BROKER_URL
 from airflow_elastic_gpu.sidecar import protocol
@@ -124,37 +129,6 @@ def pool_lease_s(broker: GpuBroker, pool: str) -> float:
     if lease_s is None:
         raise BackendError(f"unknown GPU pool {pool!r}: no lease to fence the job's trainer against")
     return float(lease_s)
-
-
-@dataclass(frozen=True)
-class LocalHandle:
-    """Where a local job runs: its directory and the pids of its agent and launcher (a gang job:
-    ``node_pids``, node name -> its launcher's pid; ``launcher_pid`` is the first of them)."""
-
-    job_dir: Path
-    agent_pid: int
-    launcher_pid: int
-    node_pids: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def launcher_pids(self) -> list[int]:
-        return [pid for _, pid in self.node_pids] or [self.launcher_pid]
-
-    def launcher_dirs(self) -> list[Path]:
-        """Each launcher's shared directory (one per node for a gang job)."""
-        return [self.job_dir / protocol.NODES / node for node, _ in self.node_pids] or [self.job_dir]
-
-    def to_ref(self) -> str:
-        data: dict = {"job_dir": str(self.job_dir), "agent_pid": self.agent_pid, "launcher_pid": self.launcher_pid}
-        if self.node_pids:
-            data["node_pids"] = dict(self.node_pids)
-        return json.dumps(data)
-
-    @classmethod
-    def from_ref(cls, ref: str) -> LocalHandle:
-        data = json.loads(ref)
-        return cls(Path(data["job_dir"]), int(data["agent_pid"]), int(data["launcher_pid"]),
-                   tuple((str(n), int(p)) for n, p in (data.get("node_pids") or {}).items()))
 
 
 class LocalBackend:
@@ -290,7 +264,7 @@ class LocalBackend:
             raise BackendError(f"fence_s: {exc}") from None
         job_dir = self.job_dir(job.id)
         existing = self.handle(job.id)
-        if existing is not None and job_process(existing.agent_pid, job.id):
+        if existing is not None and existing.owns(existing.agent_pid):
             return existing.to_ref()
         try:
             job_dir.mkdir(mode=JOB_DIR_MODE, exist_ok=True)
@@ -298,7 +272,7 @@ class LocalBackend:
             _private_file(job_dir / protocol.LOG)
         except OSError as exc:
             raise BackendError(f"job directory {job_dir} cannot be created: {exc}") from None
-        new_launcher = existing is None or not all(job_process(p, job.id) for p in existing.launcher_pids)
+        new_launcher = existing is None or not all(existing.owns(p) for p in existing.launcher_pids)
         if not new_launcher:
             # the agent died but the trainer runs on: start a new agent for the same launcher(s)
             launcher_pid, node_pids = existing.launcher_pid, existing.node_pids
@@ -328,7 +302,9 @@ class LocalBackend:
                 for pid in pids:
                     kill_group(pid)
             raise
-        handle = LocalHandle(job_dir, agent_pid, launcher_pid, node_pids)
+        # the boot and start times tell these processes from any that get their pids later
+        handle = LocalHandle(job_dir, agent_pid, launcher_pid, node_pids, boot_id(),
+                             tuple((p, t) for p in (agent_pid, *pids) if (t := start_ticks(p)) is not None))
         protocol.write_json(job_dir / "handle.json", json.loads(handle.to_ref()))
         return handle.to_ref()
 
@@ -400,9 +376,9 @@ class LocalBackend:
         return None if data is None else LocalHandle.from_ref(json.dumps(data))
 
     def is_running(self, job_id: str) -> bool:
-        """True while the job's agent or a launcher process is alive (:func:`job_process`)."""
+        """True while the job's agent or a launcher process is alive (:meth:`LocalHandle.owns`)."""
         h = self.handle(job_id)
-        return h is not None and any(job_process(p, job_id) for p in (h.agent_pid, *h.launcher_pids))
+        return h is not None and any(h.owns(p) for p in (h.agent_pid, *h.launcher_pids))
 
     def stop(self, job_id: str, *, succeeded: bool = False, timeout_s: float | None = None) -> None:
         """Ask the launcher(s) to stop the trainer, then kill whatever is left after ``timeout_s``
@@ -417,7 +393,7 @@ class LocalBackend:
             desired["stop"] = True
             protocol.write_json(d / protocol.DESIRED, desired)
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
-        while time.monotonic() < deadline and any(job_process(p, job_id) for p in h.launcher_pids):
+        while time.monotonic() < deadline and any(h.owns(p) for p in h.launcher_pids):
             time.sleep(0.2)
         self._report_stopped(job_id, self._kill_processes(h))
         if succeeded:
@@ -427,14 +403,13 @@ class LocalBackend:
     def _kill_processes(h: LocalHandle) -> list[int]:
         """SIGKILL every process of the job left: its launchers' and agent's groups, its trainers'
         and their workers in sessions of their own (recorded in each launcher's ``status.json``),
-        each only if it is still the job's (:func:`job_process`); the pids signalled."""
-        job_id = h.job_dir.name
+        each only if it is still the job's (:meth:`LocalHandle.owns`); the pids signalled."""
         statuses = [protocol.read_json(d / protocol.STATUS) or {} for d in h.launcher_dirs()]
         pids = [int(p) for p in (*h.launcher_pids, h.agent_pid, *(s.get("pid") for s in statuses))
-                if p and job_process(int(p), job_id)]
+                if p and h.owns(int(p))]
         for pid in pids:
             kill_group(pid)
-        workers = [int(p) for s in statuses for p in s.get("workers") or [] if job_process(int(p), job_id)]
+        workers = [int(p) for s in statuses for p in s.get("workers") or [] if h.owns(int(p))]
         protocol.signal_processes(workers, signal.SIGKILL)
         return pids + workers
 

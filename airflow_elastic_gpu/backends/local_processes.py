@@ -1,9 +1,12 @@
-"""The local backend's processes: which recorded pid is still a job's, and killing one's group."""
+"""The local backend's processes: where a job runs (:class:`LocalHandle`), which recorded pid is
+still the job's, and killing one's group."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 from airflow_elastic_gpu.sidecar import protocol
@@ -14,13 +17,41 @@ their workers: a pid the job recorded counts as the job's only while its process
 reboot the pid may be any process's, and the backend must never kill that)."""
 
 
-def job_process(pid: int | None, job_id: str) -> bool:
+def boot_id() -> str | None:
+    """This boot of the host (Linux's ``/proc/sys/kernel/random/boot_id``), None where unknown."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``);
+    None where unknown (no ``/proc``, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])  # after the command name, which may hold ")"
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def job_process(pid: int | None, job_id: str, *, boot: str | None = None, started: int | None = None) -> bool:
     """True if ``pid`` is alive and may be a process of job ``job_id``: its environment has
     :data:`JOB_MARK` with that id, or none at all (a trainer that cleared its environment, a job
     started by an older version: never taken for gone while it may hold the job's GPUs). Where
     there is no ``/proc`` to tell, alive is enough; a process whose environment cannot be read
-    (another user's) is not the job's."""
+    (another user's) is not the job's.
+
+    :param boot: the :func:`boot_id` the pid was recorded in: another boot's pid is no process of
+        the job (every one of them ended with that boot), whatever now has it.
+    :param started: the pid's :func:`start_ticks` when recorded: a process started at another
+        time has the pid now (the job's ended and the pid was reused).
+    """
     if not pid or not protocol.pid_alive(pid):
+        return False
+    if boot is not None and (now := boot_id()) is not None and now != boot:
+        return False
+    if started is not None and (ticks := start_ticks(pid)) is not None and ticks != started:
         return False
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
@@ -40,3 +71,51 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+@dataclass(frozen=True)
+class LocalHandle:
+    """Where a local job runs: its directory and the pids of its agent and launcher (a gang job:
+    ``node_pids``, node name -> its launcher's pid; ``launcher_pid`` is the first of them).
+
+    :param boot: the host's :func:`boot_id` when they were started (None: unknown, or recorded
+        by an older version).
+    :param starts: ``(pid, start ticks)`` of the agent and launchers when they were started.
+    """
+
+    job_dir: Path
+    agent_pid: int
+    launcher_pid: int
+    node_pids: tuple[tuple[str, int], ...] = ()
+    boot: str | None = None
+    starts: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def launcher_pids(self) -> list[int]:
+        return [pid for _, pid in self.node_pids] or [self.launcher_pid]
+
+    def launcher_dirs(self) -> list[Path]:
+        """Each launcher's shared directory (one per node for a gang job)."""
+        return [self.job_dir / protocol.NODES / node for node, _ in self.node_pids] or [self.job_dir]
+
+    def owns(self, pid: int | None) -> bool:
+        """Whether ``pid`` (the handle's, or one its launchers recorded) is still a live process of
+        the job (:func:`job_process` with the handle's boot and the pid's start time)."""
+        return job_process(pid, self.job_dir.name, boot=self.boot, started=dict(self.starts).get(pid or 0))
+
+    def to_ref(self) -> str:
+        data: dict = {"job_dir": str(self.job_dir), "agent_pid": self.agent_pid, "launcher_pid": self.launcher_pid}
+        if self.node_pids:
+            data["node_pids"] = dict(self.node_pids)
+        if self.boot is not None:
+            data["boot_id"] = self.boot
+        if self.starts:
+            data["starts"] = {str(pid): ticks for pid, ticks in self.starts}
+        return json.dumps(data)
+
+    @classmethod
+    def from_ref(cls, ref: str) -> LocalHandle:
+        data = json.loads(ref)
+        return cls(Path(data["job_dir"]), int(data["agent_pid"]), int(data["launcher_pid"]),
+                   tuple((str(n), int(p)) for n, p in (data.get("node_pids") or {}).items()),
+                   data.get("boot_id"), tuple((int(p), int(t)) for p, t in (data.get("starts") or {}).items()))
