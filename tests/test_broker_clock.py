@@ -48,6 +48,8 @@ def test_the_database_clock_reads_the_server_again_every_resync_period(postgres_
     ticks[0] += 299.0  # this machine's monotonic clock ran 299 s while the server's did not
     assert clock() == pytest.approx(start + 299.0)
     ticks[0] += 2.0  # past the resync period: the server's time again, not 301 s ahead of it
+    clock()  # starts the re-read, in the background
+    assert clock.wait_reread(30)
     assert abs(clock() - server_now(engine)) < 1.0
     # the server unreachable at a re-read: logged, the last reading serves, tried again later
     clock._engine = create_broker_engine("postgresql+psycopg://postgres@127.0.0.1:1/nowhere")
@@ -55,9 +57,36 @@ def test_the_database_clock_reads_the_server_again_every_resync_period(postgres_
     ticks[0] += 301.0
     with caplog.at_level(logging.WARNING, logger="airflow_elastic_gpu.broker.clock"):
         assert clock() == pytest.approx(resynced + 301.0, abs=0.5)
+        assert clock.wait_reread(30)
     assert "could not read the broker database server's clock again" in caplog.text
     assert clock._next_read == pytest.approx(ticks[0] + clock_module.RETRY_S)
     clock._engine.dispose()
+    engine.dispose()
+
+
+def test_a_due_re_read_never_keeps_the_caller_waiting_for_a_connection(postgres_url):
+    """Every pooled connection may be held by callers inside their transactions, each of which
+    reads the clock: the re-read waits for one in the background, the callers go on."""
+    import threading
+
+    engine = create_broker_engine(postgres_url)
+    ticks = [100.0]
+    clock = DatabaseClock(engine, monotonic=lambda: ticks[0], resync_s=300.0)
+    start = clock()
+    pool_free = threading.Event()
+
+    class Exhausted:
+        def connect(self):
+            pool_free.wait(30)  # as QueuePool.connect waits for pool_timeout
+            return engine.connect()
+
+    clock._engine = Exhausted()
+    ticks[0] += 301.0
+    began = time.monotonic()
+    assert clock() == pytest.approx(start + 301.0) and clock() == pytest.approx(start + 301.0)
+    assert time.monotonic() - began < 1.0  # the caller was not held up by the pool
+    pool_free.set()
+    assert clock.wait_reread(30) and abs(clock() - server_now(engine)) < 1.0
     engine.dispose()
 
 
@@ -74,6 +103,22 @@ def test_a_broker_on_postgresql_counts_on_the_server_clock_and_on_sqlite_on_the_
     GpuBroker("postgresql+psycopg://postgres@127.0.0.1:1/nowhere", migrate=False)
     engine.dispose()
     sqlite.dispose()
+
+
+def test_the_first_reading_is_made_before_the_calls_transaction_not_on_a_second_connection(postgres_url):
+    """A process whose connection pool has one connection (or whose every connection is held by
+    calls in progress): the first reading of the server's clock takes none inside a transaction."""
+    from sqlalchemy import create_engine
+
+    GpuBroker(postgres_url).engine.dispose()  # the schema
+    one = create_engine(postgres_url.replace("postgresql://", "postgresql+psycopg://", 1),
+                        pool_size=1, max_overflow=0, pool_timeout=2)
+    broker = GpuBroker(one, migrate=False)
+    broker.register_node("gpu-node-0", 2)
+    job = broker.submit(JobSpec("train", "python train.py", 1, 2, total_steps=100))
+    assert broker.job(job.id).status is JobStatus.RUNNING
+    assert isinstance(broker.clock._clock, DatabaseClock)
+    one.dispose()
 
 
 def test_a_process_whose_machine_clock_runs_ahead_does_not_reap_a_job_that_others_heartbeat(

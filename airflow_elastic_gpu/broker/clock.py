@@ -47,9 +47,9 @@ class DatabaseClock:
     :param monotonic: the local monotonic clock (seconds; default ``time.monotonic``).
     :param wall: the local wall clock (epoch seconds; default ``time.time``), only to report the
         skew (``skew_s``).
-    :param resync_s: how often the server's clock is read again (seconds; default :data:`RESYNC_S`).
-        A failed re-read is logged and tried again :data:`RETRY_S` later; the last reading serves
-        meanwhile.
+    :param resync_s: how often the server's clock is read again (seconds; default :data:`RESYNC_S`),
+        in a background thread (:meth:`wait_reread`). A failed re-read is logged and tried again
+        :data:`RETRY_S` later; the last reading serves meanwhile.
     :raises sqlalchemy.exc.DBAPIError: the server cannot be reached for the first reading.
     """
 
@@ -74,19 +74,29 @@ class DatabaseClock:
 
     def __call__(self) -> float:
         now = self._monotonic()
-        # one thread re-reads (on a connection of its own, while the caller may hold one with row
-        # locks); the others, and every caller if the read fails, go on with the last reading
+        # a re-read is due: a thread of its own makes it, on a pooled connection it may have to
+        # wait for (every one may be held by callers inside their transactions, as this one may
+        # be); every caller goes on with the last reading meanwhile, and if the read fails
         if now >= self._next_read and self._reading.acquire(blocking=False):
-            try:
-                self._next_read = now + RETRY_S
-                self._read()
-                now = self._monotonic()
-            except SQLAlchemyError as exc:  # the server unreachable, the connection pool exhausted
-                log.warning("could not read the broker database server's clock again (%s); the last "
-                            "reading serves", type(exc).__name__)
-            finally:
-                self._reading.release()
+            self._next_read = now + RETRY_S
+            threading.Thread(target=self._reread, name="broker-clock-resync", daemon=True).start()
         return self._base + now
+
+    def _reread(self) -> None:
+        try:
+            self._read()
+        except SQLAlchemyError as exc:  # the server unreachable, the connection pool exhausted
+            log.warning("could not read the broker database server's clock again (%s); the last "
+                        "reading serves", type(exc).__name__)
+        finally:
+            self._reading.release()
+
+    def wait_reread(self, timeout_s: float = 60.0) -> bool:
+        """Wait for a re-read in progress to end (it is made in the background); False on timeout."""
+        if not self._reading.acquire(timeout=timeout_s):
+            return False
+        self._reading.release()
+        return True
 
 
 class LazyBrokerClock:
@@ -98,9 +108,19 @@ class LazyBrokerClock:
         self._engine = engine
         self._clock: Callable[[], float] | None = None
 
-    def __call__(self) -> float:
+    def prepare(self) -> None:
+        """Make the first reading now, if not made yet: the broker calls this before opening a
+        transaction, so that the reading's connection is not a second one taken while the caller
+        holds one (all of the pool's may be held so).
+
+        :raises sqlalchemy.exc.DBAPIError: the server cannot be reached (retried as the call is).
+        """
         if self._clock is None:
             self._clock = broker_clock(self._engine)
+
+    def __call__(self) -> float:
+        self.prepare()
+        assert self._clock is not None
         return self._clock()
 
 

@@ -177,6 +177,8 @@ class BrokerBase:
         attempt = 0
         while True:
             try:
+                if isinstance(self.clock, LazyBrokerClock):
+                    self.clock.prepare()  # its first reading before fn's transaction, not inside it
                 return fn()
             except (OperationalError, DBAPIError) as exc:
                 kind = transient_kind(exc)
