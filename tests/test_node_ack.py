@@ -274,3 +274,20 @@ def test_a_node_s_clean_exit_before_the_first_ack_waits_for_the_others(pool):
     done = broker.finish(job.id, 0, {"accuracy": 0.9}, node="node-a")
     assert done.status is JobStatus.SUCCEEDED and done.metrics == {"accuracy": 0.9}
     assert nodes_of((*done.target_gpus, *done.in_use_gpus)) == ["node-c"]  # held until its agent reports
+
+
+def test_a_gang_whose_nodes_all_exit_cleanly_before_a_published_growth_succeeds(pool):
+    """A growth to a third node was published (not acked) when both nodes' trainers exited with 0
+    without metrics: the job succeeds; it does not wait for the node its trainers never ran on."""
+    broker = pool
+    other = broker.submit(JobSpec("other", "python train.py", 2, 2, total_steps=100, backend="kubernetes"))
+    broker.ack(other.id, 1)
+    job = gang(broker, lo=4, hi=6)
+    ran = nodes_of(broker.target(job.id).gpus)
+    assert len(ran) == 2
+    for node in ran:
+        broker.ack(job.id, 1, node=node)
+    broker.finish(other.id)  # its node's GPUs free: the gang grows onto them
+    assert broker.target(job.id).generation == 2 and len(nodes_of(broker.target(job.id).gpus)) == 3
+    assert broker.finish(job.id, 0, None, node=ran[0]).status is JobStatus.RUNNING
+    assert broker.finish(job.id, 0, None, node=ran[1]).status is JobStatus.SUCCEEDED

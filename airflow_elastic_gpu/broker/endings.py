@@ -52,10 +52,11 @@ class Endings(Queries):
                 if node is not None and status is JobStatus.SUCCEEDED and not metrics:
                     # a gang of pods: this node's trainer exited cleanly without the final metrics
                     # line; the trainer that prints it (global rank 0) may still run on another node.
-                    # The job's trainers run on its acked generation's GPUs or on its target's (a
-                    # generation not acked yet, the first one too: nothing is in use before it)
+                    # The job's trainers run on its acked generation's GPUs, or, before the first
+                    # ack (nothing in use), on its target's. Not on a newer target's nodes: a
+                    # finishing gang applies no newer generation, so they never report
                     target, in_use = job_gpus(conn, job.id)
-                    nodes = {g.node for g in (*target, *in_use)}
+                    nodes = {g.node for g in in_use or target}
                     if node not in nodes and nodes:
                         return  # a node the job no longer runs on (dropped): nothing of it to record
                     waiting = sorted(nodes - {*exited, node})
