@@ -110,19 +110,19 @@ def test_a_claim_whose_owner_record_a_removal_takes_as_it_reads_it_starts_anew(t
     path = make_dir(tmp_path / "checkpoints" / "k-0123456789ab")
     owner = path.with_name(f"{path.name}.owner")
     owner.write_text(str(uuid.uuid4()))
-    looked = Path.is_file
+    read = Path.read_text
+    removals = []
 
-    def is_file_then_removed(self):
-        found = looked(self)
-        if self == owner:
-            owner.unlink(missing_ok=True)
-        return found
+    def read_racing_a_removal(self, *args, **kwargs):
+        if self == owner and not removals:  # the first read: the record goes just before it
+            removals.append(self)
+            owner.unlink()
+        return read(self, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "is_file", is_file_then_removed)
-    monkeypatch.setattr(Path, "exists", is_file_then_removed)
+    monkeypatch.setattr(Path, "read_text", read_racing_a_removal)
     retry = str(uuid.uuid4())
     assert local_checkpoints.claim(path, retry, lambda _: False, 1.0) == path
-    assert owner.read_text() == retry
+    assert removals and owner.read_text() == retry
 
 
 def test_a_removal_interrupted_before_its_rmtree_is_listed_and_finished_later(broker, work, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 from kubernetes.client import models as k8s
@@ -381,6 +382,18 @@ def test_each_pods_agent_writes_its_nodes_part_with_the_rank0_pods_dns_name(tmp_
     dropped = target(3, [("gpu-node-1", 0), ("gpu-node-1", 1)])
     agent._apply(dropped, 2)  # a generation without this node: suspended, then acked like any other
     assert protocol.read_json(tmp_path / protocol.DESIRED) == {"generation": 3, "gpus": [], "stop": False}
+
+
+def test_a_pods_agent_gives_its_launcher_the_peers_longest_delay_in_seeing_a_generation(tmp_path):
+    """Each pod's agent polls the broker: another pod's may see the next generation up to two
+    polls and three request timeouts later (heartbeat, progress, ack), which the launcher gives a
+    trainer that failed as its peer stopped first (see launcher.py)."""
+    gen = target(1, [("gpu-node-0", 0), ("gpu-node-1", 0)])
+    broker = FakeBroker(gen)
+    broker.timeout_s = 10.0  # the HTTP transport's per-request timeout
+    agent = node_agent(tmp_path, broker, "gpu-node-1")
+    agent._renew(time.time(), gen)
+    assert protocol.read_json(tmp_path / protocol.LEASE)["peer_wait_s"] == pytest.approx(2 * 0.01 + 3 * 10.0)
 
 
 @pytest.mark.parametrize("pod_generation", [None, 2])

@@ -312,7 +312,9 @@ class Agent(EndReports):
                          target.generation, ", ".join(finished))
                 self.unapplied = target.generation
             # the generation it runs keeps its GPUs until the newer one is acked (never, now): a
-            # trainer fenced on it (rank 0 evaluating) may restart, the broker still runs the job
+            # trainer fenced on it (rank 0 evaluating) may restart, the broker still runs the job.
+            # One that needs its finished peers' rendezvous then fails, and the job with it,
+            # rather than staying fenced for good with the gang's GPUs held
             self._resume_fenced(written)
             return written
         if target.generation > written and (target.gpus or written > 0):  # no GPUs after some: suspended
@@ -367,9 +369,10 @@ class Agent(EndReports):
             "contact_s": sent_s, "lease_s": self.periods.lease_s, "fence_s": self.periods.fence_s,
             "kill_s": self.periods.kill_s, "generation": target.generation, "status": target.status.value,
             "agent_pid": os.getpid() if self.launcher_pid is not None else None,
-            # a gang's node sees a generation up to two polls and a request later than another's
-            "peer_wait_s": 2 * self.poll_s + float(getattr(self.broker, "timeout_s", 0.0) or 0.0),
         }
+        if self.node is not None:  # a gang of pods: another pod's agent may see a generation up to
+            # a poll and three requests (heartbeat, progress, ack) later than this one, plus a poll
+            lease["peer_wait_s"] = 2 * self.poll_s + 3 * float(getattr(self.broker, "timeout_s", 0.0) or 0.0)
         if self.gang is not None:
             self.gang.write_all(protocol.LEASE, lease)
         protocol.write_json(self.dir / protocol.LEASE, lease)

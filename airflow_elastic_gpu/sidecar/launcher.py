@@ -16,7 +16,8 @@ it (SIGTERM, then SIGKILL after ``--grace-s`` seconds) reaches every worker
 ``torchrun`` started. The launcher exits with the trainer's exit code when the
 trainer ends by itself, 0 after a requested stop, 127 if the command is not found. A trainer
 that is one node of a gang (``nnodes`` > 1) and exits non-zero is given ``--peer-wait-s``
-(5 s) for the gang's next generation or a stop: each node sees a generation at its own poll, and
+(5 s), or the longer ``peer_wait_s`` of the agent's lease (a gang of pods: 34 s), for the gang's
+next generation or a stop: each node sees a generation at its own poll, and
 a peer's trainer stopped first breaks the others' rendezvous, so that exit is the resize's stop
 (the trainer restarts on the new generation from its checkpoint), not a failure.
 
@@ -83,8 +84,8 @@ class LeaseWatch:
             except (KeyError, TypeError, ValueError):
                 pass
             else:
-                if 0.0 <= peer_wait_s < periods.lease_s:  # anything else is no sane wait: the launcher's own
-                    self.peer_wait_s = peer_wait_s
+                if 0.0 <= peer_wait_s < float("inf"):  # NaN or negative: the launcher's own wait
+                    self.peer_wait_s = min(peer_wait_s, periods.lease_s)
                 if contact != self.contact_s:
                     self.contact_s = contact
                     self._seen_mono = now_mono - max(0.0, now_s - contact)

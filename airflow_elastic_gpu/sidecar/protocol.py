@@ -22,15 +22,15 @@ file, fsync, ``os.replace``) so a reader never sees half a file:
 ``lease.json`` (agent -> launcher)
     the agent's last *confirmed contact* with the broker: ``{"contact_s": float,
     "lease_s": float, "fence_s": float, "kill_s": float, "generation": int,
-    "status": str, "agent_pid": int|null, "peer_wait_s": float}``. ``contact_s`` is when the agent *sent*
+    "status": str, "agent_pid": int|null[, "peer_wait_s": float]}``. ``contact_s`` is when the agent *sent*
     the last heartbeat the broker answered with a running job (epoch seconds; the
     broker's record of it is later still). Once this file exists the launcher is
     *fenced*: with no confirmed contact for ``fence_s`` it stops the trainer on its
     own (SIGTERM), and SIGKILLs whatever is left at ``kill_s`` (``lease_s`` minus a
     margin), before the broker may declare the job lost and reuse its GPUs. See
-    :func:`fence_periods` and ``docs/fencing.md``. ``peer_wait_s``: how much later than
-    this node a gang's other node may see a generation (two of its agent's polls and a
-    request timeout): the longest a gang node's trainer that failed is given for the next
+    :func:`fence_periods` and ``docs/fencing.md``. ``peer_wait_s`` (a gang of pods' node only): how much later
+    than this node a gang's other node may see a generation (two of its agent's polls and
+    three request timeouts): the longest a gang node's trainer that failed is given for the next
     generation before its exit is reported (see ``launcher.py``).
 ``train.log``
     the trainer's stdout and stderr, appended across restarts, with the launcher's own lines
