@@ -11,10 +11,13 @@ DDP job under ``torchrun --nnodes`` across the two nodes, resized 4 -> 2 -> 4 GP
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -130,6 +133,50 @@ def wait(what: str, ok, deadline: float) -> None:
         time.sleep(0.2)
 
 
+@dataclass
+class GangRun:
+    """Jobs started in one :func:`gang_run`, under its :class:`Sampler`, within one deadline."""
+
+    broker: GpuBroker
+    backend: LocalBackend
+    deadline: float
+    job_ids: list[str] = field(default_factory=list)
+    sampler: Sampler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampler = Sampler(self.broker, self.backend, self.job_ids)
+
+    def launch(self, name: str, command: str, min_gpus: int, max_gpus: int, steps: int) -> str:
+        return self.add(launch(self.broker, self.backend, name, command, min_gpus, max_gpus, steps))
+
+    def add(self, job_id: str) -> str:
+        """A job started by the test itself, sampled and stopped like the others."""
+        self.job_ids.append(job_id)
+        return job_id
+
+    def wait(self, what: str, ok) -> None:
+        wait(what, ok, self.deadline)
+
+    def ended(self) -> bool:
+        return all(self.broker.job(j).status.terminal for j in self.job_ids)
+
+
+@contextlib.contextmanager
+def gang_run(broker: GpuBroker, backend: LocalBackend, deadline_s: float,
+             stop_timeout_s: float = 5.0) -> Iterator[GangRun]:
+    """Run a test's jobs with a sampler checking that no GPU is in two of them, and stop every
+    one of them at the end, whatever happened."""
+    run = GangRun(broker, backend, time.monotonic() + deadline_s)
+    run.sampler.start()
+    try:
+        yield run
+    finally:
+        run.sampler.done.set()
+        run.sampler.join(5)
+        for j in run.job_ids:
+            backend.stop(j, timeout_s=stop_timeout_s)
+
+
 def nodes_of(data: dict) -> set[str]:
     return {g.split(":")[0] for g in data["gpus"]}
 
@@ -198,23 +245,12 @@ def test_a_gang_shrinks_to_one_node_for_a_newcomer_and_grows_back_to_two(tmp_pat
     broker, backend = gang_setup(tmp_path, grace_s=5)
     trainer = tmp_path / "gang_trainer.py"
     trainer.write_text(STAND_IN_GANG_TRAINER)
-    job_ids: list[str] = []
-    sampler = Sampler(broker, backend, job_ids)
-    deadline = time.monotonic() + 150
-    try:
-        a = launch(broker, backend, "gang", f"{sys.executable} {trainer} 600 {GANG_ARGS}", 2, 4, 600)
-        job_ids.append(a)
-        sampler.start()
-        wait("the gang runs on 4 GPUs", lambda: len(broker.job(a).in_use_gpus) == 4 and broker.job(a).steps_done > 50,
-             deadline)
-        b = launch(broker, backend, "small", f"{sys.executable} {trainer} 100 {GANG_ARGS}", 2, 2, 100)
-        job_ids.append(b)
-        wait("both end", lambda: all(broker.job(j).status.terminal for j in (a, b)), deadline)
-    finally:
-        sampler.done.set()
-        sampler.join(5)
-        for j in job_ids:
-            backend.stop(j, timeout_s=5)
+    with gang_run(broker, backend, 150) as run:
+        a = run.launch("gang", f"{sys.executable} {trainer} 600 {GANG_ARGS}", 2, 4, 600)
+        run.wait("the gang runs on 4 GPUs", lambda: len(broker.job(a).in_use_gpus) == 4 and broker.job(a).steps_done > 50)
+        b = run.launch("small", f"{sys.executable} {trainer} 100 {GANG_ARGS}", 2, 2, 100)
+        run.wait("both end", run.ended)
+    sampler = run.sampler
     gang, small = broker.job(a), broker.job(b)
     assert gang.status is JobStatus.SUCCEEDED and small.status is JobStatus.SUCCEEDED, (gang.reason, small.reason)
     assert gang.steps_done == 600 and gang.metrics["accuracy"] == 0.95
@@ -240,28 +276,18 @@ def test_a_preemptible_gang_is_suspended_on_every_node_and_resumes_from_its_chec
                                          "min_resize_interval_s": 2.0}, lease_s=60)
     trainer = tmp_path / "gang_trainer.py"
     trainer.write_text(STAND_IN_GANG_TRAINER)
-    job_ids: list[str] = []
-    sampler = Sampler(broker, backend, job_ids)
-    deadline = time.monotonic() + 150
-    try:
+    with gang_run(broker, backend, 150) as run:
         job = broker.submit(JobSpec("gang", f"{sys.executable} {trainer} 2500 {GANG_ARGS}", 4, 4, total_steps=2500,
                                     key="gang", preemptible=True))
+        gang = run.add(job.id)
         broker.start(job.id, backend.start(job))
-        gang = job.id
-        job_ids.append(gang)
-        sampler.start()
-        wait("the gang trains on both nodes", lambda: broker.job(gang).steps_done >= 200, deadline)
-        short = launch(broker, backend, "short", f"{sys.executable} {trainer} 40 {GANG_ARGS}", 2, 2, 40)
-        job_ids.append(short)
-        wait("the gang is suspended", lambda: broker.job(gang).status is JobStatus.SUSPENDED
-             or broker.job(gang).status.terminal, deadline)
+        run.wait("the gang trains on both nodes", lambda: broker.job(gang).steps_done >= 200)
+        short = run.launch("short", f"{sys.executable} {trainer} 40 {GANG_ARGS}", 2, 2, 40)
+        run.wait("the gang is suspended", lambda: broker.job(gang).status is JobStatus.SUSPENDED
+                 or broker.job(gang).status.terminal)
         assert broker.job(gang).in_use_gpus == () or broker.job(gang).status is JobStatus.SUSPENDED
-        wait("both end", lambda: all(broker.job(j).status.terminal for j in job_ids), deadline)
-    finally:
-        sampler.done.set()
-        sampler.join(5)
-        for j in job_ids:
-            backend.stop(j, timeout_s=5)
+        run.wait("both end", run.ended)
+    sampler = run.sampler
     done = broker.job(gang)
     assert done.status is JobStatus.SUCCEEDED and broker.job(short).status is JobStatus.SUCCEEDED, done.reason
     assert done.steps_done == 2500
@@ -288,36 +314,28 @@ def test_a_real_ddp_job_on_two_virtual_nodes_is_resized_across_nodes_and_resumes
     stand_in = tmp_path / "gang_trainer.py"
     stand_in.write_text(STAND_IN_GANG_TRAINER)
     release = tmp_path / "release-newcomer"
-    job_ids: list[str] = []
-    sampler = Sampler(broker, backend, job_ids)
-    deadline = time.monotonic() + 540
 
     def trains_on(job_id: str, gpus: int, steps: float) -> bool:
         job = broker.job(job_id)
         return job.status.terminal or (len(job.in_use_gpus) == gpus and job.steps_done >= steps)
 
-    try:
-        a = launch(broker, backend, "ddp", ddp + "1500", 2, 4, 1500)
-        job_ids.append(a)
-        sampler.start()
-        wait("the DDP job trains on two nodes", lambda: trains_on(a, 4, 150), deadline)
-        newcomer = launch(broker, backend, "newcomer",
-                          f"{sys.executable} {stand_in} 1000000 {GANG_ARGS} --until {release}", 2, 2, 1_000_000)
-        job_ids.append(newcomer)
-        wait("the DDP job shrinks to one node", lambda: trains_on(a, 2, 0) and broker.job(a).acked_generation >= 2,
-             deadline)
-        at_shrink = broker.job(a).steps_done  # from here on, steps of the 2-GPU generation only
-        wait("it trains on one node", lambda: trains_on(a, 2, at_shrink + 100), deadline)
-        release.touch()  # the newcomer ends: the DDP job grows back onto both nodes
-        wait("the DDP job runs on two nodes again", lambda: trains_on(a, 4, 0) and broker.job(a).acked_generation >= 3,
-             deadline)
-        wait("all end", lambda: all(broker.job(j).status.terminal for j in job_ids), deadline)
-    finally:
-        release.touch()
-        sampler.done.set()
-        sampler.join(5)
-        for j in job_ids:
-            backend.stop(j, timeout_s=10)
+    with gang_run(broker, backend, 540, stop_timeout_s=10) as run:
+        try:
+            a = run.launch("ddp", ddp + "1500", 2, 4, 1500)
+            run.wait("the DDP job trains on two nodes", lambda: trains_on(a, 4, 150))
+            newcomer = run.launch("newcomer", f"{sys.executable} {stand_in} 1000000 {GANG_ARGS} --until {release}",
+                                  2, 2, 1_000_000)
+            run.wait("the DDP job shrinks to one node",
+                     lambda: trains_on(a, 2, 0) and broker.job(a).acked_generation >= 2)
+            at_shrink = broker.job(a).steps_done  # from here on, steps of the 2-GPU generation only
+            run.wait("it trains on one node", lambda: trains_on(a, 2, at_shrink + 100))
+            release.touch()  # the newcomer ends: the DDP job grows back onto both nodes
+            run.wait("the DDP job runs on two nodes again",
+                     lambda: trains_on(a, 4, 0) and broker.job(a).acked_generation >= 3)
+            run.wait("all end", run.ended)
+        finally:
+            release.touch()
+    sampler = run.sampler
     job = broker.job(a)
     assert job.status is JobStatus.SUCCEEDED and broker.job(newcomer).status is JobStatus.SUCCEEDED, job.reason
     assert job.steps_done == 1500 and job.metrics["accuracy"] >= 0.9, job.metrics
@@ -351,27 +369,18 @@ def test_a_preemptible_real_trainer_is_suspended_for_a_short_job_and_resumes_fro
            f"{TRAIN_SCRIPT} --hidden 128 --checkpoint-every 25 --total-steps 12000")
     stand_in = tmp_path / "gang_trainer.py"
     stand_in.write_text(STAND_IN_GANG_TRAINER)
-    job_ids: list[str] = []
-    sampler = Sampler(broker, backend, job_ids)
-    deadline = time.monotonic() + 420
-    try:
+    with gang_run(broker, backend, 420, stop_timeout_s=10) as run:
         long = broker.submit(JobSpec("long", ddp, 2, 2, total_steps=12000, key="long", preemptible=True))
+        run.add(long.id)
         broker.start(long.id, backend.start(long))
-        job_ids.append(long.id)
-        sampler.start()
-        wait("the long job trains", lambda: broker.job(long.id).steps_done >= 150
-             or broker.job(long.id).status.terminal, deadline)
-        short = launch(broker, backend, "short", f"{sys.executable} {stand_in} 60 {GANG_ARGS}", 2, 2, 60)
-        job_ids.append(short)
-        wait("the long job is suspended", lambda: broker.job(long.id).status is JobStatus.SUSPENDED
-             or broker.job(long.id).status.terminal, deadline)
+        run.wait("the long job trains", lambda: broker.job(long.id).steps_done >= 150
+                 or broker.job(long.id).status.terminal)
+        short = run.launch("short", f"{sys.executable} {stand_in} 60 {GANG_ARGS}", 2, 2, 60)
+        run.wait("the long job is suspended", lambda: broker.job(long.id).status is JobStatus.SUSPENDED
+                 or broker.job(long.id).status.terminal)
         at_suspension = broker.job(long.id).steps_done
-        wait("both end", lambda: all(broker.job(j).status.terminal for j in job_ids), deadline)
-    finally:
-        sampler.done.set()
-        sampler.join(5)
-        for j in job_ids:
-            backend.stop(j, timeout_s=10)
+        run.wait("both end", run.ended)
+    sampler = run.sampler
     job = broker.job(long.id)
     assert job.status is JobStatus.SUCCEEDED and broker.job(short).status is JobStatus.SUCCEEDED, job.reason
     assert job.steps_done == 12000 and job.metrics["accuracy"] >= 0.9, job.metrics

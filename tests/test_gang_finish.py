@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from test_gang import GANG_ARGS, STAND_IN_GANG_TRAINER, Sampler, gang_setup, launch, starts, wait
+from test_gang import GANG_ARGS, STAND_IN_GANG_TRAINER, gang_run, gang_setup, starts
 
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.scheduling.state import GpuId
@@ -32,32 +32,21 @@ def test_a_gang_whose_other_node_finished_is_not_resized_while_rank_0_evaluates(
     broker, backend = gang_setup(tmp_path, grace_s=5)
     trainer = tmp_path / "gang_trainer.py"
     trainer.write_text(EVALUATING_TRAINER)
-    job_ids: list[str] = []
-    sampler = Sampler(broker, backend, job_ids)
-    deadline = time.monotonic() + 120
-    try:
-        gang = launch(broker, backend, "gang", f"{sys.executable} {trainer} 150 {GANG_ARGS}", 2, 4, 150)
-        job_ids.append(gang)
-        sampler.start()
+    with gang_run(broker, backend, 120) as run:
+        gang = run.launch("gang", f"{sys.executable} {trainer} 150 {GANG_ARGS}", 2, 4, 150)
         node_1 = backend.job_dir(gang) / protocol.NODES / "localhost-1" / protocol.STATUS
-        wait("the node that is not rank 0 exits with 0",
-             lambda: (protocol.read_json(node_1) or {}).get("state") == protocol.EXITED, deadline)
+        run.wait("the node that is not rank 0 exits with 0",
+                 lambda: (protocol.read_json(node_1) or {}).get("state") == protocol.EXITED)
         assert broker.job(gang).status is JobStatus.RUNNING and len(broker.job(gang).in_use_gpus) == 4
         # a newcomer the policy would make room for by shrinking the gang to one node
-        newcomer = launch(broker, backend, "newcomer", f"{sys.executable} {trainer} 20 {GANG_ARGS}", 2, 2, 20)
-        job_ids.append(newcomer)
-        wait("the broker records the finished node",
-             lambda: any(e.kind == "finishing" for e in broker.events(job_id=gang)), deadline)
+        newcomer = run.launch("newcomer", f"{sys.executable} {trainer} 20 {GANG_ARGS}", 2, 2, 20)
+        run.wait("the broker records the finished node",
+                 lambda: any(e.kind == "finishing" for e in broker.events(job_id=gang)))
         time.sleep(3.0)  # policy rounds (min_resize_interval_s 2 s) with the newcomer waiting
         assert broker.job(gang).status is JobStatus.RUNNING and len(broker.job(gang).in_use_gpus) == 4
         assert broker.job(newcomer).status is JobStatus.QUEUED
         evaluated.write_text("1")
-        wait("both end", lambda: all(broker.job(j).status.terminal for j in job_ids), deadline)
-    finally:
-        sampler.done.set()
-        sampler.join(5)
-        for j in job_ids:
-            backend.stop(j, timeout_s=5)
+        run.wait("both end", run.ended)
     done = broker.job(gang)
     assert done.status is JobStatus.SUCCEEDED and done.metrics["accuracy"] == 0.95, done.reason
     assert broker.job(newcomer).status is JobStatus.SUCCEEDED, broker.job(newcomer).reason
@@ -65,7 +54,7 @@ def test_a_gang_whose_other_node_finished_is_not_resized_while_rank_0_evaluates(
     assert len(rank_0_runs) == 1, rank_0_runs  # never stopped mid-evaluation
     kinds = [e.kind for e in broker.events(job_id=gang)]
     assert "resize" not in kinds[kinds.index("finishing"):], kinds  # one published before it is not applied
-    assert sampler.violations == []
+    assert run.sampler.violations == []
 
 
 def test_a_finishing_gang_applies_no_newer_generation(tmp_path):
