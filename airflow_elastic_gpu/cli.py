@@ -142,9 +142,9 @@ def cmd_pool(args: argparse.Namespace) -> int:
         broker.configure_pool(args.pool, policy=policy, policy_params=params or None,
                               lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
     # (a bare `pool` only shows the settings: it changes nothing and asks for no rebalance)
-    lease_s, interval_s = broker.pool_timing(args.pool)
+    config = broker.pool_config(args.pool)
     console.print(f"pool {escape(repr(args.pool))}: policy {escape(str(broker.pool_policy(args.pool)))}; "
-                  f"lease {lease_s:g} s; rebalance every {interval_s:g} s")
+                  f"lease {config.lease_s:g} s; rebalance every {config.rebalance_interval_s:g} s")
     return 0
 
 

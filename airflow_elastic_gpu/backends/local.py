@@ -116,19 +116,12 @@ def _writable_dir(path: Path, what: str, mode: int = 0o777) -> None:
 def pool_lease_s(broker: GpuBroker, pool: str) -> float:
     """``pool``'s heartbeat lease in the broker, seconds (what the job's agent fences against).
 
-    A read of the pool's row, until the broker's heartbeat answer carries its lease.
-
     :raises BackendError: unknown pool.
     """
-    from sqlalchemy import select
-
-    from airflow_elastic_gpu.broker.models import GpuPool
-
-    with broker.engine.connect() as conn:
-        lease_s = conn.execute(select(GpuPool.lease_s).where(GpuPool.name == pool)).scalar()
-    if lease_s is None:
-        raise BackendError(f"unknown GPU pool {pool!r}: no lease to fence the job's trainer against")
-    return float(lease_s)
+    try:
+        return float(broker.pool_config(pool).lease_s)
+    except NotFound:
+        raise BackendError(f"unknown GPU pool {pool!r}: no lease to fence the job's trainer against") from None
 
 
 class LocalBackend:

@@ -39,6 +39,7 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     NodeView,
     NotFound,
+    PoolConfig,
     PoolSnapshot,
 )
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
@@ -177,32 +178,27 @@ class Queries(Rebalancing):
         name, params = self.pool_settings(pool)
         return get_policy(name, **params)
 
+    def pool_config(self, pool: str = DEFAULT_POOL) -> PoolConfig:
+        """``pool``'s settings, read in one go.
+
+        :raises NotFound: unknown pool.
+        """
+        def read(s: Session) -> PoolConfig:
+            row = s.get(GpuPool, pool)
+            if row is None:
+                raise unknown_pool(s, pool)
+            return PoolConfig(row.policy, dict(row.policy_params or {}), row.lease_s, row.rebalance_interval_s)
+
+        return self._read(read)
+
     def pool_settings(self, pool: str = DEFAULT_POOL) -> tuple[str, dict[str, Any]]:
         """``(policy name, policy parameters)`` as set for ``pool`` (parameters not set are absent:
         the policy's defaults apply).
 
         :raises NotFound: unknown pool.
         """
-        def read(s: Session) -> tuple[str, dict[str, Any]]:
-            row = s.get(GpuPool, pool)
-            if row is None:
-                raise unknown_pool(s, pool)
-            return row.policy, dict(row.policy_params or {})
-
-        return self._read(read)
-
-    def pool_timing(self, pool: str = DEFAULT_POOL) -> tuple[float, float]:
-        """``(lease_s, rebalance_interval_s)`` of ``pool`` (seconds).
-
-        :raises NotFound: unknown pool.
-        """
-        def read(s: Session) -> tuple[float, float]:
-            row = s.get(GpuPool, pool)
-            if row is None:
-                raise unknown_pool(s, pool)
-            return row.lease_s, row.rebalance_interval_s
-
-        return self._read(read)
+        config = self.pool_config(pool)
+        return config.policy, config.policy_params
 
     def pools(self) -> list[str]:
         return self._read(lambda s: list(s.scalars(select(GpuPool.name).order_by(GpuPool.name))))

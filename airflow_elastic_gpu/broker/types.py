@@ -272,6 +272,22 @@ class EventView:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """A GPU pool's settings (``airflow-elastic-gpu pool``).
+
+    :param policy: the policy's name (:func:`~airflow_elastic_gpu.scheduling.policy.get_policy`).
+    :param policy_params: the parameters set for it (those not set are absent: its defaults apply).
+    :param lease_s: seconds without a heartbeat after which a running job is declared lost.
+    :param rebalance_interval_s: the longest time between two rebalances (seconds).
+    """
+
+    policy: str
+    policy_params: dict[str, Any]
+    lease_s: float
+    rebalance_interval_s: float
+
+
+@dataclass(frozen=True)
 class PoolSnapshot:
     """Everything a UI shows of one pool at one moment."""
 
