@@ -125,6 +125,7 @@ def test_finish_releases_gpus_records_metrics_and_lets_others_grow(pool, clock):
     pool.ack(b.id, 1)
     b_gpus = len(pool.job(b.id).in_use_gpus)
     clock.advance(60)
+    pool.heartbeat(b.id)  # b's agent reports (one silent for half the lease would not grow)
     done = pool.finish(a.id, 0, {"accuracy": 0.97})
     assert done.status is JobStatus.SUCCEEDED and done.metrics == {"accuracy": 0.97}
     assert done.in_use_gpus == () and done.target_gpus == () and done.jct_s == pytest.approx(60)
@@ -166,6 +167,26 @@ def test_silent_job_is_marked_lost_and_its_gpus_reclaimed(pool, clock):
     assert a.status is JobStatus.LOST and "no heartbeat" in a.reason
     assert a.in_use_gpus == ()
     assert len(pool.job(b.id).target_gpus) == 4
+
+
+def test_a_job_whose_agent_is_silent_gets_no_growth_and_is_declared_lost_a_lease_after_its_last_word(pool, clock):
+    """A growth is a publication, from which an agent has a whole lease to report: given to a job
+    whose agent is gone each time GPUs came free, it kept the job (and its GPUs) from being
+    declared lost. After half a lease of silence (its trainer fenced) its target is left alone."""
+    pool.configure_pool(lease_s=60)
+    b = pool.submit(spec("b", min_gpus=2, max_gpus=2))
+    a = pool.submit(spec("a", min_gpus=1, max_gpus=4))
+    for job in (a, b):
+        pool.ack(job.id, 1)
+    assert len(pool.job(a.id).in_use_gpus) == 2
+    clock.advance(40)  # a's agent went silent 40 s ago; b's reports
+    pool.heartbeat(b.id)
+    pool.finish(b.id)  # its GPUs come free: a would grow onto them
+    assert pool.job(a.id).target_generation == 1 and len(pool.job(a.id).target_gpus) == 2
+    clock.advance(21)
+    pool.rebalance()
+    lost = pool.job(a.id)
+    assert lost.status is JobStatus.LOST and lost.in_use_gpus == () and lost.target_gpus == ()
 
 
 def test_heartbeat_keeps_a_job_alive_and_reports_cancellation(pool, clock):

@@ -68,6 +68,9 @@ class JobBook:
     :param suspensions_s: publish times of the job's suspensions (resizes to zero), ascending.
     :param finishing: a trainer of the job (one node of a gang of pods) has exited cleanly and the
         job waits for the others: its allocation is not changed again.
+    :param unreachable: the broker has heard nothing from the job's agent for half its lease (its
+        launcher has fenced the trainer by then): its allocation is not changed until it reports
+        again or is declared lost (a new generation would give it a whole lease again).
     """
 
     job_id: str
@@ -102,6 +105,7 @@ class JobBook:
     relative_speed: Mapping[str, float] = field(default_factory=dict)
     family: str | None = None
     finishing: bool = False
+    unreachable: bool = False
 
     def attained_gpu_s(self, now_s: float) -> float:
         """GPU-seconds the job has held up to ``now_s`` (Tiresias' attained service)."""
@@ -297,7 +301,7 @@ class SchedulingCore:
         resize, ``last_resize_s`` set to ``now_s``). A growth that needs GPUs another job has not
         given back yet waits for a later rebalance, and so does any change but a growth of a job
         that has not acked its latest generation (its trainer may run on those GPUs already: they
-        go to nobody else before it acks); a finishing job's is not changed at all; a running job is taken to zero GPUs (suspended)
+        go to nobody else before it acks); a finishing or unreachable job's is not changed at all; a running job is taken to zero GPUs (suspended)
         only by a preemptive policy, or, when the policy suspends (``suspend=True``), if it is
         preemptible. A suspension appends ``now_s`` to ``suspensions_s``; a start or resume sets
         ``last_start_s``.
@@ -325,7 +329,7 @@ class SchedulingCore:
             suspendable={b.job_id for b in books if b.preemptible} if getattr(self.policy, "suspend", False)
             else (),
             unacked={b.job_id for b in books if b.target_generation > b.acked_generation},
-            fixed={b.job_id for b in books if b.finishing},
+            fixed={b.job_id for b in books if b.finishing or b.unreachable},
         ):
             book = by_id[job_id]
             previous = len(book.target)

@@ -46,7 +46,8 @@ def publishable(
     :param unacked: jobs whose current target's generation is not acked yet: only a target that
         keeps all of its GPUs (a growth) is published for them until they ack.
     :param fixed: jobs whose target is not changed at all (finishing: some of their trainers have
-        exited, the others are about to).
+        exited, the others are about to; unreachable: their agent has been silent for half the
+        lease).
     """
     holders = dict(target_holder)
     changed = [
@@ -60,7 +61,7 @@ def publishable(
         if any(in_use_holder.get(g, job_id) != job_id or holders.get(g, job_id) != job_id for g in new):
             continue  # published by a later rebalance, once the holders ack
         if job_id in fixed:
-            continue  # finishing: its GPUs are freed when it ends
+            continue  # finishing (its GPUs are freed when it ends) or unreachable
         if job_id in unacked and not new >= frozenset(targets[job_id]):
             continue  # its trainer may run on its unacked target already: changed once it acks
         if not new and job_id in started and not preemptive and job_id not in suspendable:
