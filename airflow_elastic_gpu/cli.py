@@ -283,7 +283,6 @@ def cmd_run_local(args: argparse.Namespace) -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    import dataclasses
 
     try:
         import uvicorn
@@ -303,7 +302,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     probe.engine.dispose()
     overrides = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),
                                    ("max_metrics_bytes", args.max_metrics_bytes)) if v is not None}
-    limits = dataclasses.replace(ApiLimits.from_env(), **overrides)
+    limits = ApiLimits.from_env(given=overrides)
     app = create_app(broker_url=args.broker_url or default_broker_url(), ui_token=ui_token, limits=limits,
                      api_docs=args.api_docs)
     shown = mask_url(args.broker_url or default_broker_url())

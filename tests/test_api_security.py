@@ -75,6 +75,9 @@ def test_limits_are_checked_and_read_from_the_environment():
     assert ApiLimits.from_env({}) == ApiLimits(max_body_bytes=256 * 1024, max_metrics_bytes=16 * 1024)
     env = {"AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES": "65536", "AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES": "100"}
     assert ApiLimits.from_env(env) == ApiLimits(max_body_bytes=65536, max_metrics_bytes=100)
+    # a setting the command line replaces (broker serve --max-body-bytes) is not read
+    malformed = {"AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES": "64k"}
+    assert ApiLimits.from_env(malformed, given={"max_body_bytes": 65536}) == ApiLimits(65536, 16 * 1024)
     with pytest.raises(ValueError, match="AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES must be a positive integer"):
         ApiLimits.from_env({"AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES": "64k"})
     with pytest.raises(ValueError, match="max_body_bytes must be a positive integer"):

@@ -75,15 +75,19 @@ class ApiLimits:
                              f"({self.max_body_bytes}): the metrics travel in the body")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> ApiLimits:
+    def from_env(cls, environ: Mapping[str, str] = os.environ, *, given: Mapping[str, int] | None = None) -> ApiLimits:
         """``[elastic_gpu] api_max_body_bytes`` and ``api_max_metrics_bytes``
         (``$AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES``, ``$AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES``,
         which win when set), else the defaults; see :mod:`airflow_elastic_gpu.config`.
 
+        :param given: limits set by the caller (command-line options, by field name): they win,
+            and the settings they replace are not read (a malformed one is then no error).
         :raises ValueError: a value that is not a positive integer (the message names its source).
         """
-        values: dict[str, int] = {}
+        values: dict[str, int] = dict(given or {})
         for var, name in ((ENV_MAX_BODY_BYTES, "max_body_bytes"), (ENV_MAX_METRICS_BYTES, "max_metrics_bytes")):
+            if name in values:
+                continue
             raw = get_option(f"api_{name}", environ)
             try:
                 values[name] = int(raw)
