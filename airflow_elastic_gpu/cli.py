@@ -27,10 +27,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.exc import OperationalError
 
 from airflow_elastic_gpu.backends.base import BackendError, start_job
+from airflow_elastic_gpu.broker.db import sqlite_file
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
@@ -73,16 +73,11 @@ def _broker(args: argparse.Namespace, *, existing: bool = False) -> GpuBroker:
     :raises NotFound: ``existing`` and no such SQLite file.
     """
     url = args.broker_url or default_broker_url()
-    try:
-        parsed = make_url(url)
-    except ArgumentError:  # GpuBroker names the problem
-        parsed = None
-    if (existing and parsed is not None and parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:")
-            and not parsed.database.startswith("file:") and not Path(parsed.database).expanduser().exists()):
+    if existing and (path := sqlite_file(url)) is not None and not path.exists():
         hint = ("" if os.environ.get("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT") is None else
                 "; the elastic_gpu_default connection in the environment is read by Airflow's tasks, "
                 "not by this command: give its URL with --broker-url")
-        raise NotFound(f"no broker database at {parsed.database}: nothing has used this broker yet (check "
+        raise NotFound(f"no broker database at {path}: nothing has used this broker yet (check "
                        f"$AIRFLOW_HOME, --broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url"
                        f"{hint})")
     return GpuBroker(url, reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S)

@@ -50,6 +50,20 @@ def _check_directory(path: Path, url: str) -> None:
     )
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite broker URL (``sqlite:///PATH``, ``~`` expanded); None for any other
+    URL: in memory, a ``file:`` URI (SQLite opens it as it says), another database, or one that
+    does not parse (:func:`create_broker_engine` names the problem)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return None
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or database in ("", ":memory:") or database.startswith("file:"):
+        return None
+    return Path(database).expanduser()
+
+
 def create_broker_engine(url: str) -> Engine:
     """Engine for a broker URL (``sqlite:///PATH``, ``sqlite://`` in memory, ``postgresql+psycopg://...``).
 
@@ -71,8 +85,8 @@ def create_broker_engine(url: str) -> Engine:
         in_memory = database in ("", ":memory:")
         if not in_memory:
             _check_directory(Path(database.removeprefix("file:").split("?")[0]).expanduser(), url)
-            if not database.startswith("file:"):
-                _create_private(Path(database).expanduser())
+            if (path := sqlite_file(url)) is not None:
+                _create_private(path)
         engine = create_engine(
             parsed,
             connect_args={"timeout": 60, "check_same_thread": False},
