@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import uuid
@@ -96,3 +97,16 @@ def broker(broker_url, clock) -> Iterator[GpuBroker]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_on_a_closed_capture():
+    """A command that imports Airflow (``nodes kube-sync``) lets Airflow configure logging, whose
+    handlers keep the ``sys.stderr`` of that moment: a test's capture, closed after it. Such a
+    handler is dropped after the test, so that a later test's log lines (the broker's migrations)
+    do not print "--- Logging error ---" tracebacks into that test's captured output."""
+    yield
+    for logger in [logging.root, *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]:
+        for handler in list(logger.handlers):
+            if getattr(getattr(handler, "stream", None), "closed", False):
+                logger.removeHandler(handler)
