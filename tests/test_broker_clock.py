@@ -90,6 +90,42 @@ def test_a_due_re_read_never_keeps_the_caller_waiting_for_a_connection(postgres_
     engine.dispose()
 
 
+def test_a_re_read_that_cannot_start_or_never_ends_is_logged_and_the_last_reading_serves(
+        postgres_url, monkeypatch, caplog):
+    import threading
+
+    engine = create_broker_engine(postgres_url)
+    ticks = [100.0]
+    clock = DatabaseClock(engine, monotonic=lambda: ticks[0], resync_s=300.0)
+    start = clock()
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    ticks[0] += 301.0
+    with caplog.at_level(logging.WARNING, logger="airflow_elastic_gpu.broker.clock"):
+        monkeypatch.setattr(threading.Thread, "start", no_thread)
+        assert clock() == pytest.approx(start + 301.0)
+        monkeypatch.undo()
+        assert "could not start the re-read" in caplog.text
+        assert clock.wait_reread(0.1)  # nothing holds the re-read: the next one may start
+        never = threading.Event()
+
+        class Unanswered:  # a connection that never answers (a black-holed network)
+            def connect(self):
+                never.wait(30)
+                raise RuntimeError("gave up")
+
+        clock._engine = Unanswered()
+        ticks[0] += 10.0  # the retry is due
+        clock()
+        ticks[0] += 301.0
+        assert clock() == pytest.approx(start + 612.0)
+        assert "has not ended; the last reading serves" in caplog.text
+        never.set()
+    engine.dispose()
+
+
 def test_a_broker_on_postgresql_counts_on_the_server_clock_and_on_sqlite_on_the_machines(postgres_url, tmp_path):
     engine = create_broker_engine(postgres_url)
     assert isinstance(broker_clock(engine), DatabaseClock)

@@ -60,6 +60,7 @@ class DatabaseClock:
         self._wall = wall or time.time
         self._resync_s = resync_s
         self._reading = threading.Lock()
+        self._reading_since = self._stuck_warned = -float("inf")  # the re-read in progress, its warning
         self._read()
 
     def _read(self) -> None:
@@ -77,17 +78,28 @@ class DatabaseClock:
         # a re-read is due: a thread of its own makes it, on a pooled connection it may have to
         # wait for (every one may be held by callers inside their transactions, as this one may
         # be); every caller goes on with the last reading meanwhile, and if the read fails
-        if now >= self._next_read and self._reading.acquire(blocking=False):
-            self._next_read = now + RETRY_S
-            threading.Thread(target=self._reread, name="broker-clock-resync", daemon=True).start()
+        if now >= self._next_read:
+            if self._reading.acquire(blocking=False):
+                self._next_read, self._reading_since = now + RETRY_S, now
+                try:
+                    threading.Thread(target=self._reread, name="broker-clock-resync", daemon=True).start()
+                except RuntimeError as exc:  # no thread to be had (a thread limit, interpreter shutdown)
+                    self._reading.release()
+                    log.warning("could not start the re-read of the broker database server's clock (%s); the "
+                                "last reading serves", exc)
+            elif now - self._reading_since > self._resync_s and now >= self._stuck_warned + self._resync_s:
+                self._stuck_warned = now  # e.g. a connection that never answers: said once a period
+                log.warning("the re-read of the broker database server's clock started %.0fs ago has not "
+                            "ended; the last reading serves", now - self._reading_since)
         return self._base + now
 
     def _reread(self) -> None:
         try:
             self._read()
-        except SQLAlchemyError as exc:  # the server unreachable, the connection pool exhausted
+        except Exception as exc:  # a thread of its own: the server unreachable, the
+            # connection pool exhausted, anything else is logged the same, and the last reading serves
             log.warning("could not read the broker database server's clock again (%s); the last "
-                        "reading serves", type(exc).__name__)
+                        "reading serves", type(exc).__name__, exc_info=not isinstance(exc, SQLAlchemyError))
         finally:
             self._reading.release()
 
