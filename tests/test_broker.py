@@ -189,6 +189,26 @@ def test_a_job_whose_agent_is_silent_gets_no_growth_and_is_declared_lost_a_lease
     assert lost.status is JobStatus.LOST and lost.in_use_gpus == () and lost.target_gpus == ()
 
 
+def test_a_job_placed_after_a_long_wait_grows_before_its_agent_first_reports(pool, clock):
+    """Silence counts from the job's start: one that queued for longer than half the lease and
+    was just placed (its pod, its agent still starting) is not taken for a job whose agent is gone."""
+    pool.configure_pool(lease_s=60)
+    b = pool.submit(spec("b", min_gpus=2, max_gpus=2))
+    c = pool.submit(spec("c", min_gpus=2, max_gpus=2))
+    a = pool.submit(spec("a", min_gpus=1, max_gpus=4))
+    for job in (b, c):
+        pool.ack(job.id, 1)
+    assert pool.job(a.id).status is JobStatus.QUEUED
+    clock.advance(40)
+    pool.heartbeat(b.id)
+    pool.finish(c.id)
+    assert len(pool.job(a.id).target_gpus) == 2  # placed, not acked yet
+    clock.advance(1)
+    pool.finish(b.id)
+    grown = pool.job(a.id)
+    assert grown.target_generation == 2 and len(grown.target_gpus) == 4
+
+
 def test_heartbeat_keeps_a_job_alive_and_reports_cancellation(pool, clock):
     pool.configure_pool(lease_s=30)
     a = pool.submit(spec("a"))

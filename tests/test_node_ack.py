@@ -290,4 +290,7 @@ def test_a_gang_whose_nodes_all_exit_cleanly_before_a_published_growth_succeeds(
     broker.finish(other.id)  # its node's GPUs free: the gang grows onto them
     assert broker.target(job.id).generation == 2 and len(nodes_of(broker.target(job.id).gpus)) == 3
     assert broker.finish(job.id, 0, None, node=ran[0]).status is JobStatus.RUNNING
-    assert broker.finish(job.id, 0, None, node=ran[1]).status is JobStatus.SUCCEEDED
+    done = broker.finish(job.id, 0, None, node=ran[1])
+    assert done.status is JobStatus.SUCCEEDED
+    # the grown-onto node's pod may be starting a trainer: its GPUs stay held until its agent reports
+    assert nodes_of(done.target_gpus) == sorted(set(NODES) - set(ran))

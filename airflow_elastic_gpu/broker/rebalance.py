@@ -440,9 +440,11 @@ class Rebalancing(BrokerBase):
                 for kind, by_job in held_ids.items()}
         books = [book_of(j, held["target"][j.id], held["in_use"][j.id]) for j in jobs]
         for job, book in zip(jobs, books):
-            # an agent silent for half the lease (its trainer fenced): no new generation, which would
-            # give the job a whole lease again, again and again while GPUs keep coming free
-            book.unreachable = bool(book.target) and now - job.last_heartbeat_s > row.lease_s / 2
+            # an agent silent for half the lease since the job's start or resume (a new pod has
+            # that long to start its agent): no new generation, which would give the job a whole
+            # lease again, again and again while GPUs keep coming free
+            heard_s = max(job.last_heartbeat_s, book.last_start_s or 0.0)
+            book.unreachable = bool(book.target) and now - heard_s > row.lease_s / 2
         publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
             nodes, books, now, *family_history(s, pool, books))
         locked = self._locked_active(s, [p.job_id for p in publications])

@@ -68,9 +68,10 @@ class JobBook:
     :param suspensions_s: publish times of the job's suspensions (resizes to zero), ascending.
     :param finishing: a trainer of the job (one node of a gang of pods) has exited cleanly and the
         job waits for the others: its allocation is not changed again.
-    :param unreachable: the broker has heard nothing from the job's agent for half its lease (its
-        launcher has fenced the trainer by then): its allocation is not changed until it reports
-        again or is declared lost (a new generation would give it a whole lease again).
+    :param unreachable: the broker has heard nothing from the job's agent for half its lease since
+        its last heartbeat, start or resume (with the default fence period its launcher has fenced
+        the trainer by then): its allocation is not changed until it reports again or is declared
+        lost (a new generation would give it a whole lease again).
     """
 
     job_id: str
