@@ -294,3 +294,30 @@ def test_a_gang_whose_nodes_all_exit_cleanly_before_a_published_growth_succeeds(
     assert done.status is JobStatus.SUCCEEDED
     # the grown-onto node's pod may be starting a trainer: its GPUs stay held until its agent reports
     assert nodes_of(done.target_gpus) == sorted(set(NODES) - set(ran))
+
+
+def test_a_node_that_already_runs_a_growths_generation_is_waited_for_and_freed_at_the_end(pool):
+    """A growth onto a third node is acked by some nodes, not yet by all (the in-use set is still the
+    old one): a trainer already running it there that exits cleanly is recorded, and its node's
+    GPUs are freed with the job's end rather than held until its agent reports again."""
+    broker = pool
+    other = broker.submit(JobSpec("other", "python train.py", 2, 2, total_steps=100, backend="kubernetes"))
+    broker.ack(other.id, 1)
+    job = gang(broker, lo=4, hi=6)
+    ran = nodes_of(broker.target(job.id).gpus)
+    for node in ran:
+        broker.ack(job.id, 1, node=node)
+    broker.finish(other.id)
+    (grown,) = set(NODES) - set(ran)
+    assert broker.target(job.id).generation == 2
+    broker.ack(job.id, 2, node=grown)
+    broker.ack(job.id, 2, node=ran[1])
+    assert broker.job(job.id).acked_generation == 1  # ran[0] has not acked yet
+    running = broker.finish(job.id, 0, None, node=grown)
+    assert running.status is JobStatus.RUNNING
+    (finishing,) = [e for e in broker.events(job_id=job.id) if e.kind == EventKind.FINISHING.value]
+    assert grown in finishing.message
+    done = broker.finish(job.id, 0, {"accuracy": 0.9}, node=ran[0])
+    assert done.status is JobStatus.SUCCEEDED
+    held = nodes_of((*done.target_gpus, *done.in_use_gpus))
+    assert grown not in held and ran[1] in held  # ran[1]'s trainer still stopping: held until it reports

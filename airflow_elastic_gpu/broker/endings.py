@@ -10,7 +10,7 @@ from sqlalchemy import Connection, bindparam, select
 
 from airflow_elastic_gpu.broker.models import Node
 from airflow_elastic_gpu.broker.queries import Queries
-from airflow_elastic_gpu.broker.rows import job_gpus, lock_book, read_job, update_job
+from airflow_elastic_gpu.broker.rows import NODES_ACKED, job_gpus, lock_book, read_job, update_job
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobView, NotFound
 from airflow_elastic_gpu.states import TERMINAL, EventKind, JobStatus
 
@@ -52,11 +52,15 @@ class Endings(Queries):
                 if node is not None and status is JobStatus.SUCCEEDED and not metrics:
                     # a gang of pods: this node's trainer exited cleanly without the final metrics
                     # line; the trainer that prints it (global rank 0) may still run on another node.
-                    # The job's trainers run on its acked generation's GPUs, or, before the first
-                    # ack (nothing in use), on its target's. Not on a newer target's nodes: a
-                    # finishing gang applies no newer generation, so they never report
+                    # The job's trainers run on its acked generation's GPUs and on those of the nodes
+                    # that acked its target already, or, before the first ack (nothing in use), on its
+                    # target's. Not on the other nodes of a newer target: a finishing gang applies no
+                    # newer generation, so they never report
                     target, in_use = job_gpus(conn, job.id)
                     nodes = {g.node for g in in_use or target}
+                    if in_use and target and job.target_generation > job.acked_generation:
+                        nodes |= set(conn.execute(NODES_ACKED, {"job_id": job.id,
+                                                                "generation": job.target_generation}).scalars())
                     if node not in nodes and nodes:
                         return  # a node the job no longer runs on (dropped): nothing of it to record
                     waiting = sorted(nodes - {*exited, node})

@@ -46,6 +46,7 @@ from airflow_elastic_gpu.broker.models import (
 )
 from airflow_elastic_gpu.broker.rows import (
     JOB_COLUMNS,
+    NODES_ACKED,
     PENDING_OF_POOL,
     UNFINISHED,
     book_changes,
@@ -133,8 +134,6 @@ _ADD_SAMPLE = insert(ProgressSample)
 _FREE_IN_USE = delete(GpuInUse).where(GpuInUse.job_id == bindparam("job_id"))
 _FORGET_NODE_ACK = delete(NodeAck).where(NodeAck.job_id == bindparam("job_id"), NodeAck.node == bindparam("node"))
 _ADD_NODE_ACK = insert(NodeAck)
-_NODES_ACKED = select(NodeAck.node).where(NodeAck.job_id == bindparam("job_id"),
-                                          NodeAck.generation == bindparam("generation"))
 _FORGET_NODE_ACKS = delete(NodeAck).where(NodeAck.job_id == bindparam("job_id"))
 _TARGET_TO_IN_USE = insert(GpuInUse).from_select(
     ["gpu_id", "job_id", "generation"],
@@ -396,7 +395,7 @@ class Lifecycle(Endings):
                             f"{generation} nor in the one it runs ({', '.join(sorted(needed)) or 'none'})")
                     conn.execute(_FORGET_NODE_ACK, {"job_id": job_id, "node": node})
                     conn.execute(_ADD_NODE_ACK, {"job_id": job_id, "node": node, "generation": generation})
-                    acked = set(conn.execute(_NODES_ACKED, {"job_id": job_id, "generation": generation}).scalars())
+                    acked = set(conn.execute(NODES_ACKED, {"job_id": job_id, "generation": generation}).scalars())
                     if not needed <= acked:
                         return True  # the other nodes' acks will complete the generation
                     conn.execute(_FORGET_NODE_ACKS, {"job_id": job_id})

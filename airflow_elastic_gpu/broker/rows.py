@@ -33,6 +33,7 @@ from airflow_elastic_gpu.broker.models import (
     GpuTarget,
     Job,
     Node,
+    NodeAck,
     RebalanceRequest,
 )
 from airflow_elastic_gpu.broker.types import NotFound, family_of
@@ -208,6 +209,12 @@ def free_gpus(s: Executor, job_id: str, node: tuple[str, str] | None = None) -> 
 def read_job(s: Executor, job_id: str, *, lock: bool = False) -> Row[Any] | None:
     """The job's row (every column), locked against other writers of the row when ``lock``."""
     return s.execute(_JOB_LOCKED if lock else _JOB, {"job_id": job_id}).first()
+
+
+NODES_ACKED = select(NodeAck.node).where(NodeAck.job_id == bindparam("job_id"),
+                                         NodeAck.generation == bindparam("generation"))
+"""The nodes of a job with one agent per node whose agent acked ``generation`` (a generation not
+acked by every node yet: the recorded acks are dropped once it is)."""
 
 
 def lock_book(s: Executor, job_id: str) -> Row[Any] | None:
