@@ -52,7 +52,7 @@ from airflow_elastic_gpu.config import (
     get_option,
     mask_url,
 )
-from airflow_elastic_gpu.scheduling.policy import policy_parameters
+from airflow_elastic_gpu.scheduling.policy import get_policy, policy_parameters
 from airflow_elastic_gpu.states import JobStatus
 
 console = Console()
@@ -137,8 +137,9 @@ def cmd_pool(args: argparse.Namespace) -> int:
         broker.configure_pool(args.pool, policy=policy, policy_params=params or None,
                               lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
     # (a bare `pool` only shows the settings: it changes nothing and asks for no rebalance)
-    config = broker.pool_config(args.pool)
-    console.print(f"pool {escape(repr(args.pool))}: policy {escape(str(broker.pool_policy(args.pool)))}; "
+    config = broker.pool_config(args.pool)  # one read of the pool's row
+    shown = get_policy(config.policy, **config.policy_params)
+    console.print(f"pool {escape(repr(args.pool))}: policy {escape(str(shown))}; "
                   f"lease {config.lease_s:g} s; rebalance every {config.rebalance_interval_s:g} s")
     return 0
 
