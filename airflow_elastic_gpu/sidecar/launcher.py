@@ -367,7 +367,7 @@ class Launcher:
         launcher (or pod's agent) sees a generation at its own poll, and the peers' processes fail
         when one of them goes (a broken rendezvous, a collective that never completes). True when,
         within ``peer_wait_s`` (or the longer wait the agent's lease names: a gang of pods'
-        agents each poll the broker, one up to two polls and a request timeout after another), a
+        agents each poll the broker, one up to two polls and three request timeouts after another), a
         newer generation or a stop arrives (or the launcher is stopped)
         while the lease is fresh: the exit is then that stop's, handled as such (the trainer
         restarts from its checkpoint on the new generation). An exit with 0, a single node's
