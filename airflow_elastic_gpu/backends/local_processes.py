@@ -3,6 +3,7 @@ still the job's, and killing one's group."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ their workers: a pid the job recorded counts as the job's only while its process
 reboot the pid may be any process's, and the backend must never kill that)."""
 
 
+@functools.cache  # a process does not outlive the boot it started in
 def boot_id() -> str | None:
     """This boot of the host (Linux's ``/proc/sys/kernel/random/boot_id``), None where unknown."""
     try:
