@@ -57,28 +57,41 @@ def test_a_gang_whose_other_node_finished_is_not_resized_while_rank_0_evaluates(
     assert run.sampler.violations == []
 
 
-def test_a_finishing_gang_applies_no_newer_generation(tmp_path):
-    """The broker published a generation before the finished node's report reached it: the agent
-    does not hand it to the launchers (it would stop rank 0 and never run on the finished node)."""
-    class Broker:
-        def __init__(self) -> None:
-            self.finished: list[str | None] = []
+class FinishBroker:
+    """What the agent's finishing gang calls of the broker: the finished nodes' reports."""
 
-        def finish(self, job_id, exit_code=0, metrics=None, *, node=None):
-            self.finished.append(node)
+    def __init__(self) -> None:
+        self.finished: list[str | None] = []
 
+    def finish(self, job_id, exit_code=0, metrics=None, *, node=None):
+        self.finished.append(node)
+
+
+# the broker shrinks the finishing gang to rank 0's node, by a generation published before the
+# finished node's report reached it
+SHRINK = Target("j", JobStatus.RUNNING, 4, (GpuId("localhost-0", 0), GpuId("localhost-0", 1)), 60.0)
+
+
+def finishing_gang(tmp_path, rank_0: dict) -> tuple[Agent, FinishBroker, dict]:
+    """An agent of a gang on two virtual nodes running generation 3 on four GPUs, whose node
+    localhost-1 (not global rank 0) has exited with 0 and whose rank 0 is as ``rank_0`` says."""
     dirs = {n: tmp_path / protocol.NODES / n for n in ("localhost-0", "localhost-1")}
     for d in dirs.values():
         d.mkdir(parents=True)
-    broker = Broker()
+    broker = FinishBroker()
     agent = Agent(broker, "j", tmp_path, poll_s=0.05)
-    four = [("localhost-0", 0), ("localhost-0", 1), ("localhost-1", 0), ("localhost-1", 1)]
-    agent.gang.publish(3, four)
-    protocol.write_json(dirs["localhost-0"] / protocol.STATUS, {"state": "running", "generation": 3, "pid": 11})
+    agent.gang.publish(3, [("localhost-0", 0), ("localhost-0", 1), ("localhost-1", 0), ("localhost-1", 1)])
+    protocol.write_json(dirs["localhost-0"] / protocol.STATUS, {"generation": 3, **rank_0})
     protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "exited", "exit_code": 0, "generation": 3})
+    return agent, broker, dirs
+
+
+def test_a_finishing_gang_applies_no_newer_generation(tmp_path):
+    """The broker published a generation before the finished node's report reached it: the agent
+    does not hand it to the launchers (it would stop rank 0 and never run on the finished node)."""
+    agent, broker, dirs = finishing_gang(tmp_path, {"state": "running", "pid": 11})
     before = {n: agent.gang.desired(n) for n in dirs}
-    shrink = Target("j", JobStatus.RUNNING, 4, (GpuId("localhost-0", 0), GpuId("localhost-0", 1)), 60.0)
-    assert agent._apply_gang(shrink, 3) == 3
+    assert agent._apply_gang(SHRINK, 3) == 3
     assert {n: agent.gang.desired(n) for n in dirs} == before
     agent._report_clean_nodes()
     agent._report_clean_nodes()
@@ -95,20 +108,7 @@ def test_a_finishing_gang_s_fenced_trainer_restarts_on_the_generation_it_runs(tm
     newer generation had been published before the finished node's report: once the broker
     answers again, rank 0 may restart on the generation it ran (the broker keeps that
     generation's GPUs until the newer one is acked, which a finishing gang never does)."""
-    class Broker:
-        def finish(self, job_id, exit_code=0, metrics=None, *, node=None):
-            return None
-
-    dirs = {n: tmp_path / protocol.NODES / n for n in ("localhost-0", "localhost-1")}
-    for d in dirs.values():
-        d.mkdir(parents=True)
-    agent = Agent(Broker(), "j", tmp_path, poll_s=0.05)
-    four = [("localhost-0", 0), ("localhost-0", 1), ("localhost-1", 0), ("localhost-1", 1)]
-    agent.gang.publish(3, four)
-    protocol.write_json(dirs["localhost-0"] / protocol.STATUS,
-                        {"state": "fenced", "generation": 3, "fences": 1})
-    protocol.write_json(dirs["localhost-1"] / protocol.STATUS, {"state": "exited", "exit_code": 0, "generation": 3})
-    shrink = Target("j", JobStatus.RUNNING, 4, (GpuId("localhost-0", 0), GpuId("localhost-0", 1)), 60.0)
-    assert agent._apply_gang(shrink, 3) == 3
+    agent, _, _ = finishing_gang(tmp_path, {"state": "fenced", "fences": 1})
+    assert agent._apply_gang(SHRINK, 3) == 3
     assert agent.gang.desired("localhost-0")["resume"] == 1 and agent.gang.desired("localhost-0")["generation"] == 3
     assert "resume" not in agent.gang.desired("localhost-1")  # its trainer exited: nothing to restart

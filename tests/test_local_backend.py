@@ -384,36 +384,13 @@ def test_a_try_waits_for_the_earlier_one_still_writing_its_checkpoint(tmp_path):
     assert not path.exists() and path.with_name("train-0123@new").is_dir()
 
 
-def test_pids_recorded_before_a_reboot_that_now_belong_to_other_processes_are_never_killed(local, tmp_path):
-    """After a host restart the pids in a job's handle and status files may be any process's: the
-    job counts as not running, and starting it again (a retry) kills none of them."""
-    broker, backend = local
-    job = broker.submit(JobSpec("j", f"{sys.executable} -c 'print(1)'", 1, 1, total_steps=1))
-    job_dir = backend.job_dir(job.id)
-    job_dir.mkdir(parents=True)
-    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
-                                env={**os.environ, "ELASTIC_GPU_JOB_ID": "another-job"})  # another job's process
-    try:
-        # the handle and status as the job left them before the restart; the pids are now the stranger's
-        protocol.write_json(job_dir / "handle.json", {"job_dir": str(job_dir), "agent_pid": stranger.pid,
-                                                      "launcher_pid": stranger.pid})
-        protocol.write_json(job_dir / protocol.STATUS, {"state": "running", "generation": 1, "pid": stranger.pid,
-                                                        "workers": [stranger.pid]})
-        assert not backend.is_running(job.id)
-        backend.start(job)
-        again = backend.handle(job.id)
-        assert again.agent_pid != stranger.pid and backend.is_running(job.id)
-        assert stranger.poll() is None  # alive: not the job's, whatever the files say
-    finally:
-        stranger.kill()
-        stranger.wait()
-
-
-@pytest.mark.parametrize("recorded", ["another boot", "another start"])
-def test_a_handles_pids_now_held_by_unmarked_processes_are_not_the_jobs(local, tmp_path, recorded):
-    """A process with no job mark counts as possibly the job's (one started before the mark
-    existed); the boot and start time recorded with the pids tell the job's own from a process
-    that got the pid after a host restart, or after the job's ended."""
+@pytest.mark.parametrize("recorded", ["another job's mark", "another boot", "another start"])
+def test_pids_recorded_before_a_reboot_that_now_belong_to_other_processes_are_never_killed(local, tmp_path, recorded):
+    """After a host restart (or once a pid is reused) the pids in a job's handle and status files
+    may be any process's: the job counts as not running, and starting it again (a retry) kills
+    none of them. A process with another job's mark is not the job's; one with no mark at all
+    counts as possibly the job's (one started before the mark existed), and the boot and start
+    time recorded with the pids tell the job's own from it."""
     from airflow_elastic_gpu.backends.local_processes import boot_id, start_ticks
 
     broker, backend = local
@@ -421,15 +398,19 @@ def test_a_handles_pids_now_held_by_unmarked_processes_are_not_the_jobs(local, t
     job_dir = backend.job_dir(job.id)
     job_dir.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "ELASTIC_GPU_JOB_ID"}
+    if recorded == "another job's mark":
+        env["ELASTIC_GPU_JOB_ID"] = "another-job"
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
-                                env=env)  # no mark at all
+                                env=env)
     try:
+        # the handle and status as the job left them before the restart; the pids are now the stranger's
         handle = {"job_dir": str(job_dir), "agent_pid": stranger.pid, "launcher_pid": stranger.pid}
-        protocol.write_json(job_dir / "handle.json", handle)
-        assert backend.is_running(job.id)  # nothing tells it from the job's own
+        if recorded != "another job's mark":
+            protocol.write_json(job_dir / "handle.json", handle)
+            assert backend.is_running(job.id)  # no mark, nothing recorded: nothing tells it from the job's own
         if recorded == "another boot":
             handle["boot_id"] = "00000000-0000-0000-0000-000000000000"
-        else:
+        elif recorded == "another start":
             handle.update(boot_id=boot_id(), starts={str(stranger.pid): start_ticks(stranger.pid) - 1})
         protocol.write_json(job_dir / "handle.json", handle)
         protocol.write_json(job_dir / protocol.STATUS, {"state": "running", "generation": 1, "pid": stranger.pid,
@@ -437,8 +418,9 @@ def test_a_handles_pids_now_held_by_unmarked_processes_are_not_the_jobs(local, t
         assert not backend.is_running(job.id)
         backend.start(job)
         again = backend.handle(job.id)
+        assert again.agent_pid != stranger.pid and backend.is_running(job.id)
         assert again.boot == boot_id() and dict(again.starts)[again.agent_pid] == start_ticks(again.agent_pid)
-        assert backend.is_running(job.id) and stranger.poll() is None  # alive: not the job's
+        assert stranger.poll() is None  # alive: not the job's, whatever the files say
     finally:
         stranger.kill()
         stranger.wait()
