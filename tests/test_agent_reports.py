@@ -162,3 +162,30 @@ def test_a_404_stops_the_trainer_only_when_the_broker_itself_answered(from_broke
             transport.heartbeat("job")
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("written", [{}, {"exit_code": None}, {"exit_code": "0"}, {"exit_code": False}])
+def test_an_exit_whose_code_cannot_be_read_is_reported_as_a_failure(tmp_path, written):
+    """A ``status.json`` that says ``exited`` without an integer exit code (another launcher version,
+    a hand edit) was taken for exit code 0: the job SUCCEEDED though nothing said the trainer had."""
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, **written})
+    broker = FlakyBroker(outages=0)
+    assert Agent(broker, "job", tmp_path, poll_s=0.01, lease_s=3.0).run() == 0
+    ends = [c for c in broker.calls if c[0] in ("finish", "fail")]
+    assert ends == [("fail", "trainer exited with no readable exit code (status.json)")]
+
+
+def test_a_gang_node_whose_exit_code_cannot_be_read_fails_the_gang(tmp_path):
+    from airflow_elastic_gpu.sidecar.gang import Gang
+
+    dirs = {}
+    for node, state in (("a", {"state": protocol.EXITED}), ("b", {"state": protocol.EXITED, "exit_code": 0})):
+        dirs[node] = tmp_path / node
+        dirs[node].mkdir()
+        protocol.write_json(dirs[node] / protocol.DESIRED, {"generation": 1, "gpus": [0], "nnodes": 2,
+                                                             "node_rank": int(node == "b"), "stop": False})
+        protocol.write_json(dirs[node] / protocol.STATUS, {"generation": 1, **state})
+    status = Gang(dirs).status(1)
+    assert (status["state"], status["exit_code"], status["node"]) == (protocol.EXITED, None, "a")
+    assert [protocol.clean_exit(s) for s in Gang(dirs).statuses().values()] == [False, True]

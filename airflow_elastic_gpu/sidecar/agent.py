@@ -182,7 +182,7 @@ class Agent(EndReports):
             if self.terminating.is_set():
                 status = self._status()
                 if status.get("state") == protocol.EXITED:
-                    return self._report_exit(int(status.get("exit_code") or 0))
+                    return self._report_exit(protocol.exit_code(status))
                 if self.node is not None:  # a gang's pod deleted after the job ended: report its node's stop
                     outcome, target = self._call("heartbeat", self.broker.heartbeat, self.job_id)
                     if outcome is Outcome.ENDED or (outcome is Outcome.OK and target.status.terminal):
@@ -212,7 +212,7 @@ class Agent(EndReports):
                 if ack is not Outcome.TRANSIENT:  # a rejected ack is not retried
                     acked = gen
             if status.get("state") == protocol.EXITED:
-                return self._report_exit(int(status.get("exit_code") or 0))
+                return self._report_exit(protocol.exit_code(status))
             if self.gang is not None and contact and status.get("state") != protocol.STOPPED:
                 self._report_clean_nodes()
             if status.get("state") == protocol.STOPPED:
@@ -234,7 +234,7 @@ class Agent(EndReports):
                 time.sleep(self.poll_s)  # it may have written its last status just now
                 status = self._status()
                 if status.get("state") == protocol.EXITED:
-                    return self._report_exit(int(status.get("exit_code") or 0))
+                    return self._report_exit(protocol.exit_code(status))
                 # no launcher to stop it: kill the orphaned trainer and its workers before the GPUs
                 # are released, so nothing runs on GPUs the broker hands to another job (a gang:
                 # every node's, and the other launchers are told to stop)

@@ -77,7 +77,7 @@ class EndReports:
         global rank 0 evaluates and prints the final metrics after the rest have ended)."""
         assert self.gang is not None
         return [n for n, s in self.gang.statuses().items()
-                if s.get("state") == protocol.EXITED and int(s.get("exit_code") or 0) == 0]
+                if protocol.clean_exit(s)]
 
     def _report_clean_nodes(self) -> None:
         """A gang on this host whose trainer exited with 0 on some of its nodes but not on all:
@@ -112,24 +112,27 @@ class EndReports:
         lines = "\n".join(self._log_parser().tail)
         return f"{reason}. Last log lines:\n{lines}" if lines else reason
 
-    def _report_exit(self, code: int) -> int:
+    def _report_exit(self, code: int | None) -> int:
+        """Report the trainer's own exit (``code``: its exit code, ``None`` when ``status.json`` gave
+        none that could be read, which is a failure); 0 once the broker has the job's end."""
+        how = f"code {code}" if code is not None else "no readable exit code (status.json)"
         if code != 0 and self._replaced():
             # a pod the broker has moved past (recreated, dropped from the gang, moved away): its
             # trainer died with the generation (a gang's peer pod went first); the job runs on in
             # the pods that replace it, which report its end
-            log.info("the trainer exited with code %d after this pod was replaced: not the job's end", code)
+            log.info("the trainer exited with %s after this pod was replaced: not the job's end", how)
             return 0
         self._report_progress(contact=True)
         if self.gang is not None and code != 0:  # half a job never runs on: stop the other nodes
             node = self._status().get("node")
-            reason = self._with_tail(f"the trainer on node {node} exited with code {code}; the gang was stopped")
+            reason = self._with_tail(f"the trainer on node {node} exited with {how}; the gang was stopped")
             if not self._stopped(f"node {node}'s trainer failed"):
                 # the other nodes' trainers still run: freeing the job's GPUs now could double-book them
                 log.error("the gang's other trainers did not stop: the broker's lease will end the job")
                 return 1
             return self._report_end(
                 "fail", lambda: self.broker.fail(self.job_id, reason, code),
-                lambda: self.broker.fail(self.job_id, f"trainer on node {node} exited with code {code}", code),
+                lambda: self.broker.fail(self.job_id, f"trainer on node {node} exited with {how}", code),
             )
         if self.gang is not None and not self._stopped("the gang's trainers ended"):
             # a node the last generation dropped may still stop its old trainer (its grace period):
@@ -151,10 +154,10 @@ class EndReports:
                 (lambda: self.broker.finish(self.job_id, 0, None, **node)) if metrics else None,
             )
         where = "" if self.node is None else f" on node {self.node}"
-        reason = self._with_tail(f"trainer{where} exited with code {code}")
+        reason = self._with_tail(f"trainer{where} exited with {how}")
         return self._report_end(
             "fail", lambda: self.broker.fail(self.job_id, reason, code, metrics, **node),
-            lambda: self.broker.fail(self.job_id, f"trainer{where} exited with code {code}", code, **node),
+            lambda: self.broker.fail(self.job_id, f"trainer{where} exited with {how}", code, **node),
         )
 
     def _report_end(self, what: str, call: Callable[[], Any], fallback: Callable[[], Any] | None = None) -> int:

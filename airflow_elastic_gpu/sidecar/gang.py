@@ -163,8 +163,8 @@ class Gang:
         base = {"generation": generation, "pid": None, "workers": pids + workers,
                 "fences": max((int(s.get("fences") or 0) for s in statuses.values()), default=0)}
         for node, s in statuses.items():
-            if s.get("state") == protocol.EXITED and int(s.get("exit_code") or 0) != 0:
-                return {**base, "state": protocol.EXITED, "exit_code": int(s["exit_code"]), "node": node}
+            if protocol.failed_exit(s):
+                return {**base, "state": protocol.EXITED, "exit_code": protocol.exit_code(s), "node": node}
         if any(s.get("state") == protocol.STOPPED for s in statuses.values()):
             return {**base, "state": protocol.STOPPED}
         of_gen = [statuses[n] for n in using]

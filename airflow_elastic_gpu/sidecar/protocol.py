@@ -70,6 +70,25 @@ STATES = (STARTING, RUNNING, STOPPING, EXITED, STOPPED, FENCED, SUSPENDED)
 # FENCED: stopped by the launcher itself for lack of contact with the broker (the launcher waits
 # for contact to resume, see ``lease.json``).
 
+def exit_code(status: dict[str, Any]) -> int | None:
+    """The exit code of an ``exited`` ``status.json``: its ``exit_code`` when that is an integer, else
+    ``None`` (missing, ``null``, a string...). A reader must take ``None`` for a failure, never for 0:
+    an exit whose code cannot be read is not a success (:func:`clean_exit`)."""
+    code = status.get("exit_code")
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def clean_exit(status: dict[str, Any]) -> bool:
+    """True when ``status`` says the trainer exited by itself with code 0."""
+    return status.get("state") == EXITED and exit_code(status) == 0
+
+
+def failed_exit(status: dict[str, Any]) -> bool:
+    """True when ``status`` says the trainer exited by itself with a non-zero or unreadable code."""
+    return status.get("state") == EXITED and exit_code(status) != 0
+
+
+
 PLACEHOLDERS = ("{num_gpus}", "{nnodes}", "{node_rank}", "{master_addr}", "{master_port}")
 """What the launcher replaces in a training command: the node's GPU count, the gang's node count,
 this node's rank (0 on a single node), and the rendezvous address and port of the generation."""
