@@ -223,3 +223,46 @@ def test_a_drained_node_with_no_room_elsewhere_keeps_its_job_running_until_room_
     broker.finish(b.id)  # room appears on the other node: the job moves there
     moved = broker.job(a.id)
     assert moved.target_generation == 2 and a_node not in {g.node for g in moved.target_gpus}
+
+
+def test_a_postgresql_server_that_never_answers_is_given_up_on_not_waited_for_for_ever():
+    """A server that accepts the TCP connection and says nothing (a hung host, a half-open proxy):
+    libpq's default is to wait for ever, which hung whatever broker call made the connection."""
+    import socket
+
+    from sqlalchemy import event
+    from sqlalchemy.exc import OperationalError
+
+    from airflow_elastic_gpu.broker.db import POSTGRES_CONNECT_DEFAULTS, create_broker_engine
+
+    silent = socket.create_server(("127.0.0.1", 0), backlog=8)  # the kernel accepts; nobody answers
+    port = silent.getsockname()[1]
+    try:
+        seen: dict = {}
+        engine = create_broker_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/test?connect_timeout=1")
+        event.listen(engine, "do_connect", lambda dialect, rec, cargs, cparams: seen.update(cparams))
+        start = time.monotonic()
+        with pytest.raises(OperationalError, match="timeout"):
+            engine.connect()
+        assert time.monotonic() - start < 5
+        assert seen["connect_timeout"] == "1"  # the URL's own setting wins over the default
+        assert {k: seen[k] for k in POSTGRES_CONNECT_DEFAULTS if k != "connect_timeout"} == {
+            k: v for k, v in POSTGRES_CONNECT_DEFAULTS.items() if k != "connect_timeout"}
+        engine.dispose()
+
+        class Seen(Exception):
+            pass
+
+        def record(dialect, rec, cargs, cparams):
+            seen.update(cparams)
+            raise Seen  # no need to wait the default 10 s out again
+
+        plain = create_broker_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/test")
+        event.listen(plain, "do_connect", record)
+        assert plain.url.query == {}
+        with pytest.raises(Seen):
+            plain.connect()
+        assert seen["connect_timeout"] == POSTGRES_CONNECT_DEFAULTS["connect_timeout"]
+        plain.dispose()
+    finally:
+        silent.close()

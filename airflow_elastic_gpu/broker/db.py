@@ -64,6 +64,16 @@ def sqlite_file(url: str) -> Path | None:
     return Path(database).expanduser()
 
 
+POSTGRES_CONNECT_DEFAULTS: dict[str, int] = {
+    "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+"""libpq connection parameters a PostgreSQL broker URL gets unless its query sets them: a
+connection attempt gives up after 10 s, and an open connection whose server went silent is
+dropped after about a minute (30 s idle, then 3 probes 10 s apart) rather than waited on for
+ever. Set any of them in the URL to override it, e.g. ``...?connect_timeout=3``."""
+
+
 def create_broker_engine(url: str) -> Engine:
     """Engine for a broker URL (``sqlite:///PATH``, ``sqlite://`` in memory, ``postgresql+psycopg://...``).
 
@@ -111,8 +121,11 @@ def create_broker_engine(url: str) -> Engine:
         try:
             # No pre-ping round trip per checkout: a connection the server dropped fails its first
             # statement, SQLAlchemy invalidates the pool, and the broker redoes the whole
-            # transaction (see transactions.BrokerBase._retrying).
-            return create_engine(parsed)
+            # transaction (see transactions.BrokerBase._retrying). libpq waits for ever for a
+            # server that accepts the TCP connection and never answers, and for a dead peer
+            # of an open connection: a caller (the clock's re-read, a trigger's poll) would hang.
+            defaults = {k: v for k, v in POSTGRES_CONNECT_DEFAULTS.items() if k not in parsed.query}
+            return create_engine(parsed, connect_args=defaults)
         except (NoSuchModuleError, ModuleNotFoundError) as exc:
             raise ValueError(
                 f"broker URL {parsed.render_as_string(hide_password=True)!r} needs a "
