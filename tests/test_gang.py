@@ -359,18 +359,20 @@ def test_a_preemptible_real_trainer_is_suspended_for_a_short_job_and_resumes_fro
     # a restart assumed to cost 2 s until measured: the suspension pays however fast this machine
     # trains (with the default 10 s it paid only while the long job had more than ~20 s to go); the
     # long job's own start, measured, can take 10-20 s on a loaded machine (two slow tests at once),
-    # so it has 12,000 steps: with 5,000 it sometimes had too little left for a suspension to pay
+    # so it has 16,000 steps and the pool rebalances every 2 s: with 12,000 steps and the default
+    # 10 s, the first rebalance after its 5 s minimum runtime came 15 s in, and on a fast machine
+    # (12,000 steps in 37 s) the ~20 s left no longer paid for two measured ~10 s restarts
     broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}", default_restart_overhead_s=2.0)
     broker.register_node("localhost", 2)
     broker.configure_pool(policy_params={"suspend": True, "hysteresis": 0.0, "min_runtime_s": 5.0,
-                                         "min_resize_interval_s": 2.0}, lease_s=60)
+                                         "min_resize_interval_s": 2.0}, lease_s=60, rebalance_interval_s=2.0)
     backend = LocalBackend(tmp_path / "jobs", broker, grace_s=20, poll_s=0.3)
     ddp = (f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node={{num_gpus}} "
-           f"{TRAIN_SCRIPT} --hidden 128 --checkpoint-every 25 --total-steps 12000")
+           f"{TRAIN_SCRIPT} --hidden 128 --checkpoint-every 25 --total-steps 16000")
     stand_in = tmp_path / "gang_trainer.py"
     stand_in.write_text(STAND_IN_GANG_TRAINER)
     with gang_run(broker, backend, 420, stop_timeout_s=10) as run:
-        long = broker.submit(JobSpec("long", ddp, 2, 2, total_steps=12000, key="long", preemptible=True))
+        long = broker.submit(JobSpec("long", ddp, 2, 2, total_steps=16000, key="long", preemptible=True))
         run.add(long.id)
         broker.start(long.id, backend.start(long))
         run.wait("the long job trains", lambda: broker.job(long.id).steps_done >= 150
@@ -383,7 +385,7 @@ def test_a_preemptible_real_trainer_is_suspended_for_a_short_job_and_resumes_fro
     sampler = run.sampler
     job = broker.job(long.id)
     assert job.status is JobStatus.SUCCEEDED and broker.job(short).status is JobStatus.SUCCEEDED, job.reason
-    assert job.steps_done == 12000 and job.metrics["accuracy"] >= 0.9, job.metrics
+    assert job.steps_done == 16000 and job.metrics["accuracy"] >= 0.9, job.metrics
     kinds = [e.kind for e in broker.events(job_id=long.id)]
     assert "suspend" in kinds and "resume" in kinds[kinds.index("suspend"):], kinds
     log = (backend.job_dir(long.id) / protocol.LOG).read_text().splitlines()
