@@ -63,6 +63,29 @@ def test_workers_of_a_trainer_that_died_are_killed_before_its_gpus_are_used_agai
     assert launcher.tree == []
 
 
+def test_a_worker_that_survives_sigkill_is_waited_for_before_the_trainer_counts_as_stopped(tmp_path, monkeypatch):
+    """A process stuck in the kernel (uninterruptible sleep in a GPU driver) survives SIGKILL for a
+    while and may hold its GPU: the launcher waits for it and says so, where it gave up after 2 s
+    and let the next generation, or another job, have the GPU. (No test can put a process into
+    uninterruptible sleep: a pid above ``pid_max``, which no process can have, plays the stuck
+    worker; the launcher's signals to it fail as they would to any gone process.)"""
+    stuck = int(Path("/proc/sys/kernel/pid_max").read_text()) + 7
+    alive_until = time.monotonic() + 3.5
+    real_alive = protocol.pid_alive
+    monkeypatch.setattr(protocol, "pid_alive",
+                        lambda pid: time.monotonic() < alive_until if pid == stuck else real_alive(pid))
+    shared = tmp_path / "job"
+    shared.mkdir()
+    launcher = Launcher(shared, "true", grace_s=1.0, poll_s=0.05)
+    launcher.proc = subprocess.Popen(["true"])
+    launcher.proc.wait(30)  # the trainer died; its worker did not
+    launcher.tree = [stuck]
+    assert launcher._stop() == 0
+    assert time.monotonic() >= alive_until and launcher.tree == []
+    notes = [line for line in (shared / protocol.LOG).read_text().splitlines() if "still alive after SIGKILL" in line]
+    assert len(notes) == 1 and f"[{stuck}]" in notes[0], notes
+
+
 def _pids_running(script: Path) -> list[int]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):

@@ -51,6 +51,8 @@ except ImportError:  # copied next to protocol.py in a bare image
 
 EXIT_NOT_FOUND = 127
 EXIT_FENCED = 75  # EX_TEMPFAIL: fenced, and no agent came back to resume the trainer
+STUCK_NOTE_S = 60.0
+"""How often a process that survives SIGKILL is named again in ``train.log`` while it is waited for."""
 
 
 class LeaseWatch:
@@ -256,11 +258,21 @@ class Launcher:
         return proc.returncode
 
     def _kill_workers(self) -> None:
-        """SIGKILL the trainer's recorded workers that are still alive and wait (2 s at most: a
-        SIGKILLed process vanishes within milliseconds) for them to be gone; forget them."""
+        """SIGKILL the trainer's recorded workers that are still alive, wait for them to be gone,
+        forget them. One stuck in the kernel (uninterruptible sleep: a GPU driver, a hung file
+        system) may still hold its GPU: it is SIGKILLed again every second and named in ``train.log``
+        every :data:`STUCK_NOTE_S` until it is gone, and no stop, exit or generation is reported
+        meanwhile, so the job keeps its GPUs (a fenced job's lease may still run out: lost)."""
         tree = [p for p in self.tree if protocol.pid_alive(p)]
         protocol.signal_processes(tree, signal.SIGKILL)
-        protocol.survivors(tree)
+        left, noted = protocol.survivors(tree), None
+        while left:
+            if noted is None or time.monotonic() - noted >= STUCK_NOTE_S:
+                self._note(f"process(es) {left} still alive after SIGKILL (stuck in the kernel?): waiting "
+                           "for them to be gone before the trainer's GPUs are given up")
+                noted = time.monotonic()
+            protocol.signal_processes(left, signal.SIGKILL)
+            left = protocol.survivors(left, timeout_s=1.0)
         self.tree = []
 
     def _fence(self, reason: str) -> None:
