@@ -6,9 +6,11 @@ Commands: ``nodes`` (list, ``add``, ``detect``, ``kube-sync``, ``drain``, ``unco
 ``run-local`` (submit a command as a job on this host and follow it),
 ``workload`` (cut a paper-scale workload from a trace) and ``simulate``
 (replay a trace under several policies and compare them).
-The broker URL comes from ``--broker-url``, else :func:`~airflow_elastic_gpu.config.default_broker_url`
-(``$AIRFLOW_ELASTIC_GPU_BROKER_URL``, else a SQLite file in ``$AIRFLOW_HOME``); ``run-local``, ``jobs``
-and ``status`` say on stderr which broker and job directory they use.
+The broker URL comes from ``--broker-url``, or the Airflow connection ``--conn-id`` names (as tasks
+read it: :class:`~airflow_elastic_gpu.hooks.broker.GpuBrokerHook`), else
+:func:`~airflow_elastic_gpu.config.default_broker_url` (``$AIRFLOW_ELASTIC_GPU_BROKER_URL``, else a
+SQLite file in ``$AIRFLOW_HOME``); ``run-local``, ``jobs`` and ``status`` say on stderr which broker
+and job directory they use.
 """
 
 from __future__ import annotations
@@ -76,11 +78,32 @@ def _broker(args: argparse.Namespace, *, existing: bool = False) -> GpuBroker:
     if existing and (path := sqlite_file(url)) is not None and not path.exists():
         hint = ("" if os.environ.get("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT") is None else
                 "; the elastic_gpu_default connection in the environment is read by Airflow's tasks, "
-                "not by this command: give its URL with --broker-url")
+                "and by this command with --conn-id elastic_gpu_default")
         raise NotFound(f"no broker database at {path}: nothing has used this broker yet (check "
                        f"$AIRFLOW_HOME, --broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url"
                        f"{hint})")
     return GpuBroker(url, reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S)
+
+
+def _from_connection(args: argparse.Namespace) -> None:
+    """``--conn-id``: take the broker URL, and the pool of a command given none, from that Airflow
+    connection, read as tasks read it (its secrets backends, ``AIRFLOW_CONN_*``, the metadata DB).
+
+    :raises ValueError: ``--broker-url`` given too, Airflow not installed, or no such connection.
+    """
+    if args.broker_url is not None:
+        raise ValueError("give --broker-url or --conn-id, not both")
+    try:
+        from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+    except ImportError as exc:
+        raise ValueError(f"--conn-id reads an Airflow connection, and Airflow is not installed ({exc}): "
+                         "pip install 'airflow-elastic-gpu[airflow]', or give --broker-url") from None
+    hook = GpuBrokerHook(args.conn_id)
+    if hook.connection is None:
+        raise ValueError(f"no Airflow connection {args.conn_id!r} (define it in the Airflow UI, with "
+                         f"'airflow connections add', or as $AIRFLOW_CONN_{args.conn_id.upper()})")
+    args.broker_url = hook.get_url()
+    args.connection_pool = hook.default_pool()
 
 
 def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
@@ -319,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="airflow-elastic-gpu",
         description="Inspect and drive the GPU broker from a terminal, run a training as an elastic job on "
                     "this host, and simulate scheduling policies on job traces.",
-        epilog="The broker database is --broker-url, else $AIRFLOW_ELASTIC_GPU_BROKER_URL, else "
+        epilog="The broker database is --broker-url (or the URL of the Airflow connection --conn-id), "
+               "else $AIRFLOW_ELASTIC_GPU_BROKER_URL, else "
                "[elastic_gpu] broker_url in airflow.cfg, else "
                "elastic_gpu_broker.db (SQLite) in $AIRFLOW_HOME (~/airflow when unset). "
                "run-local, jobs and status say which database and job directory they use.",
@@ -327,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--broker-url", default=None,
                         help="broker DB URL (default: $AIRFLOW_ELASTIC_GPU_BROKER_URL, else [elastic_gpu] "
                              "broker_url in airflow.cfg, else a SQLite file under $AIRFLOW_HOME)")
+    parser.add_argument("--conn-id", default=None,
+                        help="read the broker URL and default pool from this Airflow connection, as tasks do "
+                             "(e.g. elastic_gpu_default; needs the airflow extra)")
+    parser.set_defaults(connection_pool=None)  # the pool --conn-id's connection names
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     add_nodes_command(sub)
@@ -429,8 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     full_width_unless_terminal(console, notes, simulator_console)
     try:
+        if args.conn_id is not None:
+            _from_connection(args)
         if args.cmd in ("pool", "status", "run-local") and args.pool is None:
-            args.pool = default_pool()
+            args.pool = args.connection_pool or default_pool()
         return args.fn(args)
     except (BrokerError, BackendError, ValueError) as exc:
         notes.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True, highlight=False)

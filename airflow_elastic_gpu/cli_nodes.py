@@ -23,7 +23,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.name is None:
         args.name = LOCAL_NODE
     if args.pool is None:
-        args.pool = default_pool()
+        args.pool = args.connection_pool or default_pool()
     if args.action == "list" and args.pool_given:
         _known_pool(broker, args.pool)
     if args.action == "add":

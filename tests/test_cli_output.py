@@ -277,3 +277,29 @@ def test_reading_commands_do_not_make_an_empty_broker_where_there_is_none(tmp_pa
     assert not (tmp_path / "airflw" / "elastic_gpu_broker.db").exists()
     assert main(["nodes", "add", "n0", "--gpus", "1"]) == 0  # a command that registers makes it
     assert main(["jobs"]) == 0
+
+
+def test_conn_id_reads_the_broker_url_and_pool_of_the_airflow_connection_tasks_use(tmp_path, monkeypatch, capsys):
+    """A deployment that configures the broker in the ``elastic_gpu_default`` connection only: the CLI
+    read its own settings instead, and showed another (an empty, or an old demo's) broker."""
+    import json
+
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'tasks_broker.db'}"
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "airflow"))
+    monkeypatch.delenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", raising=False)
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
+        {"conn_type": "elastic_gpu", "extra": {"url": url, "pool": "a100-pool"}}))
+    assert main(["--conn-id", "elastic_gpu_default", "nodes", "add", "gpu-node-1", "--gpus", "2"]) == 0
+    assert [(n.name, n.pool) for n in GpuBroker(url).nodes()] == [("gpu-node-1", "a100-pool")]
+    capsys.readouterr()
+    assert main(["--conn-id", "elastic_gpu_default", "status"]) == 0
+    captured = capsys.readouterr()
+    assert "a100-pool" in captured.out and "tasks_broker.db" in captured.err
+    assert not (tmp_path / "airflow" / "elastic_gpu_broker.db").exists()  # the CLI's own default untouched
+
+    assert main(["--conn-id", "no_such_conn", "jobs"]) == 2
+    assert "no Airflow connection 'no_such_conn'" in " ".join(capsys.readouterr().err.split())
+    assert main(["--conn-id", "elastic_gpu_default", "--broker-url", url, "jobs"]) == 2
+    assert "give --broker-url or --conn-id, not both" in capsys.readouterr().err
