@@ -17,6 +17,8 @@ from airflow_elastic_gpu.broker.types import NotFound
 def cmd_nodes(args: argparse.Namespace) -> int:
     from airflow_elastic_gpu.cli import _broker, _known_pool, console, default_pool
 
+    if args.gpu and args.action not in ("drain", "uncordon"):
+        raise ValueError(f"--gpu goes with `nodes drain` or `nodes uncordon`, not `nodes {args.action}`")
     broker = _broker(args, existing=args.action in ("list", "drain", "uncordon", "remove"))
     args.pool_given = args.pool is not None
     args.name_given = args.name is not None
@@ -59,7 +61,9 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             if not pools:
                 raise NotFound(f"unknown node {args.name!r} (`nodes list` shows the nodes of every pool)")
             args.pool = pools[0]
-        if args.action == "remove":
+        if args.gpu:  # one failing GPU, not the whole node
+            broker.set_gpus_healthy(args.name, args.gpu, args.action == "uncordon", pool=args.pool)
+        elif args.action == "remove":
             broker.remove_node(args.name, pool=args.pool)
             console.print(f"removed node {escape(repr(args.name))} from pool {escape(repr(args.pool))}")
         else:
@@ -72,14 +76,15 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type,
                              gpu_indices=found.indices)
     table = Table(title="nodes")
-    for col in ("pool", "node", "schedulable", "GPUs", "type", "in use"):
+    for col in ("pool", "node", "schedulable", "GPUs", "type", "in use", "out of service"):
         table.add_column(col)
     # list: the pool named with --pool, else every pool; add/detect/kube-sync: every pool (the new
     # node among them)
     for n in broker.nodes(args.pool if args.action == "list" and args.pool_given else None):
         table.add_row(Text(n.pool), Text(n.name), "yes" if n.schedulable else "no", str(len(n.gpus)),
                       Text(n.gpus[0].gpu_type) if n.gpus else "-",
-                      str(sum(g.in_use_by is not None for g in n.gpus)))
+                      str(sum(g.in_use_by is not None for g in n.gpus)),
+                      ", ".join(str(g.gpu.index) for g in n.gpus if not g.healthy) or "-")
     console.print(table)
     return 0
 
@@ -95,8 +100,9 @@ def add_nodes_command(sub: argparse._SubParsersAction) -> None:
                    help="list (default): the nodes and their GPUs; add NAME --gpus N: register a node; "
                         "detect: register this host's GPUs (nvidia-smi, else --virtual-gpus); kube-sync: "
                         "register the Kubernetes cluster's GPU nodes (GPU feature discovery labels); "
-                        "drain NAME: no new GPUs of the node to any job, its jobs moved off it; uncordon "
-                        "NAME: schedulable again; remove NAME: take a drained node whose GPUs are free out "
+                        "drain NAME: no new GPUs of the node to any job, its jobs moved off it (with --gpu: "
+                        "those GPUs only, out of service); uncordon NAME: schedulable (or with --gpu: in "
+                        "service) again; remove NAME: take a drained node whose GPUs are free out "
                         "of its pool (to retire it, or register it in another pool)")
     p.add_argument("--kubernetes-conn-id", default="kubernetes_default",
                    help="Airflow connection of the cluster (kube-sync; default kubernetes_default)")
@@ -105,6 +111,8 @@ def add_nodes_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", nargs="?", default=None,
                    help=f"node name (add: default {LOCAL_NODE!r}; drain, uncordon, remove: required)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
+    p.add_argument("--gpu", type=int, action="append", default=None, metavar="INDEX",
+                   help="drain/uncordon: only this GPU of the node (a failing one: Xid or ECC errors); repeat for several")
     p.add_argument("--gpu-type", default="virtual", help="GPU model, e.g. \"NVIDIA H100\" (add; default virtual)")
     p.add_argument("--virtual-gpus", type=int, default=None, help="virtual GPUs when none is found (detect)")
     p.add_argument("--pool", default=None,

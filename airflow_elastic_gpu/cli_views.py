@@ -78,6 +78,8 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
             label = Text(names.get(holder, "")) if holder else Text("free", style="dim")
             if g.target_of and g.target_of != g.in_use_by:
                 label.append(" (→)", style="yellow")
+            if not g.healthy:  # out of service: its job (if any) is being moved off it
+                label = Text("out of service", style="red") if not holder else label + Text(" (out of service)", style="red")
             cells.append(label)
         grid.add_row(Text(node.name) + ("" if node.schedulable else Text(" (drained)", style="red")), *cells)
     events = Table(title="latest events")

@@ -114,3 +114,61 @@ def test_the_cli_finds_a_nodes_pool_by_its_name(tmp_path, monkeypatch, capsys):
     assert main(["nodes", "remove", "gpu-node-9"]) != 0
     assert "unknown node 'gpu-node-9' (`nodes list` shows the nodes of every pool)" in capsys.readouterr().err
     assert main(["nodes", "remove", "gpu-node-2"]) == 0 and broker.nodes() == []
+
+
+def test_a_gpu_out_of_service_goes_to_no_job_and_its_job_moves_off_it(broker):
+    """A failing GPU (Xid or ECC errors) of a node that is otherwise fine: the job on it moves to a
+    healthy GPU, no job gets it, and once back in service it is handed out again."""
+    broker.register_node("n0", 3)
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    job = broker.submit(spec("train", 2, 2))
+    assert [g.index for g in job.target_gpus] == [0, 1]
+    broker.ack(job.id, 1)
+    broker.set_gpus_healthy("n0", [1], False)
+    moved = broker.job(job.id)
+    assert [g.index for g in moved.target_gpus] == [0, 2] and moved.target_generation == 2
+    assert [g.index for g in moved.in_use_gpus] == [0, 1]  # its trainer runs there until it acks
+    broker.ack(job.id, 2)
+    waiting = broker.submit(spec("waits", 1, 1))
+    assert broker.job(waiting.id).target_gpus == ()  # GPU 1 is free, and out of service
+    [node] = broker.nodes()
+    assert [(g.gpu.index, g.healthy, g.in_use_by) for g in node.gpus] == [
+        (0, True, job.id), (1, False, None), (2, True, job.id)]
+    assert "GPU(s) n0:1 out of service (unhealthy)" in [e.message for e in broker.events()]
+    broker.set_gpus_healthy("n0", [1], True)
+    assert [g.index for g in broker.job(waiting.id).target_gpus] == [1]
+    with pytest.raises(NotFound, match=r"node 'n0' has no GPU 7 \(its GPUs: \[0, 1, 2\]\)"):
+        broker.set_gpus_healthy("n0", [7], False)
+
+
+def test_a_job_whose_gpu_fails_with_no_room_elsewhere_keeps_running_until_room_appears(broker):
+    broker.register_node("n0", 2)
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    job = broker.submit(spec("train", 2, 2))
+    broker.ack(job.id, 1)
+    broker.set_gpus_healthy("n0", [0], False)
+    kept = broker.job(job.id)
+    assert kept.status is JobStatus.RUNNING and kept.target_generation == 1  # not silently stopped
+    broker.register_node("n1", 2)  # room appears
+    moved = broker.job(job.id)
+    assert moved.target_generation == 2 and {g.node for g in moved.target_gpus} == {"n1"}
+
+
+def test_the_cli_takes_one_gpu_out_of_service_and_back(tmp_path, monkeypatch, capsys):
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    assert main(["nodes", "add", "gpu-node-1", "--gpus", "4"]) == 0
+    capsys.readouterr()
+    assert main(["nodes", "drain", "gpu-node-1", "--gpu", "1", "--gpu", "3"]) == 0
+    assert "1, 3" in capsys.readouterr().out  # the list's "out of service" column
+    [node] = GpuBroker(url).nodes()
+    assert node.schedulable and [g.healthy for g in node.gpus] == [True, False, True, False]
+    assert main(["nodes", "uncordon", "gpu-node-1", "--gpu", "3"]) == 0
+    assert [g.healthy for g in GpuBroker(url).nodes()[0].gpus] == [True, False, True, True]
+    capsys.readouterr()
+    assert main(["nodes", "add", "gpu-node-2", "--gpus", "1", "--gpu", "0"]) == 2
+    assert "--gpu goes with `nodes drain` or `nodes uncordon`" in capsys.readouterr().err
+    assert main(["nodes", "drain", "gpu-node-1", "--gpu", "9"]) == 2
+    assert "node 'gpu-node-1' has no GPU 9" in " ".join(capsys.readouterr().err.split())

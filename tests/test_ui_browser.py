@@ -154,6 +154,22 @@ def test_two_jobs_of_one_name_are_told_apart_and_a_gpu_not_yet_taken_up_is_shown
     assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]
 
 
+def test_a_gpu_out_of_service_is_drawn_as_such_on_the_page_and_in_status(broker, api_server, chrome, capsys):  # noqa: F811
+    from airflow_elastic_gpu.cli import main
+
+    broker.set_gpus_healthy("n0", [2], False)
+    chrome.get(f"{api_server}/ui?pool=default")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    cells = chrome.execute_script(
+        "return [...document.querySelectorAll('.gpu')].map(c => [c.textContent, c.classList.contains('unhealthy'), "
+        "c.title])")
+    assert [(text, out) for text, out, _ in cells] == [
+        ("n0:0free", False), ("n0:1free", False), ("n0:2out of service", True), ("n0:3free", False)]
+    assert "out of service" in cells[2][2]
+    assert main(["--broker-url", str(broker.engine.url), "status"]) == 0
+    assert "out of service" in capsys.readouterr().out
+
+
 def test_two_old_runs_of_one_name_known_only_from_the_timeline_are_told_apart(
         broker, api_server, chrome):  # noqa: F811
     """Runs ended before the snapshot's latest 100 ended jobs get their names from the timeline:

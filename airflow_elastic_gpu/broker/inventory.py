@@ -122,6 +122,40 @@ class Inventory(Lifecycle):
         self._retrying(run)
         self._serve_rebalance(pool)
 
+    def set_gpus_healthy(self, name: str, indices: Sequence[int], healthy: bool, *,
+                         pool: str = DEFAULT_POOL) -> None:
+        """Take GPUs of a node out of service (``healthy=False``: a failing GPU, e.g. Xid or ECC
+        errors) or put them back. An unhealthy GPU goes to no job; the rebalance moves the jobs that
+        hold one off it as a drain does (a job with no room elsewhere keeps it until room appears,
+        rather than being stopped), and the GPU stays held until their agents ack the move.
+
+        :param indices: the GPUs' device indices on the node.
+        :raises NotFound: unknown pool, node, or GPU index of the node.
+        """
+        wanted = sorted(set(indices))
+        if not wanted:
+            raise InvalidRequest("name at least one GPU index")
+
+        def run() -> None:
+            with self._tx(pool) as s:
+                node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
+                if node is None:
+                    raise NotFound(f"unknown node {name!r} in pool {pool!r}")
+                gpus = {g.index: g for g in node.gpus}
+                if unknown := [i for i in wanted if i not in gpus]:
+                    raise NotFound(f"node {name!r} has no GPU {unknown[0]!r} (its GPUs: {sorted(gpus)})")
+                changed = [i for i in wanted if gpus[i].healthy != healthy]
+                for i in changed:
+                    gpus[i].healthy = healthy
+                if changed:
+                    what = "back in service" if healthy else "out of service (unhealthy)"
+                    self._event(s, pool, EventKind.NODE,
+                                f"GPU(s) {', '.join(f'{name}:{i}' for i in changed)} {what}")
+                    request_rebalance(s, pool, self.clock())
+
+        self._retrying(run)
+        self._serve_rebalance(pool)
+
     def remove_node(self, name: str, *, pool: str = DEFAULT_POOL) -> None:
         """Remove a node and its GPUs from ``pool`` (a machine retired, or moving to another pool:
         register it there afterwards). Only a node none of whose GPUs a job holds or is published

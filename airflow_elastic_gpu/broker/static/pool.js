@@ -61,15 +61,18 @@ function renderGrid(snap, names) {
       // handed over: in use by one job and published to another (or to none), or published to a
       // job whose trainer does not run on it yet
       const moving = Boolean(holder) && g.target_of !== g.in_use_by;
-      const cell = el("div", "gpu" + (holder ? "" : " free") + (moving ? " moving" : "")
+      const out = g.healthy === false;  // out of service (a failing GPU): its job is moved off it
+      const cell = el("div", "gpu" + (holder ? "" : " free") + (moving ? " moving" : "") + (out ? " unhealthy" : "")
                       + (holder && holder === focusJob ? " focus" : ""),
-                      el("b", null, text(g.gpu)), el("span", null, holder ? label(holder, names) : "free"));
+                      el("b", null, text(g.gpu)),
+                      el("span", null, holder ? label(holder, names) : out ? "out of service" : "free"));
       cell.dataset.job = text(holder);
       if (holder) {
         cell.style.background = colour(holder);
         cell.style.color = "#fff";
       }
-      cell.title = `${text(g.gpu)} (${text(g.gpu_type)})` + (holder ? `: ${names.get(holder) || holder}` : "");
+      cell.title = `${text(g.gpu)} (${text(g.gpu_type)})` + (out ? ", out of service" : "")
+                   + (holder ? `: ${names.get(holder) || holder}` : "");
       row.append(cell);
     }
     return row;
