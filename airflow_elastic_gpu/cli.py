@@ -76,7 +76,7 @@ def _broker(args: argparse.Namespace, *, existing: bool = False) -> GpuBroker:
     """
     url = args.broker_url or default_broker_url()
     if existing and (path := sqlite_file(url)) is not None and not path.exists():
-        hint = ("" if os.environ.get("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT") is None else
+        hint = ("" if os.environ.get("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT") is None or args.conn_id else
                 "; the elastic_gpu_default connection in the environment is read by Airflow's tasks, "
                 "and by this command with --conn-id elastic_gpu_default")
         raise NotFound(f"no broker database at {path}: nothing has used this broker yet (check "
@@ -87,21 +87,33 @@ def _broker(args: argparse.Namespace, *, existing: bool = False) -> GpuBroker:
 
 def _from_connection(args: argparse.Namespace) -> None:
     """``--conn-id``: take the broker URL, and the pool of a command given none, from that Airflow
-    connection, read as tasks read it (its secrets backends, ``AIRFLOW_CONN_*``, the metadata DB).
+    connection, read as Airflow's own processes read it (its secrets backends, ``AIRFLOW_CONN_*``,
+    the metadata DB), then as the tasks' hook reads its fields.
 
-    :raises ValueError: ``--broker-url`` given too, Airflow not installed, or no such connection.
+    :raises ValueError: ``--broker-url`` given too, Airflow not installed, no such connection, or
+        one that cannot be read (a secrets backend that denies it).
     """
     if args.broker_url is not None:
         raise ValueError("give --broker-url or --conn-id, not both")
     try:
+        from airflow.exceptions import AirflowNotFoundException
+        from airflow.models.connection import Connection
+
         from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
     except ImportError as exc:
         raise ValueError(f"--conn-id reads an Airflow connection, and Airflow is not installed ({exc}): "
                          "pip install 'airflow-elastic-gpu[airflow]', or give --broker-url") from None
-    hook = GpuBrokerHook(args.conn_id)
-    if hook.connection is None:
+    try:
+        # not the hook's own read: outside a task or server it skips the metadata DB
+        connection = Connection.get_connection_from_secrets(args.conn_id)
+    except AirflowNotFoundException:
         raise ValueError(f"no Airflow connection {args.conn_id!r} (define it in the Airflow UI, with "
-                         f"'airflow connections add', or as $AIRFLOW_CONN_{args.conn_id.upper()})")
+                         f"'airflow connections add', or as $AIRFLOW_CONN_{args.conn_id.upper()}; the "
+                         "metadata DB is the one of this shell's AIRFLOW_HOME)") from None
+    except Exception as exc:  # a secrets backend that denies it or is down
+        raise ValueError(f"cannot read Airflow connection {args.conn_id!r}: {exc}") from None
+    hook = GpuBrokerHook(args.conn_id)
+    hook.connection = connection
     args.broker_url = hook.get_url()
     args.connection_pool = hook.default_pool()
 
@@ -468,10 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     except OperationalError as exc:  # the database cannot be reached: one line, not a traceback
         url = mask_url(getattr(args, "broker_url", None) or default_broker_url())
         first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
+        where = (f"the Airflow connection {args.conn_id!r}" if getattr(args, "conn_id", None) else
+                 "--broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url")
         notes.print(f"[red]error:[/red] cannot reach the broker database {escape(url)}: {escape(first)}. "
-                    "Check that the server runs and the URL (--broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or "
-                    "\\[elastic_gpu] broker_url) "
-                    "is right.", soft_wrap=True, highlight=False)
+                    f"Check that the server runs and the URL ({escape(where)}) is right.",
+                    soft_wrap=True, highlight=False)
         return 2
 
 

@@ -125,6 +125,23 @@ def test_a_connection_that_cannot_be_read_is_an_error_not_the_config_sections_br
     assert not (tmp_path / "cfg.db").exists()
 
 
+def test_the_cli_reads_a_connection_stored_in_airflows_metadata_db_with_conn_id(airflow_env, tmp_path):
+    """A connection made with ``airflow connections add`` (or in the UI) lives in the metadata DB,
+    which a plain process's hook does not read (only tasks' and servers' do): ``--conn-id`` must."""
+    url = f"sqlite:///{tmp_path / 'from_connection.db'}"
+    subprocess.run([AIRFLOW, "connections", "add", "elastic_gpu_stored", "--conn-type", "elastic_gpu",
+                    "--conn-extra", json.dumps({"url": url, "pool": "stored-pool"})],
+                   env=airflow_env, check=True, capture_output=True, timeout=120)
+    cli = str(Path(sys.executable).with_name("airflow-elastic-gpu"))
+    out = subprocess.run([cli, "--conn-id", "elastic_gpu_stored", "nodes", "add", "gpu-node-1", "--gpus", "2"],
+                         env=airflow_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [(n.name, n.pool) for n in GpuBroker(url).nodes()] == [("gpu-node-1", "stored-pool")]
+    missing = subprocess.run([cli, "--conn-id", "elastic_gpu_absent", "jobs"], env=airflow_env,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no Airflow connection 'elastic_gpu_absent'" in " ".join(missing.stderr.split())
+
+
 def test_deferrable_and_poll_interval_default_to_the_config_section(monkeypatch):
     args = {"task_id": "t", "command": "python train.py", "total_steps": 10}
     op = ElasticTrainingOperator(**args)
