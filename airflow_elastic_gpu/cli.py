@@ -110,7 +110,7 @@ def _from_connection(args: argparse.Namespace) -> None:
         raise ValueError(f"no Airflow connection {args.conn_id!r} (define it in the Airflow UI, with "
                          f"'airflow connections add', or as $AIRFLOW_CONN_{args.conn_id.upper()}; the "
                          "metadata DB is the one of this shell's AIRFLOW_HOME)") from None
-    except Exception as exc:  # a secrets backend that denies it or is down
+    except Exception as exc:  # noqa: BLE001 - a secrets backend that denies it or is down: one line
         raise ValueError(f"cannot read Airflow connection {args.conn_id!r}: {exc}") from None
     hook = GpuBrokerHook(args.conn_id)
     hook.connection = connection
