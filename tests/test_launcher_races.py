@@ -63,17 +63,25 @@ def test_workers_of_a_trainer_that_died_are_killed_before_its_gpus_are_used_agai
     assert launcher.tree == []
 
 
-def test_a_worker_that_survives_sigkill_is_waited_for_before_the_trainer_counts_as_stopped(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("stat", "waited"), [
+    (("D", 4242), True),  # stuck in the kernel (uninterruptible sleep): waited for
+    (("S", 4242), False),  # asleep and alive after SIGKILL: not the worker, another process has the pid
+])
+def test_a_worker_stuck_in_the_kernel_is_waited_for_before_the_trainer_counts_as_stopped(
+        tmp_path, monkeypatch, stat, waited):
     """A process stuck in the kernel (uninterruptible sleep in a GPU driver) survives SIGKILL for a
     while and may hold its GPU: the launcher waits for it and says so, where it gave up after 2 s
-    and let the next generation, or another job, have the GPU. (No test can put a process into
-    uninterruptible sleep: a pid above ``pid_max``, which no process can have, plays the stuck
-    worker; the launcher's signals to it fail as they would to any gone process.)"""
+    and let the next generation, or another job, have the GPU. A process alive after SIGKILL and not
+    stuck has the pid now (a kernel thread, another user's): never waited on for ever. (No test can
+    put a process into uninterruptible sleep: a pid above ``pid_max``, which no process can have,
+    plays the worker, with its ``/proc`` state given; signals to it fail as to any gone process.)"""
     stuck = int(Path("/proc/sys/kernel/pid_max").read_text()) + 7
     alive_until = time.monotonic() + 3.5
-    real_alive = protocol.pid_alive
+    real_alive, real_stat = protocol.pid_alive, protocol.proc_stat
     monkeypatch.setattr(protocol, "pid_alive",
                         lambda pid: time.monotonic() < alive_until if pid == stuck else real_alive(pid))
+    monkeypatch.setattr(protocol, "proc_stat", lambda pid: (stat if time.monotonic() < alive_until else None)
+                        if pid == stuck else real_stat(pid))
     shared = tmp_path / "job"
     shared.mkdir()
     launcher = Launcher(shared, "true", grace_s=1.0, poll_s=0.05)
@@ -81,9 +89,24 @@ def test_a_worker_that_survives_sigkill_is_waited_for_before_the_trainer_counts_
     launcher.proc.wait(30)  # the trainer died; its worker did not
     launcher.tree = [stuck]
     assert launcher._stop() == 0
-    assert time.monotonic() >= alive_until and launcher.tree == []
-    notes = [line for line in (shared / protocol.LOG).read_text().splitlines() if "still alive after SIGKILL" in line]
-    assert len(notes) == 1 and f"[{stuck}]" in notes[0], notes
+    assert (time.monotonic() >= alive_until) is waited and launcher.tree == []
+    log = (shared / protocol.LOG).read_text()
+    assert (f"process(es) [{stuck}] still alive after SIGKILL (stuck in the kernel)" in log) is waited
+    assert (f"pid(s) [{stuck}] alive after SIGKILL but not stuck in the kernel" in log) is not waited
+
+
+def test_a_stuck_workers_pid_taken_by_a_new_process_ends_the_wait(tmp_path, monkeypatch):
+    """The stuck worker goes and a new process gets its pid (another start time): the wait ends."""
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 9
+    reused_at = time.monotonic() + 2.5
+    real_alive, real_stat = protocol.pid_alive, protocol.proc_stat
+    monkeypatch.setattr(protocol, "pid_alive", lambda p: True if p == pid else real_alive(p))
+    monkeypatch.setattr(protocol, "proc_stat", lambda p: (("D", 1) if time.monotonic() < reused_at else ("S", 2))
+                        if p == pid else real_stat(p))
+    launcher = Launcher(tmp_path, "true", grace_s=1.0, poll_s=0.05)
+    launcher.tree = [pid]
+    launcher._kill_workers()
+    assert reused_at <= time.monotonic() < reused_at + 5 and launcher.tree == []
 
 
 def _pids_running(script: Path) -> list[int]:

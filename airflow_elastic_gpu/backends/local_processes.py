@@ -30,11 +30,8 @@ def boot_id() -> str | None:
 def start_ticks(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``);
     None where unknown (no ``/proc``, or the process is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])  # after the command name, which may hold ")"
-    except (OSError, IndexError, ValueError):
-        return None
+    stat = protocol.proc_stat(pid)
+    return None if stat is None else stat[1]
 
 
 def job_process(pid: int | None, job_id: str, *, boot: str | None = None, started: int | None = None) -> bool:

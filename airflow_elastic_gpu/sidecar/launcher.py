@@ -6,30 +6,26 @@ image. Usage::
 
     python launcher.py --shared-dir DIR [--checkpoint-dir DIR] [--grace-s 30] -- CMD ...
 
-``CMD`` is split like a shell would (``shlex``) after ``{num_gpus}`` is
-replaced by the generation's GPU count on this node (and, for a job on several nodes,
-``{nnodes}``, ``{node_rank}``, ``{master_addr}`` and ``{master_port}``, see
-:data:`protocol.PLACEHOLDERS`). The trainer gets
-``CUDA_VISIBLE_DEVICES``, ``ELASTIC_GPU_COUNT``, ``ELASTIC_GENERATION``,
-``ELASTIC_NNODES``, ``ELASTIC_NODE_RANK`` and ``ELASTIC_CHECKPOINT_DIR``; it runs in its own process group so that stopping
-it (SIGTERM, then SIGKILL after ``--grace-s`` seconds) reaches every worker
-``torchrun`` started. The launcher exits with the trainer's exit code when the
-trainer ends by itself, 0 after a requested stop, 127 if the command is not found. A trainer
-that is one node of a gang (``nnodes`` > 1) and exits non-zero is given ``--peer-wait-s``
-(5 s), or the longer ``peer_wait_s`` of the agent's lease (a gang of pods: 34 s), for the gang's
-next generation or a stop: each node sees a generation at its own poll, and
-a peer's trainer stopped first breaks the others' rendezvous, so that exit is the resize's stop
-(the trainer restarts on the new generation from its checkpoint), not a failure.
+``CMD`` is split like a shell would (``shlex``) after ``{num_gpus}`` is replaced by the generation's GPU
+count on this node (and, for a job on several nodes, ``{nnodes}``, ``{node_rank}``, ``{master_addr}`` and
+``{master_port}``, see :data:`protocol.PLACEHOLDERS`). The trainer gets ``CUDA_VISIBLE_DEVICES``,
+``ELASTIC_GPU_COUNT``, ``ELASTIC_GENERATION``, ``ELASTIC_NNODES``, ``ELASTIC_NODE_RANK`` and
+``ELASTIC_CHECKPOINT_DIR``; it runs in its own process group so that stopping it (SIGTERM, then SIGKILL
+after ``--grace-s`` seconds) reaches every worker ``torchrun`` started. The launcher exits with the
+trainer's exit code when the trainer ends by itself, 0 after a requested stop, 127 if the command is not
+found. A trainer that is one node of a gang (``nnodes`` > 1) and exits non-zero is given ``--peer-wait-s``
+(5 s), or the longer ``peer_wait_s`` of the agent's lease (a gang of pods: 34 s), for the gang's next
+generation or a stop: each node sees a generation at its own poll, and a peer's trainer stopped first breaks
+the others' rendezvous, so that exit is the resize's stop (the trainer restarts on the new generation from
+its checkpoint), not a failure.
 
-Fencing: once the agent has written ``lease.json`` (its last confirmed contact with
-the broker, see :mod:`protocol`), the launcher stops the trainer **on its own** when
-that contact is older than the lease's ``fence_s`` (SIGTERM, then SIGKILL of the whole
-process tree no later than ``kill_s``), or when the agent's process (locally: its pid)
-has been gone that long; state ``fenced``. It starts no trainer while the lease is
-stale, restarts the fenced one only when the agent, back in contact, writes
-``resume`` (the broker still runs the job with that generation) or a newer
-generation, and exits with 75 (``EX_TEMPFAIL``) once its agent has been gone for a
-whole lease after a fence (the broker has declared the job lost by then).
+Fencing: once the agent has written ``lease.json`` (its last confirmed contact with the broker, see
+:mod:`protocol`), the launcher stops the trainer **on its own** when that contact is older than the lease's
+``fence_s`` (SIGTERM, then SIGKILL of the whole process tree no later than ``kill_s``), or when the agent's
+process (locally: its pid) has been gone that long; state ``fenced``. It starts no trainer while the lease
+is stale, restarts the fenced one only when the agent, back in contact, writes ``resume`` (the broker still
+runs the job with that generation) or a newer generation, and exits with 75 (``EX_TEMPFAIL``) once its agent
+has been gone for a whole lease after a fence (the broker has declared the job lost by then).
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ except ImportError:  # copied next to protocol.py in a bare image
 
 EXIT_NOT_FOUND = 127
 EXIT_FENCED = 75  # EX_TEMPFAIL: fenced, and no agent came back to resume the trainer
-STUCK_NOTE_S = 60.0
-"""How often a process that survives SIGKILL is named again in ``train.log`` while it is waited for."""
+STUCK_NOTE_S = 60.0  # how often a process that survives SIGKILL is named again in train.log
 
 
 class LeaseWatch:
@@ -258,21 +253,26 @@ class Launcher:
         return proc.returncode
 
     def _kill_workers(self) -> None:
-        """SIGKILL the trainer's recorded workers that are still alive, wait for them to be gone,
-        forget them. One stuck in the kernel (uninterruptible sleep: a GPU driver, a hung file
-        system) may still hold its GPU: it is SIGKILLed again every second and named in ``train.log``
-        every :data:`STUCK_NOTE_S` until it is gone, and no stop, exit or generation is reported
-        meanwhile, so the job keeps its GPUs (a fenced job's lease may still run out: lost)."""
+        """SIGKILL the trainer's recorded workers still alive, wait for them to be gone, forget them. One
+        stuck in the kernel (state D: a GPU driver) may hold its GPU: SIGKILLed every second and named in
+        ``train.log`` until gone, nothing reported meanwhile (``docs/fencing.md``); another alive after 2 s
+        has the pid now (left alone)."""
         tree = [p for p in self.tree if protocol.pid_alive(p)]
         protocol.signal_processes(tree, signal.SIGKILL)
         left, noted = protocol.survivors(tree), None
-        while left:
+        found = {p: protocol.proc_stat(p) for p in left}
+        stuck = [p for p in left if found[p] is not None and found[p][0] == "D"]
+        if others := sorted(set(left) - set(stuck)):
+            self._note(f"pid(s) {others} alive after SIGKILL but not stuck in the kernel: another process has "
+                       "the pid now (left alone)")
+        while stuck:
             if noted is None or time.monotonic() - noted >= STUCK_NOTE_S:
-                self._note(f"process(es) {left} still alive after SIGKILL (stuck in the kernel?): waiting "
+                self._note(f"process(es) {stuck} still alive after SIGKILL (stuck in the kernel): waiting "
                            "for them to be gone before the trainer's GPUs are given up")
                 noted = time.monotonic()
-            protocol.signal_processes(left, signal.SIGKILL)
-            left = protocol.survivors(left, timeout_s=1.0)
+            protocol.signal_processes(stuck, signal.SIGKILL)
+            stuck = [p for p in protocol.survivors(stuck, timeout_s=1.0)
+                     if (now := protocol.proc_stat(p)) is not None and now[1] == found[p][1]]  # not a new pid holder
         self.tree = []
 
     def _fence(self, reason: str) -> None:

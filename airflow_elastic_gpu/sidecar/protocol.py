@@ -234,6 +234,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter (``R``, ``S``, ``D``: uninterruptible sleep, ``Z``...) and start
+    time in clock ticks since boot (fields 3 and 22 of ``/proc/<pid>/stat``); None where unknown (no
+    ``/proc``, or the process is gone). The start time tells a process from a later one given its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold ")"
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (children, their children...), from ``/proc``; empty where there is none.
 
