@@ -264,5 +264,18 @@ def test_a_postgresql_server_that_never_answers_is_given_up_on_not_waited_for_fo
             plain.connect()
         assert seen["connect_timeout"] == POSTGRES_CONNECT_DEFAULTS["connect_timeout"]
         plain.dispose()
+        # libpq's own settings are not overridden: $PGCONNECT_TIMEOUT, and a service file's
+        for env, query, absent in (({"PGCONNECT_TIMEOUT": "4"}, "", {"connect_timeout"}),
+                                   ({}, "?service=broker", set(POSTGRES_CONNECT_DEFAULTS))):
+            seen.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                for name, value in env.items():
+                    mp.setenv(name, value)
+                other = create_broker_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/test{query}")
+            event.listen(other, "do_connect", record)
+            with pytest.raises(Seen):
+                other.connect()
+            assert absent and not absent & seen.keys() and set(POSTGRES_CONNECT_DEFAULTS) - absent <= seen.keys()
+            other.dispose()
     finally:
         silent.close()

@@ -66,12 +66,14 @@ def sqlite_file(url: str) -> Path | None:
 
 POSTGRES_CONNECT_DEFAULTS: dict[str, int] = {
     "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
-    "keepalives_count": 3,
+    "keepalives_count": 3, "tcp_user_timeout": 60_000,
 }
-"""libpq connection parameters a PostgreSQL broker URL gets unless its query sets them: a
-connection attempt gives up after 10 s, and an open connection whose server went silent is
-dropped after about a minute (30 s idle, then 3 probes 10 s apart) rather than waited on for
-ever. Set any of them in the URL to override it, e.g. ``...?connect_timeout=3``."""
+"""libpq connection parameters a PostgreSQL broker URL gets unless it sets them (its query, or a
+``service`` there, whose file then decides; ``$PGCONNECT_TIMEOUT`` for the first): a connection
+attempt gives up after 10 s; a server gone silent is given up on after about a minute, on an idle
+connection (keepalive probes after 30 s, three 10 s apart) and on one waiting for the answer to
+what it sent (``tcp_user_timeout``, milliseconds), rather than after the kernel's retransmissions
+(about 15 minutes). Override any of them in the URL, e.g. ``...?connect_timeout=3``."""
 
 
 def create_broker_engine(url: str) -> Engine:
@@ -121,10 +123,14 @@ def create_broker_engine(url: str) -> Engine:
         try:
             # No pre-ping round trip per checkout: a connection the server dropped fails its first
             # statement, SQLAlchemy invalidates the pool, and the broker redoes the whole
-            # transaction (see transactions.BrokerBase._retrying). libpq waits for ever for a
-            # server that accepts the TCP connection and never answers, and for a dead peer
-            # of an open connection: a caller (the clock's re-read, a trigger's poll) would hang.
-            defaults = {k: v for k, v in POSTGRES_CONNECT_DEFAULTS.items() if k not in parsed.query}
+            # transaction (see transactions.BrokerBase._retrying). Without the defaults a server
+            # that accepts the TCP connection and never answers holds a connection attempt for
+            # psycopg's 130 s (for ever before psycopg 3.2), and a dead peer of an open connection
+            # a call for the kernel's retransmissions: a caller (the clock's re-read, a trigger's
+            # poll) would hang that long.
+            defaults = {} if "service" in parsed.query else {
+                k: v for k, v in POSTGRES_CONNECT_DEFAULTS.items()
+                if k not in parsed.query and not (k == "connect_timeout" and os.environ.get("PGCONNECT_TIMEOUT"))}
             return create_engine(parsed, connect_args=defaults)
         except (NoSuchModuleError, ModuleNotFoundError) as exc:
             raise ValueError(
