@@ -172,3 +172,43 @@ def test_the_cli_takes_one_gpu_out_of_service_and_back(tmp_path, monkeypatch, ca
     assert "--gpu goes with `nodes drain` or `nodes uncordon`" in capsys.readouterr().err
     assert main(["nodes", "drain", "gpu-node-1", "--gpu", "9"]) == 2
     assert "node 'gpu-node-1' has no GPU 9" in " ".join(capsys.readouterr().err.split())
+
+
+def test_kube_sync_carries_a_clusters_cordons_and_unhealthy_gpus_over_one_way(tmp_path):
+    """The device plugin offers fewer GPUs than the node has (some unhealthy): a pod asking for them
+    would stay Pending, so that many GPUs go out of service, free ones first; a cordoned node is
+    drained. A second sync changes nothing more, and neither is undone by a sync."""
+    from kubernetes.client import models as k8s
+
+    from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
+
+    def node(name, allocatable, cordoned=False):
+        return k8s.V1Node(metadata=k8s.V1ObjectMeta(name=name, labels={"nvidia.com/gpu.count": "4"}),
+                          spec=k8s.V1NodeSpec(unschedulable=cordoned or None),
+                          status=k8s.V1NodeStatus(capacity={"nvidia.com/gpu": "4"},
+                                                  allocatable={"nvidia.com/gpu": str(allocatable)}))
+
+    class Cluster:
+        nodes: list = []
+
+        def list_node(self, label_selector=None):
+            return type("Listing", (), {"items": self.nodes})()
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    cluster = Cluster()
+    cluster.nodes = [node("g0", 4), node("g1", 4)]
+    register_nodes_from_cluster(broker, cluster, pool="gpus")
+    job = broker.submit(JobSpec("train", "python train.py", 3, 3, total_steps=1000, pool="gpus"))
+    (on,) = {g.node for g in job.target_gpus}
+    held = sorted(g.index for g in job.target_gpus)
+    assert held == [0, 1, 2]
+    cluster.nodes = [node(on, 2), node({"g0", "g1"}.difference([on]).pop(), 4, cordoned=True)]
+    for _ in range(2):
+        register_nodes_from_cluster(broker, cluster, pool="gpus")
+        views = {n.name: n for n in broker.nodes("gpus")}
+        # two of four offered: the free GPU 3 first, then the highest held one
+        assert [g.gpu.index for g in views[on].gpus if not g.healthy] == [2, 3]
+        assert views[on].schedulable and not views[({"g0", "g1"} - {on}).pop()].schedulable
+    cluster.nodes = [node("g0", 4), node("g1", 4)]  # healthy again: the broker waits for an uncordon
+    register_nodes_from_cluster(broker, cluster, pool="gpus")
+    assert sum(not g.healthy for n in broker.nodes("gpus") for g in n.gpus) == 2

@@ -445,6 +445,12 @@ def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = 
     """Register every GPU node of the cluster in ``pool``: GPU count from the ``nvidia.com/gpu.count``
     label (GPU feature discovery) or the ``nvidia.com/gpu`` capacity, type from ``nvidia.com/gpu.product``.
 
+    What the cluster says of a node's health is carried over one way: a node cordoned in the cluster
+    is drained, and a node whose ``nvidia.com/gpu`` allocatable is below its count (the device
+    plugin found GPUs unhealthy) gets that many GPUs out of service, free ones first (a pod asking
+    for GPUs the device plugin no longer offers would stay Pending). Neither is undone here: the
+    broker does not know whether an administrator did it (``nodes uncordon NODE [--gpu I]``).
+
     :returns: the registered node names.
     :raises BackendError: nodes listed are in another pool already (a node belongs to one pool);
         none is registered then.
@@ -452,15 +458,29 @@ def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = 
     found = []
     for node in core_v1.list_node(label_selector=label_selector).items:
         labels = node.metadata.labels or {}
-        count = labels.get("nvidia.com/gpu.count") or (node.status.capacity or {}).get("nvidia.com/gpu")
+        status = node.status or k8s.V1NodeStatus()
+        count = labels.get("nvidia.com/gpu.count") or (status.capacity or {}).get("nvidia.com/gpu")
         if count and int(count) >= 1:
-            found.append((node.metadata.name, int(count), labels.get("nvidia.com/gpu.product", "nvidia")))
+            offered = int((status.allocatable or {}).get("nvidia.com/gpu", count))
+            cordoned = bool(node.spec and node.spec.unschedulable)
+            found.append((node.metadata.name, int(count), labels.get("nvidia.com/gpu.product", "nvidia"),
+                          offered, cordoned))
     elsewhere = sorted(n.name for n in broker.nodes() if n.pool != pool and n.name in {f[0] for f in found})
     if elsewhere:
         raise BackendError(
             f"node(s) {', '.join(elsewhere[:5])}{' ...' if len(elsewhere) > 5 else ''} are in another GPU pool "
             f"already (a node belongs to one pool): give pool {pool!r} its own nodes with a label selector "
             "(kube-sync --label-selector)")
-    for name, count, gpu_type in found:
+    for name, count, gpu_type, _, _ in found:
         broker.register_node(name, count, pool=pool, gpu_type=gpu_type)
-    return [name for name, _, _ in found]
+    views = {n.name: n for n in broker.nodes(pool)}
+    for name, count, _, offered, cordoned in found:
+        view = views[name]
+        if cordoned and view.schedulable:
+            broker.set_node_schedulable(name, False, pool=pool)
+        healthy = [g for g in view.gpus if g.healthy]
+        if (missing := (count - max(0, offered)) - (len(view.gpus) - len(healthy))) > 0:
+            # free GPUs first, the highest indices first; then held ones (a held one may be the failed device)
+            order = sorted(healthy, key=lambda g: (g.in_use_by is not None or g.target_of is not None, -g.gpu.index))
+            broker.set_gpus_healthy(name, [g.gpu.index for g in order[:missing]], False, pool=pool)
+    return [f[0] for f in found]
