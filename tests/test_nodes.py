@@ -189,7 +189,8 @@ def test_kube_sync_carries_a_clusters_cordons_and_unhealthy_gpus_over_one_way(tm
                                                   allocatable={"nvidia.com/gpu": str(allocatable)}))
 
     class Cluster:
-        nodes: list = []
+        def __init__(self) -> None:
+            self.nodes: list = []
 
         def list_node(self, label_selector=None):
             return type("Listing", (), {"items": self.nodes})()
