@@ -11,7 +11,7 @@ from rich.text import Text
 
 from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.backends.local import LOCAL_NODE
-from airflow_elastic_gpu.broker.types import NotFound
+from airflow_elastic_gpu.broker.types import NodeView, NotFound
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -35,7 +35,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             from airflow_elastic_gpu.backends.local import check_host_not_in_another_pool
 
             check_host_not_in_another_pool(broker, args.pool)
-        broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type)
+        _kept(broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type), args.gpus)
     elif args.action == "kube-sync":
         try:
             from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
@@ -73,8 +73,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
         check_host_not_in_another_pool(broker, args.pool)
         found = detect_gpus(args.virtual_gpus)
-        broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type,
-                             gpu_indices=found.indices)
+        _kept(broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type,
+                                   gpu_indices=found.indices), len(found.indices))
     table = Table(title="nodes")
     for col in ("pool", "node", "schedulable", "GPUs", "type", "in use", "out of service"):
         table.add_column(col)
@@ -87,6 +87,16 @@ def cmd_nodes(args: argparse.Namespace) -> int:
                       ", ".join(str(g.gpu.index) for g in n.gpus if not g.healthy) or "-")
     console.print(table)
     return 0
+
+
+def _kept(view: NodeView, asked: int) -> None:
+    """Say so when a node registered again keeps more GPUs than it was given now."""
+    from airflow_elastic_gpu.cli import notes
+
+    if len(view.gpus) > asked:
+        notes.print(f"node {view.name!r} keeps its {len(view.gpus)} GPUs: registering again never removes one "
+                    f"(`nodes drain {view.name}`, then `nodes remove` and add it again)",
+                    style="yellow", markup=False, highlight=False, soft_wrap=True)
 
 
 def add_nodes_command(sub: argparse._SubParsersAction) -> None:
@@ -102,8 +112,8 @@ def add_nodes_command(sub: argparse._SubParsersAction) -> None:
                         "register the Kubernetes cluster's GPU nodes (GPU feature discovery labels); "
                         "drain NAME: no new GPUs of the node to any job, its jobs moved off it (with --gpu: "
                         "those GPUs only, out of service); uncordon NAME: schedulable (or with --gpu: in "
-                        "service) again; remove NAME: take a drained node whose GPUs are free out "
-                        "of its pool (to retire it, or register it in another pool)")
+                        "service) again; remove NAME: take a node none of whose GPUs a job holds "
+                        "(drain it first if one does) out of its pool (to retire it, or register it in another pool)")
     p.add_argument("--kubernetes-conn-id", default="kubernetes_default",
                    help="Airflow connection of the cluster (kube-sync; default kubernetes_default)")
     p.add_argument("--label-selector", default="nvidia.com/gpu.present=true",
@@ -113,7 +123,9 @@ def add_nodes_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
     p.add_argument("--gpu", type=int, action="append", default=None, metavar="INDEX",
                    help="drain/uncordon: only this GPU of the node (a failing one: Xid or ECC errors); repeat for several")
-    p.add_argument("--gpu-type", default="virtual", help="GPU model, e.g. \"NVIDIA H100\" (add; default virtual)")
+    p.add_argument("--gpu-type", default=None,
+                   help="GPU model, e.g. \"NVIDIA H100\" (add; a new node's default: virtual; a node added "
+                        "before keeps its type unless given)")
     p.add_argument("--virtual-gpus", type=int, default=None, help="virtual GPUs when none is found (detect)")
     p.add_argument("--pool", default=None,
                    help=f"add/detect/kube-sync/drain/uncordon/remove: the nodes' GPU pool (default {POOL_DEFAULT}); "

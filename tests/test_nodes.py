@@ -213,3 +213,22 @@ def test_kube_sync_carries_a_clusters_cordons_and_unhealthy_gpus_over_one_way(tm
     cluster.nodes = [node("g0", 4), node("g1", 4)]  # healthy again: the broker waits for an uncordon
     register_nodes_from_cluster(broker, cluster, pool="gpus")
     assert sum(not g.healthy for n in broker.nodes("gpus") for g in n.gpus) == 2
+
+
+def test_adding_a_node_again_keeps_its_gpu_type_and_says_it_keeps_its_gpus(tmp_path, monkeypatch, capsys):
+    """``nodes add`` on a registered T4 node, without --gpu-type, made its GPUs "virtual" without a
+    word (the type-aware policy then placed jobs as on another kind of GPU)."""
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    assert main(["nodes", "add", "gpu-box", "--gpus", "4", "--gpu-type", "Tesla T4"]) == 0
+    capsys.readouterr()
+    assert main(["nodes", "add", "gpu-box", "--gpus", "2"]) == 0
+    assert "node 'gpu-box' keeps its 4 GPUs" in " ".join(capsys.readouterr().err.split())
+    assert main(["nodes", "add", "gpu-box", "--gpus", "6"]) == 0  # two more, of the node's type
+    assert [g.gpu_type for g in GpuBroker(url).nodes()[0].gpus] == ["Tesla T4"] * 6
+    assert main(["nodes", "add", "gpu-box", "--gpus", "6", "--gpu-type", "NVIDIA L4"]) == 0  # named: changed
+    assert {g.gpu_type for g in GpuBroker(url).nodes()[0].gpus} == {"NVIDIA L4"}
+    assert main(["nodes", "add", "new-box", "--gpus", "1"]) == 0
+    assert [g.gpu_type for n in GpuBroker(url).nodes() if n.name == "new-box" for g in n.gpus] == ["virtual"]

@@ -39,13 +39,14 @@ class Inventory(Lifecycle):
         num_gpus: int | None = None,
         *,
         pool: str = DEFAULT_POOL,
-        gpu_type: str = "virtual",
+        gpu_type: str | None = None,
         gpu_indices: Sequence[int] | None = None,
     ) -> NodeView:
         """Add a node with its GPUs to ``pool`` (created if new); idempotent.
 
-        Registering again adds missing GPUs and updates their type; it never removes a GPU (mark a
-        node unschedulable to drain it). New GPUs are offered to waiting jobs at once.
+        Registering again adds missing GPUs and, with ``gpu_type``, updates their type (None keeps
+        the node's, ``"virtual"`` for a new node); it never removes a GPU (mark a node unschedulable
+        to drain it). New GPUs are offered to waiting jobs at once.
 
         :param num_gpus: GPUs on the node (1-1024), indices ``0..num_gpus-1``; or give ``gpu_indices``.
         :raises InvalidRequest: empty or too long name, pool or type; no GPUs; negative, duplicate or
@@ -54,7 +55,8 @@ class Inventory(Lifecycle):
         """
         check_text("node name", name, MAX_NODE_CHARS)
         check_pool_name("GPU pool name", pool)
-        check_text("gpu_type", gpu_type, 128)
+        if gpu_type is not None:
+            check_text("gpu_type", gpu_type, 128)
         if gpu_indices is None:
             if num_gpus is None or isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
                 raise InvalidRequest(f"node {name!r}: num_gpus must be an integer >= 1, got {num_gpus!r}")
@@ -87,12 +89,13 @@ class Inventory(Lifecycle):
                     s.flush()
                     self._event(s, pool, EventKind.NODE, f"registered node {name} with {len(indices)} GPU(s)")
                 have = {g.index: g for g in node.gpus}
+                kind = gpu_type or next((g.gpu_type for g in have.values()), "virtual")
                 added = False
                 for i in indices:
                     if i in have:
-                        have[i].gpu_type = gpu_type
+                        have[i].gpu_type = kind if gpu_type is not None else have[i].gpu_type
                     else:
-                        s.add(Gpu(node_id=node.id, index=i, gpu_type=gpu_type, healthy=True))
+                        s.add(Gpu(node_id=node.id, index=i, gpu_type=kind, healthy=True))
                         added = True
                 s.flush()
                 s.refresh(node)
