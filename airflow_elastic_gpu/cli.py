@@ -173,8 +173,9 @@ def cmd_pool(args: argparse.Namespace) -> int:
                               lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
     # (a bare `pool` only shows the settings: it changes nothing and asks for no rebalance)
     config = broker.pool_config(args.pool)  # one read of the pool's row
-    shown = get_policy(config.policy, **config.policy_params)
-    console.print(f"pool {escape(repr(args.pool))}: policy {escape(str(shown))}; "
+    made = get_policy(config.policy, **config.policy_params)  # with every default filled in
+    settings = ", ".join(f"{k}={getattr(made, k)!r}" for k in policy_parameters(config.policy))
+    console.print(f"pool {escape(repr(args.pool))}: policy {escape(config.policy)} ({escape(settings)}); "
                   f"lease {config.lease_s:g} s; rebalance every {config.rebalance_interval_s:g} s")
     return 0
 

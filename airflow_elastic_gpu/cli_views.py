@@ -69,8 +69,11 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
     grid = Table(title=Text(f"GPU pool {snap.pool!r}"))
     grid.add_column("node")
     width = max((len(n.gpus) for n in snap.nodes), default=0)
+    # columns are positions: named by device index where every node's GPUs are 0, 1, ...; else each
+    # cell names its GPU (a host split into virtual nodes: localhost-1 has GPUs 2 and 3)
+    by_position = all([g.gpu.index for g in n.gpus] == list(range(len(n.gpus))) for n in snap.nodes)
     for i in range(width):
-        grid.add_column(f"GPU {i}")
+        grid.add_column(f"GPU {i}" if by_position else "")
     for node in snap.nodes:
         cells = []
         for g in node.gpus:
@@ -80,7 +83,7 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
                 label.append(" (→)", style="yellow")
             if not g.healthy:  # out of service: its job (if any) is being moved off it
                 label = Text("out of service", style="red") if not holder else label + Text(" (out of service)", style="red")
-            cells.append(label)
+            cells.append(label if by_position else Text(f"{g.gpu.index}: ", style="bold") + label)
         grid.add_row(Text(node.name) + ("" if node.schedulable else Text(" (drained)", style="red")), *cells)
     events = Table(title="latest events")
     events.add_column("time")

@@ -303,3 +303,26 @@ def test_conn_id_reads_the_broker_url_and_pool_of_the_airflow_connection_tasks_u
     assert "no Airflow connection 'no_such_conn'" in " ".join(capsys.readouterr().err.split())
     assert main(["--conn-id", "elastic_gpu_default", "--broker-url", url, "jobs"]) == 2
     assert "give --broker-url or --conn-id, not both" in capsys.readouterr().err
+
+
+def test_status_names_each_gpu_by_its_device_index_where_columns_cannot(tmp_path, monkeypatch, capsys):
+    """A host split into virtual nodes (``run-local --virtual-nodes 2``): localhost-1 has GPUs 2 and 3,
+    which the grid's columns called "GPU 0" and "GPU 1", while ``nodes drain --gpu`` and the events
+    take the device index."""
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    broker = GpuBroker(url)
+    broker.register_node("localhost-0", gpu_indices=[0, 1])
+    broker.register_node("localhost-1", gpu_indices=[2, 3])
+    broker.set_gpus_healthy("localhost-1", [2], False)
+    capsys.readouterr()
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 0" not in out
+    assert [line.count("2: out of service") + line.count("3: free") for line in out.splitlines()
+            if line.startswith("│ localhost-1")] == [2]
+    assert main(["pool"]) == 0
+    shown = capsys.readouterr().out
+    assert "policy adaptive (hysteresis=" in shown and "AdaptivePolicy" not in shown and "name=" not in shown
