@@ -133,6 +133,21 @@ def test_finish_releases_gpus_records_metrics_and_lets_others_grow(pool, clock):
     assert len(pool.job(b.id).target_gpus) > b_gpus, "b grows into the freed GPUs"
 
 
+def test_a_running_jobs_gpu_seconds_count_up_to_now_not_to_its_last_resize(pool, clock):
+    """The page, ``status`` and the operator showed a running job's GPU-seconds as of its last ack:
+    frozen (0 until its first resize) however long it had trained since."""
+    a = pool.submit(spec("a", total_steps=100_000))
+    pool.ack(a.id, 1)
+    held = len(pool.job(a.id).in_use_gpus)
+    before = pool.job(a.id).gpu_seconds
+    clock.advance(100)
+    assert pool.job(a.id).gpu_seconds == pytest.approx(before + 100 * held)
+    assert [j.gpu_seconds for j in pool.snapshot().jobs] == [pytest.approx(before + 100 * held)]
+    done = pool.finish(a.id, 0)
+    clock.advance(50)
+    assert pool.job(a.id).gpu_seconds == pytest.approx(done.gpu_seconds) == pytest.approx(before + 100 * held)
+
+
 def test_resize_events_carry_their_reason(pool, clock):
     a = pool.submit(spec("a", total_steps=100_000))
     pool.ack(a.id, 1)

@@ -124,6 +124,14 @@ class Queries(Rebalancing):
         else:
             targets = self._gpus_by_job(s, GpuTarget, ids)
             in_use = self._gpus_by_job(s, GpuInUse, ids)
+        now = self.clock() if in_use else 0.0
+
+        def gpu_seconds(job: Job | Row[Any]) -> float:
+            """Up to now: the stored figure counts up to the last change of the GPUs in use."""
+            held = len(in_use.get(job.id, ()))
+            since = job.in_use_since_s
+            return job.gpu_seconds + (held * max(0.0, now - since) if held and since is not None else 0.0)
+
         return [
             JobView(
                 id=job.id, key=job.key, name=job.name, pool=job.pool, command=job.command,
@@ -132,7 +140,7 @@ class Queries(Rebalancing):
                 steps_done=job.steps_done, target_generation=job.target_generation,
                 acked_generation=job.acked_generation, target_gpus=targets.get(job.id, ()),
                 in_use_gpus=in_use.get(job.id, ()), num_resizes=job.num_resizes,
-                gpu_seconds=job.gpu_seconds, restart_overhead_s=job.restart_overhead_s,
+                gpu_seconds=gpu_seconds(job), restart_overhead_s=job.restart_overhead_s,
                 throughput=throughput_of(job).observed, submit_s=job.submit_s, start_s=job.start_s,
                 end_s=job.end_s, last_heartbeat_s=job.last_heartbeat_s, exit_code=job.exit_code,
                 reason=job.reason, metrics=job.metrics, progress_pattern=job.progress_pattern,
