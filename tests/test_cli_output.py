@@ -289,6 +289,8 @@ def test_conn_id_reads_the_broker_url_and_pool_of_the_airflow_connection_tasks_u
     url = f"sqlite:///{tmp_path / 'tasks_broker.db'}"
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "airflow"))
     monkeypatch.delenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", raising=False)
+    # what --conn-id sets in its own process, restored for the tests after this one
+    monkeypatch.setenv("AIRFLOW__LOGGING__NAMESPACE_LEVELS", "airflow.models=error alembic=warning")
     monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
         {"conn_type": "elastic_gpu", "extra": {"url": url, "pool": "a100-pool"}}))
     assert main(["--conn-id", "elastic_gpu_default", "nodes", "add", "gpu-node-1", "--gpus", "2"]) == 0
@@ -303,6 +305,9 @@ def test_conn_id_reads_the_broker_url_and_pool_of_the_airflow_connection_tasks_u
     assert "no Airflow connection 'no_such_conn'" in " ".join(capsys.readouterr().err.split())
     assert main(["--conn-id", "elastic_gpu_default", "--broker-url", url, "jobs"]) == 2
     assert "give --broker-url or --conn-id, not both" in capsys.readouterr().err
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_BROKEN", '{"conn_type": "elastic_gpu", "extra": {"url": ')
+    assert main(["--conn-id", "elastic_gpu_broken", "jobs"]) == 2  # not "no such connection": it is set
+    assert "$AIRFLOW_CONN_ELASTIC_GPU_BROKEN is set but Airflow cannot read" in " ".join(capsys.readouterr().err.split())
 
 
 def test_status_names_each_gpu_by_its_device_index_where_columns_cannot(tmp_path, monkeypatch, capsys):
