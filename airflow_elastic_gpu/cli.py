@@ -42,6 +42,7 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     NotFound,
 )
+from airflow_elastic_gpu.cli_broker import RetryNotice, from_connection
 from airflow_elastic_gpu.cli_cleanup import add_cleanup_command
 from airflow_elastic_gpu.cli_nodes import add_nodes_command
 from airflow_elastic_gpu.cli_parsing import Parser, port, positive_s
@@ -84,50 +85,6 @@ def _broker(args: argparse.Namespace, *, existing: bool = False) -> GpuBroker:
                        f"$AIRFLOW_HOME, --broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url"
                        f"{hint})")
     return GpuBroker(url, reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S)
-
-
-def _from_connection(args: argparse.Namespace) -> None:
-    """``--conn-id``: take the broker URL, and the pool of a command given none, from that Airflow
-    connection, read as Airflow's own processes read it (its secrets backends, ``AIRFLOW_CONN_*``,
-    the metadata DB), then as the tasks' hook reads its fields.
-
-    :raises ValueError: ``--broker-url`` given too, Airflow not installed, no such connection, or
-        one that cannot be read (a secrets backend that denies it).
-    """
-    if args.broker_url is not None:
-        raise ValueError("give --broker-url or --conn-id, not both")
-    # Airflow's set-up makes libraries log at INFO on stderr, and it warns of what is no concern of
-    # a read (no Fernet key; the connection type's "_" in a URI): none of it is this command's output
-    os.environ.setdefault("AIRFLOW__LOGGING__NAMESPACE_LEVELS", "airflow.models=error alembic=warning")
-    try:
-        from airflow.exceptions import AirflowNotFoundException
-        from airflow.models.connection import Connection
-
-        from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
-    except ImportError as exc:
-        raise ValueError(f"--conn-id reads an Airflow connection, and Airflow is not installed ({exc}): "
-                         "pip install 'airflow-elastic-gpu[airflow]', or give --broker-url") from None
-    for name, level in (("airflow.models", logging.ERROR), ("alembic", logging.WARNING)):  # stdlib loggers
-        logging.getLogger(name).setLevel(level)
-    variable = f"AIRFLOW_CONN_{args.conn_id.upper()}"
-    try:
-        # not the hook's own read: outside a task or server it skips the metadata DB
-        connection = Connection.get_connection_from_secrets(args.conn_id)
-    except AirflowNotFoundException:
-        if os.environ.get(variable):
-            raise ValueError(f"${variable} is set but Airflow cannot read connection {args.conn_id!r} from it: "
-                             "it must be a connection URI or JSON such as "
-                             '{"conn_type": "elastic_gpu", "extra": {"url": "postgresql+psycopg://...", '
-                             '"pool": "default"}} (check its quoting)') from None
-        raise ValueError(f"no Airflow connection {args.conn_id!r} (define it in the Airflow UI, with "
-                         f"'airflow connections add', or as ${variable}; the "
-                         "metadata DB is the one of this shell's AIRFLOW_HOME)") from None
-    except Exception as exc:  # noqa: BLE001 - a secrets backend that denies it or is down: one line
-        raise ValueError(f"cannot read Airflow connection {args.conn_id!r}: {exc}") from None
-    hook = GpuBrokerHook(args.conn_id)
-    hook.connection = connection
-    args.broker_url = hook.get_url()
-    args.connection_pool = hook.default_pool()
 
 
 def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:
@@ -481,9 +438,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     full_width_unless_terminal(console, notes, simulator_console)
+    retries = logging.getLogger("airflow_elastic_gpu.broker.transactions")
+    notice, level = RetryNotice(notes, CLI_RECONNECT_DEADLINE_S), retries.level
+    retries.addHandler(notice)
+    retries.setLevel(min(level or logging.INFO, logging.INFO))
+    try:
+        return _run(args)
+    finally:
+        retries.removeHandler(notice)
+        retries.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.conn_id is not None:
-            _from_connection(args)
+            from_connection(args)
         if args.cmd in ("pool", "status", "run-local") and args.pool is None:
             args.pool = args.connection_pool or default_pool()
         return args.fn(args)

@@ -180,6 +180,8 @@ def test_cli_names_an_unreachable_database_in_one_line_with_the_password_masked(
     assert "cannot reach the broker database postgresql+psycopg://user:***@127.0.0.1:1/broker" in text
     assert "s3cret" not in text and "Traceback" not in text
     assert "$AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url" in " ".join(text.split())
+    # while it retries, it says so once (it sat silent for the whole deadline)
+    assert out.err.count("the broker database does not answer; retrying for up to 0.5 s") == 1
 
 
 def test_broker_serve_rejects_a_port_out_of_range(capsys):
