@@ -181,7 +181,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     broker = _broker(args, existing=True)
-    job = broker.cancel(_job_id(broker, args.job_id), args.reason)
+    job_id = _job_id(broker, args.job_id)
+    if (before := broker.job(job_id)).status.terminal:
+        console.print(f"job {job_id} had already ended ({before.status.value}): nothing to cancel")
+        return 0
+    job = broker.cancel(job_id, args.reason)
     console.print(f"job {job.id} is {job.status.value}")
     return 0
 
@@ -205,6 +209,9 @@ def _job_id(broker: GpuBroker, given: str) -> str:
     if matches:
         raise NotFound(f"{len(matches)} active jobs' ids start with {given!r}: {', '.join(matches[:5])}"
                        f"{' ...' if len(matches) > 5 else ''}; give more of the id")
+    if ended := sorted(j.id for j in broker.jobs() if j.id.startswith(given)):
+        raise NotFound(f"no queued or running job's id starts with {given!r}; ended job(s) {', '.join(ended[:5])}"
+                       f"{' ...' if len(ended) > 5 else ''} do (an ended job is named by its whole id)")
     raise NotFound(f"unknown job {given!r}: no job has this id and no queued or running job's id starts "
                    "with it (jobs lists the first 8 characters of each id)")
 
@@ -258,13 +265,18 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     if registered:
         console.print(registered, markup=False, highlight=False)
     backend.check(cmd, args.checkpoint_dir)  # before submit: a job that cannot start never takes a GPU
+    asked_s = broker.clock()
     job = broker.submit(JobSpec(
         name=args.name or job_name_from_command(cmd), command=cmd, min_gpus=args.min_gpus,
         max_gpus=args.max_gpus, requested_gpus=args.requested_gpus, total_steps=args.total_steps, pool=args.pool,
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
     start_job(broker, backend, job)  # a start that fails after all fails the job, freeing its GPUs
-    console.print(f"job {job.id} started; files in {escape(str(work_dir / job.id))}")
+    if job.submit_s < asked_s:  # the key's job, submitted before: submit is idempotent on the key
+        console.print(f"job {job.id} of key {escape(repr(args.key))} was submitted before and is "
+                      f"{job.status.value}: not started again; files in {escape(str(work_dir / job.id))}")
+    else:
+        console.print(f"job {job.id} started; files in {escape(str(work_dir / job.id))}")
     if args.detach:
         return 0
     try:

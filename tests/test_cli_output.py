@@ -226,6 +226,10 @@ def test_cancel_takes_the_start_of_an_id_as_jobs_shows_it(tmp_path, monkeypatch,
     assert main(["cancel", job.id[:8]]) == 0
     assert f"job {job.id} is cancelled" in capsys.readouterr().out
     assert broker.job(job.id).status.value == "cancelled"
+    assert main(["cancel", job.id]) == 0  # again: said, not "is cancelled" as if it had been now
+    assert f"job {job.id} had already ended (cancelled): nothing to cancel" in capsys.readouterr().out
+    assert main(["cancel", job.id[:8]]) == 2  # the start of an ended job's id: named, not "unknown"
+    assert f"ended job(s) {job.id} do" in " ".join(capsys.readouterr().err.split())
     # several active jobs: a start they share is named as ambiguous; the ended one does not count
     others = [broker.submit(JobSpec(f"t{i}", "sleep 1", 1, 1, total_steps=10)) for i in range(40)]
     first = {}

@@ -205,6 +205,25 @@ def test_a_detached_success_s_checkpoint_is_renamed_when_the_next_run_of_its_key
     assert (kept / "ckpt").read_text() == "5"
 
 
+def test_run_local_says_when_its_key_names_a_job_submitted_before(local, tmp_path, capsys):
+    """A second ``run-local --key K`` while K's job runs gets that job (submit is idempotent on the
+    key): it printed "job ... started" as if it had started another."""
+    broker, _ = local
+    run = ["--broker-url", broker.url, "run-local", "--detach", "--total-steps", "5", "--key", "k1",
+           "--work-dir", str(tmp_path / "jobs"), "--", "sleep", "60"]
+    assert cli.main(run) == 0
+    (job,) = broker.jobs()
+    assert f"job {job.id} started" in capsys.readouterr().out
+    try:
+        assert cli.main(run) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"job {job.id} of key 'k1' was submitted before and is running" in out
+        assert f"job {job.id} started" not in out
+        assert len(broker.jobs()) == 1
+    finally:
+        broker.cancel(job.id)  # the fixture stops its processes
+
+
 def test_ctrl_c_while_run_local_follows_says_the_job_runs_on_and_how_to_stop_it(local, tmp_path, capsys, monkeypatch):
     broker, _ = local
 
