@@ -289,6 +289,8 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     # directory of a success renamed out of the key's way (a later run of the key trains anew)
     backend.stop(job.id, succeeded=view.status is JobStatus.SUCCEEDED)
     console.print(jobs_table([view], title="result"))
+    if warning := view.progress_warning():
+        notes.print(warning, style="yellow", markup=False, highlight=False, soft_wrap=True)
     if view.status.value != "succeeded":
         console.print(f"[red]job {view.status.value}:[/red] {escape(view.reason or '')}")
         return 1

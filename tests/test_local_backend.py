@@ -224,6 +224,19 @@ def test_run_local_says_when_its_key_names_a_job_submitted_before(local, tmp_pat
         broker.cancel(job.id)  # the fixture stops its processes
 
 
+def test_a_run_whose_log_never_matched_the_progress_pattern_says_so(local, tmp_path, capsys):
+    """It succeeded at step 0 of 50 without a word: the broker had measured nothing of it."""
+    broker, _ = local
+    run = ["--broker-url", broker.url, "run-local", "--total-steps", "50", "--progress-pattern", r"iter (\d+)",
+           "--work-dir", str(tmp_path / "jobs"), "--", sys.executable, "-c", "print('epoch 1 of 1')"]
+    assert cli.main(run) == 0
+    (job,) = broker.jobs()
+    assert job.status is JobStatus.SUCCEEDED and job.steps_done == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"job {job.id} reported no step of its 50: no line of its log matched the progress pattern" in err
+    assert r"'iter (\\d+)'" in err
+
+
 def test_ctrl_c_while_run_local_follows_says_the_job_runs_on_and_how_to_stop_it(local, tmp_path, capsys, monkeypatch):
     broker, _ = local
 

@@ -242,6 +242,17 @@ class JobView:
     def queueing_delay_s(self) -> float | None:
         return None if self.start_s is None else self.start_s - self.submit_s
 
+    def progress_warning(self) -> str | None:
+        """A warning for a job that succeeded without a step the broker could read from its log (its
+        progress pattern never matched: the broker could neither measure its speed nor resize it
+        on that), else ``None``."""
+        if self.status is not JobStatus.SUCCEEDED or self.steps_done > 0:
+            return None
+        which = (f"--progress-pattern / progress_pattern {self.progress_pattern!r}" if self.progress_pattern
+                 else 'the default: a JSON line with "step"')
+        return (f"job {self.id} reported no step of its {self.total_steps:,}: no line of its log matched the "
+                f"progress pattern ({which}), so the broker could not measure its throughput")
+
 
 @dataclass(frozen=True)
 class GpuView:

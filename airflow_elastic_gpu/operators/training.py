@@ -365,6 +365,8 @@ class ElasticTrainingOperator(BaseOperator):
             raise AirflowException(f"{self.task_id}: training job {job.id} {job.status.value}: {job.reason}")
         result = self.metrics(job)
         self.log.info("job %s succeeded: %s", job.id, result)
+        if warning := job.progress_warning():
+            self.log.warning("%s", warning)
         self._annotate_outlets(job, context)
         return result
 
