@@ -10,6 +10,7 @@ import threading
 import pytest
 import schemathesis
 import uvicorn
+from conftest import stored
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -79,7 +80,7 @@ def test_bad_bodies_get_422_naming_the_field(broker, client, path, body, field, 
     assert r.status_code == 422
     detail = r.json()["detail"][0]
     assert detail["loc"][-1] == field and message in detail["msg"]
-    assert broker.job(job.id) == before
+    assert stored(broker.job(job.id)) == stored(before)
 
 
 def test_the_timeline_shows_the_newest_jobs_of_a_long_history(broker, client, monkeypatch):
@@ -128,6 +129,10 @@ def test_read_only_views_show_holders_progress_timeline_and_reasons(broker, clie
     page = client.get("/ui")
     assert page.status_code == 200 and "plotly.min.js" in page.text
     assert client.get("/ui/plotly.min.js").headers["content-type"].startswith("text/javascript")  # RFC 9239
+    # the server's address leads to the page (it answered 404), its query (a token, a pool) kept
+    for query, location in (("", "ui"), ("?pool=default&token=t", "ui?pool=default&token=t")):
+        root = client.get(f"/{query}", follow_redirects=False)
+        assert (root.status_code, root.headers["location"]) == (307, location)
 
 
 def test_ui_token_guards_the_read_only_part_when_set(broker, monkeypatch):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, status
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
@@ -281,6 +281,12 @@ def create_app(
     assets = APIRouter(include_in_schema=False)
     for path, (file, media_type) in PAGE_ASSETS.items():
         assets.add_api_route(path, _file_route(file, media_type), methods=["GET"])
+
+    @assets.get("/")
+    def root(request: Request) -> RedirectResponse:
+        """The page, for whoever opens the server's address (relative: mounted inside Airflow too)."""
+        query = request.url.query
+        return RedirectResponse("ui" + (f"?{query}" if query else ""), status_code=307)
 
     app.include_router(sidecar)
     app.include_router(ui)
