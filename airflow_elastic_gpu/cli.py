@@ -23,6 +23,7 @@ import os
 import shlex
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.interval is not None and not args.watch:
+        raise ValueError("--interval goes with --watch (status without it shows the pool once)")
+    args.interval = args.interval or 1.0
     _say_where(args)
     broker = _broker(args, existing=True)
     _known_pool(broker, args.pool)
@@ -333,6 +337,13 @@ def cmd_broker(args: argparse.Namespace) -> int:
 POOL_DEFAULT = f"[elastic_gpu] default_pool in airflow.cfg, else {DEFAULT_POOL!r}"
 
 
+def _version() -> str:
+    try:
+        return version("airflow-elastic-gpu")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="airflow-elastic-gpu",
@@ -344,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                "elastic_gpu_broker.db (SQLite) in $AIRFLOW_HOME (~/airflow when unset). "
                "run-local, jobs and status say which database and job directory they use.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--broker-url", default=None,
                         help="broker DB URL (default: $AIRFLOW_ELASTIC_GPU_BROKER_URL, else [elastic_gpu] "
                              "broker_url in airflow.cfg, else a SQLite file under $AIRFLOW_HOME)")
@@ -378,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="the pool: GPU grid, jobs, latest events")
     p.add_argument("--pool", default=None, help=f"the pool to show (default {POOL_DEFAULT})")
     p.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
-    p.add_argument("--interval", type=positive_s, default=1.0,
+    p.add_argument("--interval", type=positive_s, default=None,
                    help="seconds between refreshes with --watch (default 1)")
     p.set_defaults(fn=cmd_status)
 

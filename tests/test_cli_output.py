@@ -212,6 +212,19 @@ def test_status_refuses_an_interval_that_is_not_a_positive_number(interval, caps
     assert "argument --interval: must be a number of seconds" in capsys.readouterr().err
 
 
+def test_status_says_its_interval_needs_watch_and_the_cli_its_version(tmp_path, monkeypatch, capsys):
+    from importlib.metadata import version
+
+    from airflow_elastic_gpu.cli import main
+
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", f"sqlite:///{tmp_path / 'b.db'}")
+    assert main(["status", "--interval", "2"]) == 2  # it was taken and ignored
+    assert "--interval goes with --watch" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"airflow-elastic-gpu {version('airflow-elastic-gpu')}"
+
+
 def test_cancel_takes_the_start_of_an_id_as_jobs_shows_it(tmp_path, monkeypatch, capsys):
     from airflow_elastic_gpu.cli import main
 
