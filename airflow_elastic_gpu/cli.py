@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read the broker URL and default pool from this Airflow connection, as tasks do "
                              "(e.g. elastic_gpu_default; needs the airflow extra)")
     parser.set_defaults(connection_pool=None)  # the pool --conn-id's connection names
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     add_nodes_command(sub)
 

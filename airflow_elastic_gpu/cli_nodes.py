@@ -29,8 +29,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.action == "list" and args.pool_given:
         _known_pool(broker, args.pool)
     if args.action == "add":
-        if args.gpus is None:
-            raise ValueError(f"`nodes add {args.name}` needs --gpus N (the node's GPU count)")
+        if args.gpus is None or args.gpus < 1:
+            raise ValueError(f"`nodes add {args.name}` needs --gpus N, the node's GPU count (1 or more)")
         if args.name == LOCAL_NODE:
             from airflow_elastic_gpu.backends.local import check_host_not_in_another_pool
 

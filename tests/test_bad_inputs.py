@@ -157,6 +157,7 @@ def test_progress_rejects_impossible_steps(broker, step):
     (["simulate", "--trace", "missing.csv", "--policy", "static", "--out", "o", "--timeline-policy", "adaptive"],
      "--timeline-policy 'adaptive' is not among --policy static"),
     (["workload", "--trace", "missing.csv", "--out", "w.csv"], "does not exist"),
+    (["nodes", "add", "n9", "--gpus", "0"], "needs --gpus N, the node's GPU count (1 or more)"),  # not "num_gpus"
 ])
 def test_cli_errors_name_the_problem_and_exit_2(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
