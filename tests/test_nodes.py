@@ -213,6 +213,12 @@ def test_kube_sync_carries_a_clusters_cordons_and_unhealthy_gpus_over_one_way(tm
     cluster.nodes = [node("g0", 4), node("g1", 4)]  # healthy again: the broker waits for an uncordon
     register_nodes_from_cluster(broker, cluster, pool="gpus")
     assert sum(not g.healthy for n in broker.nodes("gpus") for g in n.gpus) == 2
+    # a device plugin restarting offers none for a moment, a node rebooting is not Ready: unknown, not unhealthy
+    restarting, rebooting = node("g0", 0), node("g1", 1)
+    rebooting.status.conditions = [k8s.V1NodeCondition(type="Ready", status="Unknown")]
+    cluster.nodes = [restarting, rebooting]
+    register_nodes_from_cluster(broker, cluster, pool="gpus")
+    assert sum(not g.healthy for n in broker.nodes("gpus") for g in n.gpus) == 2
 
 
 def test_adding_a_node_again_keeps_its_gpu_type_and_says_it_keeps_its_gpus(tmp_path, monkeypatch, capsys):

@@ -448,8 +448,10 @@ def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = 
     What the cluster says of a node's health is carried over one way: a node cordoned in the cluster
     is drained, and a node whose ``nvidia.com/gpu`` allocatable is below its count (the device
     plugin found GPUs unhealthy) gets that many GPUs out of service, free ones first (a pod asking
-    for GPUs the device plugin no longer offers would stay Pending). Neither is undone here: the
-    broker does not know whether an administrator did it (``nodes uncordon NODE [--gpu I]``).
+    for GPUs the device plugin no longer offers would stay Pending); a node that is not Ready, or
+    offers none (its kubelet or device plugin restarting), tells nothing of its GPUs. Neither is
+    undone here: the broker does not know whether an administrator did it (``nodes uncordon NODE
+    [--gpu I]``).
 
     :returns: the registered node names.
     :raises BackendError: nodes listed are in another pool already (a node belongs to one pool);
@@ -462,6 +464,9 @@ def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = 
         count = labels.get("nvidia.com/gpu.count") or (status.capacity or {}).get("nvidia.com/gpu")
         if count and int(count) >= 1:
             offered = int((status.allocatable or {}).get("nvidia.com/gpu", count))
+            ready = any(c.type == "Ready" and c.status == "True" for c in status.conditions or ())
+            if offered == 0 or (status.conditions and not ready):
+                offered = int(count)  # a node restarting, or its device plugin: unknown, not unhealthy
             cordoned = bool(node.spec and node.spec.unschedulable)
             found.append((node.metadata.name, int(count), labels.get("nvidia.com/gpu.product", "nvidia"),
                           offered, cordoned))
