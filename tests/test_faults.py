@@ -266,7 +266,8 @@ def test_a_postgresql_server_that_never_answers_is_given_up_on_not_waited_for_fo
         plain.dispose()
         # libpq's own settings are not overridden: $PGCONNECT_TIMEOUT, and a service file's
         for env, query, absent in (({"PGCONNECT_TIMEOUT": "4"}, "", {"connect_timeout"}),
-                                   ({}, "?service=broker", set(POSTGRES_CONNECT_DEFAULTS))):
+                                   ({}, "?service=broker", set(POSTGRES_CONNECT_DEFAULTS)),
+                                   ({"PGSERVICE": "broker"}, "", set(POSTGRES_CONNECT_DEFAULTS))):
             seen.clear()
             with pytest.MonkeyPatch.context() as mp:
                 for name, value in env.items():

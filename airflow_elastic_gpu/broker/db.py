@@ -69,7 +69,8 @@ POSTGRES_CONNECT_DEFAULTS: dict[str, int] = {
     "keepalives_count": 3, "tcp_user_timeout": 60_000,
 }
 """libpq connection parameters a PostgreSQL broker URL gets unless it sets them (its query, or a
-``service`` there, whose file then decides; ``$PGCONNECT_TIMEOUT`` for the first): a connection
+``service`` there or in ``$PGSERVICE``, whose file then decides all of them; ``$PGCONNECT_TIMEOUT``
+for the first): a connection
 attempt gives up after 10 s; a server gone silent is given up on after about a minute, on an idle
 connection (keepalive probes after 30 s, three 10 s apart) and on one waiting for the answer to
 what it sent (``tcp_user_timeout``, milliseconds), rather than after the kernel's retransmissions
@@ -128,7 +129,7 @@ def create_broker_engine(url: str) -> Engine:
             # psycopg's 130 s (for ever before psycopg 3.2), and a dead peer of an open connection
             # a call for the kernel's retransmissions: a caller (the clock's re-read, a trigger's
             # poll) would hang that long.
-            defaults = {} if "service" in parsed.query else {
+            defaults = {} if "service" in parsed.query or os.environ.get("PGSERVICE") else {
                 k: v for k, v in POSTGRES_CONNECT_DEFAULTS.items()
                 if k not in parsed.query and not (k == "connect_timeout" and os.environ.get("PGCONNECT_TIMEOUT"))}
             return create_engine(parsed, connect_args=defaults)
