@@ -269,14 +269,13 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     if registered:
         console.print(registered, markup=False, highlight=False)
     backend.check(cmd, args.checkpoint_dir)  # before submit: a job that cannot start never takes a GPU
-    asked_s = broker.clock()
     job = broker.submit(JobSpec(
         name=args.name or job_name_from_command(cmd), command=cmd, min_gpus=args.min_gpus,
         max_gpus=args.max_gpus, requested_gpus=args.requested_gpus, total_steps=args.total_steps, pool=args.pool,
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
     start_job(broker, backend, job)  # a start that fails after all fails the job, freeing its GPUs
-    if job.submit_s < asked_s:  # the key's job, submitted before: submit is idempotent on the key
+    if job.token is None:  # the key's job, submitted before (only the reply that creates a job has its token)
         console.print(f"job {job.id} of key {escape(repr(args.key))} was submitted before and is "
                       f"{job.status.value}: not started again; files in {escape(str(work_dir / job.id))}")
     else:
@@ -464,6 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     full_width_unless_terminal(console, notes, simulator_console)
+    if args.cmd == "broker":  # a server: its broker retries for longer, and logs as servers do
+        return _run(args)
     retries = logging.getLogger("airflow_elastic_gpu.broker.transactions")
     notice, level = RetryNotice(notes, CLI_RECONNECT_DEADLINE_S), retries.level
     retries.addHandler(notice)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import Any
 
 from rich.console import Console
 
@@ -22,36 +23,50 @@ def from_connection(args: argparse.Namespace) -> None:
         raise ValueError("give --broker-url or --conn-id, not both")
     # Airflow's set-up makes libraries log at INFO on stderr, and it warns of what is no concern of
     # a read (no Fernet key; the connection type's "_" in a URI): none of it is this command's output
-    os.environ.setdefault("AIRFLOW__LOGGING__NAMESPACE_LEVELS", "airflow.models=error alembic=warning")
+    quiet = "AIRFLOW__LOGGING__NAMESPACE_LEVELS" not in os.environ
+    if quiet:  # read when Airflow sets its logging up, at the import below; not left to child processes
+        os.environ["AIRFLOW__LOGGING__NAMESPACE_LEVELS"] = "airflow.models=error alembic=warning"
+    try:
+        connection = _read(args.conn_id)
+    finally:
+        if quiet:
+            os.environ.pop("AIRFLOW__LOGGING__NAMESPACE_LEVELS", None)
+    from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+
+    hook = GpuBrokerHook(args.conn_id)
+    hook.connection = connection
+    args.broker_url = hook.get_url()
+    args.connection_pool = hook.default_pool()
+
+
+def _read(conn_id: str) -> Any:
+    """The Airflow connection ``conn_id`` (see :func:`from_connection`).
+
+    :raises ValueError: Airflow not installed, no such connection, or one that cannot be read.
+    """
     try:
         from airflow.exceptions import AirflowNotFoundException
         from airflow.models.connection import Connection
-
-        from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
     except ImportError as exc:
         raise ValueError(f"--conn-id reads an Airflow connection, and Airflow is not installed ({exc}): "
                          "pip install 'airflow-elastic-gpu[airflow]', or give --broker-url") from None
     for name, level in (("airflow.models", logging.ERROR), ("alembic", logging.WARNING)):  # stdlib loggers
         logging.getLogger(name).setLevel(level)
-    variable = f"AIRFLOW_CONN_{args.conn_id.upper()}"
+    variable = f"AIRFLOW_CONN_{conn_id.upper()}"
     try:
         # not the hook's own read: outside a task or server it skips the metadata DB
-        connection = Connection.get_connection_from_secrets(args.conn_id)
+        return Connection.get_connection_from_secrets(conn_id)
     except AirflowNotFoundException:
         if os.environ.get(variable):
-            raise ValueError(f"${variable} is set but Airflow cannot read connection {args.conn_id!r} from it: "
+            raise ValueError(f"${variable} is set but Airflow cannot read connection {conn_id!r} from it: "
                              "it must be a connection URI or JSON such as "
                              '{"conn_type": "elastic_gpu", "extra": {"url": "postgresql+psycopg://...", '
                              '"pool": "default"}} (check its quoting)') from None
-        raise ValueError(f"no Airflow connection {args.conn_id!r} (define it in the Airflow UI, with "
+        raise ValueError(f"no Airflow connection {conn_id!r} (define it in the Airflow UI, with "
                          f"'airflow connections add', or as ${variable}; the "
                          "metadata DB is the one of this shell's AIRFLOW_HOME)") from None
     except Exception as exc:  # noqa: BLE001 - a secrets backend that denies it or is down: one line
-        raise ValueError(f"cannot read Airflow connection {args.conn_id!r}: {exc}") from None
-    hook = GpuBrokerHook(args.conn_id)
-    hook.connection = connection
-    args.broker_url = hook.get_url()
-    args.connection_pool = hook.default_pool()
+        raise ValueError(f"cannot read Airflow connection {conn_id!r}: {exc}") from None
 
 
 class RetryNotice(logging.Handler):

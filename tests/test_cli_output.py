@@ -306,8 +306,7 @@ def test_conn_id_reads_the_broker_url_and_pool_of_the_airflow_connection_tasks_u
     url = f"sqlite:///{tmp_path / 'tasks_broker.db'}"
     monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "airflow"))
     monkeypatch.delenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", raising=False)
-    # what --conn-id sets in its own process, restored for the tests after this one
-    monkeypatch.setenv("AIRFLOW__LOGGING__NAMESPACE_LEVELS", "airflow.models=error alembic=warning")
+    monkeypatch.delenv("AIRFLOW__LOGGING__NAMESPACE_LEVELS", raising=False)  # --conn-id sets it for its read only
     monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
         {"conn_type": "elastic_gpu", "extra": {"url": url, "pool": "a100-pool"}}))
     assert main(["--conn-id", "elastic_gpu_default", "nodes", "add", "gpu-node-1", "--gpus", "2"]) == 0
@@ -317,6 +316,7 @@ def test_conn_id_reads_the_broker_url_and_pool_of_the_airflow_connection_tasks_u
     captured = capsys.readouterr()
     assert "a100-pool" in captured.out and "tasks_broker.db" in captured.err
     assert not (tmp_path / "airflow" / "elastic_gpu_broker.db").exists()  # the CLI's own default untouched
+    assert "AIRFLOW__LOGGING__NAMESPACE_LEVELS" not in os.environ  # not left to the trainers run-local starts
 
     assert main(["--conn-id", "no_such_conn", "jobs"]) == 2
     assert "no Airflow connection 'no_such_conn'" in " ".join(capsys.readouterr().err.split())
