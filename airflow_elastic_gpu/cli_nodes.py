@@ -106,7 +106,7 @@ def add_nodes_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("nodes", help="list nodes; add one; detect this host's GPUs; or register a Kubernetes "
                                      "cluster's GPU nodes")
     p.add_argument("action", nargs="?", choices=["list", "add", "detect", "kube-sync", "drain", "uncordon", "remove"],
-                   default="list",
+                   default="list", metavar="ACTION",
                    help="list (default): the nodes and their GPUs; add NAME --gpus N: register a node; "
                         "detect: register this host's GPUs (nvidia-smi, else --virtual-gpus); kube-sync: "
                         "register the Kubernetes cluster's GPU nodes (GPU feature discovery labels); "

@@ -77,6 +77,10 @@ class Parser(argparse.ArgumentParser):
             if not word.startswith("-") or word == "-" or is_number(word):
                 if takes_rest:
                     return
+                if subcommands:  # the first word that is no option names the sub-command
+                    near = difflib.get_close_matches(word, sorted(subcommands), n=1, cutoff=0.6)
+                    hint = f"; did you mean {near[0]}?" if near else f"; choose one of {', '.join(sorted(subcommands))}"
+                    self.error(f"unknown command {word!r}{hint}")
                 continue
             option, has_value, _ = word.partition("=")
             action = self._option_string_actions.get(option)

@@ -270,3 +270,12 @@ def test_a_command_whose_extra_is_not_installed_names_the_extra(tmp_path, capsys
     assert cli(["--broker-url", f"sqlite:///{tmp_path / 'b.db'}", *argv]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"pip install 'airflow-elastic-gpu{extra}'" in err and "Traceback" not in err
+
+
+def test_a_misspelt_command_is_named_with_the_nearest_one(capsys):
+    for argv, message in ((["staus"], "unknown command 'staus'; did you mean status?"),
+                          (["frob"], "unknown command 'frob'; choose one of broker, cancel"),
+                          (["nodes", "lst"], "argument ACTION: invalid choice: 'lst'")):
+        with pytest.raises(SystemExit) as done:
+            cli(argv)
+        assert done.value.code == 2 and message in capsys.readouterr().err
