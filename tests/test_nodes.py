@@ -238,3 +238,35 @@ def test_adding_a_node_again_keeps_its_gpu_type_and_says_it_keeps_its_gpus(tmp_p
     assert {g.gpu_type for g in GpuBroker(url).nodes()[0].gpus} == {"NVIDIA L4"}
     assert main(["nodes", "add", "new-box", "--gpus", "1"]) == 0
     assert [g.gpu_type for n in GpuBroker(url).nodes() if n.name == "new-box" for g in n.gpus] == ["virtual"]
+
+
+def test_kube_sync_registers_a_new_node_as_it_is_never_offering_what_it_takes_back(tmp_path):
+    """A new node with unhealthy GPUs, or cordoned: registered healthy and schedulable first, its GPUs
+    went to a waiting job in the registration's rebalance, then some were taken back (a start, then a
+    resize: restarts of a training for nothing)."""
+    from kubernetes.client import models as k8s
+
+    from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
+
+    def node(name, allocatable, cordoned=False):
+        return k8s.V1Node(metadata=k8s.V1ObjectMeta(name=name, labels={"nvidia.com/gpu.count": "4"}),
+                          spec=k8s.V1NodeSpec(unschedulable=cordoned or None),
+                          status=k8s.V1NodeStatus(allocatable={"nvidia.com/gpu": str(allocatable)}))
+
+    class Cluster:
+        def __init__(self, nodes) -> None:
+            self.nodes = nodes
+
+        def list_node(self, label_selector=None):
+            return type("Listing", (), {"items": self.nodes})()
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    register_nodes_from_cluster(broker, Cluster([node("g0", 4)]), pool="gpus")
+    broker.submit(JobSpec("big", "python train.py", 4, 4, total_steps=1000, pool="gpus"))
+    waiting = broker.submit(JobSpec("waits", "python train.py", 3, 3, total_steps=1000, pool="gpus"))
+    register_nodes_from_cluster(broker, Cluster([node("g0", 4), node("g1", 2), node("g2", 4, cordoned=True)]),
+                                pool="gpus")
+    assert broker.job(waiting.id).target_gpus == ()  # two GPUs of g1 offered, none of g2: no room for 3
+    assert [e.kind for e in broker.events(job_id=waiting.id)] == ["submit"]
+    views = {n.name: n for n in broker.nodes("gpus")}
+    assert [g.gpu.index for g in views["g1"].gpus if not g.healthy] == [2, 3] and not views["g2"].schedulable

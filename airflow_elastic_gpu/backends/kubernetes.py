@@ -449,7 +449,8 @@ def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = 
     is drained, and a node whose ``nvidia.com/gpu`` allocatable is below its count (the device
     plugin found GPUs unhealthy) gets that many GPUs out of service, free ones first (a pod asking
     for GPUs the device plugin no longer offers would stay Pending); a node that is not Ready, or
-    offers none (its kubelet or device plugin restarting), tells nothing of its GPUs. Neither is
+    offers none (its kubelet or device plugin restarting), tells nothing of its GPUs. A new node is
+    registered so from the start (no job is given GPUs that are taken back at once). Neither is
     undone here: the broker does not know whether an administrator did it (``nodes uncordon NODE
     [--gpu I]``).
 
@@ -476,8 +477,11 @@ def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = 
             f"node(s) {', '.join(elsewhere[:5])}{' ...' if len(elsewhere) > 5 else ''} are in another GPU pool "
             f"already (a node belongs to one pool): give pool {pool!r} its own nodes with a label selector "
             "(kube-sync --label-selector)")
-    for name, count, gpu_type, _, _ in found:
-        broker.register_node(name, count, pool=pool, gpu_type=gpu_type)
+    known = {n.name for n in broker.nodes(pool)}
+    for name, count, gpu_type, offered, cordoned in found:  # a new node as it is: no GPU offered, then taken back
+        new = name not in known
+        broker.register_node(name, count, pool=pool, gpu_type=gpu_type, cordoned=new and cordoned,
+                             out_of_service=range(max(0, offered), count) if new else ())
     views = {n.name: n for n in broker.nodes(pool)}
     for name, count, _, offered, cordoned in found:
         view = views[name]

@@ -41,6 +41,8 @@ class Inventory(Lifecycle):
         pool: str = DEFAULT_POOL,
         gpu_type: str | None = None,
         gpu_indices: Sequence[int] | None = None,
+        cordoned: bool = False,
+        out_of_service: Sequence[int] = (),
     ) -> NodeView:
         """Add a node with its GPUs to ``pool`` (created if new); idempotent.
 
@@ -49,6 +51,8 @@ class Inventory(Lifecycle):
         to drain it). New GPUs are offered to waiting jobs at once.
 
         :param num_gpus: GPUs on the node (1-1024), indices ``0..num_gpus-1``; or give ``gpu_indices``.
+        :param cordoned: a new node starts drained (no job is placed on it before it is).
+        :param out_of_service: indices of GPUs added now that start out of service (never offered).
         :raises InvalidRequest: empty or too long name, pool or type; no GPUs; negative, duplicate or
             too large indices; a node of that name in another pool (first registrations of a name
             take one lock on PostgreSQL, so two at the same moment in two pools cannot both pass).
@@ -84,7 +88,7 @@ class Inventory(Lifecycle):
                             f"node {name!r} is already in GPU pool {other!r}: a node's GPUs belong to one pool "
                             f"(in two, a job of each could get the same GPU); register it in {other!r}, or "
                             "give this node its own name if it is another machine")
-                    node = Node(pool=pool, name=name, schedulable=True)
+                    node = Node(pool=pool, name=name, schedulable=not cordoned)
                     s.add(node)
                     s.flush()
                     self._event(s, pool, EventKind.NODE, f"registered node {name} with {len(indices)} GPU(s)")
@@ -95,7 +99,7 @@ class Inventory(Lifecycle):
                     if i in have:
                         have[i].gpu_type = kind if gpu_type is not None else have[i].gpu_type
                     else:
-                        s.add(Gpu(node_id=node.id, index=i, gpu_type=kind, healthy=True))
+                        s.add(Gpu(node_id=node.id, index=i, gpu_type=kind, healthy=i not in out_of_service))
                         added = True
                 s.flush()
                 s.refresh(node)
