@@ -46,7 +46,8 @@ from airflow_elastic_gpu.broker.types import (
 from airflow_elastic_gpu.cli_broker import RetryNotice, from_connection
 from airflow_elastic_gpu.cli_cleanup import add_cleanup_command
 from airflow_elastic_gpu.cli_nodes import add_nodes_command
-from airflow_elastic_gpu.cli_parsing import Parser, port, positive_s
+from airflow_elastic_gpu.cli_parsing import Parser, positive_s
+from airflow_elastic_gpu.cli_serve import add_broker_command
 from airflow_elastic_gpu.cli_simulator import add_simulator_commands
 from airflow_elastic_gpu.cli_simulator import console as simulator_console
 from airflow_elastic_gpu.cli_views import full_width_unless_terminal, jobs_table, snapshot_view
@@ -54,7 +55,6 @@ from airflow_elastic_gpu.config import (
     default_broker_url,
     default_pool,
     default_work_dir,
-    get_option,
     mask_url,
 )
 from airflow_elastic_gpu.scheduling.policy import get_policy, policy_parameters
@@ -300,39 +300,6 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_broker(args: argparse.Namespace) -> int:
-
-    try:
-        import uvicorn
-
-        from airflow_elastic_gpu.broker.api import check_bind_address, create_app
-        from airflow_elastic_gpu.broker.api_guards import ApiLimits
-    except ImportError as exc:
-        raise BackendError(f"the broker server needs the api extra ({exc}): "
-                           "pip install 'airflow-elastic-gpu[api]'") from None
-
-    ui_token = get_option("ui_token") or None
-    check_bind_address(args.host, ui_token)
-    # the database answers before the server does: a bad or unreachable URL is one line and exit 2
-    # here, not a server whose every API call fails with 500 behind a page that loads
-    probe = _broker(args)
-    probe.pools()
-    probe.engine.dispose()
-    overrides = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),
-                                   ("max_metrics_bytes", args.max_metrics_bytes)) if v is not None}
-    limits = ApiLimits.from_env(given=overrides)
-    app = create_app(broker_url=args.broker_url or default_broker_url(), ui_token=ui_token, limits=limits,
-                     api_docs=args.api_docs)
-    shown = mask_url(args.broker_url or default_broker_url())
-    docs = "; Swagger UI: /docs (assets from a CDN)" if args.api_docs else ""
-    views = "need the UI token" if ui_token else "open (loopback only)"
-    console.print(f"broker API on http://{args.host}:{args.port} (page: /ui; OpenAPI: /openapi.json{docs}) "
-                  f"for {shown}; read-only views {views}; bodies up to {limits.max_body_bytes} bytes",
-                  markup=False, highlight=False)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
-
-
 POOL_DEFAULT = f"[elastic_gpu] default_pool in airflow.cfg, else {DEFAULT_POOL!r}"
 
 
@@ -439,21 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(re)start")
     p.set_defaults(fn=cmd_run_local)
 
-    p = sub.add_parser("broker", help="serve the broker HTTP API and the GPU pool page")
-    p.add_argument("action", choices=["serve"], help="serve: run the server until Ctrl-C")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1); any but a loopback one needs "
-                        "$AIRFLOW_ELASTIC_GPU_UI_TOKEN")
-    p.add_argument("--port", type=port, default=8793, help="TCP port (default 8793)")
-    p.add_argument("--api-docs", action="store_true",
-                   help="also serve Swagger UI (/docs) and ReDoc (/redoc); their assets load from a CDN")
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="largest request body (default $AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES or 262144)")
-    p.add_argument("--max-metrics-bytes", type=int, default=None,
-                   help="largest metrics of a finish/fail report (default "
-                        "$AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES or 16384)")
-    p.set_defaults(fn=cmd_broker)
-
+    add_broker_command(sub)
     add_simulator_commands(sub)
     add_cleanup_command(sub)
     parser.share_options_with_subcommands()
