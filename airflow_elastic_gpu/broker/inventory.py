@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import delete, select, text
+from sqlalchemy.orm import Session
 
 from airflow_elastic_gpu.broker.lifecycle import Lifecycle
 from airflow_elastic_gpu.broker.models import Gpu, GpuInUse, GpuPool, GpuTarget, Job, Node
@@ -28,6 +29,17 @@ MAX_GPUS_PER_NODE = 1024
 MAX_PERIOD_S = 10 * 365 * 24 * 3600.0  # ten years: "never", as the simulator uses it
 # PostgreSQL: a transaction-scoped advisory lock that serialises the first registrations of node names
 _NEW_NODE_LOCK = text("SELECT pg_advisory_xact_lock(724102)")
+
+
+def _known_node(s: Session, pool: str, name: str) -> Node:
+    """The node ``name`` of ``pool``.
+
+    :raises NotFound: no such node in the pool.
+    """
+    node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
+    if node is None:
+        raise NotFound(f"unknown node {name!r} in pool {pool!r}")
+    return node
 
 
 class Inventory(Lifecycle):
@@ -97,7 +109,8 @@ class Inventory(Lifecycle):
                 added = False
                 for i in indices:
                     if i in have:
-                        have[i].gpu_type = kind if gpu_type is not None else have[i].gpu_type
+                        if gpu_type is not None:
+                            have[i].gpu_type = gpu_type
                     else:
                         s.add(Gpu(node_id=node.id, index=i, gpu_type=kind, healthy=i not in out_of_service))
                         added = True
@@ -119,9 +132,7 @@ class Inventory(Lifecycle):
 
         def run() -> None:
             with self._tx(pool) as s:
-                node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
-                if node is None:
-                    raise NotFound(f"unknown node {name!r} in pool {pool!r}")
+                node = _known_node(s, pool, name)
                 node.schedulable = schedulable
                 self._event(s, pool, EventKind.NODE, f"node {name} {'schedulable' if schedulable else 'drained'}")
                 request_rebalance(s, pool, self.clock())
@@ -145,9 +156,7 @@ class Inventory(Lifecycle):
 
         def run() -> None:
             with self._tx(pool) as s:
-                node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
-                if node is None:
-                    raise NotFound(f"unknown node {name!r} in pool {pool!r}")
+                node = _known_node(s, pool, name)
                 gpus = {g.index: g for g in node.gpus}
                 if unknown := [i for i in wanted if i not in gpus]:
                     raise NotFound(f"node {name!r} has no GPU {unknown[0]!r} (its GPUs: {sorted(gpus)})")
@@ -175,9 +184,7 @@ class Inventory(Lifecycle):
 
         def run() -> None:
             with self._tx(pool) as s:
-                node = s.scalar(select(Node).where(Node.pool == pool, Node.name == name))
-                if node is None:
-                    raise NotFound(f"unknown node {name!r} in pool {pool!r}")
+                node = _known_node(s, pool, name)
                 gpu_ids = [g.id for g in node.gpus]
                 holders = sorted({job_id for held in (GpuInUse, GpuTarget)
                                   for job_id in s.scalars(select(held.job_id).where(held.gpu_id.in_(gpu_ids)))})
