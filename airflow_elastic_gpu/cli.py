@@ -185,18 +185,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     broker = _broker(args, existing=True)
-    job_id = _job_id(broker, args.job_id)
-    if (before := broker.job(job_id)).status.terminal:
-        console.print(f"job {job_id} had already ended ({before.status.value}): nothing to cancel")
+    before = _job(broker, args.job_id)
+    if before.status.terminal:
+        console.print(f"job {before.id} had already ended ({before.status.value}): nothing to cancel")
         return 0
-    job = broker.cancel(job_id, args.reason)
+    job = broker.cancel(before.id, args.reason)
     console.print(f"job {job.id} is {job.status.value}")
     return 0
 
 
-def _job_id(broker: GpuBroker, given: str) -> str:
-    """The id of the job ``given`` names: its id, or the start of exactly one queued or running
-    job's id (``jobs`` and ``status`` show the first 8 characters).
+def _job(broker: GpuBroker, given: str) -> JobView:
+    """The job ``given`` names: its id, or the start of exactly one queued or running job's id
+    (``jobs`` and ``status`` show the first 8 characters).
 
     :raises NotFound: no job has that id and no active job's id starts with it, or several do
         (named).
@@ -204,13 +204,13 @@ def _job_id(broker: GpuBroker, given: str) -> str:
     if not given:
         raise NotFound("give a job id (jobs lists them)")
     try:
-        return broker.job(given).id
+        return broker.job(given)
     except NotFound:
         pass
-    matches = sorted(j.id for j in broker.jobs(active_only=True) if j.id.startswith(given))
-    if len(matches) == 1:
-        return matches[0]
-    if matches:
+    found = sorted((j for j in broker.jobs(active_only=True) if j.id.startswith(given)), key=lambda j: j.id)
+    if len(found) == 1:
+        return found[0]
+    if matches := [j.id for j in found]:
         raise NotFound(f"{len(matches)} active jobs' ids start with {given!r}: {', '.join(matches[:5])}"
                        f"{' ...' if len(matches) > 5 else ''}; give more of the id")
     if ended := sorted(j.id for j in broker.jobs() if j.id.startswith(given)):

@@ -88,7 +88,6 @@ def failed_exit(status: dict[str, Any]) -> bool:
     return status.get("state") == EXITED and exit_code(status) != 0
 
 
-
 PLACEHOLDERS = ("{num_gpus}", "{nnodes}", "{node_rank}", "{master_addr}", "{master_port}")
 """What the launcher replaces in a training command: the node's GPU count, the gang's node count,
 this node's rank (0 on a single node), and the rendezvous address and port of the generation."""
