@@ -8,8 +8,10 @@ import threading
 import time
 
 import pytest
+from kubernetes.client import models as k8s
 from sqlalchemy import text
 
+from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, NotFound
 from airflow_elastic_gpu.states import JobStatus
@@ -174,27 +176,29 @@ def test_the_cli_takes_one_gpu_out_of_service_and_back(tmp_path, monkeypatch, ca
     assert "node 'gpu-node-1' has no GPU 9" in " ".join(capsys.readouterr().err.split())
 
 
+def node(name, allocatable, cordoned=False):
+    """A Kubernetes node with 4 GPUs (GPU feature discovery's count label), ``allocatable`` of them
+    offered by its device plugin."""
+    return k8s.V1Node(metadata=k8s.V1ObjectMeta(name=name, labels={"nvidia.com/gpu.count": "4"}),
+                      spec=k8s.V1NodeSpec(unschedulable=cordoned or None),
+                      status=k8s.V1NodeStatus(capacity={"nvidia.com/gpu": "4"},
+                                              allocatable={"nvidia.com/gpu": str(allocatable)}))
+
+
+class Cluster:
+    """The one call of the Kubernetes API kube-sync makes, on a list of nodes."""
+
+    def __init__(self, nodes=()) -> None:
+        self.nodes = list(nodes)
+
+    def list_node(self, label_selector=None):
+        return type("Listing", (), {"items": self.nodes})()
+
+
 def test_kube_sync_carries_a_clusters_cordons_and_unhealthy_gpus_over_one_way(tmp_path):
     """The device plugin offers fewer GPUs than the node has (some unhealthy): a pod asking for them
     would stay Pending, so that many GPUs go out of service, free ones first; a cordoned node is
     drained. A second sync changes nothing more, and neither is undone by a sync."""
-    from kubernetes.client import models as k8s
-
-    from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
-
-    def node(name, allocatable, cordoned=False):
-        return k8s.V1Node(metadata=k8s.V1ObjectMeta(name=name, labels={"nvidia.com/gpu.count": "4"}),
-                          spec=k8s.V1NodeSpec(unschedulable=cordoned or None),
-                          status=k8s.V1NodeStatus(capacity={"nvidia.com/gpu": "4"},
-                                                  allocatable={"nvidia.com/gpu": str(allocatable)}))
-
-    class Cluster:
-        def __init__(self) -> None:
-            self.nodes: list = []
-
-        def list_node(self, label_selector=None):
-            return type("Listing", (), {"items": self.nodes})()
-
     broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
     cluster = Cluster()
     cluster.nodes = [node("g0", 4), node("g1", 4)]
@@ -244,22 +248,6 @@ def test_kube_sync_registers_a_new_node_as_it_is_never_offering_what_it_takes_ba
     """A new node with unhealthy GPUs, or cordoned: registered healthy and schedulable first, its GPUs
     went to a waiting job in the registration's rebalance, then some were taken back (a start, then a
     resize: restarts of a training for nothing)."""
-    from kubernetes.client import models as k8s
-
-    from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
-
-    def node(name, allocatable, cordoned=False):
-        return k8s.V1Node(metadata=k8s.V1ObjectMeta(name=name, labels={"nvidia.com/gpu.count": "4"}),
-                          spec=k8s.V1NodeSpec(unschedulable=cordoned or None),
-                          status=k8s.V1NodeStatus(allocatable={"nvidia.com/gpu": str(allocatable)}))
-
-    class Cluster:
-        def __init__(self, nodes) -> None:
-            self.nodes = nodes
-
-        def list_node(self, label_selector=None):
-            return type("Listing", (), {"items": self.nodes})()
-
     broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
     register_nodes_from_cluster(broker, Cluster([node("g0", 4)]), pool="gpus")
     broker.submit(JobSpec("big", "python train.py", 4, 4, total_steps=1000, pool="gpus"))
