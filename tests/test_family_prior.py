@@ -5,7 +5,7 @@ retraining is ranked by its last run's measured throughput, not by a guess."""
 from __future__ import annotations
 
 import pytest
-from test_broker import pool, spec  # noqa: F401 - the pool fixture
+from test_broker import spec
 
 from airflow_elastic_gpu.broker.types import JobSpec
 
