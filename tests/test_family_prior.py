@@ -10,7 +10,7 @@ from test_broker import spec
 from airflow_elastic_gpu.broker.types import JobSpec
 
 
-def test_family_history_is_each_family_s_latest_measured_run(pool, clock):  # noqa: F811
+def test_family_history_is_each_family_s_latest_measured_run(pool, clock):
     """The prior's history holds one model per family: the latest finished run with samples (an
     older one is not returned, and a later run that finished unmeasured does not hide it)."""
     from airflow_elastic_gpu.broker.rebalance import family_history
@@ -39,7 +39,7 @@ def test_family_history_is_each_family_s_latest_measured_run(pool, clock):  # no
 
 @pytest.mark.parametrize("last_run_steps_per_s, first", [(1000.0, "nightly"), (1.0, "other")])
 def test_a_scheduled_retraining_is_ranked_by_its_last_runs_measured_throughput(
-        pool, clock, last_run_steps_per_s, first):  # noqa: F811
+        pool, clock, last_run_steps_per_s, first):
     """Two waiting jobs: one of 100,000 steps named like a finished job, one of 50,000 steps. The
     pool's median throughput (10 steps/s) would rank the shorter one first; the finished run of
     the same name says how fast a step of that training is."""
@@ -70,7 +70,7 @@ def test_a_scheduled_retraining_is_ranked_by_its_last_runs_measured_throughput(
     (("train", "dag_a.train"), ("train", "dag_b.train"), False),  # one task id in two DAGs: two trainings
     (("nightly", "etl.train"), ("nightly, v2", "etl.train"), True),  # a task renamed its jobs
 ])
-def test_a_waiting_job_s_prior_comes_from_its_family_not_its_name(pool, clock, last, waiting, shared):  # noqa: F811
+def test_a_waiting_job_s_prior_comes_from_its_family_not_its_name(pool, clock, last, waiting, shared):
     """As above, with a fast last run (1,000 steps/s): its speed ranks the longer waiting job first
     only when both are of one family."""
     def whole_pool(name, family, key, steps):
