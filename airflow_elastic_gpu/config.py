@@ -149,8 +149,12 @@ def airflow_home(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(environ.get("AIRFLOW_HOME") or Path.home() / "airflow").expanduser()
 
 
+def _config_path(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("AIRFLOW_CONFIG") or airflow_home(environ) / "airflow.cfg").expanduser()
+
+
 def _from_config_file(name: str, environ: Mapping[str, str]) -> str | None:
-    path = Path(environ.get("AIRFLOW_CONFIG") or airflow_home(environ) / "airflow.cfg").expanduser()
+    path = _config_path(environ)
     parser = configparser.ConfigParser()  # interpolation as Airflow's: a literal % is written %%
     try:
         parser.read(path, encoding="utf-8")
@@ -160,8 +164,36 @@ def _from_config_file(name: str, environ: Mapping[str, str]) -> str | None:
                          "in airflow.cfg)") from None
 
 
+def lookup_option(name: str, environ: Mapping[str, str] = os.environ,
+                  conf: ConfLike | None = None) -> tuple[str, str]:
+    """The value of ``[elastic_gpu] name`` as a string, and where it came from, for messages about it.
+
+    :param name: an option of :data:`OPTIONS`.
+    :param environ: the environment to read (default this process's).
+    :param conf: Airflow's ``conf`` (:func:`airflow_conf`); ``None``: read the
+        ``AIRFLOW__ELASTIC_GPU__<NAME>`` variable and ``airflow.cfg`` directly.
+    :returns: ``(value, source)``; ``source`` is ``$VARIABLE``, ``[elastic_gpu] name`` (Airflow's
+        configuration), ``[elastic_gpu] name (PATH)`` (``airflow.cfg`` read directly) or
+        ``the default of [elastic_gpu] name``.
+    :raises KeyError: ``name`` is not an option.
+    :raises ValueError: ``airflow.cfg`` cannot be parsed.
+    """
+    option = _BY_NAME[name]
+    if option.env and environ.get(option.env):
+        return environ[option.env], f"${option.env}"
+    var = f"AIRFLOW__{SECTION.upper()}__{name.upper()}"
+    if environ.get(var):
+        return environ[var], f"${var}"
+    if conf is not None:
+        value, source = conf.get(SECTION, name, fallback=None), f"[{SECTION}] {name}"
+    else:
+        value, source = _from_config_file(name, environ), f"[{SECTION}] {name} ({_config_path(environ)})"
+    return (value, source) if value else (option.default, f"the default of [{SECTION}] {name}")
+
+
 def get_option(name: str, environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str:
-    """The value of ``[elastic_gpu] name`` as a string (see the module docstring for the order).
+    """The value of ``[elastic_gpu] name`` as a string (see the module docstring for the order;
+    :func:`lookup_option` also says where it came from).
 
     :param name: an option of :data:`OPTIONS`.
     :param environ: the environment to read (default this process's).
@@ -170,17 +202,11 @@ def get_option(name: str, environ: Mapping[str, str] = os.environ, conf: ConfLik
     :raises KeyError: ``name`` is not an option.
     :raises ValueError: ``airflow.cfg`` cannot be parsed.
     """
-    option = _BY_NAME[name]
-    if option.env and environ.get(option.env):
-        return environ[option.env]
-    value = environ.get(f"AIRFLOW__{SECTION.upper()}__{name.upper()}")
-    if not value:
-        value = (conf.get(SECTION, name, fallback=None) if conf is not None
-                 else _from_config_file(name, environ))
-    return value if value else option.default
+    return lookup_option(name, environ, conf)[0]
 
 
-def _typed(name: str, raw: str, kind: type) -> Any:
+def _typed(name: str, kind: type, environ: Mapping[str, str], conf: ConfLike | None) -> Any:
+    raw, source = lookup_option(name, environ, conf)
     try:
         if kind is bool:
             if raw.strip().lower() in _TRUE + _FALSE:
@@ -189,9 +215,8 @@ def _typed(name: str, raw: str, kind: type) -> Any:
         return kind(raw)
     except ValueError:
         option = _BY_NAME[name]
-        where = f"${option.env} or " if option.env else ""
         article = "an" if option.type[0] in "aeiou" else "a"
-        raise ValueError(f"{where}[{SECTION}] {name} must be {article} {option.type}, got {raw!r}") from None
+        raise ValueError(f"{source} must be {article} {option.type}, got {raw!r}") from None
 
 
 def default_broker_url(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str:
@@ -218,7 +243,7 @@ def default_poll_interval_s(environ: Mapping[str, str] = os.environ, conf: ConfL
 
     :raises ValueError: not a number.
     """
-    return _typed("poll_interval", get_option("poll_interval", environ, conf), float)
+    return _typed("poll_interval", float, environ, conf)
 
 
 def default_deferrable(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> bool:
@@ -226,7 +251,7 @@ def default_deferrable(environ: Mapping[str, str] = os.environ, conf: ConfLike |
 
     :raises ValueError: not a boolean (true/false, t/f, 1/0, yes/no, on/off).
     """
-    return _typed("default_deferrable", get_option("default_deferrable", environ, conf), bool)
+    return _typed("default_deferrable", bool, environ, conf)
 
 
 def default_virtual_gpus(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> int:
@@ -234,7 +259,7 @@ def default_virtual_gpus(environ: Mapping[str, str] = os.environ, conf: ConfLike
 
     :raises ValueError: not an integer.
     """
-    return _typed("virtual_gpus", get_option("virtual_gpus", environ, conf), int)
+    return _typed("virtual_gpus", int, environ, conf)
 
 
 def default_broker_api_url(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str | None:

@@ -67,10 +67,9 @@ def test_airflows_conf_is_asked_when_given_and_the_historical_variable_still_win
 
 
 @pytest.mark.parametrize("option,value,message", [
-    ("poll_interval", "soon", r"\[elastic_gpu\] poll_interval must be a float, got 'soon'"),
-    ("default_deferrable", "maybe", r"\[elastic_gpu\] default_deferrable must be a boolean, got 'maybe'"),
-    ("virtual_gpus", "four", (r"\$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS or \[elastic_gpu\] virtual_gpus must be "
-                              r"an integer, got 'four'")),
+    ("poll_interval", "soon", r"\$AIRFLOW__ELASTIC_GPU__POLL_INTERVAL must be a float, got 'soon'"),
+    ("default_deferrable", "maybe", r"\$AIRFLOW__ELASTIC_GPU__DEFAULT_DEFERRABLE must be a boolean, got 'maybe'"),
+    ("virtual_gpus", "four", r"\$AIRFLOW__ELASTIC_GPU__VIRTUAL_GPUS must be an integer, got 'four'"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_with_the_option_named(tmp_path, option, value, message):
     env = {"AIRFLOW_HOME": str(tmp_path), f"AIRFLOW__ELASTIC_GPU__{option.upper()}": value}
@@ -82,8 +81,38 @@ def test_a_value_of_the_wrong_type_is_refused_with_the_option_named(tmp_path, op
 
 def test_an_api_limit_from_airflow_cfg_that_is_not_a_number_names_the_option(tmp_path):
     (tmp_path / "airflow.cfg").write_text("[elastic_gpu]\napi_max_body_bytes = 64k\n")
-    with pytest.raises(ValueError, match=r"\[elastic_gpu\] api_max_body_bytes must be a positive integer"):
+    with pytest.raises(ValueError, match=r"\[elastic_gpu\] api_max_body_bytes \(.*airflow.cfg\) must be a positive integer"):
         ApiLimits.from_env({"AIRFLOW_HOME": str(tmp_path)})
+
+
+def test_a_bad_value_is_named_by_where_it_came_from_not_by_another_place_that_could_set_it(tmp_path):
+    """A message that named ``$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS`` for a value set in airflow.cfg sent
+    the user looking for a variable they never set."""
+    cfg = tmp_path / "airflow.cfg"
+    cfg.write_text("[elastic_gpu]\nvirtual_gpus = eight\napi_max_metrics_bytes = -1\n")
+    env = {"AIRFLOW_HOME": str(tmp_path)}
+    with pytest.raises(ValueError) as err:
+        config.default_virtual_gpus(env)
+    assert str(err.value) == f"[elastic_gpu] virtual_gpus ({cfg}) must be an integer, got 'eight'"
+    with pytest.raises(ValueError, match=r"^\$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS must be an integer, got 'x'$"):
+        config.default_virtual_gpus({**env, "AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS": "x"})
+    with pytest.raises(ValueError, match=r"^\[elastic_gpu\] poll_interval must be a float, got 'soon'$"):
+        config.default_poll_interval_s(env, FakeConf({"poll_interval": "soon"}))
+    # a number that is not positive is named too (it used to reach ApiLimits, which names no source)
+    with pytest.raises(ValueError) as err:
+        ApiLimits.from_env(env)
+    assert str(err.value) == f"[elastic_gpu] api_max_metrics_bytes ({cfg}) must be a positive integer (bytes), got '-1'"
+    with pytest.raises(ValueError, match=r"^\$AIRFLOW__ELASTIC_GPU__API_MAX_BODY_BYTES must be a positive"):
+        ApiLimits.from_env({**env, "AIRFLOW__ELASTIC_GPU__API_MAX_BODY_BYTES": "0"})
+
+
+def test_lookup_option_says_which_layer_gave_the_value(tmp_path):
+    env = {"AIRFLOW_HOME": str(tmp_path)}
+    assert config.lookup_option("default_pool", env) == ("default", "the default of [elastic_gpu] default_pool")
+    assert config.lookup_option("default_pool", env, FakeConf({"default_pool": "a100"})) == (
+        "a100", "[elastic_gpu] default_pool")
+    env["AIRFLOW__ELASTIC_GPU__DEFAULT_POOL"] = "v100"
+    assert config.lookup_option("default_pool", env) == ("v100", "$AIRFLOW__ELASTIC_GPU__DEFAULT_POOL")
 
 
 def test_every_airflow_elastic_gpu_variable_the_package_reads_is_an_option_of_the_config_section():

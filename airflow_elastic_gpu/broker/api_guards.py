@@ -23,12 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from airflow_elastic_gpu.config import (
-    ENV_MAX_BODY_BYTES,
-    ENV_MAX_METRICS_BYTES,
-    SECTION,
-    get_option,
-)
+from airflow_elastic_gpu.config import lookup_option
 from airflow_elastic_gpu.sidecar.protocol import BROKER_HEADER
 
 #: The page's Content-Security-Policy: its scripts only from this server (no inline script, no eval),
@@ -85,15 +80,16 @@ class ApiLimits:
         :raises ValueError: a value that is not a positive integer (the message names its source).
         """
         values: dict[str, int] = dict(given or {})
-        for var, name in ((ENV_MAX_BODY_BYTES, "max_body_bytes"), (ENV_MAX_METRICS_BYTES, "max_metrics_bytes")):
+        for name in ("max_body_bytes", "max_metrics_bytes"):
             if name in values:
                 continue
-            raw = get_option(f"api_{name}", environ)
+            raw, source = lookup_option(f"api_{name}", environ)
             try:
                 values[name] = int(raw)
             except ValueError:
-                source = f"${var}" if environ.get(var) else f"[{SECTION}] api_{name}"
-                raise ValueError(f"{source} must be a positive integer (bytes), got {raw!r}") from None
+                values[name] = 0
+            if values[name] < 1:
+                raise ValueError(f"{source} must be a positive integer (bytes), got {raw!r}")
         return cls(**values)
 
 
