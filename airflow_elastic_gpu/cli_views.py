@@ -66,7 +66,9 @@ def jobs_table(jobs: list[JobView] | tuple[JobView, ...], title: str = "jobs") -
 def snapshot_view(snap: PoolSnapshot) -> Group:
     """The pool as a GPU grid (which job holds which GPU), the jobs, and the latest events."""
     names = {j.id: j.name for j in snap.jobs}
-    grid = Table(title=Text(f"GPU pool {snap.pool!r}"))
+    title = f"GPU pool {snap.pool!r}"
+    # a pool of few or narrow columns would wrap its title over several lines
+    grid = Table(title=Text(title), min_width=len(title) + 4)
     grid.add_column("node")
     width = max((len(n.gpus) for n in snap.nodes), default=0)
     # columns are positions: named by device index where every node's GPUs are 0, 1, ...; else each
@@ -85,6 +87,9 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
                 label = Text("out of service", style="red") if not holder else label + Text(" (out of service)", style="red")
             cells.append(label if by_position else Text(f"{g.gpu.index}: ", style="bold") + label)
         grid.add_row(Text(node.name) + ("" if node.schedulable else Text(" (drained)", style="red")), *cells)
+    if not snap.nodes:
+        grid.add_row(Text("none: `airflow-elastic-gpu nodes add NAME --gpus N`, `nodes detect` or `nodes kube-sync` "
+                          "registers them", style="dim"))
     events = Table(title="latest events")
     events.add_column("time")
     events.add_column("job")

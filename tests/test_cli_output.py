@@ -348,3 +348,18 @@ def test_status_names_each_gpu_by_its_device_index_where_columns_cannot(tmp_path
     assert main(["pool"]) == 0
     shown = capsys.readouterr().out
     assert "policy adaptive (hysteresis=" in shown and "AdaptivePolicy" not in shown and "name=" not in shown
+
+
+def test_an_empty_pool_says_how_to_register_nodes_under_a_title_on_one_line():
+    """The GPU grid of a pool without nodes was one narrow ``node`` column, which folded its title
+    over three lines and said nothing of what to do."""
+    from rich.console import Console
+
+    from airflow_elastic_gpu.broker.types import PoolSnapshot
+    from airflow_elastic_gpu.cli_views import snapshot_view
+
+    console = Console(width=200, record=True)
+    console.print(snapshot_view(PoolSnapshot("default", 0.0, (), ())))
+    lines = [line.strip() for line in console.export_text().splitlines()]
+    assert lines[0] == "GPU pool 'default'"
+    assert any("none: `airflow-elastic-gpu nodes add NAME --gpus N`" in line for line in lines)
