@@ -60,3 +60,39 @@ def test_snapshot_lists_an_older_ended_job_that_still_holds_gpus(pool, clock):
     held = {g.in_use_by for n in snap.nodes for g in n.gpus} - {None}
     assert held == {stopping.id} and stopping.id in [j.id for j in snap.jobs]
     assert snap.ended_hidden == 2 and len(snap.jobs) == 2
+
+
+@pytest.mark.postgres
+def test_a_job_that_ends_while_a_snapshot_is_read_is_not_counted_as_hidden(postgres_url, clock):
+    """The snapshot reads the active jobs, then the last ended ones, then counts the ended ones; on
+    PostgreSQL each statement saw its own moment (READ COMMITTED), so a job that ended in between
+    was listed as running *and* counted among the ended ones left out: "and 1 older ended jobs"
+    where there were none. The snapshot is now one moment there too (on SQLite a read is one
+    transaction, and a writer waits for it)."""
+    from sqlalchemy import event
+
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    pool, other = GpuBroker(postgres_url, clock=clock), GpuBroker(postgres_url, clock=clock)
+    pool.register_node("n0", 4)
+    job = pool.submit(spec("ending"))
+    pool.ack(job.id, 1)
+    ended = []
+
+    def end_it_before_the_count(conn, cursor, statement, *args):
+        if "count(" in statement.lower() and not ended:
+            ended.append(other.finish(job.id, 0))
+
+    event.listen(pool.engine, "before_cursor_execute", end_it_before_the_count)
+    try:
+        snap = pool.snapshot()
+    finally:
+        event.remove(pool.engine, "before_cursor_execute", end_it_before_the_count)
+        other.engine.dispose()
+        pool.engine.dispose()
+    assert ended, "the job was not ended during the read"
+    assert [(j.id, j.status.value) for j in snap.jobs] == [(job.id, "running")]
+    assert snap.ended_hidden == 0
+    later = pool.snapshot()
+    assert [(j.id, j.status.value) for j in later.jobs] == [(job.id, "succeeded")] and later.ended_hidden == 0
+    pool.engine.dispose()

@@ -243,8 +243,8 @@ class Queries(Rebalancing):
             nodes = self._node_views(s, list(s.scalars(
                 select(Node).options(selectinload(Node.gpus)).where(Node.pool == pool).order_by(Node.name))))
             of_pool = select(*JOB_COLUMNS).where(Job.pool == pool)
-            # the active jobs first: one ending before the ended ones are read is in both (its
-            # newer row kept); read the other way round, it would be in neither
+            # the statements see one moment (``_read``), so a job ending meanwhile is in exactly one
+            # of the two lists and the count below agrees with them
             rows = {r.id: r for r in s.execute(of_pool.where(Job.status.in_(ACTIVE))).all()}
             last_ended = s.execute(of_pool.where(Job.status.not_in(ACTIVE))
                                    .order_by(Job.end_s.desc().nulls_last(), Job.id).limit(ended)).all()

@@ -195,9 +195,15 @@ class BrokerBase:
                 time.sleep(min(1.0, 0.01 * 2 ** min(attempt, 10)) * (1 + random.random()))
 
     def _read(self, fn: Callable[[Session], T]) -> T:
-        """Run ``fn`` in a read-only session, retried like a transaction."""
+        """Run ``fn`` in a read-only session, retried like a transaction. Its statements see one
+        moment: on PostgreSQL the session is a REPEATABLE READ transaction (READ COMMITTED, the
+        default, gives each statement its own, so a job ending between two of them would be in
+        both or neither); on SQLite a read is one transaction already. A read-only transaction
+        at that level never fails to serialise."""
         def run() -> T:
             with self._sessions() as s:
+                if self.engine.dialect.name == "postgresql":
+                    s.connection(execution_options={"isolation_level": "REPEATABLE READ"})
                 return fn(s)
 
         return self._retrying(run)
