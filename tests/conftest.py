@@ -35,14 +35,6 @@ class FakeClock:
         self.now += seconds
 
 
-def stored(view):
-    """A job's view without what counts on with time (its GPU-seconds up to now): what a call that
-    changes nothing must leave as it was."""
-    import dataclasses
-
-    return dataclasses.replace(view, gpu_seconds=0.0)
-
-
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
