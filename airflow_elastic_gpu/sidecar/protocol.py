@@ -214,11 +214,21 @@ def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return data
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` from the third (the state letter) on: read after the
+    command name, which may hold ``)`` and spaces.
+
+    :raises FileNotFoundError: no such process (or no ``/proc``).
+    :raises OSError, IndexError: unreadable.
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def pid_alive(pid: int) -> bool:
     """True if process ``pid`` exists and is not a zombie (reads ``/proc`` where there is one)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return _stat_fields(pid)[0] != "Z"
     except FileNotFoundError:
         if os.path.isdir("/proc/self"):
             return False
@@ -238,8 +248,7 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
     time in clock ticks since boot (fields 3 and 22 of ``/proc/<pid>/stat``); None where unknown (no
     ``/proc``, or the process is gone). The start time tells a process from a later one given its pid."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold ")"
+        fields = _stat_fields(pid)
         return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
@@ -261,8 +270,7 @@ def descendants(pid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            ppid = int(_stat_fields(entry)[1])
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
