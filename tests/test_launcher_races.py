@@ -283,3 +283,26 @@ def test_a_gang_node_waits_as_long_as_its_agents_lease_says_for_the_peers_genera
     protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [1], "stop": True, **gang})
     runner.join(15)
     assert result == [0]
+
+
+def test_a_process_whose_name_the_kernel_cut_inside_a_utf8_character_is_seen_alive():
+    """``/proc/<pid>/stat`` holds the command name cut to 15 bytes, through a multi-byte character
+    if it must; read as UTF-8 text it raised, and a live trainer process was taken for gone
+    (``proc_stat`` None, ``descendants`` without it) or ``pid_alive`` raised."""
+    import os
+
+    code = ("import sys, time; open('/proc/self/comm', 'wb').write('é'.encode() * 8); "
+            "print('named', flush=True); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "named"
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            assert b"\xc3)" in f.read(), "the name is not cut inside a character"
+        assert protocol.pid_alive(child.pid)
+        state, start = protocol.proc_stat(child.pid)
+        assert state in "RS" and start > 0
+        assert child.pid in protocol.descendants(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert not protocol.pid_alive(child.pid) and protocol.proc_stat(child.pid) is None

@@ -216,13 +216,14 @@ def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def _stat_fields(pid: int | str) -> list[str]:
     """The fields of ``/proc/<pid>/stat`` from the third (the state letter) on: read after the
-    command name, which may hold ``)`` and spaces.
+    command name, which may hold ``)`` and spaces, and is not text: the kernel cuts it to 15
+    bytes, through a UTF-8 character if it must (read as text, such a process seemed gone).
 
     :raises FileNotFoundError: no such process (or no ``/proc``).
     :raises OSError, IndexError: unreadable.
     """
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].decode("ascii", "replace").split()
 
 
 def pid_alive(pid: int) -> bool:
