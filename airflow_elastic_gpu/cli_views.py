@@ -6,8 +6,10 @@ demos draw the same views without the CLI.
 
 from __future__ import annotations
 
+import shlex
 import time
 
+from rich.cells import cell_len
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -68,7 +70,7 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
     names = {j.id: j.name for j in snap.jobs}
     title = f"GPU pool {snap.pool!r}"
     # a pool of few or narrow columns would wrap its title over several lines
-    grid = Table(title=Text(title), min_width=len(title) + 4)
+    grid = Table(title=Text(title), min_width=cell_len(title) + 4)
     grid.add_column("node")
     width = max((len(n.gpus) for n in snap.nodes), default=0)
     # columns are positions: named by device index where every node's GPUs are 0, 1, ...; else each
@@ -88,8 +90,9 @@ def snapshot_view(snap: PoolSnapshot) -> Group:
             cells.append(label if by_position else Text(f"{g.gpu.index}: ", style="bold") + label)
         grid.add_row(Text(node.name) + ("" if node.schedulable else Text(" (drained)", style="red")), *cells)
     if not snap.nodes:
-        grid.add_row(Text("none: `airflow-elastic-gpu nodes add NAME --gpus N`, `nodes detect` or `nodes kube-sync` "
-                          "registers them", style="dim"))
+        pool = f" --pool {shlex.quote(snap.pool)}"
+        grid.add_row(Text(f"none: `airflow-elastic-gpu nodes add NAME --gpus N{pool}`, `nodes detect{pool}` or "
+                          f"`nodes kube-sync{pool}` registers them", style="dim"))
     events = Table(title="latest events")
     events.add_column("time")
     events.add_column("job")

@@ -359,7 +359,7 @@ def test_an_empty_pool_says_how_to_register_nodes_under_a_title_on_one_line():
     from airflow_elastic_gpu.cli_views import snapshot_view
 
     console = Console(width=200, record=True)
-    console.print(snapshot_view(PoolSnapshot("default", 0.0, (), ())))
+    console.print(snapshot_view(PoolSnapshot("a100", 0.0, (), ())))
     lines = [line.strip() for line in console.export_text().splitlines()]
-    assert lines[0] == "GPU pool 'default'"
-    assert any("none: `airflow-elastic-gpu nodes add NAME --gpus N`" in line for line in lines)
+    assert lines[0] == "GPU pool 'a100'"
+    assert any("none: `airflow-elastic-gpu nodes add NAME --gpus N --pool a100`" in line for line in lines)
