@@ -1,7 +1,8 @@
 """The broker's plumbing: one short transaction per call, the pool and job locks, retries, events.
 
-Every state change runs in one transaction (on PostgreSQL, reads and one-statement calls run in
-autocommit). A rebalance, and a change to a pool's nodes or settings, holds the pool's lock
+Every state change runs in one transaction (on PostgreSQL, the hot reads of a job or a list of jobs
+and one-statement calls run in autocommit; a view read in a session, such as a pool's snapshot, is
+one REPEATABLE READ transaction). A rebalance, and a change to a pool's nodes or settings, holds the pool's lock
 (PostgreSQL: ``SELECT ... FOR NO KEY UPDATE`` on the pool row, which leaves rows that reference the
 pool free to be inserted); a job call locks its job row the same way first, and may then try the
 pool's lock *without waiting* (``SKIP LOCKED``) to serve a due rebalance (:mod:`.rebalance`). In
@@ -118,9 +119,10 @@ class BrokerBase:
         self.failed_rebalances = 0  # of them, those that raised inside a job call (logged, requests kept)
         self.retries = 0  # transactions redone after a serialization failure, deadlock or lost connection
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        # Reads, and calls that are one statement, run on PostgreSQL without BEGIN/COMMIT round
-        # trips: each statement is atomic and sees its own snapshot, as it would in a READ COMMITTED
-        # transaction. SQLite keeps its transactions.
+        # The hot reads (_read_conn), and calls that are one statement, run on PostgreSQL without
+        # BEGIN/COMMIT round trips: each statement is atomic and sees its own snapshot, as it would
+        # in a READ COMMITTED transaction (_read's sessions see one moment). SQLite keeps its
+        # transactions.
         self._autocommit = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
                         if self.engine.dialect.name == "postgresql" else self.engine)
         self.clock: Callable[[], float] = clock or (
