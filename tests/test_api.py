@@ -74,9 +74,12 @@ def test_sidecar_calls_need_the_jobs_own_token(broker, client):
     ("fail", {"reason": ""}, "reason", "at least 1 character"),
     ("finish", {"exit_code": 300}, "exit_code", "less than or equal to 255"),
 ])
-def test_bad_bodies_get_422_naming_the_field(broker, client, path, body, field, message):
+def test_bad_bodies_get_422_naming_the_field(broker, client, clock, path, body, field, message):
     job = broker.submit(JobSpec("a", "train", 1, 2, total_steps=100))
+    broker.ack(job.id, 1)
+    clock.advance(30)  # GPU-seconds held so far: a body that reset the accounting would show
     before = broker.job(job.id)
+    assert before.gpu_seconds > 0
     r = client.post(f"/api/v1/jobs/{job.id}/{path}", headers=auth(job.token), json=body)
     assert r.status_code == 422
     detail = r.json()["detail"][0]

@@ -237,9 +237,11 @@ def test_the_token_is_checked_before_the_body_is_parsed(broker, client, body):  
     ("finish", b'{"metrics": {"k\\ud800": 1}}', "lone surrogate"),
     ("progress", b'{"step": 1, "\\udfff": 2}', "lone surrogate"),
 ])
-def test_every_malformed_body_gets_422_and_changes_nothing(broker, client, path, body, message):  # noqa: F811
+def test_every_malformed_body_gets_422_and_changes_nothing(broker, client, clock, path, body, message):  # noqa: F811
     job = running_job(broker)
+    clock.advance(30)  # GPU-seconds held so far: a body that reset the accounting would show
     before = broker.job(job.id)
+    assert before.gpu_seconds > 0
     r = client.post(f"/api/v1/jobs/{job.id}/{path}", content=body,
                     headers={**auth(job.token), "Content-Type": "application/json"})
     assert r.status_code == 422, r.text
