@@ -435,3 +435,29 @@ def test_a_workload_cut_for_a_mixed_cluster_runs_on_it(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["simulate", "--trace", str(bad), "--cluster", spec]) == 2
     assert f"workload --cluster {spec}" in " ".join(capsys.readouterr().err.split())
+
+
+def test_slow_recreations_do_not_make_two_jobs_take_gpus_from_each_other_for_ever():
+    """On this workload, with re-creations of 300 s (1.9 s of termination), two jobs of the
+    termination peer were re-created 14,533 times each, each placement undone 60 s later (the
+    minimum interval) before its 298 s start was over: neither trained and the simulated clock ran
+    past 15 years. A resize is now kept at least as long as the job's restart overhead."""
+    from conftest import REPO
+
+    jobs = load_trace(REPO / "benchmarks" / "results" / "workloads" / "itp-16gpu-load1.5-seed2.csv")
+    overheads = RestartOverheads(recreate=RecreateModel(grace_period_s=1.9, total_s=300.0))
+    import signal
+
+    def livelock(*_):
+        raise TimeoutError(f"the simulation of {len(jobs)} jobs did not end in 60 s of wall time")
+
+    previous = signal.signal(signal.SIGALRM, livelock)
+    signal.alarm(60)  # it takes under a second
+    try:
+        result = simulate(jobs, ClusterShape(4, 4), "termination", seed=2, overheads=overheads)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert all(r.end_s is not None for r in result.jobs)
+    assert result.summary()["makespan_s"] < 30 * 3600
+    assert max(r.resizes + r.preemptions for r in result.jobs) < 50

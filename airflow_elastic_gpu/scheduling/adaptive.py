@@ -10,7 +10,11 @@ linear-scaling jobs are served shortest-first, poorly scaling ones share.
 
 Steps of one decision:
 
-1. Jobs resized less than ``min_resize_interval_s`` ago are frozen at their count.
+1. Jobs resized less than ``min_resize_interval_s`` ago, or less than their restart overhead ago
+   (a slow restart: its trainer may not have trained on the new allocation yet), are frozen at
+   their count. Without the second bound two jobs whose restarts outlast the interval could take
+   GPUs from each other in turn for ever, neither training (the termination peer did, with
+   re-creations of 300 s).
 2. Other running jobs start from ``min_gpus``; waiting jobs are admitted at ``min_gpus`` in
    rank order (priority, then least remaining work) while GPUs last, but with the pool setting
    ``admission_by_gain`` (on by default) only these: a job whose rank rests on a guess (not
@@ -99,7 +103,8 @@ class AdaptivePolicy:
 
     :param hysteresis: a growth, or a suspension, must save more than this many restart
         overheads (>= 0).
-    :param min_resize_interval_s: seconds a job keeps an allocation before it may be resized (>= 0).
+    :param min_resize_interval_s: seconds a job keeps an allocation before it may be resized (>= 0);
+        a job whose restart overhead is longer keeps it that long.
     :param suspend: the pool allows suspension: preemptible jobs (``JobState.preemptible``) may
         be taken to zero GPUs to start waiting jobs ranked before them (off by default).
     :param min_runtime_s: with ``suspend``, seconds a job runs after each start or resume before
@@ -191,8 +196,10 @@ class AdaptivePolicy:
         """
         order, remaining_1_s = self._ranked(cluster)
         now_s, interval_s = cluster.now_s, self.min_resize_interval_s
-        resized = [bool(j.allocation) and j.last_resize_s is not None and now_s - j.last_resize_s < interval_s
-                   for j in order]  # JobState.resized_within, inlined (every job, every decision)
+        # JobState.resized_within, inlined (every job, every decision), for at least the job's restart
+        # overhead: a resize is not undone before the job could train as long as the resize cost it
+        resized = [bool(j.allocation) and j.last_resize_s is not None
+                   and now_s - j.last_resize_s < max(interval_s, j.restart_overhead_s) for j in order]
         frozen = list(resized)
         capacity = cluster.capacity
         # running jobs that keep their minimum although their suspension could be weighed (suspend)

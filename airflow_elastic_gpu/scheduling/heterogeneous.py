@@ -20,7 +20,7 @@ Steps of one decision on a pool with more than one GPU type (a pool of one type 
    completion times on unrelated machines, in which a job's relative speed on each type and the
    load already there both count. A type is chosen only if it can still admit the job at
    ``min_gpus`` after the jobs before it. A running job keeps its type unless it may be resized now
-   (``min_resize_interval_s``) and the move saves more than ``hysteresis`` restart overheads, its
+   (``min_resize_interval_s``, or its restart overhead if longer) and the move saves more than ``hysteresis`` restart overheads, its
    current count where it is against the count it can count on there (``min_gpus``, or more where
    GPUs are idle now and not reserved by the jobs before it or by running jobs; ``max_gpus`` at
    most).
@@ -208,8 +208,8 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
                 t = _type_of(j, node_type)
                 on_t = sum(node_type.get(g.node) == t for g in alloc) if t is not None else 0
             if t is not None:
-                last_s = j.last_resize_s  # JobState.resized_within, inlined
-                frozen = last_s is not None and now_s - last_s < interval_s
+                last_s = j.last_resize_s  # as AdaptivePolicy's step 1 (at least the restart overhead)
+                frozen = last_s is not None and now_s - last_s < max(interval_s, j.restart_overhead_s)
                 keep = on_t if frozen else min(j.min_gpus, on_t)
                 cur = (index[t], keep, frozen)
                 room[cur[0]] -= keep
