@@ -23,20 +23,21 @@ from pathlib import Path
 from airflow_elastic_gpu.scheduling.state import NodeState
 
 # Defaults from real containers (benchmarks/recreate_overhead.py, benchmarks/results/recreate_overhead.json:
-# the generated pod run with podman on one host, image cached, medians of 10 resizes; docs/benchmarks.md,
-# section 1). In place: a new generation published -> the first step after the trainer container's
-# restart in the same pod (inplace_s).
-DEFAULT_INPLACE_RESTART_S = 8.7
+# the generated pod run with podman on one host, image cached, medians of 10 resizes on 2026-11-25, after
+# the harness fix; docs/benchmarks.md, section 1). In place: a new generation published -> the first step
+# after the trainer container's restart in the same pod (inplace_s).
+DEFAULT_INPLACE_RESTART_S = 7.2
 # Re-creation, part by part (docs/simulator.md, "Restart overhead", gives each source). The old pod's
 # termination, measured: deletion -> its containers stopped (SIGTERM, checkpoint, exit) and removed
 # (pod_delete_s); Kubernetes' terminationGracePeriodSeconds (30 s by default) only bounds it.
-DEFAULT_GRACE_PERIOD_S = 2.4
+DEFAULT_GRACE_PERIOD_S = 1.9
 # Binding the new pod: not measured (one host, no scheduler); with the container start, inside
 # Kubernetes' pod start-up SLO (sig-scalability, "Pod startup latency": <= 5 s at the 99th percentile).
 DEFAULT_SCHEDULING_S = 1.0
-# Container creation and start, measured: old pod gone -> the new pod's first step (recreate_start_s,
-# 6.8 s) less the trainer's initialisation (DEFAULT_COLD_START_S).
-DEFAULT_CONTAINER_START_S = 1.8
+# Container creation and start, measured: a pod played -> its first step (pod_start_s, 5.1 s) less the
+# trainer's initialisation (DEFAULT_COLD_START_S, measured outside containers): on one host with the
+# image cached, creating and starting the containers costs next to nothing.
+DEFAULT_CONTAINER_START_S = 0.1
 # The project's trainer image (docker/Dockerfile.train, CPU PyTorch), as built: 1,290 MiB.
 DEFAULT_IMAGE_SIZE_MB = 1290 * 1.048576
 # An assumption, not a measurement: a 1 Gbit/s link to the registry (125 MB/s).
