@@ -30,7 +30,7 @@ def broker(tmp_path, clock):
     was, its GPU-seconds up to now included."""
     b = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}", clock=clock)
     b.register_node("n0", 4)
-    b.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    b.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
     yield b
     b.engine.dispose()
 

@@ -160,7 +160,8 @@ def one_gpu(tmp_path):
     """A broker on a SQLite file with one GPU and a 3-second lease (fence 1.5 s, kill by 2 s)."""
     broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
     broker.register_node("localhost", 1)
-    broker.configure_pool(lease_s=3.0, policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    broker.configure_pool(lease_s=3.0, policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0,
+                                                      "max_restart_hold_s": 0.0})
     backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=30.0)
     started: list[str] = []
     yield broker, backend, started

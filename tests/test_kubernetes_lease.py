@@ -20,7 +20,8 @@ def lease_cluster(tmp_path):
     clock = FakeClock()
     broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}", clock=clock)
     broker.register_node("gpu-node-0", 4, gpu_type="NVIDIA A100")
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0}, lease_s=60)
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0},
+                          lease_s=60)
     api = FakeCoreV1()
     yield broker, KubernetesBackend(config(), broker, api), api, clock
     broker.engine.dispose()

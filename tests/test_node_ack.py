@@ -21,7 +21,7 @@ NODES = ("node-a", "node-b", "node-c")
 def pool(broker):
     for node in NODES:
         broker.register_node(node, 2)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
     return broker
 
 

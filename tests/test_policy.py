@@ -90,6 +90,21 @@ def test_a_job_whose_restart_outlasts_the_interval_keeps_its_allocation_as_long_
     assert len(policy.decide(ClusterState((node(),), (a,), 301.0)).allocations["a"]) == 4
     quick = job("a", alloc=gpus("n0", 0), last_resize=0.0, overhead=10.0)
     assert len(policy.decide(ClusterState((node(),), (quick,), 61.0)).allocations["a"]) == 4
+    # a measured overhead holds at most max_restart_hold_s (it includes whatever delayed the first
+    # step: a pod pending for an hour would have held GPUs better-ranked jobs wait for)
+    stuck = job("a", alloc=gpus("n0", 0), last_resize=0.0, overhead=3600.0)
+    eager = AdaptivePolicy(min_resize_interval_s=60, hysteresis=0)  # any gain pays such a restart
+    assert eager.decide(ClusterState((node(),), (stuck,), 599.0)).allocations["a"] == stuck.allocation
+    assert len(eager.decide(ClusterState((node(),), (stuck,), 601.0)).allocations["a"]) == 4
+    assert len(AdaptivePolicy(min_resize_interval_s=60, max_restart_hold_s=0).decide(
+        ClusterState((node(),), (a,), 61.0)).allocations["a"]) == 4
+    # a held job whose GPU is gone (a drain, a GPU out of service) is not held: it restarts anyway
+    b = job("b", alloc=gpus("n1", 0, 1, 2), last_resize=0.0, overhead=300.0, submit=1.0)
+    shorter = job("c", min_gpus=2, steps=100, submit=2.0)  # ranked first: held, b would keep 3 of 5 GPUs
+    moved = policy.decide(ClusterState((node(), NodeState("n1", (3,))), (b, shorter), 100.0)).allocations
+    assert (len(moved["b"]), len(moved["c"])) == (1, 4)
+    with pytest.raises(ValueError, match="max_restart_hold_s must be >= 0"):
+        AdaptivePolicy(max_restart_hold_s=-1)
     # the type-aware hand-out (a pool of two GPU types) keeps its type too, though the other is 4x faster
     typed = (NodeState("v", (0, 1, 2, 3), "V100"), NodeState("k", (0, 1, 2, 3), "K80"))
     on_k80 = dataclasses.replace(job("a", alloc=gpus("k", 0, 1, 2, 3), last_resize=0.0, overhead=300.0,

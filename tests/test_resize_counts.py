@@ -22,7 +22,7 @@ def resized(clock, tmp_path) -> tuple[GpuBroker, str]:
     Published: 3 resizes (2 down, 1 up); run by the trainer: 2 (one to as many GPUs, one down)."""
     b = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}", clock=clock)
     b.register_node("n0", 4)
-    b.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0})
+    b.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
     a = b.submit(JobSpec("a", "x", 1, 4, total_steps=1000))
     assert b.ack(a.id, 1)
     clock.advance(10)

@@ -11,9 +11,10 @@ linear-scaling jobs are served shortest-first, poorly scaling ones share.
 Steps of one decision:
 
 1. Jobs resized less than ``min_resize_interval_s`` ago, or less than their restart overhead ago
-   (a slow restart: its trainer may not have trained on the new allocation yet), are frozen at
-   their count. Without the second bound two jobs whose restarts outlast the interval could take
-   GPUs from each other in turn for ever, neither training (the termination peer did, with
+   (up to ``max_restart_hold_s``: a slow restart, whose trainer may not have trained on the new
+   allocation yet), are frozen at their count, unless some of their GPUs are gone (a drain, a GPU
+   out of service). Without the second bound two jobs whose restarts outlast the interval could
+   take GPUs from each other in turn for ever, neither training (the termination peer did, with
    re-creations of 300 s).
 2. Other running jobs start from ``min_gpus``; waiting jobs are admitted at ``min_gpus`` in
    rank order (priority, then least remaining work) while GPUs last, but with the pool setting
@@ -93,6 +94,7 @@ from airflow_elastic_gpu.scheduling.state import (
     Decision,
     GpuId,
     JobState,
+    held,
 )
 from airflow_elastic_gpu.scheduling.suspension import SuspensionRule
 
@@ -104,7 +106,12 @@ class AdaptivePolicy:
     :param hysteresis: a growth, or a suspension, must save more than this many restart
         overheads (>= 0).
     :param min_resize_interval_s: seconds a job keeps an allocation before it may be resized (>= 0);
-        a job whose restart overhead is longer keeps it that long.
+        a job whose restart overhead is longer keeps it that long, up to ``max_restart_hold_s``.
+    :param max_restart_hold_s: the longest a job's restart overhead holds its allocation after a
+        resize, seconds (>= 0; 0: ``min_resize_interval_s`` alone). A measured overhead includes
+        whatever delayed the first step (a pod pending, an image pull): the cap keeps such a job
+        from holding GPUs that better-ranked jobs wait for (the default, 600 s, is the suspension
+        rule's ``min_runtime_s`` and Optimus' interval).
     :param suspend: the pool allows suspension: preemptible jobs (``JobState.preemptible``) may
         be taken to zero GPUs to start waiting jobs ranked before them (off by default).
     :param min_runtime_s: with ``suspend``, seconds a job runs after each start or resume before
@@ -131,6 +138,7 @@ class AdaptivePolicy:
 
     hysteresis: float = 2.0
     min_resize_interval_s: float = 60.0
+    max_restart_hold_s: float = 600.0
     explore: bool = True
     suspend: bool = False
     min_runtime_s: float = 600.0
@@ -152,6 +160,8 @@ class AdaptivePolicy:
             raise ValueError(
                 f"min_resize_interval_s must be >= 0, got {self.min_resize_interval_s}"
             )
+        if not self.max_restart_hold_s >= 0:
+            raise ValueError(f"max_restart_hold_s must be >= 0, got {self.max_restart_hold_s!r}")
         if not isinstance(self.admission_by_gain, bool):
             raise ValueError(  # noqa: TRY004 - reported like every other bad policy parameter
                 f"admission_by_gain must be true or false, got {self.admission_by_gain!r}")
@@ -196,10 +206,11 @@ class AdaptivePolicy:
         """
         order, remaining_1_s = self._ranked(cluster)
         now_s, interval_s = cluster.now_s, self.min_resize_interval_s
-        # JobState.resized_within, inlined (every job, every decision), for at least the job's restart
-        # overhead: a resize is not undone before the job could train as long as the resize cost it
-        resized = [bool(j.allocation) and j.last_resize_s is not None
-                   and now_s - j.last_resize_s < max(interval_s, j.restart_overhead_s) for j in order]
+        hold_s = self.max_restart_hold_s
+        resized = [held(j, now_s, interval_s, hold_s) for j in order]
+        if any(resized):  # a held job whose GPUs are gone (a drain, a GPU out of service) is not held
+            gpus_by_node = {n.name: n.gpu_indices for n in cluster.nodes}
+            resized = [r and held(j, now_s, interval_s, hold_s, gpus_by_node) for r, j in zip(resized, order)]
         frozen = list(resized)
         capacity = cluster.capacity
         # running jobs that keep their minimum although their suspension could be weighed (suspend)

@@ -20,13 +20,14 @@ Steps of one decision on a pool with more than one GPU type (a pool of one type 
    completion times on unrelated machines, in which a job's relative speed on each type and the
    load already there both count. A type is chosen only if it can still admit the job at
    ``min_gpus`` after the jobs before it. A running job keeps its type unless it may be resized now
-   (``min_resize_interval_s``, or its restart overhead if longer) and the move saves more than ``hysteresis`` restart overheads, its
+   (not held: ``min_resize_interval_s``, or its restart overhead if longer, see ``AdaptivePolicy``)
+   and the move saves more than ``hysteresis`` restart overheads, its
    current count where it is against the count it can count on there (``min_gpus``, or more where
    GPUs are idle now and not reserved by the jobs before it or by running jobs; ``max_gpus`` at
    most).
    A waiting job whose best type has no room left because running jobs ranked after it hold their
    minimum there displaces them, the worst-ranked first, to other types with room for their
-   minimum (a resize to another type, not a suspension; jobs resized within the interval stay),
+   minimum (a resize to another type, not a suspension; jobs held since a resize stay),
    when its predicted finish there beats the type it would get otherwise by more than
    ``hysteresis`` times their restart overheads: otherwise the long jobs that started first keep
    the fast GPUs for as long as they run and the short ones that arrive later get the slow ones,
@@ -51,6 +52,7 @@ from airflow_elastic_gpu.scheduling.state import (
     GpuId,
     JobState,
     NodeState,
+    held,
     largest_node_by_type,
 )
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
@@ -174,7 +176,8 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
     # nodes of a type with GPUs to hand out; a job's GPUs elsewhere (a drained node, a type with
     # no healthy GPU left) do not tie it to a type: it is placed like a waiting job
     node_type = {n.name: n.gpu_type for n in cluster.nodes if capacity.get(n.gpu_type)}
-    now_s, interval_s = cluster.now_s, policy.min_resize_interval_s
+    now_s, interval_s, hold_s = cluster.now_s, policy.min_resize_interval_s, policy.max_restart_hold_s
+    gpus_by_node = {n.name: n.gpu_indices for n in cluster.nodes}
     # hot path (every job, every decision on a mixed pool): types as indices into parallel lists
     index = {t: i for i, t in enumerate(live)}
     caps = [capacity[t] for t in live]
@@ -184,7 +187,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
     jobs = cluster.jobs
     # per job: its (model, factor) per live type, its single-GPU work on each (single-GPU seconds of
     # that type), its remaining steps, and, if it runs, (its type's index, GPUs it keeps there for
-    # sure, resized too recently to move)
+    # sure, held since a resize: too recent to move)
     models: list[list[tuple[ThroughputModel, float]]] = []
     work: list[list[float]] = []
     rests: list[float] = []
@@ -208,8 +211,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
                 t = _type_of(j, node_type)
                 on_t = sum(node_type.get(g.node) == t for g in alloc) if t is not None else 0
             if t is not None:
-                last_s = j.last_resize_s  # as AdaptivePolicy's step 1 (at least the restart overhead)
-                frozen = last_s is not None and now_s - last_s < max(interval_s, j.restart_overhead_s)
+                frozen = held(j, now_s, interval_s, hold_s, gpus_by_node)  # as AdaptivePolicy's step 1
                 keep = on_t if frozen else min(j.min_gpus, on_t)
                 cur = (index[t], keep, frozen)
                 room[cur[0]] -= keep
@@ -220,7 +222,7 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
     chosen: dict[str, str] = {}
     moved: dict[str, str] = {}
     hysteresis = policy.hysteresis
-    # per live type, the running jobs there that may be moved now (not resized within the interval),
+    # per live type, the running jobs there that may be moved now (not held since a resize),
     # in service order: a waiting job may displace those ranked after it, the worst-ranked first
     movable: list[list[int]] = [[] for _ in live]
     position = [0] * len(jobs)  # job -> its place in service order
@@ -313,12 +315,13 @@ def choose_types(policy: AdaptivePolicy, cluster: ClusterState,
             pick = first
         i = pick[3] if pick is not None else None
         if c is not None and i != c:
-            # a running job moves only to a type with room for it, and only when it pays: not resized
-            # within the policy's interval, and the move saves more than hysteresis restart overheads,
-            # its current count where it is against the count it can count on there: min_gpus, or
-            # more where GPUs are idle now and not reserved (max_gpus at most): four P100s are not
-            # left for one V100 that is a little faster per GPU, and one GPU of a crowded type is
-            # left for four idle ones of another when that is faster
+            # a running job moves only to a type with room for it, and only when it pays: not held
+            # since a resize (the policy's interval, or its restart overhead), and the move saves
+            # more than hysteresis restart overheads, its current count where it is against the
+            # count it can count on there: min_gpus, or more where GPUs are idle now and not
+            # reserved (max_gpus at most): four P100s are not left for one V100 that is a little
+            # faster per GPU, and one GPU of a crowded type is left for four idle ones of another
+            # when that is faster
             if i is None or frozen:
                 i = c
             else:

@@ -149,7 +149,8 @@ class JobState:
 
     def resized_within(self, now_s: float, interval_s: float) -> bool:
         """True if the job holds GPUs and its allocation changed less than ``interval_s`` seconds
-        before ``now_s`` (policies keep such a job's count: their minimum interval between resizes)."""
+        before ``now_s`` (policies keep such a job's count: their minimum interval between resizes;
+        the adaptive policy's hold is :func:`held`)."""
         return bool(self.allocation and self.last_resize_s is not None
                     and now_s - self.last_resize_s < interval_s)
 
@@ -209,3 +210,25 @@ class Decision:
 
     def counts(self) -> dict[str, int]:
         return {job_id: len(gpus) for job_id, gpus in self.allocations.items()}
+
+
+def held(job: JobState, now_s: float, interval_s: float, max_restart_hold_s: float,
+         gpus_by_node: Mapping[str, tuple[int, ...]] | None = None) -> bool:
+    """True if ``job`` keeps its allocation now: it was resized less than ``interval_s`` seconds ago,
+    or less than its restart overhead ago (at most ``max_restart_hold_s``), so that a resize is not
+    undone before the job could train about as long as the resize cost it (two jobs whose restarts
+    outlast the interval could otherwise take GPUs from each other in turn for ever, neither
+    training). A job any of whose GPUs is no longer to be had (``gpus_by_node``: node -> its GPUs
+    that may be handed out) is never held: it restarts elsewhere anyway.
+
+    :param now_s: the decision's time (seconds).
+    :param interval_s: the policy's minimum interval between resizes (seconds).
+    :param max_restart_hold_s: the longest the restart overhead holds a job (seconds; 0: the
+        interval alone).
+    """
+    last_s = job.last_resize_s
+    if not job.allocation or last_s is None:
+        return False
+    if now_s - last_s >= max(interval_s, min(job.restart_overhead_s, max_restart_hold_s)):
+        return False
+    return gpus_by_node is None or all(g.index in gpus_by_node.get(g.node, ()) for g in job.allocation)
