@@ -11,11 +11,9 @@ linear-scaling jobs are served shortest-first, poorly scaling ones share.
 Steps of one decision:
 
 1. Jobs resized less than ``min_resize_interval_s`` ago, or less than their restart overhead ago
-   (up to ``max_restart_hold_s``: a slow restart, whose trainer may not have trained on the new
-   allocation yet), are frozen at their count, unless some of their GPUs are gone (a drain, a GPU
-   out of service). Without the second bound two jobs whose restarts outlast the interval could
-   take GPUs from each other in turn for ever, neither training (the termination peer did, with
-   re-creations of 300 s).
+   (up to ``max_restart_hold_s``), keep their count, unless some of their GPUs are gone (a drain,
+   a GPU out of service): without the second bound two jobs whose restarts outlast the interval
+   could take GPUs from each other in turn for ever, neither training (:func:`.state.held`).
 2. Other running jobs start from ``min_gpus``; waiting jobs are admitted at ``min_gpus`` in
    rank order (priority, then least remaining work) while GPUs last, but with the pool setting
    ``admission_by_gain`` (on by default) only these: a job whose rank rests on a guess (not
