@@ -97,7 +97,7 @@ def broker(broker_url, clock) -> Iterator[GpuBroker]:
 @pytest.fixture
 def pool(broker: GpuBroker) -> GpuBroker:
     """:func:`broker` with one node of 4 GPUs and a pool that resizes at once (no hysteresis, no
-    minimum interval between resizes)."""
+    minimum interval between resizes, no hold for the restart overhead)."""
     broker.register_node("n0", 4)
     broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
     return broker

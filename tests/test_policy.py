@@ -103,8 +103,9 @@ def test_a_job_whose_restart_outlasts_the_interval_keeps_its_allocation_as_long_
     shorter = job("c", min_gpus=2, steps=100, submit=2.0)  # ranked first: held, b would keep 3 of 5 GPUs
     moved = policy.decide(ClusterState((node(), NodeState("n1", (3,))), (b, shorter), 100.0)).allocations
     assert (len(moved["b"]), len(moved["c"])) == (1, 4)
-    with pytest.raises(ValueError, match="max_restart_hold_s must be >= 0"):
-        AdaptivePolicy(max_restart_hold_s=-1)
+    for bad in (-1, True, float("nan")):
+        with pytest.raises(ValueError, match="max_restart_hold_s must be a number of seconds >= 0"):
+            AdaptivePolicy(max_restart_hold_s=bad)
     # the type-aware hand-out (a pool of two GPU types) keeps its type too, though the other is 4x faster
     typed = (NodeState("v", (0, 1, 2, 3), "V100"), NodeState("k", (0, 1, 2, 3), "K80"))
     on_k80 = dataclasses.replace(job("a", alloc=gpus("k", 0, 1, 2, 3), last_resize=0.0, overhead=300.0,

@@ -109,7 +109,7 @@ class AdaptivePolicy:
         resize, seconds (>= 0; 0: ``min_resize_interval_s`` alone). A measured overhead includes
         whatever delayed the first step (a pod pending, an image pull): the cap keeps such a job
         from holding GPUs that better-ranked jobs wait for (the default, 600 s, is the suspension
-        rule's ``min_runtime_s`` and Optimus' interval).
+        rule's ``min_runtime_s`` and Optimus' interval); restarts longer than it are not protected.
     :param suspend: the pool allows suspension: preemptible jobs (``JobState.preemptible``) may
         be taken to zero GPUs to start waiting jobs ranked before them (off by default).
     :param min_runtime_s: with ``suspend``, seconds a job runs after each start or resume before
@@ -158,8 +158,9 @@ class AdaptivePolicy:
             raise ValueError(
                 f"min_resize_interval_s must be >= 0, got {self.min_resize_interval_s}"
             )
-        if not self.max_restart_hold_s >= 0:
-            raise ValueError(f"max_restart_hold_s must be >= 0, got {self.max_restart_hold_s!r}")
+        if isinstance(self.max_restart_hold_s, bool) or not self.max_restart_hold_s >= 0:
+            raise ValueError(
+                f"max_restart_hold_s must be a number of seconds >= 0, got {self.max_restart_hold_s!r}")
         if not isinstance(self.admission_by_gain, bool):
             raise ValueError(  # noqa: TRY004 - reported like every other bad policy parameter
                 f"admission_by_gain must be true or false, got {self.admission_by_gain!r}")

@@ -20,11 +20,10 @@ Steps of one decision on a pool with more than one GPU type (a pool of one type 
    completion times on unrelated machines, in which a job's relative speed on each type and the
    load already there both count. A type is chosen only if it can still admit the job at
    ``min_gpus`` after the jobs before it. A running job keeps its type unless it may be resized now
-   (not held: ``min_resize_interval_s``, or its restart overhead if longer, see ``AdaptivePolicy``)
-   and the move saves more than ``hysteresis`` restart overheads, its
-   current count where it is against the count it can count on there (``min_gpus``, or more where
-   GPUs are idle now and not reserved by the jobs before it or by running jobs; ``max_gpus`` at
-   most).
+   (not held since a resize: :func:`~airflow_elastic_gpu.scheduling.state.held`) and the move
+   saves more than ``hysteresis`` restart overheads, its current count where it is against the
+   count it can count on there (``min_gpus``, or more where GPUs are idle now and not reserved by
+   the jobs before it or by running jobs; ``max_gpus`` at most).
    A waiting job whose best type has no room left because running jobs ranked after it hold their
    minimum there displaces them, the worst-ranked first, to other types with room for their
    minimum (a resize to another type, not a suspension; jobs held since a resize stay),
