@@ -42,6 +42,7 @@ from airflow_elastic_gpu.broker.types import (
     PoolConfig,
     PoolSnapshot,
 )
+from airflow_elastic_gpu.scheduling.core import attained_gpu_s
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.states import ACTIVE, JobStatus
@@ -125,13 +126,6 @@ class Queries(Rebalancing):
             targets = self._gpus_by_job(s, GpuTarget, ids)
             in_use = self._gpus_by_job(s, GpuInUse, ids)
         now = self.clock() if in_use else 0.0
-
-        def gpu_seconds(job: Job | Row[Any]) -> float:
-            """Up to now: the stored figure counts up to the last change of the GPUs in use."""
-            held = len(in_use.get(job.id, ()))
-            since = job.in_use_since_s
-            return job.gpu_seconds + (held * max(0.0, now - since) if held and since is not None else 0.0)
-
         return [
             JobView(
                 id=job.id, key=job.key, name=job.name, pool=job.pool, command=job.command,
@@ -140,7 +134,8 @@ class Queries(Rebalancing):
                 steps_done=job.steps_done, target_generation=job.target_generation,
                 acked_generation=job.acked_generation, target_gpus=targets.get(job.id, ()),
                 in_use_gpus=in_use.get(job.id, ()), num_resizes=job.num_resizes,
-                gpu_seconds=gpu_seconds(job), restart_overhead_s=job.restart_overhead_s,
+                gpu_seconds=attained_gpu_s(job.gpu_seconds, len(in_use.get(job.id, ())), job.in_use_since_s, now),
+                restart_overhead_s=job.restart_overhead_s,
                 throughput=throughput_of(job).observed, submit_s=job.submit_s, start_s=job.start_s,
                 end_s=job.end_s, last_heartbeat_s=job.last_heartbeat_s, exit_code=job.exit_code,
                 reason=job.reason, metrics=job.metrics, progress_pattern=job.progress_pattern,

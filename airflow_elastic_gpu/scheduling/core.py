@@ -45,6 +45,14 @@ from airflow_elastic_gpu.scheduling.throughput import (
 )
 
 
+def attained_gpu_s(gpu_seconds: float, num_in_use: int, in_use_since_s: float | None, now_s: float) -> float:
+    """GPU-seconds held up to ``now_s``: ``gpu_seconds`` (counted up to the last change of the GPUs in
+    use, at ``in_use_since_s``) plus ``num_in_use`` GPUs held since then."""
+    if not num_in_use or in_use_since_s is None:
+        return gpu_seconds
+    return gpu_seconds + num_in_use * max(0.0, now_s - in_use_since_s)
+
+
 @dataclass(eq=False)
 class JobBook:
     """What the scheduling loop keeps of one unfinished job (mutable: the loop updates it in place).
@@ -110,8 +118,7 @@ class JobBook:
 
     def attained_gpu_s(self, now_s: float) -> float:
         """GPU-seconds the job has held up to ``now_s`` (Tiresias' attained service)."""
-        since = self.in_use_since_s if self.in_use_since_s is not None else now_s
-        return self.gpu_seconds + len(self.in_use) * max(0.0, now_s - since)
+        return attained_gpu_s(self.gpu_seconds, len(self.in_use), self.in_use_since_s, now_s)
 
     def num_gpus_of(self, generation: int) -> int:
         """GPUs the trainer of ``generation`` runs on: the target's if it is the latest, else the
