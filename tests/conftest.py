@@ -22,6 +22,10 @@ POSTGRES_URL = os.environ.get(
 )
 
 
+#: pool policy parameters of a pool that resizes at once: no hysteresis, no minimum interval between
+#: resizes, no hold for a job's restart overhead
+RESIZE_AT_ONCE = {"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0}
+
 class FakeClock:
     """A clock the test moves by hand (seconds)."""
 
@@ -99,7 +103,7 @@ def pool(broker: GpuBroker) -> GpuBroker:
     """:func:`broker` with one node of 4 GPUs and a pool that resizes at once (no hysteresis, no
     minimum interval between resizes, no hold for the restart overhead)."""
     broker.register_node("n0", 4)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     return broker
 
 

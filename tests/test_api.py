@@ -10,6 +10,7 @@ import threading
 import pytest
 import schemathesis
 import uvicorn
+from conftest import RESIZE_AT_ONCE
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,7 +31,7 @@ def broker(tmp_path, clock):
     was, its GPU-seconds up to now included."""
     b = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}", clock=clock)
     b.register_node("n0", 4)
-    b.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    b.configure_pool(policy_params=RESIZE_AT_ONCE)
     yield b
     b.engine.dispose()
 

@@ -3,6 +3,7 @@
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from conftest import RESIZE_AT_ONCE
 from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 
@@ -84,7 +85,7 @@ def test_a_gpu_of_an_unacked_generation_goes_to_nobody_else_until_the_job_acks(b
     shrinks the job must not hand the GPUs it drops to another job before that ack (both trainers
     would run on them). The shrink waits for the ack; the GPUs move once the job runs without them."""
     broker.register_node("n0", 4)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     a = broker.submit(spec("a", min_gpus=1, max_gpus=4, total_steps=100_000))
     broker.rebalance()
     assert len(broker.job(a.id).target_gpus) == 4  # generation 1, not acked yet: its trainer may be starting
@@ -453,7 +454,7 @@ def test_a_pool_can_start_measured_jobs_shortest_first(pool, clock, by_gain):
     two new runs of a training measured before (the finished run of the same name) start one after
     the other on all GPUs, shortest first; with ``admission_by_gain=false`` both start at once and
     share them."""
-    params = {"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0}
+    params = dict(RESIZE_AT_ONCE)
     if by_gain is not None:
         params["admission_by_gain"] = by_gain
     pool.configure_pool(policy_params=params)

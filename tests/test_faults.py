@@ -18,7 +18,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, _reset_postgres
+from conftest import REPO, RESIZE_AT_ONCE, _reset_postgres
 from sqlalchemy import create_engine, text
 from test_sidecar import TRAINER, wait_for
 
@@ -38,7 +38,7 @@ def setup(tmp_path):
     url = f"sqlite:///{tmp_path / 'broker.db'}"
     broker = GpuBroker(url)
     broker.register_node("localhost", 2)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
     backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=5)
@@ -190,7 +190,7 @@ def test_killed_database_connections_under_load_are_retried_without_breaking_an_
 def test_a_drained_node_moves_its_job_and_keeps_its_progress(broker):
     broker.register_node("n0", 2)
     broker.register_node("n1", 2)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     job = broker.submit(JobSpec("mover", "train", 1, 2, total_steps=1000))
     home = {g.node for g in job.target_gpus}
     assert len(home) == 1
@@ -211,7 +211,7 @@ def test_a_drained_node_moves_its_job_and_keeps_its_progress(broker):
 def test_a_drained_node_with_no_room_elsewhere_keeps_its_job_running_until_room_appears(broker):
     broker.register_node("n0", 2)
     broker.register_node("n1", 2)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     a = broker.submit(JobSpec("a", "train", 2, 2, total_steps=1000, key="a"))
     b = broker.submit(JobSpec("b", "train", 2, 2, total_steps=1000, key="b"))
     for j in (a, b):

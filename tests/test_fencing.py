@@ -21,6 +21,7 @@ from typing import Self
 
 import pytest
 import uvicorn
+from conftest import RESIZE_AT_ONCE
 from test_sidecar import TRAINER, start_launcher, wait_for
 
 from airflow_elastic_gpu.backends.local import BackendError, LocalBackend
@@ -160,8 +161,7 @@ def one_gpu(tmp_path):
     """A broker on a SQLite file with one GPU and a 3-second lease (fence 1.5 s, kill by 2 s)."""
     broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
     broker.register_node("localhost", 1)
-    broker.configure_pool(lease_s=3.0, policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0,
-                                                      "max_restart_hold_s": 0.0})
+    broker.configure_pool(lease_s=3.0, policy_params=RESIZE_AT_ONCE)
     backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=30.0)
     started: list[str] = []
     yield broker, backend, started

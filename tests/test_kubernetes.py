@@ -11,6 +11,7 @@ import threading
 
 import kubernetes_validate
 import pytest
+from conftest import RESIZE_AT_ONCE
 from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 
@@ -128,7 +129,7 @@ def cluster(tmp_path):
     broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
     for node in ("gpu-node-0", "gpu-node-1"):
         broker.register_node(node, 4, gpu_type="NVIDIA A100")
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     api = FakeCoreV1()
     yield broker, api
     broker.engine.dispose()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from conftest import RESIZE_AT_ONCE
 from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 from test_kubernetes import CONTEXT, FakeCoreV1, config, validate
@@ -85,7 +86,7 @@ def cluster(tmp_path):
     broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
     for node in NODES:
         broker.register_node(node, 4, gpu_type="NVIDIA A100")
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     yield broker, FakeCoreV1WithServices()
     broker.engine.dispose()
 
@@ -286,8 +287,7 @@ def test_a_preemptible_gang_of_pods_is_suspended_and_resumed(cluster, mechanism)
     gang resumes on the three nodes: in place its pods go on, with re-creation they are replaced
     by the new generation's."""
     broker, api = cluster
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0,
-                                         "suspend": True, "min_runtime_s": 0.0})
+    broker.configure_pool(policy_params={**RESIZE_AT_ONCE, "suspend": True, "min_runtime_s": 0.0})
     backend = KubernetesBackend(config(resize_mechanism=mechanism), broker, api)
     job = broker.submit(JobSpec("gang", GANG, 12, 12, total_steps=100_000, backend="kubernetes", preemptible=True))
     backend.start(job)

@@ -6,7 +6,7 @@ started and then goes silent is (the fake CoreV1 API of ``test_kubernetes.py``, 
 from __future__ import annotations
 
 import pytest
-from conftest import FakeClock
+from conftest import RESIZE_AT_ONCE, FakeClock
 from test_kubernetes import FakeCoreV1, config
 
 from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
@@ -20,7 +20,7 @@ def lease_cluster(tmp_path):
     clock = FakeClock()
     broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}", clock=clock)
     broker.register_node("gpu-node-0", 4, gpu_type="NVIDIA A100")
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0},
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE,
                           lease_s=60)
     api = FakeCoreV1()
     yield broker, KubernetesBackend(config(), broker, api), api, clock

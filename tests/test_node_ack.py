@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conftest import RESIZE_AT_ONCE
 from fastapi.testclient import TestClient
 
 from airflow_elastic_gpu.broker.api import create_app
@@ -21,7 +22,7 @@ NODES = ("node-a", "node-b", "node-c")
 def pool(broker):
     for node in NODES:
         broker.register_node(node, 2)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     return broker
 
 

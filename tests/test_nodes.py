@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from conftest import RESIZE_AT_ONCE
 from kubernetes.client import models as k8s
 from sqlalchemy import text
 
@@ -24,7 +25,7 @@ def spec(name, lo=1, hi=2):
 def test_a_node_holding_a_jobs_gpus_is_removed_only_once_drained_and_free(broker):
     broker.register_node("n0", 2)
     broker.register_node("n1", 2)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     job = broker.submit(spec("train", 2, 2))
     broker.ack(job.id, 1)
     (on,) = {g.node for g in broker.job(job.id).in_use_gpus}
@@ -122,7 +123,7 @@ def test_a_gpu_out_of_service_goes_to_no_job_and_its_job_moves_off_it(broker):
     """A failing GPU (Xid or ECC errors) of a node that is otherwise fine: the job on it moves to a
     healthy GPU, no job gets it, and once back in service it is handed out again."""
     broker.register_node("n0", 3)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     job = broker.submit(spec("train", 2, 2))
     assert [g.index for g in job.target_gpus] == [0, 1]
     broker.ack(job.id, 1)
@@ -145,7 +146,7 @@ def test_a_gpu_out_of_service_goes_to_no_job_and_its_job_moves_off_it(broker):
 
 def test_a_job_whose_gpu_fails_with_no_room_elsewhere_keeps_running_until_room_appears(broker):
     broker.register_node("n0", 2)
-    broker.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
     job = broker.submit(spec("train", 2, 2))
     broker.ack(job.id, 1)
     broker.set_gpus_healthy("n0", [0], False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from conftest import RESIZE_AT_ONCE
 from rich.console import Console
 
 from airflow_elastic_gpu.broker.api_models import timeline
@@ -22,7 +23,7 @@ def resized(clock, tmp_path) -> tuple[GpuBroker, str]:
     Published: 3 resizes (2 down, 1 up); run by the trainer: 2 (one to as many GPUs, one down)."""
     b = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}", clock=clock)
     b.register_node("n0", 4)
-    b.configure_pool(policy_params={"hysteresis": 0.0, "min_resize_interval_s": 0.0, "max_restart_hold_s": 0.0})
+    b.configure_pool(policy_params=RESIZE_AT_ONCE)
     a = b.submit(JobSpec("a", "x", 1, 4, total_steps=1000))
     assert b.ack(a.id, 1)
     clock.advance(10)
