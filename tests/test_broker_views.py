@@ -98,3 +98,40 @@ def test_a_job_that_ends_while_a_snapshot_is_read_is_not_counted_as_hidden(postg
     later = pool.snapshot()
     assert [(j.id, j.status.value) for j in later.jobs] == [(job.id, "succeeded")] and later.ended_hidden == 0
     pool.engine.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("read", ["job", "jobs"])
+def test_a_job_that_ends_while_its_view_is_read_shows_its_row_and_gpus_of_one_moment(postgres_url, clock, read):
+    """A job's view reads its row, then its GPUs. On PostgreSQL the two statements ran in
+    autocommit, each at its own moment: a job that ended in between was shown running on no GPUs
+    (the operator and the page saw a running job that held nothing)."""
+    from sqlalchemy import event
+
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    pool, other = GpuBroker(postgres_url, clock=clock), GpuBroker(postgres_url, clock=clock)
+    pool.register_node("n0", 4)
+    job = pool.submit(spec("ending", max_gpus=2))
+    pool.ack(job.id, 1)
+    if read == "jobs":  # two jobs: the GPUs of several are read by one query per table
+        pool.ack(pool.submit(spec("staying", max_gpus=2)).id, 1)
+    held = pool.job(job.id).in_use_gpus
+    ended = []
+
+    def end_it_before_the_gpus_are_read(conn, cursor, statement, *args):
+        if "gpu_target" in statement.lower() and not ended:  # (the two clients share one engine)
+            ended.append(None)
+            ended[0] = other.finish(job.id, 0)
+
+    event.listen(pool.engine, "before_cursor_execute", end_it_before_the_gpus_are_read)
+    try:
+        view = pool.job(job.id) if read == "job" else pool.jobs()[0]
+    finally:
+        event.remove(pool.engine, "before_cursor_execute", end_it_before_the_gpus_are_read)
+        other.engine.dispose()
+    assert ended, "the job was not ended during the read"
+    assert (view.status.value, view.in_use_gpus, len(view.target_gpus)) == ("running", held, 2)
+    after = pool.job(job.id)
+    assert (after.status.value, after.in_use_gpus) == ("succeeded", ())
+    pool.engine.dispose()

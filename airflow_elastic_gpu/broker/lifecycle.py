@@ -322,7 +322,7 @@ class Lifecycle(Endings):
             gpus = tuple(sorted(GpuId(r.node, r.index) for r in rows if r.node is not None))
             return Target(job_id, JobStatus(job.status), job.target_generation, gpus, job.lease_s)
 
-        return self._read_conn(read)
+        return self._read_conn(read, one_statement=True)
 
     def progress(self, job_id: str, step: float, *, generation: int | None = None,
                  time_s: float | None = None) -> None:

@@ -282,7 +282,7 @@ class Rebalancing(BrokerBase):
         transaction saw it, or read here) is known before the lock is taken, so the lock stays free
         for the rebalance that is. True if this call ran one."""
         if due is None:
-            due = self._due(self._read_conn(lambda conn: read_pool(conn, pool)))
+            due = self._due(self._read_conn(lambda conn: read_pool(conn, pool), one_statement=True))
         if not due:
             return False
 
@@ -344,7 +344,7 @@ class Rebalancing(BrokerBase):
 
         :raises NotFound: unknown pool.
         """
-        seen = self._read_conn(lambda conn: read_pool(conn, pool))
+        seen = self._read_conn(lambda conn: read_pool(conn, pool), one_statement=True)
         if seen is None:
             raise NotFound(f"unknown GPU pool {pool!r}")
 
@@ -372,7 +372,7 @@ class Rebalancing(BrokerBase):
 
         :raises NotFound: unknown pool.
         """
-        if self._read_conn(lambda conn: read_pool(conn, pool)) is None:
+        if self._read_conn(lambda conn: read_pool(conn, pool), one_statement=True) is None:
             raise NotFound(f"unknown GPU pool {pool!r}")
         return self._serve_rebalance(pool, True)
 

@@ -1,8 +1,8 @@
 """The broker's plumbing: one short transaction per call, the pool and job locks, retries, events.
 
-Every state change runs in one transaction (on PostgreSQL, the hot reads of a job or a list of jobs
-and one-statement calls run in autocommit; a view read in a session, such as a pool's snapshot, is
-one REPEATABLE READ transaction). A rebalance, and a change to a pool's nodes or settings, holds the pool's lock
+Every state change runs in one transaction (on PostgreSQL, one-statement calls such as a heartbeat
+run in autocommit; a read of several statements, such as a job's view or a pool's snapshot, is one
+REPEATABLE READ transaction). A rebalance, and a change to a pool's nodes or settings, holds the pool's lock
 (PostgreSQL: ``SELECT ... FOR NO KEY UPDATE`` on the pool row, which leaves rows that reference the
 pool free to be inserted); a job call locks its job row the same way first, and may then try the
 pool's lock *without waiting* (``SKIP LOCKED``) to serve a due rebalance (:mod:`.rebalance`). In
@@ -119,12 +119,13 @@ class BrokerBase:
         self.failed_rebalances = 0  # of them, those that raised inside a job call (logged, requests kept)
         self.retries = 0  # transactions redone after a serialization failure, deadlock or lost connection
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        # The hot reads (_read_conn), and calls that are one statement, run on PostgreSQL without
-        # BEGIN/COMMIT round trips: each statement is atomic and sees its own snapshot, as it would
-        # in a READ COMMITTED transaction (_read's sessions see one moment). SQLite keeps its
-        # transactions.
+        # Calls that are one statement (a heartbeat, a target, a pool's row) run on PostgreSQL
+        # without BEGIN/COMMIT round trips: each statement is atomic and sees its own snapshot;
+        # reads of several statements are one REPEATABLE READ transaction (_read, _read_conn).
+        # SQLite keeps its transactions.
         self._autocommit = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
                         if self.engine.dialect.name == "postgresql" else self.engine)
+        self._one_moment = self.engine.execution_options(isolation_level="REPEATABLE READ")
         self.clock: Callable[[], float] = clock or (
             LazyBrokerClock(self.engine) if self.engine.dialect.name == "postgresql" else time.time)
         if migrate:
@@ -210,12 +211,18 @@ class BrokerBase:
 
         return self._retrying(run)
 
-    def _read_conn(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn`` on a connection (plain SQL reads; on PostgreSQL in autocommit, so a read of
-        several statements is as consistent as one in a READ COMMITTED transaction: each statement
-        sees what was committed when it started), retried like a transaction."""
+    def _read_conn(self, fn: Callable[[Connection], T], *, one_statement: bool = False) -> T:
+        """Run ``fn`` on a connection (plain SQL reads), retried like a transaction. Its statements
+        see one moment, as :meth:`_read`'s do: on PostgreSQL a REPEATABLE READ transaction (a job
+        view reads the job's row, then its GPUs: in separate moments a job that ended or was resized
+        in between showed running with no GPUs, or one generation's number with another's GPUs).
+        ``one_statement``: ``fn`` runs a single statement (a heartbeat's target, a pool's row),
+        which is one moment by itself: autocommit, without BEGIN/COMMIT round trips."""
         def run() -> T:
-            with self._autocommit.connect() as conn:
+            if one_statement or self.engine.dialect.name != "postgresql":
+                with self._autocommit.connect() as conn:
+                    return fn(conn)
+            with self._one_moment.begin() as conn:
                 return fn(conn)
 
         return self._retrying(run)
