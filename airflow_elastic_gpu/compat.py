@@ -9,9 +9,9 @@ from __future__ import annotations
 from airflow.sdk import Asset, BaseHook, BaseOperator, BaseOperatorLink, Metadata, XComArg
 
 try:
-    from airflow.sdk.exceptions import AirflowException, TaskDeferred
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 except ImportError:  # pragma: no cover - Airflow 3.1's task SDK re-exports them from core
-    from airflow.exceptions import AirflowException, TaskDeferred
+    from airflow.exceptions import AirflowException, AirflowFailException, TaskDeferred
 
 try:
     from airflow.sdk.execution_time.xcom import XCom
@@ -21,5 +21,5 @@ except ImportError:  # pragma: no cover - older task SDK
 # Triggers have no Task SDK home yet (Airflow 3.3 keeps them in core).
 from airflow.triggers.base import BaseTrigger, StartTriggerArgs, TriggerEvent
 
-__all__ = ["AirflowException", "Asset", "BaseHook", "BaseOperator", "BaseOperatorLink", "BaseTrigger",
+__all__ = ["AirflowException", "AirflowFailException", "Asset", "BaseHook", "BaseOperator", "BaseOperatorLink", "BaseTrigger",
            "Metadata", "StartTriggerArgs", "TaskDeferred", "TriggerEvent", "XCom", "XComArg"]

@@ -8,6 +8,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -123,3 +124,24 @@ def _no_log_handler_on_a_closed_capture():
         for handler in list(logger.handlers):
             if getattr(getattr(handler, "stream", None), "closed", False):
                 logger.removeHandler(handler)
+
+
+@pytest.fixture
+def worker_env(tmp_path, monkeypatch) -> Iterator[tuple[GpuBroker, Any, Path]]:
+    """A broker and job directory for operators run in this process (as a worker runs them), and a
+    stand-in trainer that prints JSON progress lines (``trainer.py x STEPS``, 20 steps/s)."""
+    from test_sidecar import TRAINER
+
+    from airflow_elastic_gpu.backends.local import LocalBackend
+
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_WORK_DIR", str(tmp_path / "jobs"))
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER)
+    broker = GpuBroker(url)
+    backend = LocalBackend(tmp_path / "jobs", broker)
+    yield broker, backend, trainer
+    for job in broker.jobs():
+        backend.stop(job.id, timeout_s=10)
+    broker.engine.dispose()

@@ -12,12 +12,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from airflow.exceptions import AirflowException
-from test_sidecar import TRAINER, wait_for
+from test_sidecar import wait_for
 
 from airflow_elastic_gpu.backends.local import LocalBackend
 from airflow_elastic_gpu.broker.models import JobStatus
@@ -223,23 +221,6 @@ def test_a_retried_task_reattaches_to_its_running_job_then_a_later_retry_replace
             if not job.status.terminal:
                 broker.cancel(job.id, "test cleanup")
             backend.stop(job.id, timeout_s=30)
-
-
-@pytest.fixture
-def worker_env(tmp_path, monkeypatch) -> Iterator[tuple[GpuBroker, LocalBackend, Path]]:
-    """A broker and job directory for operators run in this process (as a worker runs them), and a
-    stand-in trainer that prints JSON progress lines (``trainer.py x STEPS``, 20 steps/s)."""
-    url = f"sqlite:///{tmp_path / 'broker.db'}"
-    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
-    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_WORK_DIR", str(tmp_path / "jobs"))
-    trainer = tmp_path / "trainer.py"
-    trainer.write_text(TRAINER)
-    broker = GpuBroker(url)
-    backend = LocalBackend(tmp_path / "jobs", broker)
-    yield broker, backend, trainer
-    for job in broker.jobs():
-        backend.stop(job.id, timeout_s=10)
-    broker.engine.dispose()
 
 
 def test_a_non_deferrable_task_runs_its_job_to_success_in_the_worker(worker_env):

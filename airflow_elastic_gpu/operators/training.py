@@ -27,8 +27,10 @@ from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
     MAX_NAME_CHARS,
     BrokerError,
+    InvalidRequest,
     JobSpec,
     JobView,
+    NotFound,
     check_int,
     check_pool_name,
     check_text,
@@ -36,6 +38,7 @@ from airflow_elastic_gpu.broker.types import (
 )
 from airflow_elastic_gpu.compat import (
     AirflowException,
+    AirflowFailException,
     Asset,
     BaseOperator,
     StartTriggerArgs,
@@ -51,8 +54,12 @@ from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 from airflow_elastic_gpu.links.job import ElasticJobLink
 from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
 from airflow_elastic_gpu.triggers.submit import submit_and_start
-from airflow_elastic_gpu.triggers.training import TRIGGER_CLASSPATH, ElasticTrainingTrigger
-from airflow_elastic_gpu.triggers.watcher import JobWatcher
+from airflow_elastic_gpu.triggers.training import (
+    TIMEOUT_REASON,
+    TRIGGER_CLASSPATH,
+    ElasticTrainingTrigger,
+)
+from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
 
 def _later(value: object) -> bool:
@@ -307,10 +314,12 @@ class ElasticTrainingOperator(BaseOperator):
                 preemptible=self.preemptible, relative_speed=self.relative_speed,
                 family=task_family(ti.dag_id, ti.task_id),
             )
-            job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log).job
+            job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log,
+                                   on_submitted=lambda submitted: setattr(self, "_job_id", submitted.id)).job
+        except (InvalidRequest, NotFound) as exc:  # no retry changes the pool or the request: not retried
+            raise AirflowFailException(f"{self.task_id}: {exc}") from None
         except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
-        self._job_id = job.id
         ti.xcom_push(key="job_id", value=job.id)
         ti.xcom_push(key="gpu_pool", value=job.pool)
         if self.deferrable:
@@ -327,9 +336,16 @@ class ElasticTrainingOperator(BaseOperator):
         :raises AirflowException: the job did not succeed, or the broker or backend failed (the
             task's retry reattaches to the job).
         """
+        cleanup_failures = 0
         while True:
             try:
                 job, _events = watcher.poll()
+            except CleanupFailed as exc:  # the job has ended: its result counts after a few tries
+                cleanup_failures += 1
+                if not watcher.cleanup_failed(exc, cleanup_failures):
+                    time.sleep(self.poll_interval)
+                    continue
+                job = exc.job
             except (BrokerError, BackendError) as exc:
                 raise AirflowException(
                     f"{self.task_id}: following job {watcher.job_id} failed: {exc}") from None
@@ -340,15 +356,25 @@ class ElasticTrainingOperator(BaseOperator):
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the trigger fired: log the job's resizes, return its metrics.
 
-        :raises AirflowException: the trigger could not submit the job (``start_from_trigger``) or
-            follow it, or the job did not succeed.
+        :raises AirflowFailException: the broker refused the job (``start_from_trigger``: an unknown
+            pool, more GPUs than it has), or the triggerer cannot follow it (its broker is not the
+            worker's: the job is cancelled here and its processes stopped, so it holds no GPU
+            that nobody watches), or :meth:`_result`'s.
+        :raises AirflowException: the trigger could not start the job otherwise, or the job did not
+            succeed.
         """
         if event.get("job_id") is None:
-            raise AirflowException(f"{self.task_id}: the triggerer could not start the training: "
-                                   f"{event.get('reason')}")
+            error = AirflowException if event.get("retry", True) else AirflowFailException
+            raise error(f"{self.task_id}: the triggerer could not start the training: {event.get('reason')}")
         if event.get("status") == "error":
-            raise AirflowException(f"{self.task_id}: the triggerer could not follow training job "
-                                   f"{event['job_id']}: {event.get('reason')}")
+            message = (f"{self.task_id}: the triggerer could not follow training job {event['job_id']}: "
+                       f"{event.get('reason')}")
+            self._job_id = event["job_id"]
+            try:  # the worker's broker has the job: no one would watch it, or end it
+                self._stop_job("the triggerer could not follow the job (its broker is not the worker's)")
+            except Exception as exc:  # noqa: BLE001 - the message says what is left
+                self.log.warning("could not cancel job %s in the worker's broker (%s)", self._job_id, exc)
+            raise AirflowFailException(message)
         broker = self.hook.broker
         job = broker.job(event["job_id"])
         if self.start_from_trigger:  # the triggerer cannot push XCom: the link's job id comes now
@@ -360,9 +386,16 @@ class ElasticTrainingOperator(BaseOperator):
         return self._result(job, context)
 
     def _result(self, job: JobView, context: Any) -> dict[str, Any]:
-        """:raises AirflowException: ``job`` did not succeed (the message has the broker's reason)."""
+        """:raises AirflowFailException: ``job`` was cancelled, but not by the task's time-out (a
+            user stopped it: ``airflow-elastic-gpu cancel``, or the task was killed): not retried.
+        :raises AirflowException: ``job`` did not succeed otherwise (the message has the broker's
+            reason; the task's ``retries`` apply).
+        """
         if job.status is not JobStatus.SUCCEEDED:
-            raise AirflowException(f"{self.task_id}: training job {job.id} {job.status.value}: {job.reason}")
+            message = f"{self.task_id}: training job {job.id} {job.status.value}: {job.reason}"
+            if job.status is JobStatus.CANCELLED and not (job.reason or "").startswith(TIMEOUT_REASON):
+                raise AirflowFailException(message)
+            raise AirflowException(message)
         result = self.metrics(job)
         self.log.info("job %s succeeded: %s", job.id, result)
         if warning := job.progress_warning():
@@ -403,7 +436,16 @@ class ElasticTrainingOperator(BaseOperator):
                 "checkpoint_dir": job.checkpoint_dir}
 
     def on_kill(self) -> None:
+        """Cancel the job and stop its processes (the job is known from its submission on, while its
+        processes start too)."""
+        self._stop_job("task killed")
+
+    def _stop_job(self, reason: str) -> None:
+        """Cancel this try's job with ``reason`` and stop its processes; the stop is tried even when
+        the cancel fails (whose error is then raised)."""
         if self._job_id is None:
             return
-        self.hook.broker.cancel(self._job_id, "task killed")
-        self._make_backend().stop(self._job_id, timeout_s=30)
+        try:
+            self.hook.broker.cancel(self._job_id, reason)
+        finally:
+            self._make_backend().stop(self._job_id, timeout_s=30)

@@ -4,7 +4,7 @@ the worker) and the trigger (``start_from_trigger=True``, in the triggerer) both
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from airflow_elastic_gpu.backends.base import Backend, check_env, start_job
@@ -26,7 +26,8 @@ class Started:
 
 
 def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env: Mapping[str, str] | None,
-                     labels: Mapping[str, str], log: logging.Logger) -> Started:
+                     labels: Mapping[str, str], log: logging.Logger,
+                     on_submitted: Callable[[JobView], None] | None = None) -> Started:
     """Register ``spec.pool`` if the backend can (local: this host's GPUs), check the command,
     submit ``spec`` (idempotent on ``spec.key``; for ``spec.attempt`` also once its job has ended)
     and start the job's processes, unless they run already or the job has ended.
@@ -36,6 +37,8 @@ def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env:
     :param env: the trainer's extra environment, as rendered (checked again here: a template may
         have made a value a non-string).
     :param labels: the task's ``dag_id``, ``task_id``, ``run_id``, ``map_index`` (backend labels).
+    :param on_submitted: called with the job once the broker has it, before its processes start
+        (a start can take a while: a task killed meanwhile must know which job to stop).
     :raises BrokerError: the broker refused the job.
     :raises BackendError: a bad command, checkpoint directory or environment, or a failed start.
     """
@@ -45,6 +48,8 @@ def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env:
     env = check_env(env)
     backend.check(spec.command, spec.checkpoint_dir)
     job = broker.submit(spec)
+    if on_submitted is not None:
+        on_submitted(job)
     if job.status.terminal:  # this attempt's job ended (the broker answers it for spec.attempt): nothing to start
         log.info("job %s of this try already %s (while the triggerer was away): not started again",
                  job.id, job.status.value)

@@ -5,7 +5,9 @@ Every ``poll_interval`` seconds it runs one :meth:`JobWatcher.poll
 block; the triggerer's event loop must not): the broker's leased periodic rebalance, the backend
 kept in step with the broker, a job whose processes are gone failed, its new events (resizes
 with their reasons) logged into the task log. It fires once the broker records a terminal state,
-after the backend has cleaned up. The trigger holds no state beyond its serialized arguments:
+after the backend has cleaned up (a clean-up that fails :data:`~airflow_elastic_gpu.triggers.watcher.
+CLEANUP_TRIES` polls in a row is logged as an error, and the end fired all the same). A poll that
+fails is retried with new clients; the task's deadline holds while polls fail. The trigger holds no state beyond its serialized arguments:
 after a triggerer restart it re-polls and picks up where the broker is. The broker's record of
 the job's end is the truth, whatever happened to the processes.
 
@@ -28,11 +30,20 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from airflow_elastic_gpu.broker.types import BrokerError, JobSpec, JobView, NotFound, task_family
+from airflow_elastic_gpu.broker.types import (
+    BrokerError,
+    InvalidRequest,
+    JobSpec,
+    JobView,
+    NotFound,
+    task_family,
+)
 from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
-from airflow_elastic_gpu.triggers.watcher import JobWatcher
+from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
 TRIGGER_CLASSPATH = "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger"
+TIMEOUT_REASON = "execution_timeout"
+"""How the reason of a job cancelled at its task's deadline begins (a time-out: retried)."""
 
 
 def _attempt(ti: Any) -> str | None:
@@ -149,9 +160,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
             attempt=_attempt(ti),
         )
-        started = submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log)
-        hook.broker.engine.dispose()  # the watcher makes its own client
-        return started.job
+        return submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log).job
 
     def _submitting(self) -> concurrent.futures.Future[JobView]:
         """:meth:`_submit` in a thread of its own; its future outlives a cancelled :meth:`run`, so
@@ -184,11 +193,12 @@ class ElasticTrainingTrigger(BaseTrigger):
         return self._watcher
 
     def _drop_watcher(self) -> None:
-        """Forget the clients after an error, so the next poll makes new ones (expired credentials,
-        dropped connections)."""
+        """Forget the clients after an error, so the next poll makes new ones (the connection read
+        again: changed credentials; a new backend client). The broker's engine, shared by every
+        client of its URL in this process (every trigger of the triggerer), is left as it is: a
+        connection the server dropped is invalidated and replaced by the broker itself."""
         if self._watcher is not None:
             self.after_event_id = self._watcher.after_event_id
-            self._watcher.broker.engine.dispose()
             self._watcher = None
 
     def _poll(self) -> JobView:
@@ -221,12 +231,16 @@ class ElasticTrainingTrigger(BaseTrigger):
                 self.job_id = (await asyncio.wrap_future(self._submitting())).id
             except (BrokerError, BackendError, ValueError, OSError) as exc:
                 self.log.error("could not submit the training: %s", exc)
-                yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc)})
+                # a request the broker refuses (an unknown pool, more GPUs than the pool has) is
+                # refused again on a retry: the task fails without one
+                yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc),
+                                    "retry": not isinstance(exc, (InvalidRequest, NotFound))})
                 return
+        cleanup_failures = 0
         while True:
             try:
                 job = await asyncio.to_thread(self._poll)
-                if not job.status.terminal and self.deadline_s is not None and time.time() >= self.deadline_s:
+                if not job.status.terminal and self._past_deadline():
                     await asyncio.to_thread(self._time_out)
                     continue  # the next poll reads the cancelled job and fires its end
             except NotFound as exc:  # no retry brings it back: this triggerer's broker is not the worker's
@@ -235,10 +249,19 @@ class ElasticTrainingTrigger(BaseTrigger):
                 self.log.error("%s", reason)
                 yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": reason})
                 return
+            except CleanupFailed as exc:  # the job has ended: its end is fired after a few tries
+                cleanup_failures += 1
+                if self._get_watcher().cleanup_failed(exc, cleanup_failures):
+                    job = exc.job
+                else:
+                    await asyncio.sleep(self.poll_interval)
+                    continue
             except Exception as exc:  # noqa: BLE001 - the broker DB or the cluster API is briefly unreachable
                 self.log.warning("polling job %s failed (%s); retrying in %ss with new clients", self.job_id,
                                  exc, self.poll_interval)
                 await asyncio.to_thread(self._drop_watcher)
+                if self._past_deadline():  # the time-out is not put off by a poll that keeps failing
+                    await asyncio.to_thread(self._try_time_out)
                 await asyncio.sleep(self.poll_interval)
                 continue
             if job.status.terminal:
@@ -246,9 +269,21 @@ class ElasticTrainingTrigger(BaseTrigger):
                 return
             await asyncio.sleep(self.poll_interval)
 
+    def _past_deadline(self) -> bool:
+        return self.deadline_s is not None and time.time() >= self.deadline_s
+
+    def _try_time_out(self) -> None:
+        """:meth:`_time_out` after a failed poll (the job may have ended; the broker may be away:
+        a failure is logged, and the next poll tries again)."""
+        try:
+            self._time_out()
+        except Exception as exc:  # noqa: BLE001 - logged; the next failed poll tries again
+            self.log.warning("could not time job %s out (%s); trying again after the next poll", self.job_id, exc)
+            self._drop_watcher()
+
     def _time_out(self) -> None:
         """Cancel the job past ``deadline_s`` and stop its processes (blocking)."""
-        reason = "execution_timeout: the task's time ran out while it was deferred; cancelled"
+        reason = f"{TIMEOUT_REASON}: the task's time ran out while it was deferred; cancelled"
         self.log.error("job %s: %s", self.job_id, reason)
         self._kill(reason)
 

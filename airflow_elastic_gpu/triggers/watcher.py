@@ -9,15 +9,28 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from airflow_elastic_gpu.backends.base import Backend
+from airflow_elastic_gpu.backends.base import Backend, BackendError
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import EventView, JobView
 from airflow_elastic_gpu.states import ENDED_KINDS, PUBLISH_KINDS, EventKind, JobStatus
 
 GONE_POLLS = 3
 """Polls in a row that must find a job's processes gone before the job is failed."""
+CLEANUP_TRIES = 3
+"""Polls in a row whose clean-up of an ended job may fail before its end is reported all the same."""
 LOGGED_KINDS = PUBLISH_KINDS | {EventKind.ACK} | ENDED_KINDS
 """Event kinds written into the task log: generations published and acked, and the job's end."""
+
+
+class CleanupFailed(BackendError):
+    """The job has ended, but the backend could not stop (clean up) its processes.
+
+    :param job: the ended job, as the broker records it.
+    """
+
+    def __init__(self, job: JobView, error: BackendError) -> None:
+        super().__init__(f"job {job.id} {job.status.value}, but its clean-up failed: {error}")
+        self.job = job
 
 
 class TaskLog(Protocol):
@@ -62,7 +75,9 @@ class JobWatcher:
 
         :returns: the job as the broker now records it, and the events new since the last poll.
         :raises BrokerError: the job is unknown, or a broker call failed.
-        :raises BackendError: the backend could not sync or stop the job's processes.
+        :raises CleanupFailed: the job has ended and the backend could not stop its processes
+            (the caller retries, then reports the end all the same: :meth:`cleanup_failed`).
+        :raises BackendError: the backend could not sync the job's processes.
         """
         job = self.broker.job(self.job_id)
         self.broker.maybe_rebalance(job.pool)
@@ -76,8 +91,25 @@ class JobWatcher:
                 self.log.info("[%s] %s", event.kind, event.message)
             self.after_event_id = event.id
         if job.status.terminal:
-            self.backend.stop(self.job_id, succeeded=job.status is JobStatus.SUCCEEDED)
+            try:
+                self.backend.stop(self.job_id, succeeded=job.status is JobStatus.SUCCEEDED)
+            except BackendError as exc:
+                raise CleanupFailed(job, exc) from exc
         return job, events
+
+    def cleanup_failed(self, exc: CleanupFailed, failures: int) -> bool:
+        """After the ``failures``-th clean-up failure in a row: True (the end is to be reported) once
+        there were :data:`CLEANUP_TRIES`, with an error in the task log that says what is left
+        behind. The broker's record is the truth: the job has ended, and an ended job's GPUs go to
+        others once its trainer has stopped (a cancelled one's agent stops it); what a failed
+        clean-up leaves (on Kubernetes: pods, the token Secret, a gang's Service) is to be removed
+        by hand, as the error says."""
+        if failures < CLEANUP_TRIES:
+            self.log.warning("%s; retrying (%d of %d)", exc, failures, CLEANUP_TRIES)
+            return False
+        self.log.error("%s (%d times in a row): its end is reported all the same; what the clean-up "
+                       "left behind is to be removed by hand", exc, failures)
+        return True
 
     def _fail_if_broken(self, job: JobView) -> None:
         problem = self.backend.problem(job)

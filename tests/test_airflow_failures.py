@@ -1,0 +1,199 @@
+"""The operator and the trigger when something fails around a training: a clean-up that keeps
+failing after the job's end, polls that keep failing past the task's deadline, a task killed while
+its job starts, and which failures Airflow retries (``AirflowException``) and which it must not
+(``AirflowFailException``: a request the broker refuses, a job a user cancelled, a triggerer that
+cannot see the job)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+
+import pytest
+from airflow.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowFailException
+from test_airflow_tasks import _FakeTI
+from test_sidecar import wait_for
+
+from airflow_elastic_gpu.backends import BackendError
+from airflow_elastic_gpu.backends.local import LocalBackend
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
+from airflow_elastic_gpu.states import JobStatus
+from airflow_elastic_gpu.triggers.training import ElasticTrainingTrigger
+from airflow_elastic_gpu.triggers.watcher import CLEANUP_TRIES, JobWatcher
+
+
+def _ended_job(broker):
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("ended", "python train.py", 1, 2, total_steps=10))
+    broker.ack(job.id, 1)
+    return broker.finish(job.id, 0, {"final": True, "step": 10})
+
+
+@pytest.fixture
+def failing_stop(monkeypatch):
+    """``LocalBackend.stop`` raises while the returned list of calls is not closed (``calls.append(None)``
+    ends the failures, so the fixtures' own clean-up stops what is left)."""
+    calls: list[str | None] = []
+    real = LocalBackend.stop
+
+    def stop(self, job_id, **kwargs):
+        if None not in calls:
+            calls.append(job_id)
+            raise BackendError("cannot remove the job directory: Read-only file system")
+        return real(self, job_id, **kwargs)
+
+    monkeypatch.setattr(LocalBackend, "stop", stop)
+    yield calls
+    calls.append(None)
+
+
+def test_a_trigger_fires_an_ended_jobs_end_when_its_clean_up_keeps_failing(worker_env, failing_stop, capfd):
+    """The trigger retried a failed clean-up for ever: the job had ended, the task stayed deferred."""
+    broker, _, _ = worker_env
+    job = _ended_job(broker)
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, poll_interval=0.05)
+    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 30))
+    assert event.payload == {"job_id": job.id, "status": "succeeded", "reason": job.reason}
+    assert failing_stop == [job.id] * CLEANUP_TRIES
+    logged = "".join(capfd.readouterr())  # the trigger's log (Airflow's structlog) goes to the console
+    assert f"clean-up failed: cannot remove the job directory: Read-only file system ({CLEANUP_TRIES} times" in logged
+    assert "its end is reported all the same; what the clean-up left behind is to be removed by hand" in logged
+    assert op.execute_complete({"ti": _FakeTI()}, event.payload)["exit_code"] == 0
+
+
+def test_a_task_in_the_worker_returns_its_jobs_result_when_the_clean_up_keeps_failing(worker_env, failing_stop):
+    broker, _, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 20", total_steps=20,
+                                 virtual_gpus=2, poll_interval=0.1, deferrable=False)
+    result = op.execute({"ti": _FakeTI()})
+    assert result["final_step"] == 20 and broker.job(result["job_id"]).status is JobStatus.SUCCEEDED
+    assert failing_stop == [result["job_id"]] * CLEANUP_TRIES
+
+
+def test_a_deferred_tasks_deadline_holds_while_its_polls_keep_failing(worker_env, monkeypatch):
+    """The deadline was checked only after a poll that worked: a broker or cluster API that kept
+    failing put the time-out off for as long as it failed."""
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("long", "python train.py", 1, 2, total_steps=10**6))
+    failing = [True]
+    real_poll = JobWatcher.poll
+
+    def poll(self):
+        if failing[0]:
+            raise RuntimeError("the cluster API is unreachable")
+        return real_poll(self)
+
+    monkeypatch.setattr(JobWatcher, "poll", poll)
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6, poll_interval=0.05)
+    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None, deadline_s=time.time() - 1))
+
+    async def follow():
+        task = asyncio.create_task(trigger.run().__anext__())
+        deadline = time.monotonic() + 20
+        while broker.job(job.id).status is not JobStatus.CANCELLED:
+            assert time.monotonic() < deadline, "the job was not timed out while the polls failed"
+            assert not task.done()
+            await asyncio.sleep(0.05)
+        failing[0] = False
+        return await asyncio.wait_for(task, 20)
+
+    event = asyncio.run(follow())
+    assert event.payload["status"] == "cancelled" and event.payload["reason"].startswith("execution_timeout")
+    with pytest.raises(AirflowException) as raised:  # a time-out is retried, as Airflow's own
+        op.execute_complete({"ti": _FakeTI()}, event.payload)
+    assert not isinstance(raised.value, AirflowFailException)
+
+
+def test_a_job_a_user_cancelled_fails_its_task_without_retries(worker_env):
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("stopped", "python train.py", 1, 2, total_steps=10))
+    broker.cancel(job.id, "cancelled from the CLI")
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10)
+    event = {"job_id": job.id, "status": "cancelled", "reason": "cancelled from the CLI"}
+    with pytest.raises(AirflowFailException, match="cancelled: cancelled from the CLI"):
+        op.execute_complete({"ti": _FakeTI()}, event)
+
+
+def test_a_request_the_broker_refuses_fails_the_task_without_retries(worker_env):
+    """More GPUs than the pool has is refused again on every retry."""
+    broker, _, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 3", total_steps=3,
+                                 min_gpus=3, max_gpus=3, virtual_gpus=2, deferrable=False)
+    with pytest.raises(AirflowFailException, match=r"min_gpus=3 is more than GPU pool 'default' has \(2\)"):
+        op.execute({"ti": _FakeTI()})
+    assert broker.jobs() == []
+
+
+def test_a_request_the_broker_refuses_in_the_triggerer_fails_the_task_without_retries(worker_env):
+    _, _, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 3", total_steps=3,
+                                 min_gpus=3, max_gpus=3, virtual_gpus=2, start_from_trigger=True)
+    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=None, labels=op.task_labels({"ti": _FakeTI()})))
+    trigger.task_instance = _FakeTI()
+    trigger.task_instance.id = "0193a1b2-try-1"
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 30))
+    assert event.payload["job_id"] is None and event.payload["retry"] is False
+    with pytest.raises(AirflowFailException, match="could not start the training: min_gpus=3 is more than"):
+        op.execute_complete({"ti": _FakeTI()}, event.payload)
+
+
+def test_a_job_the_triggerer_cannot_see_is_cancelled_by_the_worker_and_fails_its_task(worker_env):
+    """The triggerer's broker is not the worker's: the job ran on in the worker's, watched by
+    nobody, holding its GPUs until it ended by itself."""
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("unseen", "python train.py", 1, 2, total_steps=10**6))
+    broker.ack(job.id, 1)
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6)
+    event = {"job_id": job.id, "status": "error", "reason": f"unknown job {job.id!r} in the triggerer's broker"}
+    with pytest.raises(AirflowFailException, match="the triggerer could not follow training job"):
+        op.execute_complete({"ti": _FakeTI()}, event)
+    ended = broker.job(job.id)
+    assert ended.status is JobStatus.CANCELLED and "the triggerer could not follow the job" in ended.reason
+
+
+def test_a_task_killed_while_its_job_starts_cancels_that_job(worker_env, monkeypatch):
+    """The job's id was known to ``on_kill`` only once its processes had started: a task killed
+    meanwhile (a start that waits for the previous try's trainer to stop) left the job behind."""
+    broker, backend, trainer = worker_env
+    release, starting = threading.Event(), threading.Event()
+    real_start = LocalBackend.start
+
+    def slow_start(self, job, **kwargs):
+        starting.set()
+        release.wait(30)
+        return real_start(self, job, **kwargs)
+
+    monkeypatch.setattr(LocalBackend, "start", slow_start)
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
+                                 total_steps=100000, virtual_gpus=2, poll_interval=0.1)
+    outcome: list[BaseException | None] = []
+
+    def execute() -> None:
+        try:
+            op.execute({"ti": _FakeTI()})
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=execute)
+    worker.start()
+    try:
+        assert starting.wait(30)
+        (job,) = broker.jobs()
+        op.on_kill()
+        assert broker.job(job.id).status is JobStatus.CANCELLED and broker.job(job.id).reason == "task killed"
+    finally:
+        release.set()
+        worker.join(60)
+    assert outcome  # deferred (its trigger fires the cancelled end at once), or an error of the start
+    # what the start launched after the kill stops by itself: its agent sees the job cancelled
+    wait_for(lambda: not backend.is_running(job.id) and broker.job(job.id).in_use_gpus == (), 60,
+             "the cancelled job's processes to stop and its GPUs to be free")
