@@ -197,3 +197,23 @@ def test_a_task_killed_while_its_job_starts_cancels_that_job(worker_env, monkeyp
     # what the start launched after the kill stops by itself: its agent sees the job cancelled
     wait_for(lambda: not backend.is_running(job.id) and broker.job(job.id).in_use_gpus == (), 60,
              "the cancelled job's processes to stop and its GPUs to be free")
+
+
+def test_a_task_in_the_worker_retries_a_poll_that_fails(worker_env, monkeypatch):
+    """A cluster API that failed one poll failed the task in the worker (the trigger retried it),
+    and its job trained on with nobody following it."""
+    broker, _, trainer = worker_env
+    failures = [BackendError("the cluster API is unreachable"), BackendError("the cluster API is unreachable")]
+    real_poll = JobWatcher.poll
+
+    def poll(self):
+        if failures:
+            raise failures.pop()
+        return real_poll(self)
+
+    monkeypatch.setattr(JobWatcher, "poll", poll)
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 20", total_steps=20,
+                                 virtual_gpus=2, poll_interval=0.1, deferrable=False)
+    result = op.execute({"ti": _FakeTI()})
+    assert failures == [] and result["final_step"] == 20
+    assert broker.job(result["job_id"]).status is JobStatus.SUCCEEDED

@@ -333,8 +333,11 @@ class ElasticTrainingOperator(BaseOperator):
     def _wait_in_worker(self, watcher: JobWatcher, context: Any) -> dict[str, Any]:
         """``deferrable=False``: poll ``watcher`` every ``poll_interval`` seconds until the job ends.
 
-        :raises AirflowException: the job did not succeed, or the broker or backend failed (the
-            task's retry reattaches to the job).
+        A poll that fails (the cluster API or the broker's database briefly away) is retried, as the
+        trigger retries it; ``execution_timeout``, which Airflow enforces in the worker, bounds the
+        wait.
+
+        :raises AirflowException: the job did not succeed, or the broker no longer has it.
         """
         cleanup_failures = 0
         while True:
@@ -346,9 +349,13 @@ class ElasticTrainingOperator(BaseOperator):
                     time.sleep(self.poll_interval)
                     continue
                 job = exc.job
+            except NotFound as exc:  # no retry brings it back
+                raise AirflowException(f"{self.task_id}: following job {watcher.job_id} failed: {exc}") from None
             except (BrokerError, BackendError) as exc:
-                raise AirflowException(
-                    f"{self.task_id}: following job {watcher.job_id} failed: {exc}") from None
+                self.log.warning("polling job %s failed (%s); retrying in %ss", watcher.job_id, exc,
+                                 self.poll_interval)
+                time.sleep(self.poll_interval)
+                continue
             if job.status.terminal:
                 return self._result(job, context)
             time.sleep(self.poll_interval)
