@@ -82,6 +82,7 @@ def _restart_overheads(args: argparse.Namespace) -> Any:
         args.inplace_overhead_s if args.inplace_overhead_s is not None else defaults.inplace_s,
         args.recreate_overhead_s,
         RecreateModel(**parts),
+        args.inplace_stop_s if args.inplace_stop_s is not None else defaults.inplace_stop_s,
     )
 
 
@@ -187,6 +188,10 @@ def add_simulator_commands(sub: Any) -> None:
     p.add_argument("--inplace-overhead-s", type=float, default=None,
                    help="seconds a resize costs a job restarted in place, in its pod "
                         f"(default {overheads.inplace_s:g})")
+    p.add_argument("--inplace-stop-s", type=float, default=None,
+                   help="of an in-place resize's cost, the first part: the trainer stops (checkpoint, "
+                        "exit) on its old GPUs, which go to others only after it "
+                        f"(default {overheads.inplace_stop_s:g}, the measured stop of the trainer)")
     p.add_argument("--recreate-overhead-s", type=float, default=None,
                    help="seconds a resize costs a job whose pod is re-created, in all: overrides the "
                         "parts below (the grace period, at most, is spent on the old GPUs; default "

@@ -101,8 +101,28 @@ def test_adaptive_grows_a_lone_job_and_shrinks_it_for_a_newcomer():
     assert ("long", 4) in counts  # grew onto idle GPUs
     assert any(job == "long" and 0 < n < 4 for job, n in counts[counts.index(("long", 4)):])  # gave some back
     jobs = {j.job_id: j for j in r.jobs}
-    assert jobs["short"].queueing_s == pytest.approx(0)
+    # the newcomer waits only for the long job's trainer to stop on the GPUs it gives up
+    assert jobs["short"].queueing_s == pytest.approx(RestartOverheads().inplace_stop_s)
     assert jobs["long"].jct_s < 20_000 / 2  # imagenet scales well: far faster than on its 1 GPU
+
+
+def test_an_in_place_resize_gives_its_gpus_up_only_once_its_trainer_has_stopped():
+    """The simulator acked an in-place resize when it was published: a shrinking job's GPUs went to
+    another job at once, while only a re-created pod held them through its trainer's stop, a bias
+    for in place of the size of the difference between the two mechanisms."""
+    trace = [TraceJob("a", 0, 4, 20_000, "imagenet"), TraceJob("b", 600, 1, 1200, "imagenet")]
+    starts = {}
+    for mechanism in ("inplace", "recreate", "none"):
+        overheads = RestartOverheads(inplace_s=7.0, inplace_stop_s=2.5, recreate=RecreateModel(grace_period_s=2.5))
+        r = simulate(trace, ClusterShape(1, 4), "adaptive", overheads=overheads, mechanism=mechanism)
+        jobs = {j.job_id: j for j in r.jobs}
+        starts[mechanism] = jobs["b"].start_s
+        first, second = [n for _, job_id, n in r.allocations if job_id == "a"][:2]
+        assert first == 4 and second < 4 and jobs["a"].resizes >= 1  # a shrank for b
+    assert starts == {"inplace": pytest.approx(602.5), "recreate": pytest.approx(602.5), "none": pytest.approx(600)}
+    with pytest.raises(SimulationError, match="inplace_stop_s must be a finite number >= 0"):
+        RestartOverheads(inplace_stop_s=-1)
+    assert RestartOverheads(inplace_s=1.0, inplace_stop_s=2.5).ack_delay_s("inplace") == 1.0
 
 
 

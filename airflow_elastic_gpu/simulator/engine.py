@@ -19,8 +19,10 @@ Both report progress exactly as the sidecar agent does: one sample when a
 generation's trainer makes its first step (after the restart overhead) and
 one per rebalance period.
 
-A resize in place (the sidecar) keeps the job's GPUs and costs it ``inplace_s`` of training. A
-termination-based resize (``recreate``) deletes the job's pod: the old pod keeps its GPUs,
+A resize in place (the sidecar) keeps the job's pod and costs it ``inplace_s`` of training; the
+trainer keeps its old GPUs while it stops (the agent's reaction, SIGTERM, the checkpoint, the exit:
+``inplace_stop_s``), and its agent acks the new generation then: only from then on do GPUs it gives
+up go to others, and GPUs it gains count as its own. A termination-based resize (``recreate``) deletes the job's pod: the old pod keeps its GPUs,
 not training, for the model's stop part (the grace period); then the job holds nothing and goes
 back through scheduling like a queued job (keeping its progress and submit time), so it waits
 when others took the GPUs meanwhile; once placed again it trains after the start part (binding,
@@ -79,6 +81,7 @@ class _SimJob:
     generation: int = 0
     awaiting_first_sample: bool = False
     terminating_until: float | None = None  # its pod is being deleted (re-creation) until then
+    acking_until: float | None = None  # its trainer stops for an in-place restart until then, then it acks
     requeued_s: float | None = None  # its pod is gone and it waits for GPUs since then
 
     @property
@@ -185,6 +188,7 @@ def simulate(
     overhead = overheads.of(mech)
     recreate = mech == "recreate"
     stop_s, start_s = overheads.recreate.stop_s, overheads.recreate.start_s
+    ack_s = overheads.ack_delay_s(mech)
     allocations: list[tuple[float, str, int]] = []
     busy: list[tuple[float, int]] = [(first_submit, 0)]
     held = 0
@@ -200,13 +204,12 @@ def simulate(
         sched.progress(j.sid, j.done, j.generation, now)
 
     def apply_targets() -> None:
-        nonlocal held
         changed = True
         while changed:
             changed = False
             for j in list(active.values()):
-                if j.terminating_until is not None:
-                    continue  # its pod is going away; it is re-queued once gone
+                if j.terminating_until is not None or j.acking_until is not None:
+                    continue  # its pod is going away (re-queued once gone), or its trainer is stopping
                 gen, gpus = sched.current(j.sid)
                 if gen <= j.generation:
                     continue
@@ -220,33 +223,51 @@ def simulate(
                     else:
                         j.record.preemptions += 1
                     continue
-                changed = True
-                old = j.alloc
-                j.generation = gen
-                j.alloc = tuple(gpus)
-                j.speed = j.profile.speed_on(j.alloc) if j.alloc else 0.0
-                held += len(j.alloc) - len(old)
-                if len(j.alloc) != len(old):
-                    allocations.append((now, j.record.job_id, len(j.alloc)))
-                    busy.append((now, held))
-                if j.alloc and j.record.start_s is None:
-                    j.record.start_s = now
-                    j.restart_until = now
-                elif j.alloc and j.requeued_s is not None:  # the re-created pod is placed
-                    j.record.recreate_wait_s += now - j.requeued_s
-                    j.requeued_s = None
-                    j.restart_until = now + start_s
-                elif j.alloc:
-                    j.restart_until = now + overhead
-                    if old:
-                        j.record.resizes += 1
-                elif old:
-                    j.record.preemptions += 1
-                sched.ack(j.sid, gen, now)
-                j.awaiting_first_sample = bool(j.alloc)
-                if j.alloc and j.restart_until <= now:
+                if j.alloc and ack_s > 0:  # in place: its trainer stops on its GPUs, then it acks
+                    j.generation = gen
+                    j.acking_until = now + ack_s
+                    j.restart_until = max(j.restart_until, now + overhead)
                     j.awaiting_first_sample = False
-                    sample(j)
+                    continue
+                changed = True
+                j.generation = gen
+                take(j, gen, gpus, now + overhead)
+
+    def take(j: _SimJob, gen: int, gpus: Sequence[GpuId], restart_until: float) -> None:
+        """Job ``j``'s trainer runs on generation ``gen``'s ``gpus`` from now: the ack."""
+        nonlocal held
+        old = j.alloc
+        j.alloc = tuple(gpus)
+        j.speed = j.profile.speed_on(j.alloc) if j.alloc else 0.0
+        held += len(j.alloc) - len(old)
+        if len(j.alloc) != len(old):
+            allocations.append((now, j.record.job_id, len(j.alloc)))
+            busy.append((now, held))
+        if j.alloc and j.record.start_s is None:
+            j.record.start_s = now
+            j.restart_until = now
+        elif j.alloc and j.requeued_s is not None:  # the re-created pod is placed
+            j.record.recreate_wait_s += now - j.requeued_s
+            j.requeued_s = None
+            j.restart_until = now + start_s
+        elif j.alloc:
+            j.restart_until = restart_until
+            if old:
+                j.record.resizes += 1
+        elif old:
+            j.record.preemptions += 1
+        sched.ack(j.sid, gen, now)
+        j.awaiting_first_sample = bool(j.alloc)
+        if j.alloc and j.restart_until <= now:
+            j.awaiting_first_sample = False
+            sample(j)
+
+    def acked(j: _SimJob) -> None:
+        """The in-place restart's old trainer has stopped: the job acks the latest generation (a
+        growth published meanwhile included) and holds its GPUs from now."""
+        gen, gpus = sched.current(j.sid)
+        j.generation, j.acking_until = gen, None
+        take(j, gen, gpus, j.restart_until)
 
     def release(j: _SimJob) -> None:
         """The deleted pod is gone: its GPUs are free and the job waits to be placed again."""
@@ -280,6 +301,8 @@ def simulate(
                 continue
             if j.terminating_until is not None:
                 candidates.append(j.terminating_until)
+            elif j.acking_until is not None:
+                candidates.append(j.acking_until)
             elif j.restart_until > now:
                 candidates.append(j.restart_until)
             elif j.speed > 0:
@@ -306,6 +329,10 @@ def simulate(
         for j in list(active.values()):
             if j.terminating_until is not None and j.terminating_until <= now:
                 release(j)
+        # 2b. in-place restarts whose old trainer stopped ack their generation
+        for j in list(active.values()):
+            if j.acking_until is not None and j.acking_until <= now:
+                acked(j)
         # 3. trainers that came back after a restart report their first step
         for j in active.values():
             if j.awaiting_first_sample and j.restart_until <= now:

@@ -31,6 +31,11 @@ DEFAULT_INPLACE_RESTART_S = 7.2
 # termination, measured: deletion -> its containers stopped (SIGTERM, checkpoint, exit) and removed
 # (pod_delete_s); Kubernetes' terminationGracePeriodSeconds (30 s by default) only bounds it.
 DEFAULT_GRACE_PERIOD_S = 1.9
+# Of the in-place restart, the part during which the trainer still holds its old GPUs: SIGTERM, the
+# checkpoint and the exit, before its agent acks the new generation. The same trainer's stop measured
+# in the re-creation (pod_delete_s, DEFAULT_GRACE_PERIOD_S); the agent's reaction (its heartbeat, up to
+# 2 s in a pod) is left out, as the backend's reaction to a re-creation is.
+DEFAULT_INPLACE_STOP_S = DEFAULT_GRACE_PERIOD_S
 # Binding the new pod: not measured (one host, no scheduler); with the container start, inside
 # Kubernetes' pod start-up SLO (sig-scalability, "Pod startup latency": <= 5 s at the 99th percentile).
 DEFAULT_SCHEDULING_S = 1.0
@@ -160,24 +165,34 @@ class RecreateModel:
 class RestartOverheads:
     """Seconds of training lost per resize, by mechanism.
 
-    :param inplace_s: an in-place restart by the sidecar.
+    :param inplace_s: an in-place restart by the sidecar (publish -> first step).
     :param recreate_s: if set, the whole cost of a re-creation (overrides ``recreate``'s parts).
     :param recreate: the re-creation model.
+    :param inplace_stop_s: of ``inplace_s``, the first part, during which the trainer still holds its
+        old GPUs (it checkpoints and exits; its agent acks the new generation after it): default
+        the measured stop of the same trainer, 1.9 s, at most ``inplace_s``.
     :raises SimulationError: a negative or non-finite value.
     """
 
     inplace_s: float = DEFAULT_INPLACE_RESTART_S
     recreate_s: float | None = None
     recreate: RecreateModel = field(default_factory=RecreateModel)
+    inplace_stop_s: float = DEFAULT_INPLACE_STOP_S
 
     def __post_init__(self) -> None:
-        _check_non_negative(self, ("inplace_s", "recreate_s"))
+        _check_non_negative(self, ("inplace_s", "recreate_s", "inplace_stop_s"))
         if self.recreate_s is not None and self.recreate.total_s != self.recreate_s:
             object.__setattr__(self, "recreate", replace(self.recreate, total_s=self.recreate_s))
 
     def of(self, mechanism: str) -> float:
         """The whole cost of one resize by ``mechanism`` (seconds)."""
         return self.recreate.cost_s if mechanism == "recreate" else self.inplace_s
+
+    def ack_delay_s(self, mechanism: str) -> float:
+        """Seconds from an in-place resize's publication to its ack (the old GPUs are held until then):
+        ``inplace_stop_s`` (at most ``inplace_s``) in place, 0 for ``"none"`` (a re-creation's
+        stop is its model's)."""
+        return min(self.inplace_stop_s, self.inplace_s) if mechanism == "inplace" else 0.0
 
     @classmethod
     def from_benchmark(cls, path: str | Path, recreate: RecreateModel | None = None) -> RestartOverheads:
