@@ -290,6 +290,28 @@ def test_a_mixed_cluster_simulation_finishes_every_job():
     assert all(j.end_s is not None for j in single.jobs)
 
 
+def test_a_jobs_ideal_run_time_on_a_mixed_cluster_uses_only_the_gpus_each_type_has():
+    """The ideal run time (slowdown, finish-time fairness) took the best of every type at up to the
+    whole cluster's GPU count (16 T4 on a cluster of 8), while the per-count speeds and the makespan
+    bound took the reference type's only: slowdown was inflated, and the bounds disagreed."""
+    c = MixedCluster.parse("2x4:A100,2x4:T4")
+    profiles = load_typed_profiles(c)
+    trace = [TraceJob(f"{m}-{i}", 900.0 * i, 4, 3600.0, model=m)
+             for i, m in enumerate(["imagenet", "deepspeech2", "bert", "cifar10"])]
+    for policy in ("adaptive", "static", "gavel"):
+        r = simulate(trace, c, policy)
+        for j, (_, rho) in zip(r.jobs, r.fairness()):
+            typed = profiles[j.model]
+            on_one_type = max(p.samples_per_s(n, -(-n // 4)) for p in typed.profiles.values() for n in range(1, 9))
+            assert j.best_speeds[-1] == pytest.approx(max(on_one_type, typed.speeds_by_count(16, c.type_sizes())[-1]))
+            assert j.slowdown >= 1 - 1e-9 and rho <= j.slowdown + 1e-9, (policy, j.job_id)
+    # 16 GPUs of two types train at the slower type's pace: never above what one type gives on its 8
+    typed = profiles["imagenet"]
+    speeds = typed.speeds_by_count(16, c.type_sizes())
+    assert speeds[15] == pytest.approx(min(p.samples_per_s(16, 4) for p in typed.profiles.values()))
+    assert speeds[7] == pytest.approx(max(p.samples_per_s(8, 2) for p in typed.profiles.values()))
+
+
 def test_a_job_moved_to_another_type_is_admitted_there_when_starts_go_by_gain():
     """With ``admission_by_gain`` (the default), a waiting job's start competes with growth; a
     running job that moves type holds no GPU of its new type yet, but it is running: it is admitted

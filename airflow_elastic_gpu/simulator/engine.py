@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
-from airflow_elastic_gpu.simulator.mixed import default_profiles
+from airflow_elastic_gpu.simulator.mixed import MixedCluster, default_profiles
 from airflow_elastic_gpu.simulator.model import (
     MECHANISMS,
     ClusterShape,
@@ -87,6 +87,16 @@ class _SimJob:
     @property
     def work(self) -> float:
         return self.record.work
+
+
+def _speeds_by_count(prof: Profile, cluster: ClusterShape | MixedCluster, max_gpus: int) -> list[float]:
+    """The job's best samples/s at each count ``1..max_gpus``, on as few nodes as possible (on a
+    cluster of several types: :meth:`~airflow_elastic_gpu.simulator.mixed.TypedProfile.speeds_by_count`);
+    the ideal run times (slowdown, finish-time fairness) and the lower bounds all come from it."""
+    if isinstance(cluster, MixedCluster):
+        return prof.speeds_by_count(max_gpus, cluster.type_sizes())
+    gpn = cluster.gpus_per_node
+    return [prof.samples_per_s(n, -(-n // gpn)) for n in range(1, max_gpus + 1)]
 
 
 def simulate(
@@ -156,22 +166,18 @@ def simulate(
         )
     rng = random.Random(seed)
     jobs: list[_SimJob] = []
+    per_gpu_best: dict[int, float] = {}  # id(job) -> its best samples/s per GPU (the makespan bound)
     for tj in sorted(trace, key=lambda j: (j.submit_time_s, j.job_id)):
         prof = profiles.assign(tj.model, tj.gpu_time_s, rng)
         nodes_req = -(-tj.num_gpus // cluster.gpus_per_node)
         work = tj.duration_s * prof.samples_per_s(tj.num_gpus, nodes_req)
         max_gpus = min(capacity, max(prof.max_gpus, tj.num_gpus))
-        best_n, best_speed = prof.best(max_gpus, cluster.gpus_per_node)
-        best_speeds = list(itertools.accumulate(
-            (prof.samples_per_s(n, -(-n // cluster.gpus_per_node)) for n in range(1, max_gpus + 1)), max))
+        speeds = _speeds_by_count(prof, cluster, max_gpus)
+        best_speeds = tuple(itertools.accumulate(speeds, max))
         rec = JobRecord(tj.job_id, prof.model, tj.submit_time_s, tj.num_gpus, tj.duration_s, work,
-                        lower_bound_jct_s=work / best_speed, best_speeds=tuple(best_speeds))
+                        lower_bound_jct_s=work / best_speeds[-1], best_speeds=best_speeds)
         jobs.append(_SimJob(rec, prof, 1, max_gpus))
-    per_gpu_best = {
-        id(j): max(j.profile.samples_per_s(n, -(-n // cluster.gpus_per_node)) / n
-                   for n in range(1, j.max_gpus + 1))
-        for j in jobs
-    }
+        per_gpu_best[id(jobs[-1])] = max(speed / n for n, speed in enumerate(speeds, 1))
     first_submit = jobs[0].record.submit_s
     makespan_lb = max(
         max(j.record.submit_s + j.record.lower_bound_jct_s for j in jobs) - first_submit,

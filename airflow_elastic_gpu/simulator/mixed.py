@@ -96,6 +96,14 @@ class MixedCluster:
         """The types, in spec order, each once."""
         return tuple(dict.fromkeys(g.gpu_type for g in self.groups))
 
+    def type_sizes(self) -> dict[str, tuple[int, int]]:
+        """Type -> ``(its GPUs, its largest node's GPUs)``."""
+        sizes: dict[str, tuple[int, int]] = {}
+        for g in self.groups:
+            gpus, per_node = sizes.get(g.gpu_type, (0, 0))
+            sizes[g.gpu_type] = (gpus + g.capacity, max(per_node, g.gpus_per_node))
+        return sizes
+
     def node_states(self) -> tuple[NodeState, ...]:
         width = len(str(self.nodes - 1))
         out, i = [], 0
@@ -150,9 +158,26 @@ class TypedProfile:
         """Speed on the reference type (the trace's durations are taken as measured there)."""
         return self.reference.samples_per_s(num_gpus, num_nodes)
 
-    def best(self, max_gpus: int, gpus_per_node: int) -> tuple[int, float]:
-        """``(num_gpus, samples_per_s)`` of the fastest consolidated placement on any one type."""
-        return max((p.best(max_gpus, gpus_per_node) for p in self.profiles.values()), key=lambda b: (b[1], -b[0]))
+    def speeds_by_count(self, max_gpus: int, sizes: Mapping[str, tuple[int, int]]) -> list[float]:
+        """The fastest the model can train at each count ``1..max_gpus`` on a cluster of ``sizes``
+        (type -> ``(its GPUs, its largest node's GPUs)``, as :meth:`MixedCluster.type_sizes`):
+        the best over every set of types with that many GPUs of the pace of its slowest type
+        (:meth:`speed_on`), on as few nodes as the set's largest node allows; an upper bound on any
+        placement's speed, so that the ideal run times and the lower bounds drawn from it hold.
+        A count on one type is capped by that type's GPUs: a 16-GPU ideal on a type of 8 is not one.
+        """
+        types = [t for t in self.profiles if sizes.get(t, (0, 0))[0] > 0]
+        subsets = [[t for k, t in enumerate(types) if mask >> k & 1] for mask in range(1, 1 << len(types))]
+        out = []
+        for n in range(1, max_gpus + 1):
+            best = 0.0
+            for subset in subsets:
+                if sum(sizes[t][0] for t in subset) < n:
+                    continue
+                nodes = -(-n // max(sizes[t][1] for t in subset))
+                best = max(best, min(self.profiles[t].samples_per_s(n, nodes) for t in subset))
+            out.append(best)
+        return out
 
     def speed_on(self, gpus: Sequence[GpuId]) -> float:
         """Samples/s on ``gpus``: the type's measured speed, or on several types the slowest

@@ -99,15 +99,6 @@ class Profile:
         """Training speed on these GPUs (>= 1): their count and the number of nodes they span."""
         return self.samples_per_s(len(gpus), len({g.node for g in gpus}))
 
-    def best(self, max_gpus: int, gpus_per_node: int) -> tuple[int, float]:
-        """``(num_gpus, samples_per_s)`` of the fastest consolidated placement with at most ``max_gpus``."""
-        options = []
-        for n in range(1, max_gpus + 1):
-            nodes = -(-n // gpus_per_node)
-            options.append((self.samples_per_s(n, nodes), -n))
-        speed, neg_n = max(options)
-        return -neg_n, speed
-
 
 @dataclass(frozen=True)
 class ProfileSet:
