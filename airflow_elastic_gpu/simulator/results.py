@@ -5,7 +5,9 @@ Metrics (field terms; ``docs/simulator.md`` defines each):
 * **JCT** = finish - submit (queueing included); avg, p50, p95, p99 (nearest rank);
 * **makespan** = last finish - first submit;
 * **slowdown** = JCT / the job's ideal run time: its work at its best consolidated speed with the
-  whole cluster to itself (at most its largest GPU count), no queueing, no restart;
+  whole cluster to itself (at most its largest GPU count; on a cluster of several GPU types, each
+  type with the GPUs it has, several types together at the slowest one's pace), no queueing, no
+  restart;
 * **finish-time fairness** (Themis, Mahajan et al., NSDI'20, section 3.1):
   ``rho = T_shared / T_id``, ``T_shared`` the job's JCT in the shared cluster, ``T_id`` its run
   time alone on a ``1/N`` share of the cluster, ``N`` the contention (the time-average number
