@@ -76,8 +76,9 @@ def _label(row: dict) -> str:
 
 def per_workload_table(by_wl: dict[str, dict[str, dict]], workloads: list[str]) -> list[str]:
     """Adaptive against static per workload, and the best peer (``-``: none ran)."""
-    lines = [_row(["workload", "jobs", "adaptive avg JCT", "adaptive makespan", "adaptive p99 JCT", "p99 <= static",
-                   "best peer", "its avg JCT", "static makespan / lower bound", "largest slowdown", "largest rho"]),
+    lines = [_row(["workload", "jobs", "adaptive avg JCT / static", "adaptive makespan / static",
+                   "adaptive p99 JCT / static", "p99 <= static", "best peer", "its avg JCT / static",
+                   "static makespan / lower bound", "largest slowdown", "largest rho"]),
              "| --- | ---: | ---: | ---: | ---: | :---: | --- | ---: | ---: | ---: | ---: |"]
     for wl in workloads:
         pols = by_wl.get(wl, {})
