@@ -26,6 +26,14 @@ def test_sweep_marks_the_measured_recreation_when_the_file_exists(tmp_path):
     assert (tmp_path / "recreate_sweep.csv").stat().st_size > 0
 
 
+def test_every_policy_of_the_plots_has_a_colour_of_its_own():
+    """The ratios plot had 7 colours for 9 policies: matplotlib cycled them, and optimus was drawn
+    grey like static, afs_l green like adaptive."""
+    assert set(scheduling.POLICIES) <= set(scheduling.COLOURS)
+    colours = [scheduling.COLOURS[p] for p in scheduling.POLICIES]
+    assert len(set(colours)) == len(colours)
+
+
 def test_without_a_measurement_the_sweep_has_none_and_a_bad_file_is_refused(tmp_path):
     assert scheduling.measured_recreate_s(tmp_path) is None
     (tmp_path / scheduling.MEASURED).write_text(json.dumps({"inplace_s": 7.0}))
