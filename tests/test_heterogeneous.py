@@ -16,6 +16,7 @@ from airflow_elastic_gpu.scheduling.state import ClusterState, GpuId, JobState, 
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 from airflow_elastic_gpu.simulator.engine import ClusterShape, SimulationError, simulate
 from airflow_elastic_gpu.simulator.mixed import MixedCluster, load_typed_profiles
+from airflow_elastic_gpu.simulator.profiles import load_profiles
 from airflow_elastic_gpu.simulator.trace import TraceJob
 
 FAST, SLOW = "V100", "K80"
@@ -310,6 +311,9 @@ def test_a_jobs_ideal_run_time_on_a_mixed_cluster_uses_only_the_gpus_each_type_h
     speeds = typed.speeds_by_count(16, c.type_sizes())
     assert speeds[15] == pytest.approx(min(p.samples_per_s(16, 4) for p in typed.profiles.values()))
     assert speeds[7] == pytest.approx(max(p.samples_per_s(8, 2) for p in typed.profiles.values()))
+    # one type's profiles on a cluster of several groups (every type as fast) still run
+    single = simulate(trace[:1], MixedCluster.parse("1x4:T4,1x4:T4"), "adaptive", profiles=load_profiles())
+    assert single.jobs[0].slowdown >= 1 - 1e-9
 
 
 def test_a_job_moved_to_another_type_is_admitted_there_when_starts_go_by_gain():

@@ -216,8 +216,9 @@ def test_the_simulator_suspends_a_long_job_and_resumes_it_paying_the_restart_ove
     r = simulate(trace, ClusterShape(1, 1), AdaptivePolicy(suspend=True), overheads=overheads, preemptible=True)
     jobs = {j.job_id: j for j in r.jobs}
     assert jobs["long"].preemptions == 1 and plain["long"].preemptions == 0
-    # its trainer holds its GPU while it checkpoints and stops, then the resume pays one restart overhead
-    assert jobs["long"].restart_lost_s == pytest.approx(overheads.inplace_stop_s + 5.0)
+    # one restart overhead in all: its trainer holds its GPU while it checkpoints and stops, and the
+    # resume pays the rest
+    assert jobs["long"].restart_lost_s == pytest.approx(5.0)
     assert jobs["short"].end_s < jobs["long"].end_s
     assert jobs["short"].jct_s < plain["short"].jct_s
     assert r.summary()["avg_jct_s"] < simulate(trace, ClusterShape(1, 1), "adaptive").summary()["avg_jct_s"]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
-from airflow_elastic_gpu.simulator.mixed import MixedCluster, default_profiles
+from airflow_elastic_gpu.simulator.mixed import MixedCluster, TypedProfile, default_profiles
 from airflow_elastic_gpu.simulator.model import (
     MECHANISMS,
     ClusterShape,
@@ -93,7 +93,7 @@ def _speeds_by_count(prof: Profile, cluster: ClusterShape | MixedCluster, max_gp
     """The job's best samples/s at each count ``1..max_gpus``, on as few nodes as possible (on a
     cluster of several types: :meth:`~airflow_elastic_gpu.simulator.mixed.TypedProfile.speeds_by_count`);
     the ideal run times (slowdown, finish-time fairness) and the lower bounds all come from it."""
-    if isinstance(cluster, MixedCluster):
+    if isinstance(cluster, MixedCluster) and isinstance(prof, TypedProfile):
         return prof.speeds_by_count(max_gpus, cluster.type_sizes())
     gpn = cluster.gpus_per_node
     return [prof.samples_per_s(n, -(-n // gpn)) for n in range(1, max_gpus + 1)]
@@ -237,7 +237,8 @@ def simulate(
                     continue
                 changed = True
                 j.generation = gen
-                take(j, gen, gpus, now + overhead)
+                # a resume from zero GPUs pays the restart less the stop, paid at the suspension
+                take(j, gen, gpus, now + overhead - (0.0 if j.alloc else ack_s))
 
     def take(j: _SimJob, gen: int, gpus: Sequence[GpuId], restart_until: float) -> None:
         """Job ``j``'s trainer runs on generation ``gen``'s ``gpus`` from now: the ack."""
