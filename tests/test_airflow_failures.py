@@ -1,8 +1,8 @@
 """The operator and the trigger when something fails around a training: a clean-up that keeps
 failing after the job's end, polls that keep failing past the task's deadline, a task killed while
-its job starts, and which failures Airflow retries (``AirflowException``) and which it must not
-(``AirflowFailException``: a request the broker refuses, a job a user cancelled, a triggerer that
-cannot see the job)."""
+its job starts, and which failures Airflow retries (``AirflowException``: a request the broker
+refuses, a failed job) and which it must not (``AirflowFailException``: a job a user cancelled, a
+triggerer that cannot see the job)."""
 
 from __future__ import annotations
 
@@ -35,15 +35,16 @@ def _ended_job(broker):
 
 @pytest.fixture
 def failing_stop(monkeypatch):
-    """``LocalBackend.stop`` raises while the returned list of calls is not closed (``calls.append(None)``
-    ends the failures, so the fixtures' own clean-up stops what is left)."""
+    """``LocalBackend.stop`` raises what a read-only disk raises (an ``OSError``, not a
+    ``BackendError``) while the returned list of calls is not closed (``calls.append(None)`` ends the
+    failures, so the fixtures' own clean-up stops what is left)."""
     calls: list[str | None] = []
     real = LocalBackend.stop
 
     def stop(self, job_id, **kwargs):
         if None not in calls:
             calls.append(job_id)
-            raise BackendError("cannot remove the job directory: Read-only file system")
+            raise OSError(30, "Read-only file system")
         return real(self, job_id, **kwargs)
 
     monkeypatch.setattr(LocalBackend, "stop", stop)
@@ -61,7 +62,7 @@ def test_a_trigger_fires_an_ended_jobs_end_when_its_clean_up_keeps_failing(worke
     assert event.payload == {"job_id": job.id, "status": "succeeded", "reason": job.reason}
     assert failing_stop == [job.id] * CLEANUP_TRIES
     logged = "".join(capfd.readouterr())  # the trigger's log (Airflow's structlog) goes to the console
-    assert f"clean-up failed: cannot remove the job directory: Read-only file system ({CLEANUP_TRIES} times" in logged
+    assert f"clean-up failed: [Errno 30] Read-only file system ({CLEANUP_TRIES} tries)" in logged
     assert "its end is reported all the same; what the clean-up left behind is to be removed by hand" in logged
     assert op.execute_complete({"ti": _FakeTI()}, event.payload)["exit_code"] == 0
 
@@ -121,27 +122,27 @@ def test_a_job_a_user_cancelled_fails_its_task_without_retries(worker_env):
         op.execute_complete({"ti": _FakeTI()}, event)
 
 
-def test_a_request_the_broker_refuses_fails_the_task_without_retries(worker_env):
-    """More GPUs than the pool has is refused again on every retry."""
+@pytest.mark.parametrize("deferrable", [False, True])
+def test_a_request_the_broker_refuses_is_retried(worker_env, deferrable):
+    """More GPUs than the pool has now: the pool counts schedulable, healthy GPUs, and a drain ends,
+    so the task's retries apply (from the worker, or from the triggerer)."""
     broker, _, trainer = worker_env
     op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 3", total_steps=3,
-                                 min_gpus=3, max_gpus=3, virtual_gpus=2, deferrable=False)
-    with pytest.raises(AirflowFailException, match=r"min_gpus=3 is more than GPU pool 'default' has \(2\)"):
-        op.execute({"ti": _FakeTI()})
+                                 min_gpus=3, max_gpus=3, virtual_gpus=2, deferrable=deferrable,
+                                 start_from_trigger=deferrable)
+    with pytest.raises(AirflowException, match=r"min_gpus=3 is more than GPU pool 'default' has \(2\)") as raised:
+        if not deferrable:
+            op.execute({"ti": _FakeTI()})
+        else:
+            trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=None,
+                                                                  labels=op.task_labels({"ti": _FakeTI()})))
+            trigger.task_instance = _FakeTI()
+            trigger.task_instance.id = "0193a1b2-try-1"
+            event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 30))
+            assert event.payload["job_id"] is None
+            op.execute_complete({"ti": _FakeTI()}, event.payload)
+    assert not isinstance(raised.value, AirflowFailException)
     assert broker.jobs() == []
-
-
-def test_a_request_the_broker_refuses_in_the_triggerer_fails_the_task_without_retries(worker_env):
-    _, _, trainer = worker_env
-    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 3", total_steps=3,
-                                 min_gpus=3, max_gpus=3, virtual_gpus=2, start_from_trigger=True)
-    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=None, labels=op.task_labels({"ti": _FakeTI()})))
-    trigger.task_instance = _FakeTI()
-    trigger.task_instance.id = "0193a1b2-try-1"
-    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 30))
-    assert event.payload["job_id"] is None and event.payload["retry"] is False
-    with pytest.raises(AirflowFailException, match="could not start the training: min_gpus=3 is more than"):
-        op.execute_complete({"ti": _FakeTI()}, event.payload)
 
 
 def test_a_job_the_triggerer_cannot_see_is_cancelled_by_the_worker_and_fails_its_task(worker_env):
@@ -193,17 +194,17 @@ def test_a_task_killed_while_its_job_starts_cancels_that_job(worker_env, monkeyp
     finally:
         release.set()
         worker.join(60)
-    assert outcome  # deferred (its trigger fires the cancelled end at once), or an error of the start
-    # what the start launched after the kill stops by itself: its agent sees the job cancelled
-    wait_for(lambda: not backend.is_running(job.id) and broker.job(job.id).in_use_gpus == (), 60,
-             "the cancelled job's processes to stop and its GPUs to be free")
+    assert outcome  # deferred: its trigger fires the cancelled end at once
+    assert not backend.is_running(job.id)  # the start found its job cancelled and stopped what it made
+    wait_for(lambda: broker.job(job.id).in_use_gpus == (), 60, "the cancelled job's GPUs to be free")
 
 
 def test_a_task_in_the_worker_retries_a_poll_that_fails(worker_env, monkeypatch):
     """A cluster API that failed one poll failed the task in the worker (the trigger retried it),
     and its job trained on with nobody following it."""
     broker, _, trainer = worker_env
-    failures = [BackendError("the cluster API is unreachable"), BackendError("the cluster API is unreachable")]
+    # what a client library raises as it is, not only the backend's own errors
+    failures = [ConnectionRefusedError(111, "Connection refused"), BackendError("the cluster API is unreachable")]
     real_poll = JobWatcher.poll
 
     def poll(self):

@@ -27,7 +27,6 @@ from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
     MAX_NAME_CHARS,
     BrokerError,
-    InvalidRequest,
     JobSpec,
     JobView,
     NotFound,
@@ -316,9 +315,7 @@ class ElasticTrainingOperator(BaseOperator):
             )
             job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log,
                                    on_submitted=lambda submitted: setattr(self, "_job_id", submitted.id)).job
-        except (InvalidRequest, NotFound) as exc:  # no retry changes the pool or the request: not retried
-            raise AirflowFailException(f"{self.task_id}: {exc}") from None
-        except (BrokerError, BackendError) as exc:
+        except (BrokerError, BackendError) as exc:  # a refusal too: a pool's size changes (a drain ends)
             raise AirflowException(f"{self.task_id}: {exc}") from None
         ti.xcom_push(key="job_id", value=job.id)
         ti.xcom_push(key="gpu_pool", value=job.pool)
@@ -351,28 +348,36 @@ class ElasticTrainingOperator(BaseOperator):
                 job = exc.job
             except NotFound as exc:  # no retry brings it back
                 raise AirflowException(f"{self.task_id}: following job {watcher.job_id} failed: {exc}") from None
-            except (BrokerError, BackendError) as exc:
-                self.log.warning("polling job %s failed (%s); retrying in %ss", watcher.job_id, exc,
-                                 self.poll_interval)
+            except Exception as exc:  # noqa: BLE001 - the broker DB or the cluster API is briefly unreachable
+                self.log.warning("polling job %s failed (%s); retrying in %ss with a new backend client",
+                                 watcher.job_id, exc, self.poll_interval)
                 time.sleep(self.poll_interval)
+                watcher = self._new_watcher(watcher)
                 continue
             if job.status.terminal:
                 return self._result(job, context)
             time.sleep(self.poll_interval)
 
+    def _new_watcher(self, watcher: JobWatcher) -> JobWatcher:
+        """``watcher`` with a new backend (its client made anew: expired credentials, a dropped
+        connection), where it left off; the broker client replaces a dropped connection itself."""
+        fresh = JobWatcher(watcher.broker, self._make_backend(), watcher.job_id, after_event_id=watcher.after_event_id,
+                           env=watcher.env, context=watcher.context, log=watcher.log)
+        fresh.gone_polls = watcher.gone_polls
+        return fresh
+
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the trigger fired: log the job's resizes, return its metrics.
 
-        :raises AirflowFailException: the broker refused the job (``start_from_trigger``: an unknown
-            pool, more GPUs than it has), or the triggerer cannot follow it (its broker is not the
+        :raises AirflowFailException: the triggerer cannot follow the job (its broker is not the
             worker's: the job is cancelled here and its processes stopped, so it holds no GPU
             that nobody watches), or :meth:`_result`'s.
-        :raises AirflowException: the trigger could not start the job otherwise, or the job did not
-            succeed.
+        :raises AirflowException: the trigger could not start the job (``start_from_trigger``), or
+            the job did not succeed.
         """
         if event.get("job_id") is None:
-            error = AirflowException if event.get("retry", True) else AirflowFailException
-            raise error(f"{self.task_id}: the triggerer could not start the training: {event.get('reason')}")
+            raise AirflowException(f"{self.task_id}: the triggerer could not start the training: "
+                                   f"{event.get('reason')}")
         if event.get("status") == "error":
             message = (f"{self.task_id}: the triggerer could not follow training job {event['job_id']}: "
                        f"{event.get('reason')}")
@@ -454,5 +459,8 @@ class ElasticTrainingOperator(BaseOperator):
             return
         try:
             self.hook.broker.cancel(self._job_id, reason)
-        finally:
+        except Exception as exc:
+            self.log.warning("could not cancel job %s (%s); stopping its processes all the same", self._job_id, exc)
             self._make_backend().stop(self._job_id, timeout_s=30)
+            raise
+        self._make_backend().stop(self._job_id, timeout_s=30)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from airflow_elastic_gpu.backends.base import Backend, check_env, start_job
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec, JobView
+from airflow_elastic_gpu.states import JobStatus
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env:
         return Started(job, True)
     running = backend.is_running(job.id)
     job = start_job(broker, backend, job, env=env, context=labels)
+    if job.status.terminal and not running:  # ended while it started (its task was killed meanwhile)
+        log.info("job %s %s while it started: what the start made is stopped", job.id, job.status.value)
+        backend.stop(job.id, succeeded=job.status is JobStatus.SUCCEEDED)
+        return Started(job, False)
     log.info("%s job %s (%d-%d GPUs, %d steps) on the %s backend: %s",
              "reattached to running" if running else "started", job.id, spec.min_gpus, spec.max_gpus,
              spec.total_steps, backend.name, job.backend_ref)

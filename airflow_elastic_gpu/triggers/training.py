@@ -6,7 +6,7 @@ block; the triggerer's event loop must not): the broker's leased periodic rebala
 kept in step with the broker, a job whose processes are gone failed, its new events (resizes
 with their reasons) logged into the task log. It fires once the broker records a terminal state,
 after the backend has cleaned up (a clean-up that fails :data:`~airflow_elastic_gpu.triggers.watcher.
-CLEANUP_TRIES` polls in a row is logged as an error, and the end fired all the same). A poll that
+CLEANUP_TRIES` polls is logged as an error, and the end fired all the same). A poll that
 fails is retried with new clients; the task's deadline holds while polls fail. The trigger holds no state beyond its serialized arguments:
 after a triggerer restart it re-polls and picks up where the broker is. The broker's record of
 the job's end is the truth, whatever happened to the processes.
@@ -32,7 +32,6 @@ from typing import Any
 
 from airflow_elastic_gpu.broker.types import (
     BrokerError,
-    InvalidRequest,
     JobSpec,
     JobView,
     NotFound,
@@ -231,12 +230,9 @@ class ElasticTrainingTrigger(BaseTrigger):
                 self.job_id = (await asyncio.wrap_future(self._submitting())).id
             except (BrokerError, BackendError, ValueError, OSError) as exc:
                 self.log.error("could not submit the training: %s", exc)
-                # a request the broker refuses (an unknown pool, more GPUs than the pool has) is
-                # refused again on a retry: the task fails without one
-                yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc),
-                                    "retry": not isinstance(exc, (InvalidRequest, NotFound))})
+                yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc)})
                 return
-        cleanup_failures = 0
+        cleanup_failures, timed_out = 0, False
         while True:
             try:
                 job = await asyncio.to_thread(self._poll)
@@ -260,8 +256,8 @@ class ElasticTrainingTrigger(BaseTrigger):
                 self.log.warning("polling job %s failed (%s); retrying in %ss with new clients", self.job_id,
                                  exc, self.poll_interval)
                 await asyncio.to_thread(self._drop_watcher)
-                if self._past_deadline():  # the time-out is not put off by a poll that keeps failing
-                    await asyncio.to_thread(self._try_time_out)
+                if self._past_deadline() and not timed_out:  # not put off by polls that keep failing
+                    timed_out = await asyncio.to_thread(self._try_time_out)
                 await asyncio.sleep(self.poll_interval)
                 continue
             if job.status.terminal:
@@ -272,14 +268,18 @@ class ElasticTrainingTrigger(BaseTrigger):
     def _past_deadline(self) -> bool:
         return self.deadline_s is not None and time.time() >= self.deadline_s
 
-    def _try_time_out(self) -> None:
+    def _try_time_out(self) -> bool:
         """:meth:`_time_out` after a failed poll (the job may have ended; the broker may be away:
-        a failure is logged, and the next poll tries again)."""
+        a failure is logged, and the next failed poll tries again).
+
+        :returns: True once the job is cancelled and its processes stopped."""
         try:
             self._time_out()
         except Exception as exc:  # noqa: BLE001 - logged; the next failed poll tries again
             self.log.warning("could not time job %s out (%s); trying again after the next poll", self.job_id, exc)
             self._drop_watcher()
+            return False
+        return True
 
     def _time_out(self) -> None:
         """Cancel the job past ``deadline_s`` and stop its processes (blocking)."""

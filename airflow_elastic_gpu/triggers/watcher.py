@@ -17,7 +17,7 @@ from airflow_elastic_gpu.states import ENDED_KINDS, PUBLISH_KINDS, EventKind, Jo
 GONE_POLLS = 3
 """Polls in a row that must find a job's processes gone before the job is failed."""
 CLEANUP_TRIES = 3
-"""Polls in a row whose clean-up of an ended job may fail before its end is reported all the same."""
+"""Polls whose clean-up of an ended job may fail before its end is reported all the same."""
 LOGGED_KINDS = PUBLISH_KINDS | {EventKind.ACK} | ENDED_KINDS
 """Event kinds written into the task log: generations published and acked, and the job's end."""
 
@@ -28,7 +28,7 @@ class CleanupFailed(BackendError):
     :param job: the ended job, as the broker records it.
     """
 
-    def __init__(self, job: JobView, error: BackendError) -> None:
+    def __init__(self, job: JobView, error: Exception) -> None:
         super().__init__(f"job {job.id} {job.status.value}, but its clean-up failed: {error}")
         self.job = job
 
@@ -93,12 +93,12 @@ class JobWatcher:
         if job.status.terminal:
             try:
                 self.backend.stop(self.job_id, succeeded=job.status is JobStatus.SUCCEEDED)
-            except BackendError as exc:
+            except Exception as exc:  # any: a cluster API or a disk that fails, the job has ended
                 raise CleanupFailed(job, exc) from exc
         return job, events
 
     def cleanup_failed(self, exc: CleanupFailed, failures: int) -> bool:
-        """After the ``failures``-th clean-up failure in a row: True (the end is to be reported) once
+        """After the ``failures``-th clean-up failure: True (the end is to be reported) once
         there were :data:`CLEANUP_TRIES`, with an error in the task log that says what is left
         behind. The broker's record is the truth: the job has ended, and an ended job's GPUs go to
         others once its trainer has stopped (a cancelled one's agent stops it); what a failed
@@ -107,7 +107,7 @@ class JobWatcher:
         if failures < CLEANUP_TRIES:
             self.log.warning("%s; retrying (%d of %d)", exc, failures, CLEANUP_TRIES)
             return False
-        self.log.error("%s (%d times in a row): its end is reported all the same; what the clean-up "
+        self.log.error("%s (%d tries): its end is reported all the same; what the clean-up "
                        "left behind is to be removed by hand", exc, failures)
         return True
 
