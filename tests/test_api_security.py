@@ -84,6 +84,13 @@ def test_limits_are_checked_and_read_from_the_environment():
         ApiLimits(max_body_bytes=0)
     with pytest.raises(ValueError, match="must not exceed max_body_bytes"):
         ApiLimits(max_body_bytes=1000, max_metrics_bytes=2000)
+    # a metrics limit above the body limit names where each came from, as a malformed one does
+    with pytest.raises(ValueError, match=r"^\$AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES \(2000\) must not exceed "
+                                         r"--max-body-bytes \(1000\): the metrics travel in the body$"):
+        ApiLimits.from_env({"AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES": "2000"}, given={"max_body_bytes": 1000})
+    with pytest.raises(ValueError, match=r"^--max-metrics-bytes \(300000\) must not exceed the default of "
+                                         r"\[elastic_gpu\] api_max_body_bytes \(262144\)"):
+        ApiLimits.from_env({}, given={"max_metrics_bytes": 300_000})
 
 
 # --------------------------------------------------------------------------- a real server process

@@ -77,19 +77,25 @@ class ApiLimits:
 
         :param given: limits set by the caller (command-line options, by field name): they win,
             and the settings they replace are not read (a malformed one is then no error).
-        :raises ValueError: a value that is not a positive integer (the message names its source).
+        :raises ValueError: a value that is not a positive integer, or a metrics limit above the
+            body limit (the message names each value's source).
         """
         values: dict[str, int] = dict(given or {})
+        sources = {name: f"--{name.replace('_', '-')}" for name in values}
         for name in ("max_body_bytes", "max_metrics_bytes"):
             if name in values:
                 continue
-            raw, source = lookup_option(f"api_{name}", environ)
+            raw, sources[name] = lookup_option(f"api_{name}", environ)
             try:
                 values[name] = int(raw)
             except ValueError:
                 values[name] = 0
             if values[name] < 1:
-                raise ValueError(f"{source} must be a positive integer (bytes), got {raw!r}")
+                raise ValueError(f"{sources[name]} must be a positive integer (bytes), got {raw!r}")
+        if values["max_metrics_bytes"] > values["max_body_bytes"]:
+            raise ValueError(f"{sources['max_metrics_bytes']} ({values['max_metrics_bytes']}) must not exceed "
+                             f"{sources['max_body_bytes']} ({values['max_body_bytes']}): the metrics travel in "
+                             "the body")
         return cls(**values)
 
 
