@@ -218,3 +218,31 @@ def test_a_task_in_the_worker_retries_a_poll_that_fails(worker_env, monkeypatch)
     result = op.execute({"ti": _FakeTI()})
     assert failures == [] and result["final_step"] == 20
     assert broker.job(result["job_id"]).status is JobStatus.SUCCEEDED
+
+
+def test_a_cleared_tasks_old_trigger_leaves_the_job_its_new_try_reattached_to(worker_env):
+    """A deferred task is cleared: its new try may reattach to the running job (same key) before the
+    old trigger's ``on_kill`` runs; the old trigger cancelled it then, and the new try, which
+    follows it, failed. A job is the try's that submitted it or last reattached to it."""
+    from test_airflow_tasks import _trigger_ti
+
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    key = "sft/train/manual__1/-1"
+    first = broker.submit(JobSpec("t", "python train.py", 1, 2, total_steps=10**6, key=key, attempt="try-1"))
+    broker.ack(first.id, 1)
+    again = broker.submit(JobSpec("t", "python train.py", 1, 2, total_steps=10**6, key=key, attempt="try-2"))
+    assert again.id == first.id  # reattached: the job is try 2's now
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6)
+    old = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=first.id, labels=None))
+    old.task_instance = _trigger_ti(ti_id="try-1")
+    old._kill("task instance killed by a user while deferred")
+    assert broker.job(first.id).status is JobStatus.RUNNING
+    assert broker.cancel(first.id, "old try", attempt="try-1").status is JobStatus.RUNNING
+    new = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=first.id, labels=None))
+    new.task_instance = _trigger_ti(ti_id="try-2")
+    new._kill("task instance killed by a user while deferred")  # the try that follows it may stop it
+    assert broker.job(first.id).status is JobStatus.CANCELLED
+    # a cancel that names no try (the CLI, an administrator) always cancels
+    other = broker.submit(JobSpec("u", "python train.py", 1, 1, total_steps=10, attempt="try-9"))
+    assert broker.cancel(other.id, "cancelled from the CLI").status is JobStatus.CANCELLED

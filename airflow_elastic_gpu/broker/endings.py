@@ -4,6 +4,7 @@ for the others); with the job-row locks every job call takes first."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, select
@@ -13,6 +14,8 @@ from airflow_elastic_gpu.broker.queries import Queries
 from airflow_elastic_gpu.broker.rows import NODES_ACKED, job_gpus, lock_book, read_job, update_job
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobView, NotFound
 from airflow_elastic_gpu.states import TERMINAL, EventKind, JobStatus
+
+log = logging.getLogger(__name__)
 
 _NODE_OF_POOL = select(Node.id).where(Node.pool == bindparam("pool"), Node.name == bindparam("node"))
 
@@ -36,10 +39,14 @@ class Endings(Queries):
     # ------------------------------------------------------------------ the end
 
     def _end(self, job_id: str, status: JobStatus, reason: str | None, exit_code: int | None,
-             metrics: dict[str, Any] | None, *, hold: bool = False, node: str | None = None) -> JobView:
+             metrics: dict[str, Any] | None, *, hold: bool = False, node: str | None = None,
+             attempt: str | None = None) -> JobView:
         def run() -> None:
             with self.engine.begin() as conn:
                 job = self._locked_book(conn, job_id)
+                if attempt is not None and job.attempt is not None and job.attempt != attempt:
+                    log.info("job %s: not ended for task try %s: try %s follows it now", job_id, attempt, job.attempt)
+                    return
                 if node is not None and conn.execute(_NODE_OF_POOL, {"pool": job.pool, "node": node}).first() is None:
                     raise InvalidRequest(f"node {node!r} is not a node of GPU pool {job.pool!r}")
                 where = "its trainer stopped" if node is None else f"its trainer on node {node} stopped"
@@ -114,10 +121,16 @@ class Endings(Queries):
         """
         return self._end(job_id, JobStatus.FAILED, reason, exit_code, metrics, node=node)
 
-    def cancel(self, job_id: str, reason: str = "cancelled by user") -> JobView:
+    def cancel(self, job_id: str, reason: str = "cancelled by user", *, attempt: str | None = None) -> JobView:
         """Stop the job: CANCELLED at once; its agent sees the status on its next heartbeat and
         stops the trainer (SIGTERM, the grace period). Its GPUs stay out of every allocation until
         the agent reports the trainer stopped (:meth:`fail` or :meth:`finish` on the ended job), or
         until no heartbeat came for the pool's ``lease_s`` (the launcher has fenced the trainer
-        by then): no other job starts on a GPU the cancelled trainer may still use."""
-        return self._end(job_id, JobStatus.CANCELLED, reason, None, None, hold=True)
+        by then): no other job starts on a GPU the cancelled trainer may still use.
+
+        :param attempt: the task try that cancels (``JobSpec.attempt``): the job is cancelled only
+            if that try submitted it, or the last to reattach to it (:meth:`submit`), or none did;
+            else it is left as it is (a cleared task's old trigger must not stop the job its new
+            try follows) and the view returned is not ended.
+        """
+        return self._end(job_id, JobStatus.CANCELLED, reason, None, None, hold=True, attempt=attempt)

@@ -150,8 +150,9 @@ class Lifecycle(Endings):
     def submit(self, spec: JobSpec) -> JobView:
         """Submit a job (idempotent on ``spec.key``) and rebalance its pool (coalesced).
 
-        A key whose job is unfinished returns that job unchanged; a key whose job has ended returns
-        it too when ``spec.attempt`` submitted it (the same task try again, e.g. a trigger made
+        A key whose job is unfinished returns that job (``spec.attempt``, if given, becomes the try it
+        belongs to: see :meth:`cancel`); a key whose job has ended returns it too when ``spec.attempt``
+        submitted it (the same task try again, e.g. a trigger made
         again after a triggerer restart), else (a task retry) starts a new job and keeps the old
         one's record under ``KEY@OLD_ID``. The reply of a new job carries its API token (only there).
 
@@ -176,6 +177,9 @@ class Lifecycle(Endings):
                 existing = conn.execute(_BY_KEY, {"key": key}).first()
                 if existing is not None:
                     if JobStatus(existing.status) not in TERMINAL:
+                        # reattached (a retry, a cleared task's new try): the job is that try's now
+                        if spec.attempt is not None and existing.attempt != spec.attempt:
+                            update_job(conn, existing.id, attempt=spec.attempt)
                         # our own job when this transaction is redone after its commit went
                         # through but the connection was lost before the reply: reply with its token
                         return existing.id, (True if existing.token_hash == token_hash(token) else None)

@@ -55,7 +55,7 @@ JOB_COLUMNS = tuple(Job.__table__.columns)
 
 BOOK_COLUMNS = (
     Job.id, Job.pool, Job.name, Job.family, Job.status, Job.min_gpus, Job.max_gpus, Job.total_steps, Job.submit_s, Job.requested_gpus,
-    Job.priority, Job.throughput, Job.last_heartbeat_s, Job.preemptible, Job.suspensions, Job.finished_nodes,
+    Job.priority, Job.throughput, Job.last_heartbeat_s, Job.preemptible, Job.suspensions, Job.finished_nodes, Job.attempt,
     *(getattr(Job, name) for name in BOOK_FIELDS),
 )
 """The job columns :func:`book_of` and :func:`book_changes` read, with the job's pool and status

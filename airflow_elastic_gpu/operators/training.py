@@ -57,6 +57,7 @@ from airflow_elastic_gpu.triggers.training import (
     TIMEOUT_REASON,
     TRIGGER_CLASSPATH,
     ElasticTrainingTrigger,
+    attempt_of,
 )
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
@@ -240,6 +241,7 @@ class ElasticTrainingOperator(BaseOperator):
                 trigger_cls=TRIGGER_CLASSPATH, next_method="execute_complete",
                 trigger_kwargs=self._trigger_kwargs(job_id=None, labels=None))
         self._job_id: str | None = None
+        self._attempt: str | None = None  # this task try's id (JobSpec.attempt), once it runs
 
     # -- helpers
     @cached_property
@@ -300,6 +302,7 @@ class ElasticTrainingOperator(BaseOperator):
     def execute(self, context: Any) -> dict[str, Any] | None:
         ti = context["ti"]
         started_s = time.time()  # this try's execution_timeout counts from here, while deferred too
+        self._attempt = attempt_of(ti)  # the job is this try's (a cleared task's old trigger leaves it)
         labels = self.task_labels(context)
         try:
             broker = self.hook.broker
@@ -311,7 +314,7 @@ class ElasticTrainingOperator(BaseOperator):
                 pool=self.gpu_pool or self.hook.default_pool(), priority=self.priority,
                 progress_pattern=self.progress_pattern, checkpoint_dir=self.checkpoint_dir, backend=self.backend,
                 preemptible=self.preemptible, relative_speed=self.relative_speed,
-                family=task_family(ti.dag_id, ti.task_id),
+                family=task_family(ti.dag_id, ti.task_id), attempt=self._attempt,
             )
             job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log,
                                    on_submitted=lambda submitted: setattr(self, "_job_id", submitted.id)).job
@@ -454,13 +457,17 @@ class ElasticTrainingOperator(BaseOperator):
 
     def _stop_job(self, reason: str) -> None:
         """Cancel this try's job with ``reason`` and stop its processes; the stop is tried even when
-        the cancel fails (whose error is then raised)."""
+        the cancel fails (whose error is then raised). A job a later try of the task reattached to
+        is left to it."""
         if self._job_id is None:
             return
         try:
-            self.hook.broker.cancel(self._job_id, reason)
+            job = self.hook.broker.cancel(self._job_id, reason, attempt=self._attempt)
         except Exception as exc:
             self.log.warning("could not cancel job %s (%s); stopping its processes all the same", self._job_id, exc)
             self._make_backend().stop(self._job_id, timeout_s=30)
             raise
+        if not job.status.terminal:
+            self.log.info("job %s goes on: a later try of this task follows it now", self._job_id)
+            return
         self._make_backend().stop(self._job_id, timeout_s=30)

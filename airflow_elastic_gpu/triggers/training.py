@@ -45,7 +45,7 @@ TIMEOUT_REASON = "execution_timeout"
 """How the reason of a job cancelled at its task's deadline begins (a time-out: retried)."""
 
 
-def _attempt(ti: Any) -> str | None:
+def attempt_of(ti: Any) -> str | None:
     """The task try's identity (``JobSpec.attempt``): the task instance's id, which Airflow 3 makes
     anew for every try; None when it has none."""
     ti_id = getattr(ti, "id", None)
@@ -157,7 +157,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
             backend=self.backend, preemptible=bool(job.get("preemptible", False)),
             relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
-            attempt=_attempt(ti),
+            attempt=attempt_of(ti),
         )
         return submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log).job
 
@@ -298,7 +298,11 @@ class ElasticTrainingTrigger(BaseTrigger):
         if self.job_id is None:
             return
         watcher = self._get_watcher()
-        watcher.broker.cancel(self.job_id, reason)
+        ti = self.task_instance
+        job = watcher.broker.cancel(self.job_id, reason, attempt=None if ti is None else attempt_of(ti))
+        if not job.status.terminal:  # a later try of the task reattached to it (a cleared task)
+            self.log.info("job %s goes on: a later try of its task follows it now", self.job_id)
+            return
         watcher.backend.stop(self.job_id, timeout_s=30)
 
     def _still_deferred(self, unsure: bool = False) -> bool:
