@@ -246,3 +246,45 @@ def test_a_cleared_tasks_old_trigger_leaves_the_job_its_new_try_reattached_to(wo
     # a cancel that names no try (the CLI, an administrator) always cancels
     other = broker.submit(JobSpec("u", "python train.py", 1, 1, total_steps=10, attempt="try-9"))
     assert broker.cancel(other.id, "cancelled from the CLI").status is JobStatus.CANCELLED
+
+
+def test_a_worker_try_leaves_the_job_a_later_try_reattached_to(worker_env, monkeypatch):
+    """The operator submits with its try too: a killed earlier try (its on_kill) leaves the job the
+    next try follows, and a deferred old trigger past its deadline stops acting on it rather than
+    cancel it, or poll without a pause."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    broker, _, trainer = worker_env
+    ops, tis = [], []
+    for try_id in ("try-1", "try-2"):
+        op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
+                                     total_steps=100000, virtual_gpus=2, poll_interval=0.1)
+        ti = _FakeTI()
+        ti.id = try_id
+        with pytest.raises(TaskDeferred) as deferred:
+            op.execute({"ti": ti})
+        ops.append(op)
+        tis.append(ti)
+    job_id = tis[0].xcom["job_id"]
+    assert tis[1].xcom["job_id"] == job_id  # reattached
+    ops[0].on_kill()
+    assert broker.job(job_id).status is JobStatus.RUNNING
+    polls = []
+    real_poll = JobWatcher.poll
+    monkeypatch.setattr(JobWatcher, "poll", lambda self: polls.append(None) or real_poll(self))
+    old = deferred.value.trigger  # try 2's trigger, made again as try 1's with a deadline passed
+    kwargs = {**old.serialize()[1], "deadline_s": time.time() - 1}
+    stale = ElasticTrainingTrigger(**kwargs)
+    stale.task_instance = tis[0]
+
+    async def follow_a_while():
+        task = asyncio.create_task(stale.run().__anext__())
+        await asyncio.sleep(1.5)
+        assert not task.done()
+        task.cancel()
+
+    asyncio.run(follow_a_while())
+    assert broker.job(job_id).status is JobStatus.RUNNING and stale.deadline_s is None
+    assert len(polls) <= 20, f"{len(polls)} polls in 1.5 s at a 0.1 s interval"
+    ops[1].on_kill()  # the try that follows it may stop it
+    assert broker.job(job_id).status is JobStatus.CANCELLED

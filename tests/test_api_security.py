@@ -91,6 +91,8 @@ def test_limits_are_checked_and_read_from_the_environment():
     with pytest.raises(ValueError, match=r"^--max-metrics-bytes \(300000\) must not exceed the default of "
                                          r"\[elastic_gpu\] api_max_body_bytes \(262144\)"):
         ApiLimits.from_env({}, given={"max_metrics_bytes": 300_000})
+    with pytest.raises(ValueError, match=r"^--max-body-bytes must be a positive integer \(bytes\), got 0$"):
+        ApiLimits.from_env({}, given={"max_body_bytes": 0})
 
 
 # --------------------------------------------------------------------------- a real server process

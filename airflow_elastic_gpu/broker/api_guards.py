@@ -84,6 +84,9 @@ class ApiLimits:
         sources = {name: f"--{name.replace('_', '-')}" for name in values}
         for name in ("max_body_bytes", "max_metrics_bytes"):
             if name in values:
+                value = values[name]
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{sources[name]} must be a positive integer (bytes), got {value!r}")
                 continue
             raw, sources[name] = lookup_option(f"api_{name}", environ)
             try:

@@ -66,7 +66,9 @@ def token_hash(token: str) -> str:
 
 
 # statements of the hot calls, built once (parameters bound per call)
-_BY_KEY = select(Job.id, Job.status, Job.token_hash, Job.attempt).where(Job.key == bindparam("key"))
+# locked: a reattach hands the job to its try (attempt) only if no cancel ended it meanwhile
+_BY_KEY = (select(Job.id, Job.status, Job.token_hash, Job.attempt).where(Job.key == bindparam("key"))
+           .with_for_update(key_share=True))
 _ADD_JOB = insert(Job)
 # schedulable healthy GPUs per node of the pool (``size``), with the pool's rebalance settings and
 # pending requests (what ``_due`` reads) on every row: no row for an unknown pool, one row of size

@@ -384,7 +384,7 @@ class ElasticTrainingOperator(BaseOperator):
         if event.get("status") == "error":
             message = (f"{self.task_id}: the triggerer could not follow training job {event['job_id']}: "
                        f"{event.get('reason')}")
-            self._job_id = event["job_id"]
+            self._job_id, self._attempt = event["job_id"], attempt_of(context["ti"])
             try:  # the worker's broker has the job: no one would watch it, or end it
                 self._stop_job("the triggerer could not follow the job (its broker is not the worker's)")
             except Exception as exc:  # noqa: BLE001 - the message says what is left

@@ -237,8 +237,9 @@ class ElasticTrainingTrigger(BaseTrigger):
             try:
                 job = await asyncio.to_thread(self._poll)
                 if not job.status.terminal and self._past_deadline():
-                    await asyncio.to_thread(self._time_out)
-                    continue  # the next poll reads the cancelled job and fires its end
+                    if await asyncio.to_thread(self._time_out):
+                        continue  # the next poll reads the cancelled job and fires its end
+                    self.deadline_s = None  # another try of the task follows the job: not this one's to end
             except NotFound as exc:  # no retry brings it back: this triggerer's broker is not the worker's
                 reason = (f"{exc} in the triggerer's broker: the triggerer must reach the broker the task "
                           f"submitted to (connection {self.broker_conn_id!r} or [elastic_gpu] broker_url)")
@@ -272,7 +273,8 @@ class ElasticTrainingTrigger(BaseTrigger):
         """:meth:`_time_out` after a failed poll (the job may have ended; the broker may be away:
         a failure is logged, and the next failed poll tries again).
 
-        :returns: True once the job is cancelled and its processes stopped."""
+        :returns: True once acted on (the job cancelled and its processes stopped, or left to the
+            later try of the task that follows it)."""
         try:
             self._time_out()
         except Exception as exc:  # noqa: BLE001 - logged; the next failed poll tries again
@@ -281,29 +283,35 @@ class ElasticTrainingTrigger(BaseTrigger):
             return False
         return True
 
-    def _time_out(self) -> None:
-        """Cancel the job past ``deadline_s`` and stop its processes (blocking)."""
+    def _time_out(self) -> bool:
+        """Cancel the job past ``deadline_s`` and stop its processes (blocking).
+
+        :returns: False when the job was left alone (another try of the task follows it)."""
         reason = f"{TIMEOUT_REASON}: the task's time ran out while it was deferred; cancelled"
         self.log.error("job %s: %s", self.job_id, reason)
-        self._kill(reason)
+        return self._kill(reason)
 
-    def _kill(self, reason: str) -> None:
+    def _kill(self, reason: str) -> bool:
         """Cancel the job (``reason``) and stop its processes (blocking; after a submission under
-        way, once it is done)."""
+        way, once it is done).
+
+        :returns: False when there was nothing to stop, or the job was left alone: a later try of
+            the task reattached to it (a cleared task)."""
         if self.job_id is None and self._submit_future is not None:
             try:
                 self.job_id = self._submit_future.result().id
             except Exception:  # noqa: BLE001 - the submission failed: no job was started
-                return
+                return False
         if self.job_id is None:
-            return
+            return False
         watcher = self._get_watcher()
         ti = self.task_instance
         job = watcher.broker.cancel(self.job_id, reason, attempt=None if ti is None else attempt_of(ti))
         if not job.status.terminal:  # a later try of the task reattached to it (a cleared task)
             self.log.info("job %s goes on: a later try of its task follows it now", self.job_id)
-            return
+            return False
         watcher.backend.stop(self.job_id, timeout_s=30)
+        return True
 
     def _still_deferred(self, unsure: bool = False) -> bool:
         """Whether this trigger's task instance is still deferred, asked through the triggerer's
