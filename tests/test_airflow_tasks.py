@@ -374,10 +374,11 @@ def test_execution_timeout_holds_while_the_task_is_deferred(worker_env):
     op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
                                  total_steps=100000, virtual_gpus=1, poll_interval=0.2,
                                  execution_timeout=timedelta(seconds=2))
+    before = time.time()
     with pytest.raises(TaskDeferred) as deferred:
         op.execute({"ti": _FakeTI()})
     trigger = deferred.value.trigger
-    assert 0 < trigger.serialize()[1]["deadline_s"] - time.time() <= 2.0
+    assert before + 2.0 <= trigger.serialize()[1]["deadline_s"] <= time.time() + 2.0  # 2 s from execute's start
     event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 60))
     job = broker.job(event.payload["job_id"])
     assert event.payload["status"] == "cancelled" and "execution_timeout" in event.payload["reason"]
@@ -430,7 +431,11 @@ def test_a_cancelled_trigger_stops_its_job_only_once_the_task_is_no_longer_defer
 
     async def cancel_while_it_watches():
         running = asyncio.ensure_future(trigger.run().__anext__())
-        await asyncio.sleep(2.0)  # submitted and started, now polling
+        deadline = time.monotonic() + 60
+        while not (trigger.job_id and backend.is_running(trigger.job_id)):  # submitted and started
+            assert time.monotonic() < deadline and not running.done()
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # now polling
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running

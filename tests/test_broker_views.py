@@ -126,7 +126,7 @@ def test_a_job_that_ends_while_its_view_is_read_shows_its_row_and_gpus_of_one_mo
 
     event.listen(pool.engine, "before_cursor_execute", end_it_before_the_gpus_are_read)
     try:
-        view = pool.job(job.id) if read == "job" else pool.jobs()[0]
+        view = pool.job(job.id) if read == "job" else next(j for j in pool.jobs() if j.id == job.id)
     finally:
         event.remove(pool.engine, "before_cursor_execute", end_it_before_the_gpus_are_read)
         other.engine.dispose()
