@@ -22,11 +22,12 @@ one per rebalance period.
 A resize in place (the sidecar) keeps the job's pod and costs it ``inplace_s`` of training; the
 trainer keeps its old GPUs while it stops (the agent's reaction, SIGTERM, the checkpoint, the exit:
 ``inplace_stop_s``), and its agent acks the new generation then: only from then on do GPUs it gives
-up go to others, and GPUs it gains count as its own. A termination-based resize (``recreate``) deletes the job's pod: the old pod keeps its GPUs,
-not training, for the model's stop part (the grace period); then the job holds nothing and goes
-back through scheduling like a queued job (keeping its progress and submit time), so it waits
-when others took the GPUs meanwhile; once placed again it trains after the start part (binding,
-image pull, container start, initialisation). See :mod:`airflow_elastic_gpu.simulator.model`.
+up go to others, and GPUs it gains count as its own. A termination-based resize (``recreate``)
+deletes the job's pod: the old pod keeps its GPUs, not training, for the model's stop part (the
+grace period); then the job holds nothing and goes back through scheduling like a queued job
+(keeping its progress and submit time), so it waits when others took the GPUs meanwhile; once
+placed again it trains after the start part (binding, image pull, container start,
+initialisation). See :mod:`airflow_elastic_gpu.simulator.model`.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ Every ``poll_interval`` seconds it runs one :meth:`JobWatcher.poll
 block; the triggerer's event loop must not): the broker's leased periodic rebalance, the backend
 kept in step with the broker, a job whose processes are gone failed, its new events (resizes
 with their reasons) logged into the task log. It fires once the broker records a terminal state,
-after the backend has cleaned up (a clean-up that fails :data:`~airflow_elastic_gpu.triggers.watcher.
-CLEANUP_TRIES` polls is logged as an error, and the end fired all the same). A poll that
-fails is retried with new clients; the task's deadline holds while polls fail. The trigger holds no state beyond its serialized arguments:
-after a triggerer restart it re-polls and picks up where the broker is. The broker's record of
+after the backend has cleaned up (a clean-up that fails
+:data:`~airflow_elastic_gpu.triggers.watcher.CLEANUP_TRIES` polls is logged as an error, and the
+end fired all the same). A poll that fails is retried with new clients; the task's deadline holds
+while polls fail. The trigger holds no state beyond its serialized arguments: after a triggerer
+restart it re-polls and picks up where the broker is. The broker's record of
 the job's end is the truth, whatever happened to the processes.
 
 Started without a job id (the operator's ``start_from_trigger=True``), it first submits and starts
