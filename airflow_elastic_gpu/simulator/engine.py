@@ -133,8 +133,9 @@ def simulate(
     :param progress: called with the fraction of jobs finished, for progress bars.
     :param preemptible: every job of the trace opts in to suspension (``preemptible=True``); a
         policy that suspends (``adaptive`` with ``suspend=True``) may then take a running job to
-        zero GPUs. A suspended job holds no GPU and makes no progress; its resume pays the
-        mechanism's restart overhead, like any restart (counted in ``preemptions``).
+        zero GPUs. A suspended job holds no GPU and makes no progress; a suspension and its
+        resume together pay the mechanism's restart overhead once, like any restart (in place:
+        the stop at the suspension, the rest at the resume; counted in ``preemptions``).
     :param known_throughput: an oracle for ablations: the policy knows each job's true throughput
         at every GPU count (packed on as few nodes as possible) from its submission, instead of
         starting from a prior (``benchmarks/policy_ablation.py``); its progress samples are still
