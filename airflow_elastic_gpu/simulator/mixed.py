@@ -167,17 +167,14 @@ class TypedProfile:
         A count on one type is capped by that type's GPUs: a 16-GPU ideal on a type of 8 is not one.
         """
         types = [t for t in self.profiles if sizes.get(t, (0, 0))[0] > 0]
-        subsets = [[t for k, t in enumerate(types) if mask >> k & 1] for mask in range(1, 1 << len(types))]
-        out = []
-        for n in range(1, max_gpus + 1):
-            best = 0.0
-            for subset in subsets:
-                if sum(sizes[t][0] for t in subset) < n:
-                    continue
-                nodes = -(-n // max(sizes[t][1] for t in subset))
-                best = max(best, min(self.profiles[t].samples_per_s(n, nodes) for t in subset))
-            out.append(best)
-        return out
+        # every set of types, with its GPUs and its largest node's GPUs
+        subsets = []
+        for mask in range(1, 1 << len(types)):
+            subset = [t for k, t in enumerate(types) if mask >> k & 1]
+            subsets.append((subset, sum(sizes[t][0] for t in subset), max(sizes[t][1] for t in subset)))
+        return [max((min(self.profiles[t].samples_per_s(n, -(-n // per_node)) for t in subset)
+                     for subset, gpus, per_node in subsets if gpus >= n), default=0.0)
+                for n in range(1, max_gpus + 1)]
 
     def speed_on(self, gpus: Sequence[GpuId]) -> float:
         """Samples/s on ``gpus``: the type's measured speed, or on several types the slowest
