@@ -32,7 +32,6 @@ import functools
 import logging
 import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -238,9 +237,7 @@ class Agent(EndReports):
                 # no launcher to stop it: kill the orphaned trainer and its workers before the GPUs
                 # are released, so nothing runs on GPUs the broker hands to another job (a gang:
                 # every node's, and the other launchers are told to stop)
-                orphans = [int(p) for p in [status.get("pid"), *(status.get("workers") or [])] if p]
-                protocol.signal_processes(orphans, signal.SIGKILL)
-                if protocol.survivors(orphans) or (
+                if not self._orphans_killed([status]) or (
                         self.gang is not None and not self._stopped("a launcher of the gang died")):
                     # a trainer still runs: its GPUs must not be freed, the lease ends the job
                     log.error("the dead launcher's trainer did not stop: the broker's lease will end the job")
@@ -270,8 +267,10 @@ class Agent(EndReports):
             self.moved_away = True
             return max(written, target.generation)
         part = self._part(target)
-        if self.node is not None and target.gpus and target.generation > written:
-            self.dropped = not part["gpus"]  # the gang goes on without this node
+        if self.node is not None and target.gpus and target.generation >= written:
+            # the gang goes on without this node (read from the target each time: an agent
+            # restarted after the generation that dropped its node was written knows it too)
+            self.dropped = not part["gpus"]
         if target.generation > written and (target.gpus or written > 0):
             # a generation with no GPUs after one with GPUs: the job is suspended (the launcher
             # stops the trainer, letting it checkpoint, and waits; the ack then frees its GPUs); a

@@ -6,6 +6,7 @@ that node's GPUs only (``docs/fencing.md``)."""
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -209,8 +210,27 @@ class EndReports:
             if all(s in (protocol.STOPPED, protocol.EXITED) for s in states):
                 return True
             if self.launcher_pids and all(not protocol.pid_alive(p) for p in self.launcher_pids):
-                return True
+                # a launcher killed (OOM, SIGKILL) or dead of an error leaves its trainer running
+                statuses = list(self.gang.statuses().values()) if self.gang is not None else [self._status()]
+                if self._orphans_killed([s for s in statuses
+                                         if s.get("state") not in (protocol.STOPPED, protocol.EXITED)]):
+                    return True
             time.sleep(0.2)
         log.warning("the trainer did not stop within %.0fs: the broker keeps its GPUs until the lease ends",
                     self.stop_timeout_s)
         return False
+
+    @staticmethod
+    def _orphans_killed(statuses: list[dict[str, Any]]) -> bool:
+        """SIGKILL the trainers and workers that launchers no longer alive left (their
+        ``status.json``: pids with start times, so a pid another process has now is left alone);
+        True once none of them is alive."""
+        procs: dict[int, int | None] = {}
+        for s in statuses:
+            if s.get("pid"):
+                procs[int(s["pid"])] = s.get("pid_start")
+            starts = s.get("worker_starts") or []
+            for i, pid in enumerate(s.get("workers") or []):
+                procs[int(pid)] = starts[i] if i < len(starts) else None
+        protocol.signal_processes(list(procs), signal.SIGKILL, procs)
+        return not protocol.survivors(list(procs), starts=procs)

@@ -50,76 +50,6 @@ EXIT_FENCED = 75  # EX_TEMPFAIL: fenced, and no agent came back to resume the tr
 STUCK_NOTE_S = 60.0  # how often a process that survives SIGKILL is named again in train.log
 
 
-class LeaseWatch:
-    """The launcher's view of ``lease.json``: how long since the agent's last confirmed contact.
-
-    The age of a contact is measured twice and the larger is used: on the wall clock from the
-    ``contact_s`` the agent wrote (the agent and the launcher share a host, so a clock offset
-    cancels out), and on this process's monotonic clock from when the launcher first saw that
-    contact (minus its wall-clock age then), so that the wall clock stepping back cannot postpone
-    a fence. A stepping forward only fences early.
-    """
-
-    def __init__(self) -> None:
-        self.periods: protocol.FencePeriods | None = None  # None: no lease yet, fencing not armed
-        self.contact_s: float | None = None
-        self._seen_mono = 0.0
-        self.agent_pid: int | None = None
-        self._agent_gone_mono: float | None = None
-        self.peer_wait_s = 0.0  # the agent's: how much later a peer's agent may see a generation
-
-    def update(self, data: dict | None, now_s: float, now_mono: float) -> None:
-        """Take in the current ``lease.json`` (``None``: not written yet); a malformed file
-        changes nothing (the last good contact keeps ageing)."""
-        if data is not None:
-            try:
-                contact = float(data["contact_s"])
-                periods = protocol.FencePeriods(float(data["lease_s"]), float(data["fence_s"]),
-                                                float(data["kill_s"]))
-                agent_pid = int(data["agent_pid"]) if data.get("agent_pid") else None
-                peer_wait_s = float(data.get("peer_wait_s") or 0.0)
-            except (KeyError, TypeError, ValueError):
-                pass
-            else:
-                if 0.0 <= peer_wait_s < float("inf"):  # NaN or negative: the launcher's own wait
-                    self.peer_wait_s = min(peer_wait_s, periods.lease_s)
-                if contact != self.contact_s:
-                    self.contact_s = contact
-                    self._seen_mono = now_mono - max(0.0, now_s - contact)
-                self.periods = periods
-                if agent_pid != self.agent_pid:
-                    self.agent_pid, self._agent_gone_mono = agent_pid, None
-        if self.agent_pid is not None and not protocol.pid_alive(self.agent_pid):
-            if self._agent_gone_mono is None:
-                self._agent_gone_mono = now_mono
-        else:
-            self._agent_gone_mono = None
-
-    def age_s(self, now_s: float, now_mono: float) -> float:
-        """Seconds since the last confirmed contact (0 when fencing is not armed)."""
-        if self.contact_s is None:
-            return 0.0
-        return max(now_s - self.contact_s, now_mono - self._seen_mono)
-
-    def agent_gone_s(self, now_mono: float) -> float:
-        """Seconds since the launcher first saw the agent's process gone (0 while it runs, or
-        when its pid is not known: the agent runs in another pid namespace)."""
-        return 0.0 if self._agent_gone_mono is None else now_mono - self._agent_gone_mono
-
-    def fence_reason(self, now_s: float, now_mono: float) -> str | None:
-        """Why the trainer must not run now, or ``None`` while the lease is fresh (or not armed)."""
-        if self.periods is None:
-            return None
-        age = self.age_s(now_s, now_mono)
-        if age >= self.periods.fence_s:
-            return (f"no confirmed contact with the broker for {age:.1f}s "
-                    f"(fence {self.periods.fence_s:g}s, lease {self.periods.lease_s:g}s)")
-        gone = self.agent_gone_s(now_mono)
-        if gone >= self.periods.fence_s:
-            return f"the agent (pid {self.agent_pid}) has been gone for {gone:.1f}s"
-        return None
-
-
 class Launcher:
     """Runs one job's trainer in ``shared_dir`` (see the module docstring)."""
 
@@ -147,7 +77,9 @@ class Launcher:
         self.restarts = 0
         self.suspended = False
         self.tree: list[int] = []  # the trainer's descendants, refreshed every poll
-        self.lease = LeaseWatch()
+        self.starts: dict[int, int | None] = {}  # their start times: a pid reused since is never signalled
+        self.proc_start: int | None = None  # the trainer's
+        self.lease = protocol.LeaseWatch()
         self.fences = 0  # how many times the trainer was fenced
         self.fenced = False  # the trainer was fenced and has not been restarted since
         self.fenced_s: float | None = None
@@ -163,7 +95,9 @@ class Launcher:
                 "pid": self.proc.pid if self.proc else None,
                 "exit_code": exit_code,
                 "restarts": self.restarts,
+                "pid_start": self.proc_start if self.proc else None,
                 "workers": self.tree,
+                "worker_starts": [self.starts.get(p) for p in self.tree],
                 "fences": self.fences,
                 "fenced_s": self.fenced_s,
                 "launcher_pid": os.getpid(),
@@ -212,6 +146,8 @@ class Launcher:
             )
         finally:
             log.close()
+        stat = protocol.proc_stat(self.proc.pid)
+        self.proc_start = None if stat is None else stat[1]
 
     def _stop(self, grace_s: float | None = None) -> int | None:
         """SIGTERM the trainer's process group, SIGKILL it after ``grace_s`` (default ``--grace-s``)
@@ -234,7 +170,8 @@ class Launcher:
             return proc.returncode
         self._status(protocol.STOPPING)
         self._note(f"stopping trainer (pid {proc.pid}): SIGTERM, {grace_s:.1f}s grace")
-        tree = sorted(set(self.tree) | set(protocol.descendants(proc.pid)))  # workers in their own sessions
+        self._track(proc.pid)  # workers in sessions of their own too
+        tree = list(self.tree)
         _signal_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         try:
@@ -242,10 +179,10 @@ class Launcher:
         except subprocess.TimeoutExpired:
             self._note("grace period over: SIGKILL")
             _signal_group(proc.pid, signal.SIGKILL)
-            protocol.signal_processes(tree, signal.SIGKILL)
+            protocol.signal_processes(tree, signal.SIGKILL, self.starts)
             proc.wait()
         # workers may still be writing their checkpoint: give them the rest of the grace period
-        while any(protocol.pid_alive(p) for p in tree) and time.monotonic() < deadline:
+        while any(protocol.same_process(p, self.starts.get(p)) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
         _signal_group(proc.pid, signal.SIGKILL)  # stray workers of the group
         self.tree = tree
@@ -254,14 +191,17 @@ class Launcher:
 
     def _kill_workers(self) -> None:
         """SIGKILL the trainer's recorded workers still alive, wait for them to be gone, forget them. One
-        stuck in the kernel (state D: a GPU driver) may hold its GPU: SIGKILLed every second and named in
-        ``train.log`` until gone, nothing reported meanwhile (``docs/fencing.md``); another alive after 2 s
-        has the pid now (left alone)."""
-        tree = [p for p in self.tree if protocol.pid_alive(p)]
-        protocol.signal_processes(tree, signal.SIGKILL)
-        left, noted = protocol.survivors(tree), None
+        alive after SIGKILL may hold its GPU: stuck in the kernel (state D: a GPU driver), or still
+        the worker it was (its start time recorded: a process whose threads are still exiting); it is
+        SIGKILLed every second and named in ``train.log`` until gone, nothing reported meanwhile
+        (``docs/fencing.md``). Another alive after 2 s has the pid now (left alone), as does one
+        started at another time than the worker recorded (never signalled)."""
+        starts = self.starts
+        tree = [p for p in self.tree if protocol.same_process(p, starts.get(p))]
+        protocol.signal_processes(tree, signal.SIGKILL, starts)
+        left, noted = protocol.survivors(tree, starts=starts), None
         found = {p: protocol.proc_stat(p) for p in left}
-        stuck = [p for p in left if found[p] is not None and found[p][0] == "D"]
+        stuck = [p for p in left if found[p] is not None and (starts.get(p) is not None or found[p][0] == "D")]
         if others := sorted(set(left) - set(stuck)):
             self._note(f"pid(s) {others} alive after SIGKILL but not stuck in the kernel: another process has "
                        "the pid now (left alone)")
@@ -273,7 +213,15 @@ class Launcher:
             protocol.signal_processes(stuck, signal.SIGKILL)
             stuck = [p for p in protocol.survivors(stuck, timeout_s=1.0)
                      if (now := protocol.proc_stat(p)) is not None and now[1] == found[p][1]]  # not a new pid holder
-        self.tree = []
+        self.tree, self.starts = [], {}
+
+    def _track(self, root: int) -> bool:
+        """Take in the trainer's workers now (:func:`protocol.process_tree` of its process
+        ``root``); True when they changed."""
+        found = protocol.process_tree(root, {p: self.starts.get(p) for p in self.tree})
+        tree = sorted(found)
+        changed, self.tree, self.starts = tree != self.tree, tree, found
+        return changed
 
     def _fence(self, reason: str) -> None:
         """Stop the trainer because its lease is stale: SIGTERM now, SIGKILL of every process left
@@ -306,6 +254,9 @@ class Launcher:
             threading.Thread(target=echo.follow, daemon=True).start()
         try:
             return self._run()
+        except BaseException:
+            self._kill_all()
+            raise
         finally:
             if echo is not None:
                 echo.copy()  # the last lines (a stop's checkpoint, a traceback) before this process ends
@@ -366,12 +317,18 @@ class Launcher:
                     self._status(protocol.EXITED, EXIT_NOT_FOUND)
                     return EXIT_NOT_FOUND
                 self._status(protocol.RUNNING)
-            if self.proc is not None and self.proc.poll() is None:
-                tree = protocol.descendants(self.proc.pid)
-                if tree and tree != self.tree:  # kept in status.json so a stop from outside finds them
-                    self.tree = tree
-                    self._status(protocol.RUNNING)
+            if self.proc is not None and self.proc.poll() is None and self._track(self.proc.pid):
+                self._status(protocol.RUNNING)  # kept in status.json so a stop from outside finds them
             time.sleep(self.poll_s)
+
+    def _kill_all(self) -> None:
+        """The launcher dies of an error (a full disk or an unreadable file in the shared
+        directory): SIGKILL the trainer's group and its workers first, writing no file (the error
+        may be the disk's), so that no trainer outlives the launcher that would fence it."""
+        if self.proc is not None and self.proc.poll() is None:  # not reaped: the pid is still the trainer's
+            self._track(self.proc.pid)
+            _signal_group(self.proc.pid, signal.SIGKILL)
+        protocol.signal_processes(self.tree, signal.SIGKILL, self.starts)
 
     def _peer_stopped_first(self) -> bool:
         """The trainer exited with a non-zero code as part of a gang (``nnodes`` > 1) because a

@@ -48,6 +48,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,76 @@ def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
         raise
 
 
+class LeaseWatch:
+    """The launcher's view of ``lease.json``: how long since the agent's last confirmed contact.
+
+    The age of a contact is measured twice and the larger is used: on the wall clock from the
+    ``contact_s`` the agent wrote (the agent and the launcher share a host, so a clock offset
+    cancels out), and on this process's monotonic clock from when the launcher first saw that
+    contact (minus its wall-clock age then), so that the wall clock stepping back cannot postpone
+    a fence. A stepping forward only fences early.
+    """
+
+    def __init__(self) -> None:
+        self.periods: FencePeriods | None = None  # None: no lease yet, fencing not armed
+        self.contact_s: float | None = None
+        self._seen_mono = 0.0
+        self.agent_pid: int | None = None
+        self._agent_gone_mono: float | None = None
+        self.peer_wait_s = 0.0  # the agent's: how much later a peer's agent may see a generation
+
+    def update(self, data: dict | None, now_s: float, now_mono: float) -> None:
+        """Take in the current ``lease.json`` (``None``: not written yet); a malformed file
+        changes nothing (the last good contact keeps ageing)."""
+        if data is not None:
+            try:
+                contact = float(data["contact_s"])
+                periods = FencePeriods(float(data["lease_s"]), float(data["fence_s"]),
+                                                float(data["kill_s"]))
+                agent_pid = int(data["agent_pid"]) if data.get("agent_pid") else None
+                peer_wait_s = float(data.get("peer_wait_s") or 0.0)
+            except (KeyError, TypeError, ValueError):
+                pass
+            else:
+                if 0.0 <= peer_wait_s < float("inf"):  # NaN or negative: the launcher's own wait
+                    self.peer_wait_s = min(peer_wait_s, periods.lease_s)
+                if contact != self.contact_s:
+                    self.contact_s = contact
+                    self._seen_mono = now_mono - max(0.0, now_s - contact)
+                self.periods = periods
+                if agent_pid != self.agent_pid:
+                    self.agent_pid, self._agent_gone_mono = agent_pid, None
+        if self.agent_pid is not None and not pid_alive(self.agent_pid):
+            if self._agent_gone_mono is None:
+                self._agent_gone_mono = now_mono
+        else:
+            self._agent_gone_mono = None
+
+    def age_s(self, now_s: float, now_mono: float) -> float:
+        """Seconds since the last confirmed contact (0 when fencing is not armed)."""
+        if self.contact_s is None:
+            return 0.0
+        return max(now_s - self.contact_s, now_mono - self._seen_mono)
+
+    def agent_gone_s(self, now_mono: float) -> float:
+        """Seconds since the launcher first saw the agent's process gone (0 while it runs, or
+        when its pid is not known: the agent runs in another pid namespace)."""
+        return 0.0 if self._agent_gone_mono is None else now_mono - self._agent_gone_mono
+
+    def fence_reason(self, now_s: float, now_mono: float) -> str | None:
+        """Why the trainer must not run now, or ``None`` while the lease is fresh (or not armed)."""
+        if self.periods is None:
+            return None
+        age = self.age_s(now_s, now_mono)
+        if age >= self.periods.fence_s:
+            return (f"no confirmed contact with the broker for {age:.1f}s "
+                    f"(fence {self.periods.fence_s:g}s, lease {self.periods.lease_s:g}s)")
+        gone = self.agent_gone_s(now_mono)
+        if gone >= self.periods.fence_s:
+            return f"the agent (pid {self.agent_pid}) has been gone for {gone:.1f}s"
+        return None
+
+
 def read_json(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The JSON object in ``path``, or ``None`` if the file does not exist yet."""
     try:
@@ -227,9 +298,13 @@ def _stat_fields(pid: int | str) -> list[str]:
 
 
 def pid_alive(pid: int) -> bool:
-    """True if process ``pid`` exists and is not a zombie (reads ``/proc`` where there is one)."""
+    """True if process ``pid`` exists and is not a zombie (reads ``/proc`` where there is one).
+
+    A zombie thread-group leader with a thread still running is alive: a multithreaded process
+    (a CUDA worker) whose main thread has exited while another still tears its device down holds
+    the GPU until that thread is gone too."""
     try:
-        return _stat_fields(pid)[0] != "Z"
+        return _stat_fields(pid)[0] != "Z" or _a_thread_runs(pid)
     except FileNotFoundError:
         if os.path.isdir("/proc/self"):
             return False
@@ -244,6 +319,31 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _a_thread_runs(pid: int) -> bool:
+    """Whether a thread of process ``pid`` (its ``/proc/<pid>/task`` entries) is not a zombie."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            if _stat_fields(f"{pid}/task/{tid}")[0] != "Z":
+                return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
+def same_process(pid: int, start: int | None) -> bool:
+    """True while process ``pid`` is alive and is the one that started at ``start`` (clock ticks
+    since boot, :func:`proc_stat`'s): a process started at another time has the pid now (the
+    recorded one ended and the pid was reused). ``start`` None, or no ``/proc`` to tell: alive is
+    enough."""
+    if start is not None and (now := proc_stat(pid)) is not None and now[1] != start:
+        return False
+    return pid_alive(pid)
+
+
 def proc_stat(pid: int) -> tuple[str, int] | None:
     """Process ``pid``'s state letter (``R``, ``S``, ``D``: uninterruptible sleep, ``Z``...) and start
     time in clock ticks since boot (fields 3 and 22 of ``/proc/<pid>/stat``); None where unknown (no
@@ -253,6 +353,20 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
         return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def process_tree(root: int, known: Mapping[int, int | None]) -> dict[int, int | None]:
+    """The processes below ``root`` now (:func:`descendants`), each with its start time
+    (:func:`proc_stat`; None where unknown), and those of ``known`` (pid: start time) that are
+    still the same live process (:func:`same_process`): a worker that was re-parented when the
+    process between it and ``root`` died is no longer below ``root`` and still runs on the
+    trainer's GPUs; one that has ended is dropped, and so its pid is never signalled once another
+    process has it."""
+    found: dict[int, int | None] = {}
+    for pid in descendants(root):
+        stat = proc_stat(pid)
+        found[pid] = None if stat is None else stat[1]
+    return {**{p: s for p, s in known.items() if p not in found and same_process(p, s)}, **found}
 
 
 def descendants(pid: int) -> list[int]:
@@ -292,17 +406,29 @@ KILL_WAIT_S = 2.0
 """How long a SIGKILLed process is waited for (it vanishes within milliseconds unless stuck in the kernel)."""
 
 
-def survivors(pids: list[int], timeout_s: float = KILL_WAIT_S) -> list[int]:
-    """Wait up to ``timeout_s`` for the processes ``pids`` (just SIGKILLed) to be gone; those still alive."""
+def survivors(pids: list[int], timeout_s: float = KILL_WAIT_S, starts: Mapping[int, int | None] | None = None,
+              ) -> list[int]:
+    """Wait up to ``timeout_s`` for the processes ``pids`` (just SIGKILLed) to be gone; those still alive.
+
+    :param starts: each pid's start time when it was recorded (:func:`same_process`): a pid
+        another process has now counts as gone."""
+    starts = starts or {}
     deadline = time.monotonic() + timeout_s
-    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+    while (alive := [p for p in pids if same_process(p, starts.get(p))]) and time.monotonic() < deadline:
         time.sleep(0.01)
     return alive
 
 
-def signal_processes(pids: list[int], sig: int) -> None:
-    """Send ``sig`` to each pid's process group and to the pid itself; gone ones are skipped."""
+def signal_processes(pids: list[int], sig: int, starts: Mapping[int, int | None] | None = None) -> None:
+    """Send ``sig`` to each pid's process group and to the pid itself; gone ones are skipped.
+
+    :param starts: each pid's start time when it was recorded (:func:`proc_stat`): a pid that
+        another process has now (started at another time) is left alone, its group too. A
+        recorded pid that is gone still has its group signalled (its workers may live on in it)."""
+    starts = starts or {}
     for pid in pids:
+        if (start := starts.get(pid)) is not None and (now := proc_stat(pid)) is not None and now[1] != start:
+            continue
         for kill in (os.killpg, os.kill):
             try:
                 kill(pid, sig)
