@@ -62,6 +62,7 @@ class EventKind(StrEnum):
     CANCELLED = "cancelled"
     LOST = "lost"
     RELEASE = "release"  # an ended job's held GPUs freed (a cancelled job's trainer stopped)
+    OUTAGE = "outage"  # the pool's rebalances resumed after a gap longer than its lease (the database was away)
 
     @classmethod
     def ended(cls, status: JobStatus) -> EventKind:

@@ -173,8 +173,13 @@ def test_a_process_whose_machine_clock_runs_ahead_does_not_reap_a_job_that_other
     assert "+3600" in caplog.text and "off the broker database server's" in caplog.text
     there.rebalance()
     assert there.job(job.id).status is JobStatus.RUNNING  # its heartbeat is seconds old, not an hour
-    # what that process would have done on its own machine's clock (the broker's default before)
+    # what that process would have done on its own machine's clock (the broker's default before):
+    # the hour it skipped reads as an outage, which gives the job a lease, and a lease later on
+    # that clock (a minute from the heartbeat) the job is LOST
     on_machine_clock = GpuBroker(create_broker_engine(postgres_url), clock=ahead.time)
+    on_machine_clock.rebalance()
+    assert on_machine_clock.job(job.id).status is JobStatus.RUNNING
+    on_machine_clock.clock = lambda: time.time() + HOUR + 61
     on_machine_clock.rebalance()
     assert on_machine_clock.job(job.id).status is JobStatus.LOST
     for b in (here, there, on_machine_clock):

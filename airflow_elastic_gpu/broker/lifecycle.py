@@ -54,7 +54,14 @@ from airflow_elastic_gpu.broker.rows import (
     job_gpus,
     update_job,
 )
-from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec, JobView, NotFound, Target
+from airflow_elastic_gpu.broker.types import (
+    MAX_KEY_CHARS,
+    InvalidRequest,
+    JobSpec,
+    JobView,
+    NotFound,
+    Target,
+)
 from airflow_elastic_gpu.scheduling.core import apply_ack, record_progress
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.states import TERMINAL, EventKind, JobStatus
@@ -170,12 +177,9 @@ class Lifecycle(Endings):
         def run() -> tuple[str, bool | None]:
             with self.engine.begin() as conn:
                 capacity, largest, pool_row = self._pool_size(conn, spec.pool)
-                if spec.min_gpus > capacity:
-                    raise InvalidRequest(
-                        f"min_gpus={spec.min_gpus} is more than GPU pool {spec.pool!r} has ({capacity})"
-                    )
-                if spec.backend != "simulated" and spec.max_gpus > largest:
-                    self._check_multi_node(spec, largest)
+                # the key's job first: a reattach (a retry, a cleared task's new try) is never
+                # refused by the pool's size now (a drain, a GPU out of service), which would
+                # leave the job running with nobody to follow it
                 existing = conn.execute(_BY_KEY, {"key": key}).first()
                 if existing is not None:
                     if JobStatus(existing.status) not in TERMINAL:
@@ -187,7 +191,14 @@ class Lifecycle(Endings):
                         return existing.id, (True if existing.token_hash == token_hash(token) else None)
                     if spec.attempt is not None and existing.attempt == spec.attempt:
                         return existing.id, None  # this attempt's job, ended: not trained again
-                    update_job(conn, existing.id, key=f"{key}@{existing.id}")
+                if spec.min_gpus > capacity:
+                    raise InvalidRequest(
+                        f"min_gpus={spec.min_gpus} is more than GPU pool {spec.pool!r} has ({capacity})"
+                    )
+                if spec.backend != "simulated" and spec.max_gpus > largest:
+                    self._check_multi_node(spec, largest)
+                if existing is not None:  # the ended job keeps a key of its own (unique by its id, and fits the column)
+                    update_job(conn, existing.id, key=f"{key[:MAX_KEY_CHARS - len(existing.id) - 1]}@{existing.id}")
                 now = self.clock()
                 job_id = str(uuid.uuid4())
                 conn.execute(_ADD_JOB, {
@@ -342,6 +353,8 @@ class Lifecycle(Endings):
         if isinstance(step, bool) or not (isinstance(step, (int, float)) and step >= 0 and step != float("inf")):
             raise InvalidRequest(f"step must be a finite number >= 0, got {step!r}")
 
+        reported: list[float] = []  # when the report came: a redo stamps its sample with the first try's time
+
         def run() -> None:
             with self.engine.begin() as conn:
                 job = conn.execute(_PROGRESS_JOB, {"job_id": job_id, "generation": generation}).first()
@@ -350,7 +363,11 @@ class Lifecycle(Endings):
                 if JobStatus(job.status) in TERMINAL:
                     return
                 gen = job.acked_generation if generation is None else generation
-                now = self.clock() if time_s is None else time_s
+                if not reported:
+                    reported.append(self.clock() if time_s is None else time_s)
+                now = reported[0]
+                if (job.prev_time_s, job.prev_step) == (now, step):
+                    return  # redone after its commit went through (the connection lost at COMMIT)
                 latest = gen == job.target_generation
                 num_gpus = job.num_target if latest else job.num_in_use
                 book = book_of(job)

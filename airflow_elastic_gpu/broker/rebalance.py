@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,29 +65,25 @@ from airflow_elastic_gpu.broker.models import (
     Node,
     RebalanceRequest,
 )
+from airflow_elastic_gpu.broker.releases import Releases
 from airflow_elastic_gpu.broker.rows import (
     BOOK_COLUMNS,
-    JOB_COLUMNS,
     UNFINISHED,
     Executor,
-    book_changes,
     book_of,
     by_type_of,
-    free_gpus,
-    job_gpus,
     read_pool,
     request_rebalance,
     throughput_of,
     try_lock_pool,
-    update_job,
 )
-from airflow_elastic_gpu.broker.transactions import BrokerBase, transient_kind
+from airflow_elastic_gpu.broker.transactions import transient_kind
 from airflow_elastic_gpu.broker.types import DEFAULT_POOL, NotFound
-from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore, account_gpu_time
+from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore
 from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
-from airflow_elastic_gpu.states import ACTIVE, EventKind, JobStatus
+from airflow_elastic_gpu.states import EventKind, JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -97,22 +93,6 @@ _ACTIVE_JOBS = (select(*BOOK_COLUMNS).where(Job.pool == bindparam("pool"), UNFIN
                 .order_by(Job.submit_s, Job.id))
 _FINISHED_MEASURED = (Job.pool == bindparam("pool"), Job.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"),
                       Job.throughput.is_not(None))
-
-
-def _silent_for(job: Any, now: float) -> float:
-    """Seconds the job counts as silent against the pool's lease: since its agent's last heartbeat or
-    its last publication, whichever is later (a new generation's agent, e.g. a new pod, has a whole
-    lease to start and report). A job never placed (no generation published) is never silent: it
-    holds no GPU, and a backend may start its agent only once it is placed (Kubernetes creates the
-    pod then); its task watches it meanwhile. Nor is a suspended job that has acked its
-    suspension: it holds no GPU either, and its agent may be gone (a pod deleted while it waits);
-    its resume is a publication, from which an agent has a whole lease again. Only delays
-    reaping, never hastens it: a silent agent's launcher has fenced its trainer within the lease
-    of its last contact."""
-    if not job.target_generation or (
-            job.status == JobStatus.SUSPENDED.value and job.acked_generation >= job.target_generation):
-        return 0.0
-    return now - max(job.last_heartbeat_s, job.published_s or 0.0)
 
 
 def _latest_of_family(family: Any, samples: Any) -> Any:
@@ -172,7 +152,6 @@ _POOL_GPUS = (
     .outerjoin(GpuTarget, GpuTarget.gpu_id == Gpu.id).outerjoin(GpuInUse, GpuInUse.gpu_id == Gpu.id)
     .where(Node.pool == bindparam("pool")).order_by(Node.name, Gpu.index)
 )
-_ENDED_HOLDING = select(Job.id, Job.pool, Job.last_heartbeat_s).where(Job.id.in_(bindparam("job_ids", expanding=True)))
 _DROP_TARGETS = delete(GpuTarget).where(GpuTarget.job_id.in_(bindparam("job_ids", expanding=True)))
 _PUBLISH = update(Job).where(Job.id == bindparam("_job_id"))
 _ADD_EVENT = insert(Event)
@@ -196,67 +175,8 @@ _TOUCH_AND_SERVE = update(GpuPool).where(GpuPool.name == bindparam("pool")).valu
 _POOL_SHARED = select(GpuPool.last_rebalance_s).where(GpuPool.name == bindparam("pool")).with_for_update(read=True)
 
 
-class Rebalancing(BrokerBase):
-    """Rebalances of a pool (coalesced) and the helpers that free a job's GPUs."""
-
-    # ------------------------------------------------------------------ rows <-> books
-
-    def _release(self, s: Executor, job: Job | Row[Any], status: JobStatus, reason: str | None,
-                 exit_code: int | None, metrics: dict[str, Any] | None = None, *, hold: bool = False) -> None:
-        """End ``job`` with ``status``: account its GPU time, free its in-use and target GPUs (the
-        caller holds the job's row lock).
-
-        :param hold: keep the GPUs (a cancelled job whose trainer may still run): they stay out of
-            every allocation until :meth:`_release_held` frees them, when the job's agent reports
-            its trainer stopped, or a rebalance finds no heartbeat for ``lease_s`` (by then the
-            launcher has fenced the trainer, as for a lost job).
-        """
-        now = self.clock()
-        target, in_use = job_gpus(s, job.id)
-        book = book_of(job, target, in_use)
-        account_gpu_time(book, now)
-        held = hold and bool(target or in_use)
-        if not held:
-            free_gpus(s, job.id)
-        extra = {"metrics": dict(metrics)} if metrics else {}
-        update_job(s, job.id, **book_changes(job, book), status=status.value, reason=reason, exit_code=exit_code,
-                   end_s=now, **extra)
-        message = reason or status.value
-        if held:
-            message += ("; its GPUs stay held until its trainer has stopped (its agent reports it, or "
-                        "no heartbeat for the lease)")
-        self._event(s, job.pool, EventKind.ended(status), message, job.id, exit_code=exit_code)
-
-    def _release_held(self, s: Executor, job: Job | Row[Any], why: str, node: str | None = None) -> bool:
-        """Free the GPUs an ended job still holds (see :meth:`_release`'s ``hold``), or only those on
-        ``node`` (a gang of pods: that node's trainer has stopped); False if none."""
-        target, in_use = job_gpus(s, job.id)
-        gpus = sorted(g for g in set(target) | set(in_use) if node is None or g.node == node)
-        if not gpus:
-            return False
-        free_gpus(s, job.id, None if node is None else (job.pool, node))
-        self._event(s, job.pool, EventKind.RELEASE, f"{len(gpus)} GPU(s) released: {why}", job.id,
-                    gpus=[str(g) for g in gpus])
-        return True
-
-    def _draining(self, s: Executor, held: dict[str, dict[str, list[int]]], active: set[str], now: float,
-                  lease_s: float) -> set[int]:
-        """GPU ids (``gpu.id``) of ``held`` (kind -> job id -> GPU ids) that jobs not in ``active``
-        (ended ones: a cancelled job's trainer may still be stopping) still hold, after freeing
-        those of jobs with no heartbeat for ``lease_s`` seconds (their launchers have fenced their
-        trainers by then, as for a lost job)."""
-        ended = {j for by_job in held.values() for j in by_job} - active
-        if not ended:
-            return set()
-        out: set[int] = set()
-        for job in s.execute(_ENDED_HOLDING, {"job_ids": sorted(ended)}):
-            silent_s = now - job.last_heartbeat_s
-            if silent_s > lease_s:
-                self._release_held(s, job, f"no heartbeat from its agent for {silent_s:.0f}s (lease {lease_s:.0f}s) "
-                                           "since the job ended: its trainer is fenced")
-            else:
-                out.update(i for by_job in held.values() for i in by_job.get(job.id, ()))
-        return out
+class Rebalancing(Releases):
+    """Rebalances of a pool (coalesced)."""
 
     # ------------------------------------------------------------------ requests and coalescing
 
@@ -376,14 +296,6 @@ class Rebalancing(BrokerBase):
             raise NotFound(f"unknown GPU pool {pool!r}")
         return self._serve_rebalance(pool, True)
 
-    def _locked_active(self, s: Executor, job_ids: Iterable[str]) -> dict[str, Row[Any]]:
-        """Lock the rows of ``job_ids`` (re-read, every column) and return those still unfinished."""
-        ids = sorted(set(job_ids))
-        if not ids:
-            return {}
-        rows = s.execute(select(*JOB_COLUMNS).where(Job.id.in_(ids)).order_by(Job.id).with_for_update(key_share=True))
-        return {j.id: j for j in rows if j.status in ACTIVE}
-
     def _policy_of(self, row: GpuPool | Row[Any]) -> Policy:
         return self.policy_override or get_policy(row.policy, **(row.policy_params or {}))
 
@@ -393,24 +305,14 @@ class Rebalancing(BrokerBase):
         """Serve the pool's requests: reap silent jobs, run the scheduling core over the pool's
         jobs and publish its decisions (the caller holds the lock of the pool, ``row``)."""
         now = self.clock()
-        pool = row.name
+        pool, previous_s = row.name, row.last_rebalance_s  # read before the touch (an ORM row is updated by it)
         if _dialect(s) == "postgresql":
             s.execute(_TOUCH_AND_SERVE, {"pool": pool, "now": now})
         else:
             s.execute(_TOUCH_POOL, {"pool": pool, "now": now})  # the watermark first: the delete sees as much
             s.execute(_SERVED, {"pool": pool})
         jobs = s.execute(_ACTIVE_JOBS, {"pool": pool}).all()
-        silent = [j.id for j in jobs if _silent_for(j, now) > row.lease_s]
-        reaped = set()
-        for job in self._locked_active(s, silent).values():  # reap jobs whose agent went silent
-            if (silent_s := _silent_for(job, now)) > row.lease_s:
-                self._release(
-                    s, job, JobStatus.LOST,
-                    f"no heartbeat from the job's agent for {silent_s:.0f}s since its last "
-                    f"heartbeat or placement (lease {row.lease_s:.0f}s); its GPUs were reclaimed",
-                    None,
-                )
-                reaped.add(job.id)
+        reaped = self._reap_silent(s, row, jobs, previous_s, now)
         jobs = [j for j in jobs if j.id not in reaped]
         self.rebalances += 1  # counted once it has read the pool (a failure after this is logged)
         held_ids: dict[str, dict[str, list[int]]] = {"target": defaultdict(list), "in_use": defaultdict(list)}
@@ -449,9 +351,12 @@ class Rebalancing(BrokerBase):
             nodes, books, now, *family_history(s, pool, books))
         locked = self._locked_active(s, [p.job_id for p in publications])
         # A job that acked while we decided now runs on GPUs the decision may have given away (a
-        # GPU only in its old target is free to go in the same round): decide again next time.
-        acked_then = {j.id: j.acked_generation for j in jobs}
-        if any(locked[p.job_id].acked_generation != acked_then[p.job_id] for p in publications if p.job_id in locked):
+        # GPU only in its old target is free to go in the same round), and a gang one of whose
+        # nodes reported its trainer's clean exit runs on with its allocation fixed (its agents
+        # apply no new generation): decide again next time.
+        then = {j.id: (j.acked_generation, bool(j.finished_nodes)) for j in jobs}
+        if any((locked[p.job_id].acked_generation, bool(locked[p.job_id].finished_nodes)) != then[p.job_id]
+               for p in publications if p.job_id in locked):
             request_rebalance(s, pool, now)
             self.stale_rebalances += 1
             return {}

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -158,12 +160,16 @@ class BrokerBase:
         if row is None:
             if not create:
                 raise unknown_pool(session, pool)
-            row = GpuPool(
+            # another transaction may create it at the same moment: one insert counts, and both lock it
+            insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+            session.execute(insert(GpuPool).values(
                 name=pool, created_s=self.clock(), last_rebalance_s=0.0, policy="adaptive",
                 lease_s=60.0, rebalance_interval_s=10.0,
-            )
-            session.add(row)
-            session.flush()
+            ).on_conflict_do_nothing(index_elements=["name"]))
+            row = session.execute(
+                select(GpuPool).where(GpuPool.name == pool)
+                .with_for_update(key_share=True).execution_options(populate_existing=True)
+            ).scalar_one()
         return row
 
     def _retrying(self, fn: Callable[[], T], attempts: int = 8) -> T:

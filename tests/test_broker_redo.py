@@ -1,0 +1,205 @@
+"""GpuBroker calls made again, or at once, or after an outage: a submit of a key that has a job (a
+retry, a cleared task's new try, a drained pool), a transaction redone after a connection lost at
+COMMIT (its effects counted once, its time the first try's), a pool created by two hosts at once, a
+rebalance that meets a job's end being reported, and the leases after the database was away."""
+
+import threading
+
+import pytest
+from test_broker import spec
+
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.types import InvalidRequest
+
+
+def test_a_submit_redone_after_its_commit_went_through_still_returns_the_token(pool, monkeypatch):
+    """A lost connection during COMMIT is retried, but the commit may have gone through: the redo
+    finds its own job (the same token) and replies with the token, as the first try would have;
+    a different caller with the same key gets the job without it."""
+    from airflow_elastic_gpu.broker import lifecycle
+
+    monkeypatch.setattr(lifecycle.secrets, "token_urlsafe", lambda n: "the-same-token")
+    first = pool.submit(spec("redo"))
+    redone = pool.submit(spec("redo"))  # what _retrying's second run of the same call sees
+    assert redone.id == first.id and redone.token == "the-same-token"
+    monkeypatch.setattr(lifecycle.secrets, "token_urlsafe", lambda n: "another-caller")
+    other = pool.submit(spec("redo"))
+    assert other.id == first.id and other.token is None
+    assert pool.verify_token(first.id, "the-same-token")
+
+
+def test_a_running_jobs_key_is_reattached_while_its_pool_is_drained(pool):
+    """A task's retry (or a cleared task's new try) submits its key while the pool's only node is
+    drained: it gets its running job back. The pool's size was checked first, the reattach refused,
+    and the job ran on with nobody to follow or end it."""
+    job = pool.submit(spec("k", min_gpus=2, attempt="try-1"))
+    pool.set_node_schedulable("n0", False)
+    again = pool.submit(spec("k", min_gpus=2, attempt="try-2"))
+    assert again.id == job.id and not again.status.terminal
+    pool.cancel(job.id)
+    with pytest.raises(InvalidRequest, match="min_gpus=2 is more than GPU pool 'default' has"):
+        pool.submit(spec("k", min_gpus=2, attempt="try-3"))  # a new job: the pool's size counts
+
+
+def test_a_key_of_the_longest_length_is_submitted_again_after_its_job_ended(pool):
+    """The ended job's key is kept unique by its id, cut to fit the column: a key of 512 characters
+    could not be submitted again on PostgreSQL (``key@id`` overflowed ``VARCHAR(512)``)."""
+    key = "k" * 512
+    first = pool.submit(spec(key, name="long"))
+    pool.fail(first.id, "boom")
+    second = pool.submit(spec(key, name="long"))
+    assert second.id != first.id and pool.job(second.id).key == key
+    assert pool.job(first.id).key == f"{key[:512 - 37]}@{first.id}"
+
+
+def test_a_progress_report_redone_after_its_commit_went_through_is_counted_once(pool, clock, monkeypatch):
+    """The connection is lost at COMMIT, after the commit went through, and the broker redoes the
+    transaction 10 s later: the sample keeps the report's time and is not stored twice. The redo
+    stamped a second sample at the reconnection, and the next throughput sample read 60 steps/s
+    for 10."""
+    job = pool.submit(spec("a", min_gpus=4, max_gpus=4))
+    pool.ack(job.id, 1)
+    pool.progress(job.id, 0)
+    clock.advance(10)
+    retrying = pool._retrying
+
+    def redone(fn, attempts=8):
+        fn()  # the first try: committed, then its reply lost
+        clock.advance(10)
+        return retrying(fn, attempts)
+
+    monkeypatch.setattr(pool, "_retrying", redone)
+    pool.progress(job.id, 100)
+    monkeypatch.setattr(pool, "_retrying", retrying)
+    clock.advance(2)
+    pool.progress(job.id, 220)
+    samples = pool.samples(job.id)
+    assert [(round(t - samples[0][0], 6), step) for t, step, _gpus, _gen in samples] == [(0, 0), (10, 100), (22, 220)]
+    assert pool.job(job.id).throughput == ((4, pytest.approx(10.0)),)
+
+
+@pytest.mark.postgres
+def test_a_pool_created_by_two_processes_at_once_is_created_once_and_both_calls_succeed(postgres_url, clock):
+    """Two hosts register their nodes in a pool that does not exist yet, at the same moment: the
+    second insert of the pool waits for the first and then does nothing, and its call goes on. It
+    failed with a duplicate key (``IntegrityError``, which is not retried)."""
+    from sqlalchemy import text
+
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    first, second = GpuBroker(postgres_url, clock=clock), GpuBroker(postgres_url, clock=clock)
+    try:
+        done: list[object] = []
+        with first.engine.connect() as conn:  # the other host's transaction, between its insert and its commit
+            tx = conn.begin()
+            conn.execute(text("INSERT INTO gpu_pool (name, created_s, last_rebalance_s, policy, lease_s, "
+                              "rebalance_interval_s, served_request_id) VALUES ('p', 0, 0, 'adaptive', 60, 10, 0)"))
+            thread = threading.Thread(target=lambda: done.append(_outcome(lambda: second.register_node(
+                "n1", 2, pool="p"))), daemon=True)
+            thread.start()
+            thread.join(1.0)
+            assert thread.is_alive()  # waits on the uncommitted insert
+            tx.commit()
+        thread.join(30)
+        assert done == ["ok"], done
+        assert [n.name for n in second.nodes(pool="p")] == ["n1"]
+    finally:
+        first.engine.dispose()
+        second.engine.dispose()
+
+
+def _outcome(call) -> object:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return exc
+    return "ok"
+
+
+def test_a_gang_that_began_to_finish_while_the_pool_was_decided_is_published_nothing(pool, monkeypatch):
+    """A node of a gang reports its trainer's clean exit between the rebalance's read of the jobs
+    and its lock of their rows: the decision, made for a gang that could still be resized, is not
+    published (its agents would never apply it, and the GPUs it took would sit idle until the job
+    ended and its lease ran out); the pool is decided again."""
+    from types import SimpleNamespace
+
+    gang = pool.submit(spec("gang", min_gpus=2, max_gpus=4, backend="simulated"))
+    pool.ack(gang.id, 1)
+    before = pool.job(gang.id)
+    assert len(before.target_gpus) == 4
+    locked_active = type(pool)._locked_active
+
+    def a_node_finished_meanwhile(self, s, job_ids):
+        rows = locked_active(self, s, job_ids)
+        return {i: SimpleNamespace(**{**r._mapping, "finished_nodes": ["n0"]}) if i == gang.id else r
+                for i, r in rows.items()}
+
+    monkeypatch.setattr(type(pool), "_locked_active", a_node_finished_meanwhile)
+    newcomer = pool.submit(spec("newcomer", min_gpus=2, max_gpus=2, backend="simulated"))
+    pool.rebalance()
+    assert pool.job(gang.id).target_generation == before.target_generation
+    assert pool.job(newcomer.id).target_gpus == ()
+    monkeypatch.undo()
+    pool.rebalance()  # decided again: the gang is shrunk for the newcomer
+    after = pool.job(gang.id)
+    assert after.target_generation == before.target_generation + 1 and len(after.target_gpus) == 2
+
+
+@pytest.mark.postgres
+def test_an_ended_jobs_gpus_are_released_once_when_its_stop_is_reported_during_a_rebalance(postgres_url, clock):
+    """A cancelled job silent for a lease has its GPUs released by a rebalance, while its agent's
+    report of the stopped trainer (which releases them too) holds the job's row: the rebalance
+    leaves the job to the report. Both released the GPUs, and the history had two releases."""
+    from sqlalchemy import text
+
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    broker = GpuBroker(postgres_url, clock=clock)
+    try:
+        broker.register_node("n0", 4)
+        broker.configure_pool(lease_s=30)
+        job = broker.submit(spec("a", min_gpus=4))
+        broker.ack(job.id, 1)
+        broker.cancel(job.id)
+        clock.advance(31)
+        with broker.engine.connect() as conn:  # the report under way holds the job's row
+            tx = conn.begin()
+            conn.execute(text("SELECT id FROM job WHERE id = :id FOR UPDATE"), {"id": job.id})
+            thread = threading.Thread(target=broker.rebalance, daemon=True)
+            thread.start()
+            thread.join(30)
+            assert not thread.is_alive()
+            assert [e.kind for e in broker.events(job_id=job.id)].count("release") == 0
+            tx.rollback()
+        broker.rebalance()
+        assert [e.kind for e in broker.events(job_id=job.id)].count("release") == 1
+        assert broker.job(job.id).in_use_gpus == ()
+    finally:
+        broker.engine.dispose()
+
+
+def test_after_an_outage_longer_than_the_lease_every_job_has_a_lease_to_be_heard_again(pool, clock):
+    """The broker's database was away for 100 s (a lease is 30 s): no agent could be heard, and
+    the first rebalance after it recorded every job but the caller's as LOST. Now each job has a
+    whole lease from then: one whose agent reports again runs on, one that stays silent is LOST a
+    lease later."""
+    pool.configure_pool(lease_s=30)
+    heard = pool.submit(spec("heard", min_gpus=2, max_gpus=2))
+    silent = pool.submit(spec("silent", min_gpus=2, max_gpus=2))
+    for job in (heard, silent):
+        pool.ack(job.id, 1)
+        pool.heartbeat(job.id)
+    clock.advance(100)  # the outage: no call reaches the database
+    pool.rebalance()  # the first call after it
+    assert pool.job(heard.id).status is JobStatus.RUNNING and pool.job(silent.id).status is JobStatus.RUNNING
+    (outage,) = [e for e in pool.events() if e.kind == "outage"]
+    assert "no rebalance for 100s (lease 30s, rebalance interval 10s)" in outage.message
+    clock.advance(20)
+    pool.heartbeat(heard.id)
+    pool.rebalance()
+    assert pool.job(silent.id).status is JobStatus.RUNNING  # 20 s into its new lease
+    clock.advance(11)
+    pool.rebalance()
+    assert pool.job(heard.id).status is JobStatus.RUNNING
+    assert pool.job(silent.id).status is JobStatus.LOST
+    assert [e.kind for e in pool.events()].count("outage") == 1
