@@ -326,3 +326,46 @@ def test_a_job_that_fits_on_one_node_keeps_its_single_pod(cluster):
 
 
 # --------------------------------------------------------------------------- one agent per pod
+
+
+def test_a_gang_pod_whose_agent_cannot_start_while_its_trainer_runs_keeps_that_nodes_gpus(cluster):
+    """As for one pod (``test_kubernetes_failures.py``): the broken node's GPUs stay held with the
+    others' until its trainer has stopped; they were freed at once."""
+    from test_kubernetes_failures import _agent_cannot_start_while_the_trainer_runs
+
+    from airflow_elastic_gpu.triggers.watcher import JobWatcher
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    _agent_cannot_start_while_the_trainer_runs(api, pods_by_node(api)[NODES[1]])
+    problem = backend.problem(broker.job(job.id))
+    assert problem.node == NODES[1] and problem.running
+    JobWatcher(broker, backend, job.id).poll()
+    failed = broker.job(job.id)
+    assert failed.status is JobStatus.FAILED
+    assert {g.node for g in failed.in_use_gpus} == set(NODES)  # the broken node's too: its trainer ran
+
+
+def test_a_gang_pod_pending_past_the_startup_grace_fails_the_job(cluster):
+    """One node's pod of a gang stays Pending (a volume that will not mount there): the other pods'
+    agents keep the job's lease, so only the backend can tell; it did not, and the gang waited for
+    its rendezvous for ever."""
+    from datetime import UTC, datetime, timedelta
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(startup_grace_s=60), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    for pod in api.pods.values():
+        pod.status = k8s.V1PodStatus(phase="Running")
+    stuck = api.pods[pods_by_node(api)[NODES[2]]]
+    stuck.status = k8s.V1PodStatus(phase="Pending")
+    stuck.metadata.creation_timestamp = datetime.now(UTC) - timedelta(seconds=30)
+    assert backend.problem(broker.job(job.id)) is None  # within the grace
+    stuck.metadata.creation_timestamp = datetime.now(UTC) - timedelta(hours=3)
+    problem = backend.problem(broker.job(job.id))
+    assert problem.node == NODES[2] and "Pending for 10800s (startup_grace_s 60s)" in problem.reason

@@ -43,12 +43,16 @@ class Problem:
         stopped (their agents report it, or the lease passes). None: the job's only pod or process.
     :param stopped_nodes: a gang: other nodes whose trainers are known to be stopped as well (their
         pods are gone from the API, so no agent of theirs will report): released like ``node``.
+    :param running: the trainer may still run (the problem is its agent's: a sidecar whose image
+        cannot be pulled): the job is failed with its GPUs held, as after a cancel, until its
+        trainer has stopped (the lease passes: the launcher fences it without its agent).
     """
 
     reason: str
     gone: bool = False
     node: str | None = None
     stopped_nodes: tuple[str, ...] = ()
+    running: bool = False
 
 
 @runtime_checkable

@@ -356,6 +356,11 @@ class KubernetesBackend:
             self.config.resize_mechanism == "inplace" or current.generation >= target.generation
         ):
             return "keep"
+        if current is None and job.acked_generation >= max(1, target.generation):
+            # its agent runs this generation already: the pod was deleted from outside (kubectl, a
+            # node removed). Made again it would hide that, and on a node that is gone it would be
+            # made again and again, each new pod Pending and the job's lease kept: problem() fails it
+            return "wait"
         action = "create" if current is None else "recreate"
         # A deleted pod's trainer runs on through its grace period (it checkpoints). The broker frees
         # the GPUs it ran on once the new pod's agent acks, so the new pod starts only once no other
@@ -388,7 +393,7 @@ class KubernetesBackend:
         if state.problem is None and state.pending_s is not None and state.pending_s > self.config.startup_grace_s:
             return Problem(f"pod {state.name} has been Pending for {state.pending_s:.0f}s (startup_grace_s "
                            f"{self.config.startup_grace_s:g}s): not scheduled, or its images or volumes cannot be had")
-        return None if state.problem is None else Problem(state.problem)
+        return None if state.problem is None else Problem(state.problem, running=state.trainer_running)
 
     def is_running(self, job_id: str) -> bool:
         """True while a pod of the job (any node's, any generation's) is pending or running."""

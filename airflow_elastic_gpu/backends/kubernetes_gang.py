@@ -223,17 +223,24 @@ class GangPods:
 
     def problem(self, job: JobView) -> Problem | None:
         """Why the gang cannot go on: one pod broken (evicted, failed, its trainer terminated, its
-        image not pulled), or the pod of a node that runs the acked generation gone from the API
+        image not pulled, Pending past ``startup_grace_s``), or the pod of a node that runs the acked generation gone from the API
         while no resize is under way. Either fails the whole job."""
         listed = self.backend.pods(job.id)
         missing: list[str] = []  # nodes running the acked generation whose pod is gone (no resize under way)
         if job.acked_generation >= max(job.target_generation, 1):
             missing = sorted({g.node for g in job.in_use_gpus} - {p.spec.node_name for p in listed})
+        grace_s = self.backend.config.startup_grace_s
         for pod in _live(listed):
-            reason = pod_problem(pod)
+            state = pod_state(pod)
+            reason = state.problem
+            if reason is None and state.pending_s is not None and state.pending_s > grace_s:
+                # its peers' agents heartbeat the job, so the lease would never end it
+                reason = (f"pod {state.name} has been Pending for {state.pending_s:.0f}s (startup_grace_s "
+                          f"{grace_s:g}s): not scheduled, or its images or volumes cannot be had")
             if reason is not None:
                 return Problem(f"{reason} (node {pod.spec.node_name} of the gang; every pod of the job is stopped)",
-                               node=pod.spec.node_name, stopped_nodes=tuple(missing))
+                               node=pod.spec.node_name, stopped_nodes=tuple(missing),
+                               running=state.trainer_running)
         if missing:
             pods_of = "the pod of node" if len(missing) == 1 else "the pods of nodes"
             return Problem(f"{pods_of} {', '.join(missing)} {'was' if len(missing) == 1 else 'were'} deleted "

@@ -26,6 +26,7 @@ class PodState:
     phase: str
     problem: str | None = None
     pending_s: float | None = None  # seconds since it was created, while Pending
+    trainer_running: bool = False  # its trainer container runs (whatever its agent does)
 
     def starting(self, grace_s: float) -> bool:
         """Pending without a problem (its agent not started yet: scheduling, an image pull) for at
@@ -39,11 +40,18 @@ def pod_state(pod: Any) -> PodState:
     created = pod.metadata.creation_timestamp
     pending_s = (datetime.now(UTC) - created).total_seconds() if phase == "Pending" and created else None
     return PodState(pod.metadata.name, pod.spec.node_name, int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
-                    phase, pod_problem(pod), pending_s)
+                    phase, pod_problem(pod), pending_s, trainer_running(pod))
+
+
+def trainer_running(pod: Any) -> bool:
+    """Whether ``pod``'s trainer container runs (``V1Pod``; its status as the kubelet reports it)."""
+    statuses = (pod.status.container_statuses or []) if pod.status else []
+    return any(cs.name == "trainer" and cs.state is not None and cs.state.running is not None for cs in statuses)
 
 
 # a container waiting for one of these will not start without a change to the pod or its images
-_CANNOT_START = ("ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError", "InvalidImageName")
+_CANNOT_START = ("ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError", "CreateContainerError",
+                 "RunContainerError", "InvalidImageName")
 
 
 def pod_problem(pod: Any) -> str | None:
@@ -62,7 +70,8 @@ def pod_problem(pod: Any) -> str | None:
             continue
         if cs.state.waiting and cs.state.waiting.reason in _CANNOT_START:
             return f"{cs.name} container cannot start: {cs.state.waiting.reason}: {cs.state.waiting.message or ''}".strip()
-        if cs.name == "trainer" and cs.state.terminated and cs.state.terminated.reason in ("OOMKilled", "Error", "ContainerCannotRun"):
+        if cs.name == "trainer" and cs.state.terminated and cs.state.terminated.reason in (
+                "OOMKilled", "Error", "ContainerCannotRun", "StartError"):
             t = cs.state.terminated
             return f"trainer container terminated: {t.reason} (exit code {t.exit_code})"
     if status.phase == "Failed":

@@ -108,7 +108,7 @@ class Endings(Queries):
         return self._end(job_id, JobStatus.SUCCEEDED, "trainer finished", exit_code, metrics, node=node)
 
     def fail(self, job_id: str, reason: str, exit_code: int | None = None,
-             metrics: dict[str, Any] | None = None, *, node: str | None = None) -> JobView:
+             metrics: dict[str, Any] | None = None, *, node: str | None = None, hold: bool = False) -> JobView:
         """The job cannot go on (``reason`` says why): FAILED, GPUs released. On an ended job: as
         :meth:`finish`.
 
@@ -117,9 +117,11 @@ class Endings(Queries):
             out of every allocation until their agents report their trainers stopped (the same
             call) or until no heartbeat came for the pool's ``lease_s``, as after :meth:`cancel`.
             None: the whole job's trainers have stopped.
+        :param hold: the trainer may still run (the backend sees its agent broken, not its trainer):
+            every GPU of the job stays held as after :meth:`cancel`.
         :raises InvalidRequest: ``node`` is not a node of the job's pool.
         """
-        return self._end(job_id, JobStatus.FAILED, reason, exit_code, metrics, node=node)
+        return self._end(job_id, JobStatus.FAILED, reason, exit_code, metrics, node=node, hold=hold)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user", *, attempt: str | None = None) -> JobView:
         """Stop the job: CANCELLED at once; its agent sees the status on its next heartbeat and

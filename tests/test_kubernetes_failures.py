@@ -1,0 +1,71 @@
+"""The Kubernetes backend when a job's pod goes wrong: deleted from outside, or its agent container
+cannot start while its trainer runs (a gang's pods: ``test_kubernetes_gang.py``)."""
+
+from __future__ import annotations
+
+import kubernetes.client as k8s
+from test_kubernetes import cluster, config, submit  # noqa: F401 - cluster is a fixture
+
+from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
+from airflow_elastic_gpu.broker.models import JobStatus
+
+
+def test_a_pod_deleted_from_outside_is_not_made_again_and_its_job_is_failed(cluster):  # noqa: F811
+    """``kubectl delete pod`` (or a node removed) takes the running pod of an acked generation: the
+    next poll does not make it again (it did, every poll, and on a node that is gone each new pod
+    stayed Pending with the job's lease kept), and the job fails with the reason."""
+    from airflow_elastic_gpu.triggers.watcher import GONE_POLLS, JobWatcher
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit(broker, "j", 1, 1)
+    backend.start(job)
+    broker.ack(job.id, 1)
+    (name,) = api.pods
+    api.delete_namespaced_pod(name, "ml")
+    watcher = JobWatcher(broker, backend, job.id)
+    for _ in range(GONE_POLLS + 1):
+        watcher.poll()
+    assert api.pods == {}
+    failed = broker.job(job.id)
+    assert failed.status is JobStatus.FAILED and "deleted from outside" in failed.reason
+
+
+def _agent_cannot_start_while_the_trainer_runs(api, name) -> None:
+    """The kubelet restarted the agent (a native sidecar) and its image cannot be pulled now; the
+    trainer container runs on."""
+    api.pods[name].status = k8s.V1PodStatus(
+        phase="Running",
+        init_container_statuses=[k8s.V1ContainerStatus(
+            name="elastic-agent", image="a", image_id="", ready=False, restart_count=1,
+            state=k8s.V1ContainerState(waiting=k8s.V1ContainerStateWaiting(
+                reason="ImagePullBackOff", message="Back-off pulling image")))],
+        container_statuses=[k8s.V1ContainerStatus(
+            name="trainer", image="t", image_id="", ready=True, restart_count=0,
+            state=k8s.V1ContainerState(running=k8s.V1ContainerStateRunning()))])
+
+
+def test_an_agent_that_cannot_start_while_its_trainer_runs_fails_the_job_with_its_gpus_held(cluster):  # noqa: F811
+    """The job fails with the agent's reason, but its GPUs stay out of every allocation until the
+    trainer has stopped (the lease passes: its launcher fences it without an agent). They went to
+    the next job at once, while the trainer still ran on them."""
+    from airflow_elastic_gpu.triggers.watcher import JobWatcher
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit(broker, "j", 4, 4)
+    backend.start(job)
+    broker.ack(job.id, 1)
+    (name,) = api.pods
+    _agent_cannot_start_while_the_trainer_runs(api, name)
+    problem = backend.problem(broker.job(job.id))
+    assert "elastic-agent container cannot start: ImagePullBackOff" in problem.reason and problem.running
+    JobWatcher(broker, backend, job.id).poll()
+    failed = broker.job(job.id)
+    assert failed.status is JobStatus.FAILED and "ImagePullBackOff" in failed.reason
+    assert len(failed.in_use_gpus) == 4  # held until the trainer has stopped
+    assert {g.node for g in failed.in_use_gpus} == {api_node(broker, job.id)}
+
+
+def api_node(broker, job_id) -> str:
+    return broker.job(job_id).in_use_gpus[0].node
