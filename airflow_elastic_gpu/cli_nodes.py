@@ -44,7 +44,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             raise BackendError(f"kube-sync needs Airflow's Kubernetes provider ({exc}): "
                                "pip install 'airflow-elastic-gpu[airflow]'") from None
 
-        from airflow_elastic_gpu.backends.kubernetes import register_nodes_from_cluster
+        from airflow_elastic_gpu.backends.kubernetes_nodes import register_nodes_from_cluster
 
         try:
             core_v1 = KubernetesHook(conn_id=args.kubernetes_conn_id).core_v1_client

@@ -69,3 +69,55 @@ def test_an_agent_that_cannot_start_while_its_trainer_runs_fails_the_job_with_it
 
 def api_node(broker, job_id) -> str:
     return broker.job(job_id).in_use_gpus[0].node
+
+
+def test_a_job_the_broker_spreads_over_nodes_with_gpus_out_of_service_runs_as_a_gang(cluster):  # noqa: F811
+    """Each node has one GPU out of service (kube-sync read it unhealthy): the broker takes a job of
+    4 GPUs for a gang and places it 3 + 1 over two nodes, and the backend runs it as one (a pod per
+    node). It counted every GPU of a node, took the job for a single pod and failed it at start
+    ("spans nodes ... but is not larger than a node")."""
+    from test_kubernetes_gang import GANG, FakeCoreV1WithServices
+
+    from airflow_elastic_gpu.broker.types import JobSpec
+
+    broker, _ = cluster
+    api = FakeCoreV1WithServices()
+    for node in ("gpu-node-0", "gpu-node-1"):
+        broker.set_gpus_healthy(node, [3], False)
+    job = broker.submit(JobSpec("j", GANG, 1, 4, total_steps=100, backend="kubernetes"))
+    assert len({g.node for g in broker.job(job.id).target_gpus}) == 2
+    backend = KubernetesBackend(config(), broker, api)
+    backend.start(broker.job(job.id))
+    assert backend.is_gang(broker.job(job.id)) and len(api.pods) == 2 and len(api.services) == 1
+    assert broker.job(job.id).status is JobStatus.RUNNING
+
+
+def test_a_started_jobs_next_pod_refused_by_the_api_fails_the_job_with_the_apis_message(cluster):  # noqa: F811
+    """A resize re-creates the pod (``recreate``) and the API refuses the new one for good (403: a
+    quota or an admission policy): the job fails with the API's message. The trigger retried the
+    creation at every poll, the job held its GPUs with nothing on them, and it ended LOST ("no
+    heartbeat") a lease later. A refusal at the first start fails the job too (``start_job``)."""
+    from kubernetes.client.exceptions import ApiException
+
+    from airflow_elastic_gpu.backends.base import start_job
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
+    hog = submit(broker, "hog", 4, 4)  # one node taken
+    job = start_job(broker, backend, submit(broker, "j", 1, 4))
+    broker.ack(job.id, 1)
+    submit(broker, "newcomer", 2, 2)  # the job is shrunk: a new generation, a new pod
+    assert hog.status is JobStatus.RUNNING
+    assert broker.job(job.id).target_generation == 2
+
+    refusal = ApiException(status=403, reason="Forbidden")
+    refusal.body = '{"kind": "Status", "message": "pods \\"p\\" is forbidden: exceeded quota: gpu-pods"}'
+
+    def refuse_with_message(namespace, body):
+        raise refusal
+
+    api.create_namespaced_pod = refuse_with_message
+    assert backend.sync(broker.job(job.id)) == "wait"
+    failed = broker.job(job.id)
+    assert failed.status is JobStatus.FAILED
+    assert "cannot create pod" in failed.reason and "403 Forbidden: pods \"p\" is forbidden: exceeded quota" in failed.reason

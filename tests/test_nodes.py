@@ -259,3 +259,23 @@ def test_kube_sync_registers_a_new_node_as_it_is_never_offering_what_it_takes_ba
     assert [e.kind for e in broker.events(job_id=waiting.id)] == ["submit"]
     views = {n.name: n for n in broker.nodes("gpus")}
     assert [g.gpu.index for g in views["g1"].gpus if not g.healthy] == [2, 3] and not views["g2"].schedulable
+
+
+def test_kube_sync_drains_a_node_that_left_the_cluster_and_retires_gpus_above_a_lower_count(tmp_path):
+    """An autoscaler removed g1 (it is no longer listed): it is drained, so no job is placed there
+    for a pod that would stay Pending. g0 now has 2 GPUs (its count label says so): GPUs 2 and 3
+    go out of service (trainers would get device indices that do not exist). Both stayed as they
+    were."""
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    cluster = Cluster([node("g0", 4), node("g1", 4)])
+    register_nodes_from_cluster(broker, cluster, pool="gpus")
+    smaller = node("g0", 2)
+    smaller.metadata.labels["nvidia.com/gpu.count"] = "2"
+    smaller.status.capacity["nvidia.com/gpu"] = "2"
+    cluster.nodes = [smaller]
+    assert register_nodes_from_cluster(broker, cluster, pool="gpus") == ["g0"]
+    views = {n.name: n for n in broker.nodes("gpus")}
+    assert not views["g1"].schedulable and views["g0"].schedulable
+    assert [g.gpu.index for g in views["g0"].gpus if g.healthy] == [0, 1]
+    job = broker.submit(JobSpec("train", "python train.py", 1, 2, total_steps=100, pool="gpus"))
+    assert {(g.node, g.index) for g in job.target_gpus} == {("g0", 0), ("g0", 1)}

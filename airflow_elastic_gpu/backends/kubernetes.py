@@ -57,9 +57,12 @@ from airflow_elastic_gpu.backends.kubernetes_config import (  # re-exported: the
     label_value,
     resource_name,
 )
+from airflow_elastic_gpu.backends.kubernetes_nodes import register_nodes_from_cluster  # noqa: F401 - re-exported
 from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the backend's public names
+    REFUSED,
     PodState,
     _any_live,
+    api_message,
     pod_problem,  # noqa: F401 - re-exported
     pod_state,
 )
@@ -230,9 +233,10 @@ class KubernetesBackend:
         return GangPods(self)
 
     def is_gang(self, job: JobView, pods: list[Any] | None = None) -> bool:
-        """True when ``job`` runs one pod per node: its ``max_gpus`` exceeds every node of its pool
-        (the rule of ``submit``), or its pods say so already (a node added later changes nothing).
-        ``pods``: the job's pods as :meth:`pods` lists them, if the caller has them."""
+        """True when ``job`` runs one pod per node: its ``max_gpus`` exceeds the healthy GPUs of
+        every schedulable node of its pool (the rule of ``submit``), or its target spans nodes, or
+        its pods say so already (a node added later changes nothing). ``pods``: the job's pods as
+        :meth:`pods` lists them, if the caller has them."""
         if job.id not in self._gang_jobs:
             from airflow_elastic_gpu.backends.kubernetes_gang import LABEL_NODE
 
@@ -241,8 +245,10 @@ class KubernetesBackend:
             if pods:
                 self._gang_jobs[job.id] = any(LABEL_NODE in (p.metadata.labels or {}) for p in pods)
             else:
-                largest = max((len(n.gpus) for n in self.broker.nodes(job.pool)), default=0)
-                self._gang_jobs[job.id] = job.max_gpus > largest
+                largest = max((sum(g.healthy for g in n.gpus) for n in self.broker.nodes(job.pool) if n.schedulable),
+                              default=0)
+                spans = len({g.node for g in job.target_gpus}) > 1
+                self._gang_jobs[job.id] = spans or job.max_gpus > largest
         return self._gang_jobs[job.id]
 
     @property
@@ -376,8 +382,15 @@ class KubernetesBackend:
         try:
             self.core_v1.create_namespaced_pod(self.config.namespace, pod)
         except ApiException as exc:
-            if exc.status != 409:  # 409: this generation's pod exists already (a retried call)
-                raise BackendError(f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}") from None
+            if exc.status == 409:  # this generation's pod exists already (a retried call)
+                return action
+            reason = f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}{api_message(exc)}"
+            if exc.status in REFUSED and job.backend_ref is not None:
+                # a started job's next pod (a resize, a move) refused for good: the job would hold
+                # its GPUs with nothing on them (a first start is failed by start_job)
+                self.broker.fail(job_id, reason)
+                return "wait"
+            raise BackendError(reason) from None
         return action
 
     def problem(self, job: JobView) -> Problem | None:
@@ -443,58 +456,3 @@ class KubernetesBackend:
         except ApiException:
             return []
         return str(text).splitlines()[-lines:]
-
-
-def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = "default",
-                                label_selector: str | None = "nvidia.com/gpu.present=true") -> list[str]:
-    """Register every GPU node of the cluster in ``pool``: GPU count from the ``nvidia.com/gpu.count``
-    label (GPU feature discovery) or the ``nvidia.com/gpu`` capacity, type from ``nvidia.com/gpu.product``.
-
-    What the cluster says of a node's health is carried over one way: a node cordoned in the cluster
-    is drained, and a node whose ``nvidia.com/gpu`` allocatable is below its count (the device
-    plugin found GPUs unhealthy) gets that many GPUs out of service, free ones first (a pod asking
-    for GPUs the device plugin no longer offers would stay Pending); a node that is not Ready, or
-    offers none (its kubelet or device plugin restarting), tells nothing of its GPUs. A new node is
-    registered so from the start (no job is given GPUs that are taken back at once). Neither is
-    undone here: the broker does not know whether an administrator did it (``nodes uncordon NODE
-    [--gpu I]``).
-
-    :returns: the registered node names.
-    :raises BackendError: nodes listed are in another pool already (a node belongs to one pool);
-        none is registered then.
-    """
-    found = []
-    for node in core_v1.list_node(label_selector=label_selector).items:
-        labels = node.metadata.labels or {}
-        status = node.status or k8s.V1NodeStatus()
-        count = labels.get("nvidia.com/gpu.count") or (status.capacity or {}).get("nvidia.com/gpu")
-        if count and int(count) >= 1:
-            offered = int((status.allocatable or {}).get("nvidia.com/gpu", count))
-            ready = any(c.type == "Ready" and c.status == "True" for c in status.conditions or ())
-            if offered == 0 or (status.conditions and not ready):
-                offered = int(count)  # a node restarting, or its device plugin: unknown, not unhealthy
-            cordoned = bool(node.spec and node.spec.unschedulable)
-            found.append((node.metadata.name, int(count), labels.get("nvidia.com/gpu.product", "nvidia"),
-                          offered, cordoned))
-    elsewhere = sorted(n.name for n in broker.nodes() if n.pool != pool and n.name in {f[0] for f in found})
-    if elsewhere:
-        raise BackendError(
-            f"node(s) {', '.join(elsewhere[:5])}{' ...' if len(elsewhere) > 5 else ''} are in another GPU pool "
-            f"already (a node belongs to one pool): give pool {pool!r} its own nodes with a label selector "
-            "(kube-sync --label-selector)")
-    known = {n.name for n in broker.nodes(pool)}
-    for name, count, gpu_type, offered, cordoned in found:  # a new node as it is: no GPU offered, then taken back
-        new = name not in known
-        broker.register_node(name, count, pool=pool, gpu_type=gpu_type, cordoned=new and cordoned,
-                             out_of_service=range(max(0, offered), count) if new else ())
-    views = {n.name: n for n in broker.nodes(pool)}
-    for name, count, _, offered, cordoned in found:
-        view = views[name]
-        if cordoned and view.schedulable:
-            broker.set_node_schedulable(name, False, pool=pool)
-        healthy = [g for g in view.gpus if g.healthy]
-        if (missing := (count - max(0, offered)) - (len(view.gpus) - len(healthy))) > 0:
-            # free GPUs first, the highest indices first; then held ones (a held one may be the failed device)
-            order = sorted(healthy, key=lambda g: (g.in_use_by is not None or g.target_of is not None, -g.gpu.index))
-            broker.set_gpus_healthy(name, [g.gpu.index for g in order[:missing]], False, pool=pool)
-    return [f[0] for f in found]

@@ -4,6 +4,7 @@ train (eviction, a failed phase, a container that cannot start or was killed).""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -77,3 +78,18 @@ def pod_problem(pod: Any) -> str | None:
     if status.phase == "Failed":
         return f"pod {pod.metadata.name} failed"
     return None
+
+
+REFUSED = (400, 403, 422)
+"""API answers to a pod's creation that no retry changes: bad request, forbidden (RBAC, an admission
+policy, a resource quota), invalid."""
+
+
+def api_message(exc: Any) -> str:
+    """``": "`` and the message of the API server's ``Status`` in the body of ``exc`` (an
+    ``ApiException``), or ``""``."""
+    try:
+        message = json.loads(exc.body or "").get("message")
+    except (ValueError, TypeError, AttributeError):
+        return ""
+    return f": {message}" if isinstance(message, str) and message else ""
