@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from test_sidecar import wait_for
@@ -62,7 +61,7 @@ def test_a_helper_process_that_ended_is_no_longer_among_the_trainers_workers(tmp
     done: list[int] = []
     thread = threading.Thread(target=lambda: done.append(launcher._run()), daemon=True)
     thread.start()
-    status = lambda: protocol.read_json(shared / protocol.STATUS) or {}  # noqa: E731
+    status = lambda: protocol.read_json(shared / protocol.STATUS) or {}
     helper = wait_for(lambda: (status().get("workers") or [None])[0], 20, "the helper among the workers")
     assert status()["worker_starts"] == [protocol.proc_stat(helper)[1]]
     wait_for(lambda: status().get("workers") == [] and status().get("state") == protocol.RUNNING, 20,
