@@ -4,6 +4,7 @@ names and labels the Kubernetes backend gives its resources."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,46 @@ def hardened_security_context(*, read_only_root: bool) -> dict[str, Any]:
     if read_only_root:
         context["readOnlyRootFilesystem"] = True
     return context
+
+
+def _check_fields(where: str, kind: str, given: dict[str, Any]) -> None:
+    """:raises BackendError: ``given`` (a Kubernetes object in its JSON form, of model ``kind``)
+    has a field the model does not know, at any depth (it would be dropped without a word: a
+    volume's source given as ``persistent_volume_claim`` made the volume an empty directory)."""
+    try:
+        from kubernetes.client import ApiClient
+    except ImportError:  # checked where the backend runs, which needs the client
+        return
+
+    class Response:
+        data = json.dumps(given)
+
+    api = ApiClient()
+    try:
+        kept = api.sanitize_for_serialization(api.deserialize(Response(), kind))
+    except (ValueError, TypeError) as exc:
+        raise BackendError(f"{where}: not a valid {kind[2:]}: {exc}") from None
+    if lost := _lost_fields(given, kept):
+        raise BackendError(f"{where}: unknown field {lost!r} of a {kind[2:]} (Kubernetes' JSON form: camelCase, "
+                           "e.g. persistentVolumeClaim, mountPath, claimName)")
+
+
+def _lost_fields(given: Any, kept: Any, path: str = "") -> str | None:
+    """The path of the first key of ``given`` missing from ``kept`` (dicts and lists compared in step)."""
+    if isinstance(given, dict):
+        for key, value in given.items():
+            where = f"{path}.{key}" if path else str(key)
+            if not isinstance(kept, dict) or key not in kept:
+                if value is None:
+                    continue  # an explicit null is dropped by design
+                return where
+            if (lost := _lost_fields(value, kept[key], where)) is not None:
+                return lost
+    elif isinstance(given, list) and isinstance(kept, list):
+        for i, (g, k) in enumerate(zip(given, kept, strict=False)):
+            if (lost := _lost_fields(g, k, f"{path}[{i}]")) is not None:
+                return lost
+    return None
 
 
 @dataclass(frozen=True)
@@ -118,12 +159,17 @@ class KubernetesJobConfig:
         port = self.rendezvous_port
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise BackendError(f"rendezvous_port must be a TCP port number (1-65535), got {port!r}")
-        for name in ("tolerations", "volumes", "volume_mounts"):
+        for name, kind in (("tolerations", "V1Toleration"), ("volumes", "V1Volume"), ("volume_mounts", "V1VolumeMount")):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, dict) for v in value):
                 raise BackendError(f"{name} must be a list of dicts (Kubernetes objects in their JSON form), "
                                    f"got {value!r}")
+            for i, item in enumerate(value):
+                _check_fields(f"{name}[{i}]", kind, item)
             object.__setattr__(self, name, tuple(value))
+        if sourceless := [v.get("name") for v in self.volumes if not set(v) - {"name"}]:
+            raise BackendError(f"volumes: {sourceless[0]!r} has no source (persistentVolumeClaim, hostPath, "
+                               "emptyDir...): the API server would make it an empty directory")
         pulls = self.image_pull_secrets
         if not isinstance(pulls, (list, tuple)) or not all(isinstance(n, str) and n for n in pulls):
             raise BackendError(f"image_pull_secrets must be a list of Secret names, got {pulls!r}")
