@@ -165,6 +165,24 @@ def test_a_pod_template_cannot_overwrite_the_backends_own_labels(tmp_path, sourc
     assert pod["metadata"]["annotations"][LABEL_JOB] == "job-1"
 
 
+def test_a_pod_template_is_held_to_the_settings_own_checks():
+    """A usual GPU template (KubernetesPodOperator's) asks the device plugin for GPUs and mounts the
+    service account token: merged by position into the trainer, its GPU request made the device
+    plugin hand out GPUs beside the broker's, and its token was mounted (the merge reads the
+    generated ``False`` as unset). The request is refused, the token is not mounted."""
+    template = copy.deepcopy(TEMPLATE)
+    template["spec"]["automountServiceAccountToken"] = True
+    pod = to_dict(PodBuilder(config(full_pod_spec=template)).pod("job-1", "python train.py", "gpu-node-7", 3))
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    template["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 8}}
+    with pytest.raises(BackendError, match="the pod template's container 'trainer' requests nvidia.com/gpu"):
+        PodBuilder(config(full_pod_spec=template)).pod("job-1", "python train.py", "gpu-node-7", 3)
+    template = copy.deepcopy(TEMPLATE)
+    template["spec"]["volumes"] = [{"name": "elastic-token", "emptyDir": {}}]
+    with pytest.raises(BackendError, match="a volume named 'elastic-token', the backend's own"):
+        PodBuilder(config(full_pod_spec=template)).pod("job-1", "python train.py", "gpu-node-7", 3)
+
+
 def test_building_a_pod_without_a_template_does_not_import_airflow():
     code = (
         "import sys\n"

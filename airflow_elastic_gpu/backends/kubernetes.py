@@ -49,6 +49,7 @@ from airflow_elastic_gpu.backends.kubernetes_config import (  # re-exported: the
     LABEL_MANAGED_BY,
     LABEL_PREFIX,
     MANAGED_BY,
+    RESERVED_VOLUMES,
     SHARED,
     TOKEN_DIR,
     TOKEN_KEY,
@@ -95,6 +96,27 @@ def _model(kind: str, data: dict[str, Any]) -> Any:
             self.data = json.dumps(d)
 
     return _api.deserialize(Resp(data), kind)
+
+
+def _checked_merge(pod: k8s.V1Pod, c: KubernetesJobConfig) -> k8s.V1Pod:
+    """The pod merged with ``pod_template_file`` or ``full_pod_spec``, held to the settings' own
+    checks: the merge lets the template's values win where the generated ones read as unset.
+
+    :raises BackendError: a container of the template requests ``nvidia.com/gpu`` (the device
+        plugin would hand out GPUs beside the broker's), or the template has a volume of the
+        backend's own names."""
+    spec = pod.spec
+    spec.automount_service_account_token = c.automount_service_account_token  # False reads as unset
+    for container in [*(spec.init_containers or []), *(spec.containers or [])]:
+        resources = container.resources
+        asked = {**((resources.limits or {}) if resources else {}), **((resources.requests or {}) if resources else {})}
+        if any("nvidia.com/gpu" in k for k in asked):
+            raise BackendError(f"the pod template's container {container.name!r} requests nvidia.com/gpu: the broker "
+                               "assigns GPUs on its nodes; take it out of the template")
+    names = [v.name for v in spec.volumes or []]
+    if doubled := sorted({n for n in names if n in RESERVED_VOLUMES and names.count(n) > 1}):
+        raise BackendError(f"the pod template has a volume named {doubled[0]!r}, the backend's own; choose another")
+    return pod
 
 
 class PodBuilder:
@@ -195,7 +217,7 @@ class PodBuilder:
         if c.pod_template_file or c.full_pod_spec:  # Airflow's pod generator, only when it is needed
             from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
 
-            pod = PodGenerator.reconcile_pods(self._template(), pod)
+            pod = _checked_merge(PodGenerator.reconcile_pods(self._template(), pod), c)
         return pod
 
     def _template(self) -> k8s.V1Pod:
