@@ -203,3 +203,17 @@ def test_after_an_outage_longer_than_the_lease_every_job_has_a_lease_to_be_heard
     assert pool.job(heard.id).status is JobStatus.RUNNING
     assert pool.job(silent.id).status is JobStatus.LOST
     assert [e.kind for e in pool.events()].count("outage") == 1
+
+
+def test_an_outage_is_seen_when_the_pools_rebalance_interval_is_long(pool, clock):
+    """A lease of 60 s and a rebalance every 40 s: a database away for 75 s is an outage too (two
+    rebalance intervals, 80 s, had to pass)."""
+    pool.configure_pool(lease_s=60, rebalance_interval_s=40)
+    job = pool.submit(spec("a", min_gpus=2, max_gpus=2))
+    pool.ack(job.id, 1)
+    pool.heartbeat(job.id)
+    pool.rebalance()
+    clock.advance(75)
+    pool.rebalance()
+    assert pool.job(job.id).status is JobStatus.RUNNING
+    assert [e.kind for e in pool.events()].count("outage") == 1

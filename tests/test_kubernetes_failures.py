@@ -3,11 +3,14 @@ cannot start while its trainer runs (a gang's pods: ``test_kubernetes_gang.py``)
 
 from __future__ import annotations
 
+import json
+
 import kubernetes.client as k8s
 from test_kubernetes import cluster, config, submit  # noqa: F401 - cluster is a fixture
 
 from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
 from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.types import JobSpec
 
 
 def test_a_pod_deleted_from_outside_is_not_made_again_and_its_job_is_failed(cluster):  # noqa: F811
@@ -110,14 +113,61 @@ def test_a_started_jobs_next_pod_refused_by_the_api_fails_the_job_with_the_apis_
     assert hog.status is JobStatus.RUNNING
     assert broker.job(job.id).target_generation == 2
 
-    refusal = ApiException(status=403, reason="Forbidden")
-    refusal.body = '{"kind": "Status", "message": "pods \\"p\\" is forbidden: exceeded quota: gpu-pods"}'
+    refusals = []
 
-    def refuse_with_message(namespace, body):
-        raise refusal
+    def refuse(message):
+        refusal = ApiException(status=403, reason="Forbidden")
+        refusal.body = json.dumps({"kind": "Status", "message": message})
+        refusals.append(refusal)
 
-    api.create_namespaced_pod = refuse_with_message
+    def create(namespace, body):
+        raise refusals.pop(0)
+
+    api.create_namespaced_pod = create
+    refuse('pods "p" is forbidden: exceeded quota: gpu-pods')  # frees up as other pods end: tried again
+    assert backend.sync(broker.job(job.id)) == "wait" and broker.job(job.id).status is JobStatus.RUNNING
+    refuse('pods "p" is forbidden: violates PodSecurity "restricted:latest"')
     assert backend.sync(broker.job(job.id)) == "wait"
     failed = broker.job(job.id)
     assert failed.status is JobStatus.FAILED
-    assert "cannot create pod" in failed.reason and "403 Forbidden: pods \"p\" is forbidden: exceeded quota" in failed.reason
+    assert "cannot create pod" in failed.reason and '403 Forbidden: pods "p" is forbidden: violates PodSecurity' in failed.reason
+
+
+def test_a_retried_tasks_start_makes_a_missing_pod_again(cluster):  # noqa: F811
+    """The task's try stopped the job's pod but could not cancel the job (the broker was away); its
+    next try reattaches: its start makes the pod again (the trainer resumes from its checkpoint),
+    where only a poll takes a missing pod for one deleted from outside."""
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit(broker, "j", 1, 1)
+    backend.start(job)
+    broker.ack(job.id, 1)
+    (name,) = api.pods
+    api.delete_namespaced_pod(name, "ml")
+    backend.start(broker.job(job.id))
+    assert list(api.pods) == [name] and broker.job(job.id).status is JobStatus.RUNNING
+
+
+def test_a_gangs_next_pod_refused_by_the_api_fails_the_job(tmp_path):
+    """As for one pod: a gang's pod that the API refuses for good fails the job with its message."""
+    from test_kubernetes_gang import FakeCoreV1WithServices, ack_all, submit_gang
+
+    from airflow_elastic_gpu.backends.base import start_job
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    for node in ("n0", "n1", "n2"):
+        broker.register_node(node, 4)
+    api = FakeCoreV1WithServices()
+    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
+    job = start_job(broker, backend, submit_gang(broker, 8, 12))
+    ack_all(broker, job.id, 1, ["n0", "n1", "n2"])
+    api.fail["create_namespaced_pod"] = 422
+    broker.submit(JobSpec("newcomer", "python train.py", 4, 4, total_steps=10, backend="kubernetes"))
+    for _ in range(3):  # the old pods go, then the new ones are made
+        backend.sync(broker.job(job.id))
+        if broker.job(job.id).status.terminal:
+            break
+    failed = broker.job(job.id)
+    assert failed.status is JobStatus.FAILED and "422" in failed.reason
+    broker.engine.dispose()

@@ -279,3 +279,18 @@ def test_kube_sync_drains_a_node_that_left_the_cluster_and_retires_gpus_above_a_
     assert [g.gpu.index for g in views["g0"].gpus if g.healthy] == [0, 1]
     job = broker.submit(JobSpec("train", "python train.py", 1, 2, total_steps=100, pool="gpus"))
     assert {(g.node, g.index) for g in job.target_gpus} == {("g0", 0), ("g0", 1)}
+
+
+def test_kube_sync_still_counts_unhealthy_gpus_once_a_nodes_count_went_down(tmp_path):
+    """g0 goes from 8 GPUs to 4, of which its device plugin offers 3: one of GPUs 0-3 goes out of
+    service. The retired GPUs 4-7 counted as unhealthy ones of the 4, and none did."""
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    eight = node("g0", 8)
+    eight.metadata.labels["nvidia.com/gpu.count"] = "8"
+    eight.status.capacity["nvidia.com/gpu"] = "8"
+    register_nodes_from_cluster(broker, Cluster([eight]), pool="gpus")
+    four = node("g0", 3)
+    for _ in range(2):
+        register_nodes_from_cluster(broker, Cluster([four]), pool="gpus")
+        (view,) = broker.nodes("gpus")
+        assert [g.gpu.index for g in view.gpus if g.healthy] == [0, 1, 2]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from test_sidecar import wait_for
@@ -213,3 +214,90 @@ def test_an_agent_restarted_after_its_node_was_dropped_does_not_fail_the_gang(tm
     agent = Agent(broker, "job", tmp_path, node="n1", host_node="n1", poll_s=0.2, end_report_timeout_s=1)
     assert agent.run() == 0
     assert broker.failed == [] and agent.dropped
+
+
+class _GangBrokerOnThisHost:
+    """A gang of launchers on this host (virtual nodes n0, n1) whose generation 1 runs."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def heartbeat(self, job_id):
+        return Target(job_id, JobStatus.RUNNING, 1, (GpuId("n0", 0), GpuId("n1", 0)), 60.0)
+
+    def ack(self, *a, **k):
+        return True
+
+    def fail(self, job_id, reason, *a, **k):
+        self.failed.append(reason)
+
+    def finish(self, *a, **k):
+        return None
+
+    def progress(self, *a, **k):
+        return None
+
+
+def test_a_gangs_dead_launcher_kills_the_orphans_it_recorded_and_no_exited_nodes_pid(tmp_path, sleeper):
+    """Node n0's trainer exited cleanly long ago (its pid went to another process); then n1's
+    launcher is killed: the agent kills n1's orphaned trainer, and leaves the process that now has
+    n0's old pid alone. It signalled every node's pid without their start times."""
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    dead = [subprocess.Popen(["true"]) for _ in range(2)]
+    for proc in dead:
+        proc.wait()
+    try:
+        protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "stop": False})
+        for rank, (node, state, proc) in enumerate([("n0", protocol.EXITED, sleeper), ("n1", protocol.RUNNING, trainer)]):
+            node_dir = tmp_path / protocol.NODES / node
+            node_dir.mkdir(parents=True)
+            protocol.write_json(node_dir / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False,
+                                                              "nnodes": 2, "node_rank": rank})
+            start = protocol.proc_stat(proc.pid)[1] - (5 if node == "n0" else 0)  # n0's trainer started earlier
+            protocol.write_json(node_dir / protocol.STATUS, {
+                "generation": 1, "state": state, "exit_code": 0 if state == protocol.EXITED else None,
+                "pid": proc.pid, "pid_start": start, "workers": [], "worker_starts": [], "fences": 0,
+                "launcher_pid": dead[rank].pid})
+        broker = _GangBrokerOnThisHost()
+        agent = Agent(broker, "job", tmp_path, launcher_pid=[p.pid for p in dead], poll_s=0.2, stop_timeout_s=3,
+                      end_report_timeout_s=1)
+        agent.run()
+        assert trainer.wait(5) == -signal.SIGKILL
+        time.sleep(0.2)
+        assert sleeper.poll() is None
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_the_new_trainers_pid_is_in_the_status_as_soon_as_it_runs(tmp_path):
+    """A launcher killed just after it started a trainer leaves the agent that trainer's pid (it
+    left the stopped one's, and the new trainer ran on unfenced)."""
+    launcher = Launcher(tmp_path, f"{sys.executable} -c 'import time; time.sleep(300)'", grace_s=1.0, poll_s=0.05)
+    launcher.generation = 2
+    launcher._start({"generation": 2, "gpus": [0]})
+    try:
+        status = protocol.read_json(tmp_path / protocol.STATUS)
+        assert (status["state"], status["generation"], status["pid"]) == (protocol.RUNNING, 2, launcher.proc.pid)
+        assert status["pid_start"] == protocol.proc_stat(launcher.proc.pid)[1]
+    finally:
+        launcher.proc.kill()
+        launcher.proc.wait()
+
+
+def test_a_worker_that_survives_sigkill_outside_the_kernel_is_not_waited_for_for_ever(tmp_path, monkeypatch):
+    """A recorded worker alive after SIGKILL and not stuck in the kernel (one that cannot be
+    signalled: a setuid helper) is left after ``UNKILLABLE_S``, named in the log; the stop hung."""
+    from airflow_elastic_gpu.sidecar import launcher as launcher_module
+
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 11  # no process can have it; plays the worker
+    real_alive, real_stat = protocol.pid_alive, protocol.proc_stat
+    monkeypatch.setattr(protocol, "pid_alive", lambda p: True if p == pid else real_alive(p))
+    monkeypatch.setattr(protocol, "proc_stat", lambda p: ("S", 77) if p == pid else real_stat(p))
+    monkeypatch.setattr(launcher_module, "UNKILLABLE_S", 1.5)
+    launcher = Launcher(tmp_path, "true", grace_s=1.0, poll_s=0.05)
+    launcher.tree, launcher.starts = [pid], {pid: 77}
+    started = time.monotonic()
+    launcher._kill_workers()
+    assert time.monotonic() - started < 10 and launcher.tree == []
+    assert f"process(es) [{pid}] alive 2s after SIGKILL and not stuck in the kernel" in (tmp_path / protocol.LOG).read_text()

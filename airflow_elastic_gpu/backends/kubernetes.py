@@ -33,6 +33,7 @@ The Kubernetes API is reached through ``apache-airflow-providers-cncf-kubernetes
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,7 @@ _COPY_LAUNCHER = (
     f"os.makedirs('{JOB_DIR}', exist_ok=True)"
 )
 
+log = logging.getLogger(__name__)
 _api = ApiClient()
 
 
@@ -323,7 +325,7 @@ class KubernetesBackend:
             if exc.status != 409:
                 raise BackendError(f"cannot create the job's token Secret: {exc.status} {exc.reason}") from None
             self.core_v1.replace_namespaced_secret(secret.metadata.name, self.config.namespace, secret)
-        self._sync(job, env, context, pods)
+        self._sync(job, env, context, pods, starting=True)
         return ref
 
     def pods(self, job_id: str) -> list[Any]:
@@ -361,9 +363,10 @@ class KubernetesBackend:
         return self._sync(job, env, context)
 
     def _sync(self, job: JobView, env: Mapping[str, str] | None, context: Mapping[str, str] | None,
-              pods: list[Any] | None = None) -> str:
+              pods: list[Any] | None = None, *, starting: bool = False) -> str:
         """:meth:`sync`; ``pods``: the job's pods as :meth:`pods` listed them just now (one listing
-        per call: the pods are listed again only after a deletion)."""
+        per call: the pods are listed again only after a deletion); ``starting``: called by
+        :meth:`start` (a task's try, which makes a missing pod again, from the job's checkpoint)."""
         if self.is_gang(job, pods):
             return self.gang.sync(job, env=env, context=context, pods=pods)
         job_id = job.id
@@ -384,7 +387,7 @@ class KubernetesBackend:
             self.config.resize_mechanism == "inplace" or current.generation >= target.generation
         ):
             return "keep"
-        if current is None and job.acked_generation >= max(1, target.generation):
+        if current is None and not starting and job.acked_generation >= max(1, target.generation):
             # its agent runs this generation already: the pod was deleted from outside (kubectl, a
             # node removed). Made again it would hide that, and on a node that is gone it would be
             # made again and again, each new pod Pending and the job's lease kept: problem() fails it
@@ -401,19 +404,30 @@ class KubernetesBackend:
         pod = self.builder.pod(job_id, job.command, node, target.generation,
                                progress_pattern=job.progress_pattern, checkpoint_dir=job.checkpoint_dir,
                                env=env, context=context)
+        return action if self.create_pod(job, pod) else "wait"
+
+    def create_pod(self, job: JobView, pod: k8s.V1Pod) -> bool:
+        """Create ``pod`` of ``job`` (409, it exists already: a retried call, fine); False when it
+        was not made: a resource quota is exceeded (tried again at the next sync, as other pods
+        end), or the API refused a started job's next pod for good (400, 403, 422: an admission
+        policy, an invalid field), and the job was failed with the API's message rather than left
+        holding GPUs with nothing on them (a first start's refusal: raised, ``start_job`` fails it).
+
+        :raises BackendError: any other API error."""
         try:
             self.core_v1.create_namespaced_pod(self.config.namespace, pod)
         except ApiException as exc:
-            if exc.status == 409:  # this generation's pod exists already (a retried call)
-                return action
+            if exc.status == 409:
+                return True
             reason = f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}{api_message(exc)}"
+            if exc.status == 403 and "exceeded quota" in reason:
+                log.warning("job %s: %s; trying again at the next poll", job.id, reason)
+                return False
             if exc.status in REFUSED and job.backend_ref is not None:
-                # a started job's next pod (a resize, a move) refused for good: the job would hold
-                # its GPUs with nothing on them (a first start is failed by start_job)
-                self.broker.fail(job_id, reason)
-                return "wait"
+                self.broker.fail(job.id, reason)
+                return False
             raise BackendError(reason) from None
-        return action
+        return True
 
     def problem(self, job: JobView) -> Problem | None:
         """Why the job cannot go on, judged from its pods: a broken pod (see :func:`pod_problem`), or

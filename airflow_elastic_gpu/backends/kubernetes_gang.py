@@ -208,11 +208,7 @@ class GangPods:
                     context: Mapping[str, str] | None) -> None:
         pod = self.builder.pod(job.id, job.command, node, generation, progress_pattern=job.progress_pattern,
                                checkpoint_dir=job.checkpoint_dir, env=env, context=context)
-        try:
-            self.backend.core_v1.create_namespaced_pod(self.namespace, pod)
-        except ApiException as exc:
-            if exc.status != 409:  # 409: this generation's pod exists already (a retried call)
-                raise BackendError(f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}") from None
+        self.backend.create_pod(job, pod)
 
     def _ensure_service(self, job_id: str, context: Mapping[str, str] | None) -> None:
         try:

@@ -68,8 +68,9 @@ def register_nodes_from_cluster(broker: GpuBroker, core_v1: Any, *, pool: str = 
             broker.set_node_schedulable(name, False, pool=pool)
         if beyond := [g.gpu.index for g in view.gpus if g.healthy and g.gpu.index >= count]:
             broker.set_gpus_healthy(name, beyond, False, pool=pool)  # the node has fewer GPUs now
-        healthy = [g for g in view.gpus if g.healthy and g.gpu.index < count]
-        if (missing := (count - max(0, offered)) - (len(view.gpus) - len(healthy))) > 0:
+        within = [g for g in view.gpus if g.gpu.index < count]  # the GPUs the node has now
+        healthy = [g for g in within if g.healthy]
+        if (missing := (count - max(0, offered)) - (len(within) - len(healthy))) > 0:
             # free GPUs first, the highest indices first; then held ones (a held one may be the failed device)
             order = sorted(healthy, key=lambda g: (g.in_use_by is not None or g.target_of is not None, -g.gpu.index))
             broker.set_gpus_healthy(name, [g.gpu.index for g in order[:missing]], False, pool=pool)

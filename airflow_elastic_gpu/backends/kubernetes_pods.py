@@ -51,8 +51,8 @@ def trainer_running(pod: Any) -> bool:
 
 
 # a container waiting for one of these will not start without a change to the pod or its images
-_CANNOT_START = ("ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError", "CreateContainerError",
-                 "RunContainerError", "InvalidImageName")
+# (not CreateContainerError or RunContainerError: the kubelet retries those, and they often pass)
+_CANNOT_START = ("ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError", "InvalidImageName")
 
 
 def pod_problem(pod: Any) -> str | None:

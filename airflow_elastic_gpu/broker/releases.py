@@ -147,9 +147,11 @@ class Releases(BrokerBase):
         (ascending; this rebalance's ``now`` among them if it ends one).
 
         Every heartbeat and trigger poll of a pool with running jobs asks for a rebalance at least
-        every ``rebalance_interval_s``; a gap longer than the lease and than two such intervals
-        means that no call reached the database (it was restarted, failed over, or unreachable),
-        so no agent could be heard either. This rebalance records it (an ``outage`` event), and a silent job gets a whole
+        every ``rebalance_interval_s``; a gap longer than the lease, and than that interval by half
+        a lease (agents report several times a lease), means that no call reached the database (it
+        was restarted, failed over, or unreachable), so no agent could be heard either. (An outage
+        of the broker's HTTP API alone, which agents on Kubernetes call while the triggerer still
+        reaches the database, is not seen: its jobs are declared lost as before.) This rebalance records it (an ``outage`` event), and a silent job gets a whole
         lease from the first outage after it was last heard (its launcher fenced the trainer on
         its own clock; its agent resumes it once heard again). Only delays reaping, never hastens
         it: a pool whose only callers are gone (every agent dead, no task polling) reclaims their
@@ -157,7 +159,7 @@ class Releases(BrokerBase):
 
         :param previous_s: the pool's last rebalance before this one (0: none)."""
         outages = [float(t) for t in s.execute(_OUTAGES, {"pool": row.name, "since": since}).scalars()]
-        if 0.0 < previous_s and now - previous_s > max(row.lease_s, 2 * row.rebalance_interval_s):
+        if 0.0 < previous_s and now - previous_s > max(row.lease_s, row.rebalance_interval_s + row.lease_s / 2):
             self._event(s, row.name, EventKind.OUTAGE,
                         f"no rebalance for {now - previous_s:.0f}s (lease {row.lease_s:.0f}s, rebalance interval "
                         f"{row.rebalance_interval_s:.0f}s): no call reached the broker's database; silent jobs "

@@ -237,7 +237,9 @@ class Agent(EndReports):
                 # no launcher to stop it: kill the orphaned trainer and its workers before the GPUs
                 # are released, so nothing runs on GPUs the broker hands to another job (a gang:
                 # every node's, and the other launchers are told to stop)
-                if not self._orphans_killed([status]) or (
+                statuses = (list(self.gang.statuses().values()) if self.gang is not None else [status])
+                if not self._orphans_killed([s for s in statuses if s.get("state") not in (
+                        protocol.STOPPED, protocol.EXITED)]) or (
                         self.gang is not None and not self._stopped("a launcher of the gang died")):
                     # a trainer still runs: its GPUs must not be freed, the lease ends the job
                     log.error("the dead launcher's trainer did not stop: the broker's lease will end the job")

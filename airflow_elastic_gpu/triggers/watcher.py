@@ -82,7 +82,11 @@ class JobWatcher:
         job = self.broker.job(self.job_id)
         self.broker.maybe_rebalance(job.pool)
         if not job.status.terminal:
-            self.backend.sync(job, env=self.env, context=self.context)
+            try:
+                self.backend.sync(job, env=self.env, context=self.context)
+            except Exception:
+                self._fail_if_broken(job)  # a broken pod is reported while its pods cannot be synced too
+                raise
             self._fail_if_broken(job)
         job = self.broker.job(self.job_id)
         events = self.broker.events(job_id=self.job_id, after_id=self.after_event_id)
