@@ -96,13 +96,14 @@ def test_a_job_the_broker_spreads_over_nodes_with_gpus_out_of_service_runs_as_a_
 
 
 def test_a_started_jobs_next_pod_refused_by_the_api_fails_the_job_with_the_apis_message(cluster):  # noqa: F811
-    """A resize re-creates the pod (``recreate``) and the API refuses the new one for good (403: a
-    quota or an admission policy): the job fails with the API's message. The trigger retried the
+    """A resize re-creates the pod (``recreate``) and the API refuses the new one for good (403: an
+    admission policy; an exceeded quota is tried again): the job fails with the API's message. The trigger retried the
     creation at every poll, the job held its GPUs with nothing on them, and it ended LOST ("no
     heartbeat") a lease later. A refusal at the first start fails the job too (``start_job``)."""
     from kubernetes.client.exceptions import ApiException
 
     from airflow_elastic_gpu.backends.base import start_job
+    from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
     broker, api = cluster
     backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
@@ -125,7 +126,8 @@ def test_a_started_jobs_next_pod_refused_by_the_api_fails_the_job_with_the_apis_
 
     api.create_namespaced_pod = create
     refuse('pods "p" is forbidden: exceeded quota: gpu-pods')  # frees up as other pods end: tried again
-    assert backend.sync(broker.job(job.id)) == "wait" and broker.job(job.id).status is JobStatus.RUNNING
+    JobWatcher(broker, backend, job.id).poll()  # no pod of the new generation yet: not "deleted from outside"
+    assert broker.job(job.id).status is JobStatus.RUNNING
     refuse('pods "p" is forbidden: violates PodSecurity "restricted:latest"')
     assert backend.sync(broker.job(job.id)) == "wait"
     failed = broker.job(job.id)
@@ -170,4 +172,5 @@ def test_a_gangs_next_pod_refused_by_the_api_fails_the_job(tmp_path):
             break
     failed = broker.job(job.id)
     assert failed.status is JobStatus.FAILED and "422" in failed.reason
+    assert failed.in_use_gpus  # held until the other nodes' trainers have stopped
     broker.engine.dispose()

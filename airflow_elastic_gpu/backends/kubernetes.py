@@ -406,13 +406,15 @@ class KubernetesBackend:
                                env=env, context=context)
         return action if self.create_pod(job, pod) else "wait"
 
-    def create_pod(self, job: JobView, pod: k8s.V1Pod) -> bool:
+    def create_pod(self, job: JobView, pod: k8s.V1Pod, *, others_run: bool = False) -> bool:
         """Create ``pod`` of ``job`` (409, it exists already: a retried call, fine); False when it
         was not made: a resource quota is exceeded (tried again at the next sync, as other pods
         end), or the API refused a started job's next pod for good (400, 403, 422: an admission
         policy, an invalid field), and the job was failed with the API's message rather than left
         holding GPUs with nothing on them (a first start's refusal: raised, ``start_job`` fails it).
 
+        :param others_run: other pods of the job may still run their trainers (a gang): a refused
+            job keeps every GPU held until they have stopped (their agents report it, or the lease).
         :raises BackendError: any other API error."""
         try:
             self.core_v1.create_namespaced_pod(self.config.namespace, pod)
@@ -424,7 +426,7 @@ class KubernetesBackend:
                 log.warning("job %s: %s; trying again at the next poll", job.id, reason)
                 return False
             if exc.status in REFUSED and job.backend_ref is not None:
-                self.broker.fail(job.id, reason)
+                self.broker.fail(job.id, reason, hold=others_run)
                 return False
             raise BackendError(reason) from None
         return True
@@ -437,7 +439,8 @@ class KubernetesBackend:
             return self.gang.problem(job)
         state = self.state(job.id)
         if state is None:
-            expected = bool(job.target_gpus) and job.acked_generation >= 1
+            # (a resize or move under way, whose new pod is not made yet: no pod is expected)
+            expected = bool(job.target_gpus) and job.acked_generation >= max(1, job.target_generation)
             return Problem("the job's pod was deleted from outside the broker") if expected else None
         if state.problem is None and state.pending_s is not None and state.pending_s > self.config.startup_grace_s:
             return Problem(f"pod {state.name} has been Pending for {state.pending_s:.0f}s (startup_grace_s "

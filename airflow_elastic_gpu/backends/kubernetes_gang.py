@@ -188,7 +188,9 @@ class GangPods:
             if node in terminating:
                 done.append("wait")
                 continue
-            self._create_pod(job, node, target.generation, env, context)
+            if not self._create_pod(job, node, target.generation, env, context):
+                done.append("wait")  # a quota (tried again at the next sync), or the job was failed
+                break
             created = True
         if created and "recreate" not in done:
             done.insert(0, "create")
@@ -205,10 +207,10 @@ class GangPods:
             self.backend.broker.ack(job.id, generation, node=node)
 
     def _create_pod(self, job: JobView, node: str, generation: int, env: Mapping[str, str] | None,
-                    context: Mapping[str, str] | None) -> None:
+                    context: Mapping[str, str] | None) -> bool:
         pod = self.builder.pod(job.id, job.command, node, generation, progress_pattern=job.progress_pattern,
                                checkpoint_dir=job.checkpoint_dir, env=env, context=context)
-        self.backend.create_pod(job, pod)
+        return self.backend.create_pod(job, pod, others_run=True)
 
     def _ensure_service(self, job_id: str, context: Mapping[str, str] | None) -> None:
         try:

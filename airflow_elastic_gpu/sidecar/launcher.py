@@ -48,7 +48,6 @@ except ImportError:  # copied next to protocol.py in a bare image
 EXIT_NOT_FOUND = 127
 EXIT_FENCED = 75  # EX_TEMPFAIL: fenced, and no agent came back to resume the trainer
 STUCK_NOTE_S = 60.0  # how often a process that survives SIGKILL is named again in train.log
-UNKILLABLE_S = 30.0  # how long a worker alive after SIGKILL but not stuck in the kernel is waited for
 
 
 class Launcher:
@@ -149,7 +148,6 @@ class Launcher:
             log.close()
         stat = protocol.proc_stat(self.proc.pid)
         self.proc_start = None if stat is None else stat[1]
-        self._status(protocol.RUNNING)  # at once: a launcher killed now leaves the agent the new trainer's pid
 
     def _stop(self, grace_s: float | None = None) -> int | None:
         """SIGTERM the trainer's process group, SIGKILL it after ``grace_s`` (default ``--grace-s``)
@@ -207,22 +205,21 @@ class Launcher:
         if others := sorted(set(left) - set(stuck)):
             self._note(f"pid(s) {others} alive after SIGKILL but not stuck in the kernel: another process has "
                        "the pid now (left alone)")
-        since = time.monotonic()
         while stuck:
+            if unkillable := [p for p in stuck if not protocol.may_signal(p)]:
+                # SIGKILL does not reach it (a setuid helper: EPERM), so no wait ends it; its GPUs go
+                # back with the lease, as after a fence
+                self._note(f"process(es) {unkillable} alive after SIGKILL: they cannot be signalled (another "
+                           "user's); left alone")
+                stuck = [p for p in stuck if p not in unkillable]
+                continue
             if noted is None or time.monotonic() - noted >= STUCK_NOTE_S:
                 self._note(f"process(es) {stuck} still alive after SIGKILL (stuck in the kernel): waiting "
                            "for them to be gone before the trainer's GPUs are given up")
                 noted = time.monotonic()
             protocol.signal_processes(stuck, signal.SIGKILL)
             stuck = [p for p in protocol.survivors(stuck, timeout_s=1.0)
-                     if (now := protocol.proc_stat(p)) is not None and now[1] == found[p][1]  # not a new pid holder
-                     and (now[0] == "D" or time.monotonic() - since < UNKILLABLE_S)]
-        if unkillable := [p for p in left if p not in stuck and found[p] is not None and found[p][0] != "D"
-                          and protocol.same_process(p, found[p][1])]:
-            # not in the kernel, and SIGKILL does not reach it (a setuid helper: EPERM): no wait ends
-            # it; the job's GPUs go back with the lease, as for a fence
-            self._note(f"process(es) {unkillable} alive {UNKILLABLE_S:.0f}s after SIGKILL and not stuck in the "
-                       "kernel: they cannot be signalled (another user's); left alone")
+                     if (now := protocol.proc_stat(p)) is not None and now[1] == found[p][1]]  # not a new pid holder
         self.tree, self.starts = [], {}
 
     def _track(self, root: int) -> bool:
@@ -326,6 +323,7 @@ class Launcher:
                     self.proc = None
                     self._status(protocol.EXITED, EXIT_NOT_FOUND)
                     return EXIT_NOT_FOUND
+                self._status(protocol.RUNNING)
             if self.proc is not None and self.proc.poll() is None and self._track(self.proc.pid):
                 self._status(protocol.RUNNING)  # kept in status.json so a stop from outside finds them
             time.sleep(self.poll_s)

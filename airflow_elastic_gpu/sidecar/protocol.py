@@ -364,8 +364,8 @@ def process_tree(root: int, known: Mapping[int, int | None]) -> dict[int, int | 
     process has it."""
     found: dict[int, int | None] = {}
     for pid in descendants(root):
-        stat = proc_stat(pid)
-        found[pid] = None if stat is None else stat[1]
+        if (stat := proc_stat(pid)) is not None:  # None: it has just ended (its pid may go to anyone)
+            found[pid] = stat[1]
     return {**{p: s for p, s in known.items() if p not in found and same_process(p, s)}, **found}
 
 
@@ -417,6 +417,18 @@ def survivors(pids: list[int], timeout_s: float = KILL_WAIT_S, starts: Mapping[i
     while (alive := [p for p in pids if same_process(p, starts.get(p))]) and time.monotonic() < deadline:
         time.sleep(0.01)
     return alive
+
+
+def may_signal(pid: int) -> bool:
+    """False when process ``pid`` exists and this process may not signal it (EPERM: another user's,
+    a setuid program)."""
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def signal_processes(pids: list[int], sig: int, starts: Mapping[int, int | None] | None = None) -> None:
