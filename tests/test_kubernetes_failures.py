@@ -13,18 +13,25 @@ from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.types import JobSpec
 
 
-def test_a_pod_deleted_from_outside_is_not_made_again_and_its_job_is_failed(cluster):  # noqa: F811
-    """``kubectl delete pod`` (or a node removed) takes the running pod of an acked generation: the
-    next poll does not make it again (it did, every poll, and on a node that is gone each new pod
-    stayed Pending with the job's lease kept), and the job fails with the reason."""
-    from airflow_elastic_gpu.triggers.watcher import GONE_POLLS, JobWatcher
-
+def _a_running_pod(cluster):  # noqa: F811 - the fixture's value
+    """A job of one GPU started, its first generation acked: the broker, the API, the backend, the
+    job and its pod's name."""
     broker, api = cluster
     backend = KubernetesBackend(config(), broker, api)
     job = submit(broker, "j", 1, 1)
     backend.start(job)
     broker.ack(job.id, 1)
     (name,) = api.pods
+    return broker, api, backend, job, name
+
+
+def test_a_pod_deleted_from_outside_is_not_made_again_and_its_job_is_failed(cluster):  # noqa: F811
+    """``kubectl delete pod`` (or a node removed) takes the running pod of an acked generation: the
+    next poll does not make it again (it did, every poll, and on a node that is gone each new pod
+    stayed Pending with the job's lease kept), and the job fails with the reason."""
+    from airflow_elastic_gpu.triggers.watcher import GONE_POLLS, JobWatcher
+
+    broker, api, backend, job, name = _a_running_pod(cluster)
     api.delete_namespaced_pod(name, "ml")
     watcher = JobWatcher(broker, backend, job.id)
     for _ in range(GONE_POLLS + 1):
@@ -139,12 +146,7 @@ def test_a_retried_tasks_start_makes_a_missing_pod_again(cluster):  # noqa: F811
     """The task's try stopped the job's pod but could not cancel the job (the broker was away); its
     next try reattaches: its start makes the pod again (the trainer resumes from its checkpoint),
     where only a poll takes a missing pod for one deleted from outside."""
-    broker, api = cluster
-    backend = KubernetesBackend(config(), broker, api)
-    job = submit(broker, "j", 1, 1)
-    backend.start(job)
-    broker.ack(job.id, 1)
-    (name,) = api.pods
+    broker, api, backend, job, name = _a_running_pod(cluster)
     api.delete_namespaced_pod(name, "ml")
     backend.start(broker.job(job.id))
     assert list(api.pods) == [name] and broker.job(job.id).status is JobStatus.RUNNING
