@@ -9,7 +9,7 @@ import pytest
 from test_broker import spec
 
 from airflow_elastic_gpu.broker.models import JobStatus
-from airflow_elastic_gpu.broker.types import InvalidRequest
+from airflow_elastic_gpu.broker.types import InvalidRequest, NotFound
 
 
 def test_a_submit_redone_after_its_commit_went_through_still_returns_the_token(pool, monkeypatch):
@@ -217,3 +217,38 @@ def test_an_outage_is_seen_when_the_pools_rebalance_interval_is_long(pool, clock
     pool.rebalance()
     assert pool.job(job.id).status is JobStatus.RUNNING
     assert [e.kind for e in pool.events()].count("outage") == 1
+
+
+def test_a_node_removal_redone_after_its_commit_went_through_succeeds(pool, monkeypatch):
+    """The connection is lost at COMMIT after the node was removed: the redo finds no node, and the
+    call succeeds (it raised NotFound for a removal that had happened). An unknown node is still
+    named."""
+    pool.register_node("n1", 2)
+    retrying = pool._retrying
+
+    def redone(fn, attempts=8):
+        fn()  # committed, then its reply lost
+        return retrying(fn, attempts)
+
+    monkeypatch.setattr(pool, "_retrying", redone)
+    pool.remove_node("n1")
+    assert [n.name for n in pool.nodes()] == ["n0"]
+    monkeypatch.setattr(pool, "_retrying", retrying)
+    with pytest.raises(NotFound, match="unknown node 'n1'"):
+        pool.remove_node("n1")
+
+
+def test_a_retried_tasks_start_does_not_put_off_the_release_of_an_ended_jobs_gpus(pool, clock):
+    """A cancelled job holds its GPUs until its agent reports the trainer stopped, or a lease after
+    its last heartbeat; a task's retry that starts it again (reattaching) is no heartbeat of its
+    agent. It was taken for one, and the GPUs stayed held a lease longer."""
+    pool.configure_pool(lease_s=30)
+    job = pool.submit(spec("a", min_gpus=4))
+    pool.ack(job.id, 1)
+    pool.heartbeat(job.id)
+    pool.cancel(job.id)
+    clock.advance(20)
+    pool.start(job.id, "local:again")
+    clock.advance(11)
+    pool.rebalance()
+    assert pool.job(job.id).in_use_gpus == ()

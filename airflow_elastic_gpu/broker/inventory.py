@@ -182,9 +182,16 @@ class Inventory(Lifecycle):
         :raises InvalidRequest: a job still holds or is published GPUs of the node (named).
         """
 
+        tried: list[bool] = []
+
         def run() -> None:
             with self._tx(pool) as s:
-                node = _known_node(s, pool, name)
+                try:
+                    node = _known_node(s, pool, name)
+                except NotFound:
+                    if tried:  # redone after the first try's commit went through (the connection lost at COMMIT)
+                        return
+                    raise
                 gpu_ids = [g.id for g in node.gpus]
                 holders = sorted({job_id for held in (GpuInUse, GpuTarget)
                                   for job_id in s.scalars(select(held.job_id).where(held.gpu_id.in_(gpu_ids)))})
@@ -197,6 +204,7 @@ class Inventory(Lifecycle):
                 s.execute(delete(Node).where(Node.id == node.id))
                 self._event(s, pool, EventKind.NODE, f"removed node {name} with {len(gpu_ids)} GPU(s)")
                 request_rebalance(s, pool, self.clock())
+                tried.append(True)
 
         self._retrying(run)
 

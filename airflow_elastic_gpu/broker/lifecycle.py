@@ -294,14 +294,17 @@ class Lifecycle(Endings):
 
     def start(self, job_id: str, backend_ref: str) -> JobView:
         """Record that the backend launched the job's agent (``backend_ref``: the backend's handle).
+        An ended job's last heartbeat stays as it was: the GPUs it may still hold are released a
+        lease after it (a retried task's start put that off by a lease).
 
         :raises NotFound: unknown job.
         """
 
         def run() -> None:
             with self.engine.begin() as conn:
-                self._locked_job(conn, job_id)
-                update_job(conn, job_id, backend_ref=backend_ref, last_heartbeat_s=self.clock())
+                job = self._locked_job(conn, job_id)
+                beat = {} if JobStatus(job.status) in TERMINAL else {"last_heartbeat_s": self.clock()}
+                update_job(conn, job_id, backend_ref=backend_ref, **beat)
 
         self._retrying(run)
         return self.job(job_id)
