@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import kubernetes.client as k8s
+import pytest
 from test_kubernetes import cluster, config, submit  # noqa: F401 - cluster is a fixture
 
 from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
@@ -176,3 +177,28 @@ def test_a_gangs_next_pod_refused_by_the_api_fails_the_job(tmp_path):
     assert failed.status is JobStatus.FAILED and "422" in failed.reason
     assert failed.in_use_gpus  # held until the other nodes' trainers have stopped
     broker.engine.dispose()
+
+
+@pytest.mark.parametrize("error", [503, 429, "connection"])
+def test_a_pod_the_api_server_cannot_take_for_a_moment_is_made_at_the_next_sync(cluster, error):  # noqa: F811
+    """A 503, a 429 or a dropped connection at a job's first start: the job starts all the same and
+    its pod is made at the next poll. It failed the job, and the task's try with it."""
+    import urllib3
+
+    from airflow_elastic_gpu.backends.base import start_job
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    if error == "connection":
+        create = api.create_namespaced_pod
+
+        def once_unreachable(namespace, body):
+            api.create_namespaced_pod = create
+            raise urllib3.exceptions.MaxRetryError(None, "/api/v1/namespaces/ml/pods", "connection refused")
+
+        api.create_namespaced_pod = once_unreachable
+    else:
+        api.fail["create_namespaced_pod"] = error
+    job = start_job(broker, backend, submit(broker, "j", 1, 1))
+    assert job.status is JobStatus.RUNNING and api.pods == {}
+    assert backend.sync(broker.job(job.id)) == "create" and len(api.pods) == 1

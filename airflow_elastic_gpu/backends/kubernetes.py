@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+import urllib3
 from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
@@ -408,8 +409,9 @@ class KubernetesBackend:
 
     def create_pod(self, job: JobView, pod: k8s.V1Pod, *, others_run: bool = False) -> bool:
         """Create ``pod`` of ``job`` (409, it exists already: a retried call, fine); False when it
-        was not made: a resource quota is exceeded (tried again at the next sync, as other pods
-        end), or the API refused a started job's next pod for good (400, 403, 422: an admission
+        was not made: the API server is busy or away for a moment (429, 5xx, no connection) or a
+        resource quota is exceeded (tried again at the next sync: the job's lease, from its
+        placement, bounds the wait), or the API refused a started job's next pod for good (400, 403, 422: an admission
         policy, an invalid field), and the job was failed with the API's message rather than left
         holding GPUs with nothing on them (a first start's refusal: raised, ``start_job`` fails it).
 
@@ -418,11 +420,15 @@ class KubernetesBackend:
         :raises BackendError: any other API error."""
         try:
             self.core_v1.create_namespaced_pod(self.config.namespace, pod)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:  # the API server unreachable for a moment
+            log.warning("job %s: cannot create pod %s (%s); trying again at the next poll", job.id,
+                        pod.metadata.name, exc)
+            return False
         except ApiException as exc:
             if exc.status == 409:
                 return True
             reason = f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}{api_message(exc)}"
-            if exc.status == 403 and "exceeded quota" in reason:
+            if exc.status in (429, 500, 502, 503, 504) or (exc.status == 403 and "exceeded quota" in reason):
                 log.warning("job %s: %s; trying again at the next poll", job.id, reason)
                 return False
             if exc.status in REFUSED and job.backend_ref is not None:
