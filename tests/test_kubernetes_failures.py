@@ -9,6 +9,7 @@ import kubernetes.client as k8s
 import pytest
 from test_kubernetes import cluster, config, submit  # noqa: F401 - cluster is a fixture
 
+from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.types import JobSpec
@@ -146,9 +147,15 @@ def test_a_started_jobs_next_pod_refused_by_the_api_fails_the_job_with_the_apis_
 def test_a_retried_tasks_start_makes_a_missing_pod_again(cluster):  # noqa: F811
     """The task's try stopped the job's pod but could not cancel the job (the broker was away); its
     next try reattaches: its start makes the pod again (the trainer resumes from its checkpoint),
-    where only a poll takes a missing pod for one deleted from outside."""
+    where only a poll takes a missing pod for one deleted from outside. If the API server cannot
+    take it for a moment, the try fails and the job goes on for the next try (a poll would have
+    failed the job as one whose pod was deleted)."""
     broker, api, backend, job, name = _a_running_pod(cluster)
     api.delete_namespaced_pod(name, "ml")
+    api.fail["create_namespaced_pod"] = 503  # busy for a moment: this try fails, the job goes on
+    with pytest.raises(BackendError, match="the task's next try reattaches"):
+        backend.start(broker.job(job.id))
+    assert broker.job(job.id).status is JobStatus.RUNNING
     backend.start(broker.job(job.id))
     assert list(api.pods) == [name] and broker.job(job.id).status is JobStatus.RUNNING
 

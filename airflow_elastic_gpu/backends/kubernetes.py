@@ -51,11 +51,11 @@ from airflow_elastic_gpu.backends.kubernetes_config import (  # re-exported: the
     LABEL_MANAGED_BY,
     LABEL_PREFIX,
     MANAGED_BY,
-    RESERVED_VOLUMES,
     SHARED,
     TOKEN_DIR,
     TOKEN_KEY,
     KubernetesJobConfig,
+    checked_merge,
     hardened_security_context,
     label_value,
     resource_name,
@@ -99,27 +99,6 @@ def _model(kind: str, data: dict[str, Any]) -> Any:
             self.data = json.dumps(d)
 
     return _api.deserialize(Resp(data), kind)
-
-
-def _checked_merge(pod: k8s.V1Pod, c: KubernetesJobConfig) -> k8s.V1Pod:
-    """The pod merged with ``pod_template_file`` or ``full_pod_spec``, held to the settings' own
-    checks: the merge lets the template's values win where the generated ones read as unset.
-
-    :raises BackendError: a container of the template requests ``nvidia.com/gpu`` (the device
-        plugin would hand out GPUs beside the broker's), or the template has a volume of the
-        backend's own names."""
-    spec = pod.spec
-    spec.automount_service_account_token = c.automount_service_account_token  # False reads as unset
-    for container in [*(spec.init_containers or []), *(spec.containers or [])]:
-        resources = container.resources
-        asked = {**((resources.limits or {}) if resources else {}), **((resources.requests or {}) if resources else {})}
-        if any("nvidia.com/gpu" in k for k in asked):
-            raise BackendError(f"the pod template's container {container.name!r} requests nvidia.com/gpu: the broker "
-                               "assigns GPUs on its nodes; take it out of the template")
-    names = [v.name for v in spec.volumes or []]
-    if doubled := sorted({n for n in names if n in RESERVED_VOLUMES and names.count(n) > 1}):
-        raise BackendError(f"the pod template has a volume named {doubled[0]!r}, the backend's own; choose another")
-    return pod
 
 
 class PodBuilder:
@@ -220,7 +199,7 @@ class PodBuilder:
         if c.pod_template_file or c.full_pod_spec:  # Airflow's pod generator, only when it is needed
             from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
 
-            pod = _checked_merge(PodGenerator.reconcile_pods(self._template(), pod), c)
+            pod = checked_merge(PodGenerator.reconcile_pods(self._template(), pod), c)
         return pod
 
     def _template(self) -> k8s.V1Pod:
@@ -405,11 +384,19 @@ class KubernetesBackend:
         pod = self.builder.pod(job_id, job.command, node, target.generation,
                                progress_pattern=job.progress_pattern, checkpoint_dir=job.checkpoint_dir,
                                env=env, context=context)
-        return action if self.create_pod(job, pod) else "wait"
+        if self.create_pod(job, pod):
+            return action
+        if starting and job.acked_generation >= max(1, target.generation) and not self.broker.job(job_id).status.terminal:
+            # a task's try that makes a missing pod again: a poll would take the missing pod for one
+            # deleted from outside and fail the job; the try fails instead, and the next reattaches
+            raise BackendError(f"cannot make job {job_id}'s pod {pod.metadata.name} again now (the API server is "
+                               "busy or a quota is exceeded); the task's next try reattaches to the job")
+        return "wait"
 
     def create_pod(self, job: JobView, pod: k8s.V1Pod, *, others_run: bool = False) -> bool:
         """Create ``pod`` of ``job`` (409, it exists already: a retried call, fine); False when it
-        was not made: the API server is busy or away for a moment (429, 5xx, no connection) or a
+        was not made: the API server is busy or away for a moment (429, 502-504, no connection: a
+        500, such as an admission webhook that is down, is raised with its message) or a
         resource quota is exceeded (tried again at the next sync: the job's lease, from its
         placement, bounds the wait), or the API refused a started job's next pod for good (400, 403, 422: an admission
         policy, an invalid field), and the job was failed with the API's message rather than left
@@ -428,7 +415,7 @@ class KubernetesBackend:
             if exc.status == 409:
                 return True
             reason = f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}{api_message(exc)}"
-            if exc.status in (429, 500, 502, 503, 504) or (exc.status == 403 and "exceeded quota" in reason):
+            if exc.status in (429, 502, 503, 504) or (exc.status == 403 and "exceeded quota" in reason):
                 log.warning("job %s: %s; trying again at the next poll", job.id, reason)
                 return False
             if exc.status in REFUSED and job.backend_ref is not None:

@@ -247,3 +247,24 @@ def resource_name(prefix: str, job_id: str, generation: int | None = None) -> st
     if generation is not None:
         name += f"-g{generation}"
     return re.sub(r"[^a-z0-9-]", "-", name)[:63].strip("-")
+
+
+def checked_merge(pod: Any, c: KubernetesJobConfig) -> Any:
+    """``pod`` (a ``V1Pod``) merged with ``pod_template_file`` or ``full_pod_spec``, held to the settings' own
+    checks: the merge lets the template's values win where the generated ones read as unset.
+
+    :raises BackendError: a container of the template requests ``nvidia.com/gpu`` (the device
+        plugin would hand out GPUs beside the broker's), or the template has a volume of the
+        backend's own names."""
+    spec = pod.spec
+    spec.automount_service_account_token = c.automount_service_account_token  # False reads as unset
+    for container in [*(spec.init_containers or []), *(spec.containers or [])]:
+        resources = container.resources
+        asked = {**((resources.limits or {}) if resources else {}), **((resources.requests or {}) if resources else {})}
+        if any("nvidia.com/gpu" in k for k in asked):
+            raise BackendError(f"the pod template's container {container.name!r} requests nvidia.com/gpu: the broker "
+                               "assigns GPUs on its nodes; take it out of the template")
+    names = [v.name for v in spec.volumes or []]
+    if doubled := sorted({n for n in names if n in RESERVED_VOLUMES and names.count(n) > 1}):
+        raise BackendError(f"the pod template has a volume named {doubled[0]!r}, the backend's own; choose another")
+    return pod
