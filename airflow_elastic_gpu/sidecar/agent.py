@@ -151,9 +151,7 @@ class Agent(EndReports):
         """The pid of a launcher that is no longer alive without having reported its trainer's exit,
         if any (a gang's node whose trainer exited before the others' is not gone: the job ends once
         every node's has)."""
-        statuses = (self.gang.statuses().values() if self.gang is not None
-                    else [protocol.read_json(self.dir / protocol.STATUS) or {}])
-        exited = {s.get("launcher_pid") for s in statuses if s.get("state") == protocol.EXITED}
+        exited = {s.get("launcher_pid") for s in self._launcher_statuses() if s.get("state") == protocol.EXITED}
         return next((p for p in self.launcher_pids if not protocol.pid_alive(p) and p not in exited), None)
 
     def terminate(self) -> None:
@@ -237,9 +235,7 @@ class Agent(EndReports):
                 # no launcher to stop it: kill the orphaned trainer and its workers before the GPUs
                 # are released, so nothing runs on GPUs the broker hands to another job (a gang:
                 # every node's, and the other launchers are told to stop)
-                statuses = (list(self.gang.statuses().values()) if self.gang is not None else [status])
-                if not self._orphans_killed([s for s in statuses if s.get("state") not in (
-                        protocol.STOPPED, protocol.EXITED)]) or (
+                if not self._orphans_killed() or (
                         self.gang is not None and not self._stopped("a launcher of the gang died")):
                     # a trainer still runs: its GPUs must not be freed, the lease ends the job
                     log.error("the dead launcher's trainer did not stop: the broker's lease will end the job")

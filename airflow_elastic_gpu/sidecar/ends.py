@@ -203,30 +203,29 @@ class EndReports:
             self.gang.stop()
         deadline = time.monotonic() + self.stop_timeout_s
         while time.monotonic() < deadline:
-            if self.gang is not None:
-                states = [s.get("state") for s in self.gang.statuses().values()]
-            else:
-                states = [self._status().get("state")]
-            if all(s in (protocol.STOPPED, protocol.EXITED) for s in states):
+            if all(s.get("state") in (protocol.STOPPED, protocol.EXITED) for s in self._launcher_statuses()):
                 return True
-            if self.launcher_pids and all(not protocol.pid_alive(p) for p in self.launcher_pids):
-                # a launcher killed (OOM, SIGKILL) or dead of an error leaves its trainer running
-                statuses = list(self.gang.statuses().values()) if self.gang is not None else [self._status()]
-                if self._orphans_killed([s for s in statuses
-                                         if s.get("state") not in (protocol.STOPPED, protocol.EXITED)]):
-                    return True
+            # a launcher killed (OOM, SIGKILL) or dead of an error leaves its trainer running
+            if (self.launcher_pids and all(not protocol.pid_alive(p) for p in self.launcher_pids)
+                    and self._orphans_killed()):
+                return True
             time.sleep(0.2)
         log.warning("the trainer did not stop within %.0fs: the broker keeps its GPUs until the lease ends",
                     self.stop_timeout_s)
         return False
 
-    @staticmethod
-    def _orphans_killed(statuses: list[dict[str, Any]]) -> bool:
-        """SIGKILL the trainers and workers that launchers no longer alive left (their
-        ``status.json``: pids with start times, so a pid another process has now is left alone);
-        True once none of them is alive."""
+    def _launcher_statuses(self) -> list[dict[str, Any]]:
+        """Each launcher's ``status.json``: every node's of a gang on this host, else the one."""
+        return list(self.gang.statuses().values()) if self.gang is not None else [self._status()]
+
+    def _orphans_killed(self) -> bool:
+        """SIGKILL the trainers and workers of the launchers that have not stopped or exited (called
+        once they are no longer alive: from their ``status.json``, pids with start times, so a pid
+        another process has now is left alone); True once none of them is alive."""
         procs: dict[int, int | None] = {}
-        for s in statuses:
+        for s in self._launcher_statuses():
+            if s.get("state") in (protocol.STOPPED, protocol.EXITED):
+                continue
             if s.get("pid"):
                 procs[int(s["pid"])] = s.get("pid_start")
             starts = s.get("worker_starts") or []

@@ -339,9 +339,12 @@ def same_process(pid: int, start: int | None) -> bool:
     since boot, :func:`proc_stat`'s): a process started at another time has the pid now (the
     recorded one ended and the pid was reused). ``start`` None, or no ``/proc`` to tell: alive is
     enough."""
-    if start is not None and (now := proc_stat(pid)) is not None and now[1] != start:
-        return False
-    return pid_alive(pid)
+    return not _taken(pid, start) and pid_alive(pid)
+
+
+def _taken(pid: int, start: int | None) -> bool:
+    """Whether another process than the one recorded to start at ``start`` has ``pid`` now."""
+    return start is not None and (now := proc_stat(pid)) is not None and now[1] != start
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
@@ -439,7 +442,7 @@ def signal_processes(pids: list[int], sig: int, starts: Mapping[int, int | None]
         recorded pid that is gone still has its group signalled (its workers may live on in it)."""
     starts = starts or {}
     for pid in pids:
-        if (start := starts.get(pid)) is not None and (now := proc_stat(pid)) is not None and now[1] != start:
+        if _taken(pid, starts.get(pid)):
             continue
         for kill in (os.killpg, os.kill):
             try:
