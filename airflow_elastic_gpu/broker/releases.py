@@ -113,8 +113,7 @@ class Releases(BrokerBase):
         locked = {j.id: j for j in s.execute(_ENDED_HOLDING, {"job_ids": sorted(ended)})}
         for job_id in sorted(ended):
             job = locked.get(job_id)
-            silent_s = None if job is None else now - job.last_heartbeat_s
-            if job is not None and silent_s is not None and silent_s > lease_s:
+            if job is not None and (silent_s := now - job.last_heartbeat_s) > lease_s:
                 self._release_held(s, job, f"no heartbeat from its agent for {silent_s:.0f}s (lease {lease_s:.0f}s) "
                                            "since the job ended: its trainer is fenced")
             else:

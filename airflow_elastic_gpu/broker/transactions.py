@@ -153,10 +153,9 @@ class BrokerBase:
 
         :raises NotFound: unknown pool and not ``create``.
         """
-        row = session.execute(
-            select(GpuPool).where(GpuPool.name == pool)
-            .with_for_update(key_share=True).execution_options(populate_existing=True)
-        ).scalar_one_or_none()
+        locking = (select(GpuPool).where(GpuPool.name == pool)
+                   .with_for_update(key_share=True).execution_options(populate_existing=True))
+        row = session.execute(locking).scalar_one_or_none()
         if row is None:
             if not create:
                 raise unknown_pool(session, pool)
@@ -166,10 +165,7 @@ class BrokerBase:
                 name=pool, created_s=self.clock(), last_rebalance_s=0.0, policy="adaptive",
                 lease_s=60.0, rebalance_interval_s=10.0,
             ).on_conflict_do_nothing(index_elements=["name"]))
-            row = session.execute(
-                select(GpuPool).where(GpuPool.name == pool)
-                .with_for_update(key_share=True).execution_options(populate_existing=True)
-            ).scalar_one()
+            row = session.execute(locking).scalar_one()
         return row
 
     def _retrying(self, fn: Callable[[], T], attempts: int = 8) -> T:
