@@ -84,10 +84,8 @@ class JobWatcher:
         if not job.status.terminal:
             try:
                 self.backend.sync(job, env=self.env, context=self.context)
-            except Exception:
-                self._fail_if_broken(job)  # a broken pod is reported while its pods cannot be synced too
-                raise
-            self._fail_if_broken(job)
+            finally:  # a broken pod is reported while its pods cannot be synced too
+                self._fail_if_broken(job)
         job = self.broker.job(self.job_id)
         events = self.broker.events(job_id=self.job_id, after_id=self.after_event_id)
         for event in events:
