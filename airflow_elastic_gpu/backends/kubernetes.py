@@ -39,7 +39,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import urllib3
-from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 
@@ -58,7 +57,9 @@ from airflow_elastic_gpu.backends.kubernetes_config import (  # re-exported: the
     checked_merge,
     hardened_security_context,
     label_value,
+    model,
     resource_name,
+    to_dict,  # noqa: F401 - re-exported
 )
 from airflow_elastic_gpu.backends.kubernetes_nodes import register_nodes_from_cluster  # noqa: F401 - re-exported
 from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the backend's public names
@@ -82,23 +83,6 @@ _COPY_LAUNCHER = (
 )
 
 log = logging.getLogger(__name__)
-_api = ApiClient()
-
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    """A Kubernetes model as the JSON the API server receives (camelCase keys, no ``None``)."""
-    return _api.sanitize_for_serialization(obj)
-
-
-def _model(kind: str, data: dict[str, Any]) -> Any:
-    """A Kubernetes model (``V1Toleration``, ``V1Volume``...) from its JSON form."""
-    class Resp:
-        def __init__(self, d: dict[str, Any]) -> None:
-            import json
-
-            self.data = json.dumps(d)
-
-    return _api.deserialize(Resp(data), kind)
 
 
 class PodBuilder:
@@ -138,7 +122,7 @@ class PodBuilder:
         c = self.config
         context = dict(context or {})
         shared_mount = k8s.V1VolumeMount(name="elastic", mount_path=SHARED)
-        user_mounts = [_model("V1VolumeMount", m) for m in c.volume_mounts]
+        user_mounts = [model("V1VolumeMount", m) for m in c.volume_mounts]
         agent_args = ["--job-id", job_id, "--shared-dir", JOB_DIR, "--broker-api", c.broker_api_url,
                       "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}", "--poll-s", "2"]
         if progress_pattern:
@@ -146,7 +130,7 @@ class PodBuilder:
         if c.resize_mechanism == "recreate":  # this pod runs this generation only; the next is a new pod
             agent_args += ["--pod-generation", str(generation)]
         agent_args += ["--host-node", node]  # a generation on another node is left to a new pod there
-        sidecar_context = _model("V1SecurityContext", hardened_security_context(read_only_root=True))
+        sidecar_context = model("V1SecurityContext", hardened_security_context(read_only_root=True))
         copy_launcher = k8s.V1Container(
             name="copy-launcher", image=c.agent_image, command=["python", "-c", _COPY_LAUNCHER],
             volume_mounts=[shared_mount], security_context=sidecar_context)
@@ -168,8 +152,8 @@ class PodBuilder:
             env=[k8s.V1EnvVar(name="NVIDIA_VISIBLE_DEVICES", value="all"),
                  *(k8s.V1EnvVar(name=k, value=v) for k, v in sorted((env or {}).items()))],
             volume_mounts=[shared_mount, *user_mounts],
-            security_context=_model("V1SecurityContext", trainer_context) if trainer_context else None,
-            resources=_model("V1ResourceRequirements", c.container_resources) if c.container_resources else None)
+            security_context=model("V1SecurityContext", trainer_context) if trainer_context else None,
+            resources=model("V1ResourceRequirements", c.container_resources) if c.container_resources else None)
         token_volume = k8s.V1Volume(name="elastic-token", secret=k8s.V1SecretVolumeSource(
             secret_name=resource_name("elastic-gpu-token", job_id),
             default_mode=0o440 if c.run_as_group is not None else 0o444))  # fsGroup: readable by the agent
@@ -184,8 +168,8 @@ class PodBuilder:
                 node_name=node, restart_policy="Never", runtime_class_name=c.runtime_class_name,
                 init_containers=[copy_launcher, agent], containers=[trainer],
                 volumes=[k8s.V1Volume(name="elastic", empty_dir=k8s.V1EmptyDirVolumeSource()), token_volume,
-                         *(_model("V1Volume", v) for v in c.volumes)],
-                tolerations=[_model("V1Toleration", t) for t in c.tolerations] or None,
+                         *(model("V1Volume", v) for v in c.volumes)],
+                tolerations=[model("V1Toleration", t) for t in c.tolerations] or None,
                 image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in c.image_pull_secrets] or None,
                 service_account_name=c.service_account_name,
                 automount_service_account_token=c.automount_service_account_token,
@@ -435,10 +419,8 @@ class KubernetesBackend:
             # (a resize or move under way, whose new pod is not made yet: no pod is expected)
             expected = bool(job.target_gpus) and job.acked_generation >= max(1, job.target_generation)
             return Problem("the job's pod was deleted from outside the broker") if expected else None
-        if state.problem is None and state.pending_s is not None and state.pending_s > self.config.startup_grace_s:
-            return Problem(f"pod {state.name} has been Pending for {state.pending_s:.0f}s (startup_grace_s "
-                           f"{self.config.startup_grace_s:g}s): not scheduled, or its images or volumes cannot be had")
-        return None if state.problem is None else Problem(state.problem, running=state.trainer_running)
+        reason = state.why_stopped(self.config.startup_grace_s)
+        return None if reason is None else Problem(reason, running=state.trainer_running)
 
     def is_running(self, job_id: str) -> bool:
         """True while a pod of the job (any node's, any generation's) is pending or running."""

@@ -3,6 +3,7 @@ names and labels the Kubernetes backend gives its resources."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -40,26 +41,51 @@ def hardened_security_context(*, read_only_root: bool) -> dict[str, Any]:
     return context
 
 
+@functools.cache
+def _api_client() -> Any:
+    """The Kubernetes client's (de)serializer, made on first use: the settings are checked when a
+    DAG is parsed, which does not import the client until a setting needs it.
+
+    :raises ImportError: the ``kubernetes`` client is not installed."""
+    from kubernetes.client import ApiClient
+
+    return ApiClient()
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A Kubernetes model as the JSON the API server receives (camelCase keys, no ``None``)."""
+    return _api_client().sanitize_for_serialization(obj)
+
+
+def model(kind: str, data: dict[str, Any]) -> Any:
+    """A Kubernetes model (``V1Toleration``, ``V1Volume``...) from its JSON form.
+
+    :raises ValueError: a required field missing or a value out of its range."""
+    class Response:
+        def __init__(self, d: dict[str, Any]) -> None:
+            self.data = json.dumps(d)
+
+    return _api_client().deserialize(Response(data), kind)
+
+
 def _check_fields(where: str, kind: str, given: dict[str, Any]) -> None:
     """:raises BackendError: ``given`` (a Kubernetes object in its JSON form, of model ``kind``)
     has a field the model does not know, at any depth (it would be dropped without a word: a
     volume's source given as ``persistent_volume_claim`` made the volume an empty directory)."""
     try:
-        from kubernetes.client import ApiClient
+        kept = to_dict(model(kind, given))
     except ImportError:  # checked where the backend runs, which needs the client
         return
-
-    class Response:
-        data = json.dumps(given)
-
-    api = ApiClient()
-    try:
-        kept = api.sanitize_for_serialization(api.deserialize(Response(), kind))
     except (ValueError, TypeError) as exc:
         raise BackendError(f"{where}: not a valid {kind[2:]}: {exc}") from None
     if lost := _lost_fields(given, kept):
         raise BackendError(f"{where}: unknown field {lost!r} of a {kind[2:]} (Kubernetes' JSON form: camelCase, "
                            "e.g. persistentVolumeClaim, mountPath, claimName)")
+
+
+def _asks_for_gpus(limits: Any, requests: Any) -> bool:
+    """Whether a container's resource ``limits`` or ``requests`` (mappings, or None) name ``nvidia.com/gpu``."""
+    return any("nvidia.com/gpu" in k for k in {**(limits or {}), **(requests or {})})
 
 
 def _lost_fields(given: Any, kept: Any, path: str = "") -> str | None:
@@ -197,9 +223,8 @@ class KubernetesJobConfig:
             raise BackendError(f"on_finish_action must be one of {', '.join(ON_FINISH)}, got {self.on_finish_action!r}")
         if not self.broker_api_url.startswith(("http://", "https://")):
             raise BackendError(f"broker_api_url must start with http:// or https://, got {self.broker_api_url!r}")
-        limits = {**((self.container_resources or {}).get("limits") or {}),
-                  **((self.container_resources or {}).get("requests") or {})}
-        if any("nvidia.com/gpu" in k for k in limits):
+        resources = self.container_resources or {}
+        if _asks_for_gpus(resources.get("limits"), resources.get("requests")):
             raise BackendError("do not request nvidia.com/gpu: the broker assigns GPUs on its nodes "
                                "(the pod sees them through the NVIDIA runtime)")
 
@@ -260,8 +285,7 @@ def checked_merge(pod: Any, c: KubernetesJobConfig) -> Any:
     spec.automount_service_account_token = c.automount_service_account_token  # False reads as unset
     for container in [*(spec.init_containers or []), *(spec.containers or [])]:
         resources = container.resources
-        asked = {**((resources.limits or {}) if resources else {}), **((resources.requests or {}) if resources else {})}
-        if any("nvidia.com/gpu" in k for k in asked):
+        if resources is not None and _asks_for_gpus(resources.limits, resources.requests):
             raise BackendError(f"the pod template's container {container.name!r} requests nvidia.com/gpu: the broker "
                                "assigns GPUs on its nodes; take it out of the template")
     names = [v.name for v in spec.volumes or []]

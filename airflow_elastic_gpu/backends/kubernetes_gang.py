@@ -227,15 +227,10 @@ class GangPods:
         missing: list[str] = []  # nodes running the acked generation whose pod is gone (no resize under way)
         if job.acked_generation >= max(job.target_generation, 1):
             missing = sorted({g.node for g in job.in_use_gpus} - {p.spec.node_name for p in listed})
-        grace_s = self.backend.config.startup_grace_s
         for pod in _live(listed):
             state = pod_state(pod)
-            reason = state.problem
-            if reason is None and state.pending_s is not None and state.pending_s > grace_s:
-                # its peers' agents heartbeat the job, so the lease would never end it
-                reason = (f"pod {state.name} has been Pending for {state.pending_s:.0f}s (startup_grace_s "
-                          f"{grace_s:g}s): not scheduled, or its images or volumes cannot be had")
-            if reason is not None:
+            # a pod Pending too long too: its peers' agents heartbeat the job, so the lease would never end it
+            if (reason := state.why_stopped(self.backend.config.startup_grace_s)) is not None:
                 return Problem(f"{reason} (node {pod.spec.node_name} of the gang; every pod of the job is stopped)",
                                node=pod.spec.node_name, stopped_nodes=tuple(missing),
                                running=state.trainer_running)

@@ -29,6 +29,15 @@ class PodState:
     pending_s: float | None = None  # seconds since it was created, while Pending
     trainer_running: bool = False  # its trainer container runs (whatever its agent does)
 
+    def why_stopped(self, grace_s: float) -> str | None:
+        """Why the pod can no longer train (:func:`pod_problem`), or why it will not start: Pending
+        for longer than ``grace_s`` seconds (not scheduled, or its images or volumes cannot be
+        had); ``None`` if neither."""
+        if self.problem is None and self.pending_s is not None and self.pending_s > grace_s:
+            return (f"pod {self.name} has been Pending for {self.pending_s:.0f}s (startup_grace_s {grace_s:g}s): "
+                    "not scheduled, or its images or volumes cannot be had")
+        return self.problem
+
     def starting(self, grace_s: float) -> bool:
         """Pending without a problem (its agent not started yet: scheduling, an image pull) for at
         most ``grace_s`` seconds since it was created (a pod without a creation time: yes)."""
