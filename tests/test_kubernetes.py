@@ -239,13 +239,20 @@ def test_waiting_job_gets_no_pod_until_placed(cluster):
     assert backend.sync(broker.job(waiting.id)) == "create"
 
 
-def test_evicted_oom_and_deleted_pods_are_reported_with_their_reason(cluster):
+def a_running_pod(cluster, gpus: int = 1):
+    """A job of ``gpus`` GPUs started, its first generation acked: the broker, the API, the
+    backend, the job and its pod's name."""
     broker, api = cluster
     backend = KubernetesBackend(config(), broker, api)
-    job = submit(broker, "j", 1, 1)
+    job = submit(broker, "j", gpus, gpus)
     backend.start(job)
     broker.ack(job.id, 1)
     (name,) = api.pods
+    return broker, api, backend, job, name
+
+
+def test_evicted_oom_and_deleted_pods_are_reported_with_their_reason(cluster):
+    broker, api, backend, job, name = a_running_pod(cluster)
     api.set_phase(name, "Failed", reason="Evicted", message="The node was low on resource: memory.")
     evicted = backend.problem(broker.job(job.id))
     assert "Evicted" in evicted.reason and "low on resource" in evicted.reason and not evicted.gone

@@ -7,24 +7,12 @@ import json
 
 import kubernetes.client as k8s
 import pytest
-from test_kubernetes import cluster, config, submit  # noqa: F401 - cluster is a fixture
+from test_kubernetes import a_running_pod, cluster, config, submit  # noqa: F401 - cluster is a fixture
 
 from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.types import JobSpec
-
-
-def _a_running_pod(cluster):  # noqa: F811 - the fixture's value
-    """A job of one GPU started, its first generation acked: the broker, the API, the backend, the
-    job and its pod's name."""
-    broker, api = cluster
-    backend = KubernetesBackend(config(), broker, api)
-    job = submit(broker, "j", 1, 1)
-    backend.start(job)
-    broker.ack(job.id, 1)
-    (name,) = api.pods
-    return broker, api, backend, job, name
 
 
 def test_a_pod_deleted_from_outside_is_not_made_again_and_its_job_is_failed(cluster):  # noqa: F811
@@ -33,7 +21,7 @@ def test_a_pod_deleted_from_outside_is_not_made_again_and_its_job_is_failed(clus
     stayed Pending with the job's lease kept), and the job fails with the reason."""
     from airflow_elastic_gpu.triggers.watcher import GONE_POLLS, JobWatcher
 
-    broker, api, backend, job, name = _a_running_pod(cluster)
+    broker, api, backend, job, name = a_running_pod(cluster)
     api.delete_namespaced_pod(name, "ml")
     watcher = JobWatcher(broker, backend, job.id)
     for _ in range(GONE_POLLS + 1):
@@ -63,12 +51,7 @@ def test_an_agent_that_cannot_start_while_its_trainer_runs_fails_the_job_with_it
     the next job at once, while the trainer still ran on them."""
     from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
-    broker, api = cluster
-    backend = KubernetesBackend(config(), broker, api)
-    job = submit(broker, "j", 4, 4)
-    backend.start(job)
-    broker.ack(job.id, 1)
-    (name,) = api.pods
+    broker, api, backend, job, name = a_running_pod(cluster, gpus=4)
     _agent_cannot_start_while_the_trainer_runs(api, name)
     problem = backend.problem(broker.job(job.id))
     assert "elastic-agent container cannot start: ImagePullBackOff" in problem.reason and problem.running
@@ -150,7 +133,7 @@ def test_a_retried_tasks_start_makes_a_missing_pod_again(cluster):  # noqa: F811
     where only a poll takes a missing pod for one deleted from outside. If the API server cannot
     take it for a moment, the try fails and the job goes on for the next try (a poll would have
     failed the job as one whose pod was deleted)."""
-    broker, api, backend, job, name = _a_running_pod(cluster)
+    broker, api, backend, job, name = a_running_pod(cluster)
     api.delete_namespaced_pod(name, "ml")
     api.fail["create_namespaced_pod"] = 503  # busy for a moment: this try fails, the job goes on
     with pytest.raises(BackendError, match="the task's next try reattaches"):
