@@ -9,6 +9,7 @@ another job, and that no process is left (``/proc``). See ``docs/fencing.md``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -114,6 +115,44 @@ def test_a_stale_lease_fences_the_whole_tree_by_the_kill_deadline_and_blocks_new
         status = wait_for(lambda: (s := protocol.read_json(shared / protocol.STATUS))["state"] == protocol.RUNNING
                           and s, 10, "generation 2 to start")
         assert status["generation"] == 2 and status["restarts"] == 1 and status["fences"] == 1
+    finally:
+        kill_all(proc, shared)
+
+
+def test_a_launcher_blocked_on_its_shared_directory_still_kills_the_trainer_by_the_kill_deadline(tmp_path,
+                                                                                                  stubborn):
+    """A hung network file system blocks the launcher's reads of lease.json (here: a FIFO with no
+    writer, which blocks an open for reading just so): its watchdog kills the trainer by kill_s all
+    the same, and the launcher, unblocked, takes that for a fence the agent may resume."""
+    shared = tmp_path / "job"
+    proc = start_launcher(shared, f"{sys.executable} {stubborn}", grace_s=10.0)
+    hang = shared / "hang.fifo"
+    try:
+        write_lease(shared, lease_s=4.0, fence_s=2.0, kill_s=3.0)
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+        pids = trainer_pids(shared)
+        contact = write_lease(shared, lease_s=4.0, fence_s=2.0, kill_s=3.0)
+        time.sleep(0.5)  # read by the launcher (it polls every 0.05 s)
+        os.mkfifo(hang)
+        os.link(hang, shared / "lease.fifo")
+        os.replace(shared / "lease.fifo", shared / protocol.LEASE)  # the next read of the lease blocks
+        wait_for(lambda: not any(protocol.pid_alive(p) for p in pids), 10, "the trainer's tree to be killed")
+        assert time.time() - contact < 3.0 + 2.0  # by kill_s, give or take the polls
+        # the main loop wrote nothing meanwhile: it is still blocked
+        assert protocol.read_json(shared / protocol.STATUS)["state"] == protocol.RUNNING
+        write_lease(shared, lease_s=4.0, fence_s=2.0, kill_s=3.0)  # contact is back (a regular file again)
+        fd = os.open(hang, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO unless the launcher waits on it
+        os.write(fd, json.dumps({"contact_s": time.time(), "lease_s": 4.0, "fence_s": 2.0,
+                                 "kill_s": 3.0}).encode())
+        os.close(fd)
+        status = wait_for(lambda: (s := protocol.read_json(shared / protocol.STATUS))["state"] == protocol.FENCED
+                          and s, 10, "the watchdog's kill taken for a fence")
+        assert status["fences"] == 1 and status["exit_code"] is None
+        assert "fenced by the watchdog" in (shared / protocol.LOG).read_text()
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False, "resume": 1})
+        status = wait_for(lambda: (s := protocol.read_json(shared / protocol.STATUS))["state"] == protocol.RUNNING
+                          and s, 10, "the fenced trainer to restart")
+        assert status["generation"] == 1 and status["fences"] == 1 and proc.poll() is None
     finally:
         kill_all(proc, shared)
 

@@ -25,7 +25,8 @@ Fencing: once the agent has written ``lease.json`` (its last confirmed contact w
 process (locally: its pid) has been gone that long; state ``fenced``. It starts no trainer while the lease
 is stale, restarts the fenced one only when the agent, back in contact, writes ``resume`` (the broker still
 runs the job with that generation) or a newer generation, and exits with 75 (``EX_TEMPFAIL``) once its agent
-has been gone for a whole lease after a fence (the broker has declared the job lost by then).
+has been gone for a whole lease after a fence (the broker has declared the job lost by then). A watchdog
+thread SIGKILLs the trainer at ``kill_s`` when the launcher's own loop is blocked (a hung shared directory).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Launcher:
         self.fenced = False  # the trainer was fenced and has not been restarted since
         self.fenced_s: float | None = None
         self._terminated = threading.Event()
+        self.watchdog_killed: subprocess.Popen[bytes] | None = None  # the trainer the watchdog SIGKILLed
 
     # -- files
     def _status(self, state: str, exit_code: int | None = None) -> None:
@@ -259,6 +261,7 @@ class Launcher:
         echo = _Echo(self.dir / protocol.LOG) if self.echo else None
         if echo is not None:
             threading.Thread(target=echo.follow, daemon=True).start()
+        threading.Thread(target=self._watchdog, daemon=True, name="fence-watchdog").start()
         try:
             return self._run()
         except BaseException:
@@ -271,6 +274,12 @@ class Launcher:
     def _run(self) -> int:
         self._status(protocol.STARTING)
         while True:
+            if self.proc is not None and self.proc is self.watchdog_killed and self.proc.poll() is not None:
+                self._kill_workers()
+                self._mark_fenced("fenced by the watchdog: this launcher's loop was blocked (a hung shared "
+                                  "directory?) past the lease's kill deadline, so the trainer and its workers "
+                                  f"were SIGKILLed (fence {self.fences + 1})")
+                continue
             if self.proc is not None and self.proc.poll() is not None and not self._peer_stopped_first():
                 # first: an exit that happened is reported, even if a new generation, a suspension
                 # or a stop came meanwhile (restarting it would hide a success or a failure)
@@ -327,6 +336,26 @@ class Launcher:
             if self.proc is not None and self.proc.poll() is None and self._track(self.proc.pid):
                 self._status(protocol.RUNNING)  # kept in status.json so a stop from outside finds them
             time.sleep(self.poll_s)
+
+    def _watchdog(self) -> None:
+        """Thread: the fence's deadline, kept without the shared directory. The main loop reads the
+        lease and writes the status there; when that blocks (a hung network file system), the lease
+        it read last keeps ageing here, and once it is ``kill_s`` old the trainer's group and its
+        recorded workers are SIGKILLed (every ``poll_s`` while it lasts), as the fence would have:
+        signals and ``/proc`` only, no file. The main loop, unblocked, takes that trainer's end for
+        a fence, not for its exit."""
+        while True:
+            time.sleep(self.poll_s)
+            proc, periods = self.proc, self.lease.periods
+            if proc is None or proc.returncode is not None or periods is None:
+                continue
+            if self.lease.age_s(time.time(), time.monotonic()) < periods.kill_s:
+                continue
+            self.watchdog_killed = proc  # before the kill: the main loop sees no end it has not marked
+            tree, starts = list(self.tree), dict(self.starts)
+            if protocol.same_process(proc.pid, self.proc_start):  # not reaped meanwhile: still its group
+                _signal_group(proc.pid, signal.SIGKILL)
+            protocol.signal_processes(tree, signal.SIGKILL, starts)
 
     def _kill_all(self) -> None:
         """The launcher dies of an error (a full disk or an unreadable file in the shared

@@ -211,12 +211,14 @@ class LeaseWatch:
     cancels out), and on this process's monotonic clock from when the launcher first saw that
     contact (minus its wall-clock age then), so that the wall clock stepping back cannot postpone
     a fence. A stepping forward only fences early.
+
+    The launcher's watchdog thread reads :meth:`age_s` while its main loop calls :meth:`update`:
+    a contact and when it was seen are kept as one tuple, replaced whole (never half new).
     """
 
     def __init__(self) -> None:
         self.periods: FencePeriods | None = None  # None: no lease yet, fencing not armed
-        self.contact_s: float | None = None
-        self._seen_mono = 0.0
+        self._contact: tuple[float, float] | None = None  # (contact_s, seen on the monotonic clock)
         self.agent_pid: int | None = None
         self._agent_gone_mono: float | None = None
         self.peer_wait_s = 0.0  # the agent's: how much later a peer's agent may see a generation
@@ -237,8 +239,7 @@ class LeaseWatch:
                 if 0.0 <= peer_wait_s < float("inf"):  # NaN or negative: the launcher's own wait
                     self.peer_wait_s = min(peer_wait_s, periods.lease_s)
                 if contact != self.contact_s:
-                    self.contact_s = contact
-                    self._seen_mono = now_mono - max(0.0, now_s - contact)
+                    self._contact = (contact, now_mono - max(0.0, now_s - contact))
                 self.periods = periods
                 if agent_pid != self.agent_pid:
                     self.agent_pid, self._agent_gone_mono = agent_pid, None
@@ -248,11 +249,16 @@ class LeaseWatch:
         else:
             self._agent_gone_mono = None
 
+    @property
+    def contact_s(self) -> float | None:
+        """The last confirmed contact (the agent's wall clock, s), ``None`` before the first lease."""
+        return None if self._contact is None else self._contact[0]
+
     def age_s(self, now_s: float, now_mono: float) -> float:
         """Seconds since the last confirmed contact (0 when fencing is not armed)."""
-        if self.contact_s is None:
+        if (contact := self._contact) is None:
             return 0.0
-        return max(now_s - self.contact_s, now_mono - self._seen_mono)
+        return max(now_s - contact[0], now_mono - contact[1])
 
     def agent_gone_s(self, now_mono: float) -> float:
         """Seconds since the launcher first saw the agent's process gone (0 while it runs, or
