@@ -63,6 +63,7 @@ class EventKind(StrEnum):
     LOST = "lost"
     RELEASE = "release"  # an ended job's held GPUs freed (a cancelled job's trainer stopped)
     OUTAGE = "outage"  # the pool's rebalances resumed after a gap longer than its lease (the database was away)
+    BACKEND = "backend"  # the backend could not do what a job needs now and tries again (a pod not created: a quota)
 
     @classmethod
     def ended(cls, status: JobStatus) -> EventKind:

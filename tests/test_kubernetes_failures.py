@@ -192,3 +192,50 @@ def test_a_pod_the_api_server_cannot_take_for_a_moment_is_made_at_the_next_sync(
     job = start_job(broker, backend, submit(broker, "j", 1, 1))
     assert job.status is JobStatus.RUNNING and api.pods == {}
     assert backend.sync(broker.job(job.id)) == "create" and len(api.pods) == 1
+
+
+def test_a_pod_that_a_quota_keeps_from_being_made_is_named_when_its_job_is_lost(tmp_path):
+    """A first pod that a resource quota keeps out (403 "exceeded quota": tried again at every poll)
+    is recorded with the broker once, as a ``backend`` event the task's log shows, and the job,
+    LOST a lease later since no agent ever reported, names it: its reason said only "no heartbeat"."""
+    from conftest import FakeClock
+    from kubernetes.client.exceptions import ApiException
+    from test_kubernetes import FakeCoreV1
+
+    from airflow_elastic_gpu.backends.base import start_job
+    from airflow_elastic_gpu.broker.service import GpuBroker
+    from airflow_elastic_gpu.states import EventKind
+    from airflow_elastic_gpu.triggers.watcher import JobWatcher
+
+    clock = FakeClock()
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}", clock=clock)
+    try:
+        broker.register_node("gpu-node-0", 4, gpu_type="NVIDIA A100")
+        broker.configure_pool(lease_s=60)
+        api = FakeCoreV1()
+
+        def create(namespace, body):
+            refusal = ApiException(status=403, reason="Forbidden")
+            refusal.body = json.dumps({"kind": "Status", "message": 'pods "p" is forbidden: exceeded quota: gpu-pods'})
+            raise refusal
+
+        api.create_namespaced_pod = create
+        backend = KubernetesBackend(config(), broker, api)
+        job = start_job(broker, backend, submit(broker, "j", 1, 4))
+        watcher = JobWatcher(broker, backend, job.id)
+        for _ in range(3):
+            clock.advance(5)
+            watcher.poll()
+        notes = [e for e in broker.events(job_id=job.id) if e.kind == EventKind.BACKEND]
+        assert len(notes) == 1 and "exceeded quota: gpu-pods" in notes[0].message
+        assert broker.job(job.id).status is JobStatus.RUNNING and api.pods == {}
+        for _ in range(4):  # rebalances every 15 s (a longer gap reads as an outage of the broker)
+            clock.advance(15)
+            broker.rebalance()
+        lost = broker.job(job.id)
+        assert lost.status is JobStatus.LOST and "no heartbeat" in lost.reason
+        assert "the backend's last problem with it: cannot create pod" in lost.reason
+        assert "exceeded quota: gpu-pods" in lost.reason
+        assert not broker.note_problem(job.id, "later")  # an ended job: nothing recorded
+    finally:
+        broker.engine.dispose()

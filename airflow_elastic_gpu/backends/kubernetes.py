@@ -392,21 +392,30 @@ class KubernetesBackend:
         try:
             self.core_v1.create_namespaced_pod(self.config.namespace, pod)
         except (urllib3.exceptions.HTTPError, OSError) as exc:  # the API server unreachable for a moment
-            log.warning("job %s: cannot create pod %s (%s); trying again at the next poll", job.id,
-                        pod.metadata.name, exc)
+            self._retry_later(job, f"cannot create pod {pod.metadata.name} ({exc})")
             return False
         except ApiException as exc:
             if exc.status == 409:
                 return True
             reason = f"cannot create pod {pod.metadata.name}: {exc.status} {exc.reason}{api_message(exc)}"
             if exc.status in (429, 502, 503, 504) or (exc.status == 403 and "exceeded quota" in reason):
-                log.warning("job %s: %s; trying again at the next poll", job.id, reason)
+                self._retry_later(job, reason)
                 return False
             if exc.status in REFUSED and job.backend_ref is not None:
                 self.broker.fail(job.id, reason, hold=others_run)
                 return False
             raise BackendError(reason) from None
         return True
+
+    def _retry_later(self, job: JobView, reason: str) -> None:
+        """Log ``reason`` (a pod not created for now) and record it with the broker (a ``backend``
+        event, named if the job is declared LOST before its agent ever reports: a quota that stays
+        exceeded); best effort, the next sync tries the pod again."""
+        log.warning("job %s: %s; trying again at the next poll", job.id, reason)
+        try:
+            self.broker.note_problem(job.id, f"{reason}; trying again at the next poll")
+        except Exception as exc:  # noqa: BLE001 - a note: the broker's database may be away too
+            log.warning("job %s: could not record that with the broker (%s)", job.id, exc)
 
     def problem(self, job: JobView) -> Problem | None:
         """Why the job cannot go on, judged from its pods: a broken pod (see :func:`pod_problem`), or

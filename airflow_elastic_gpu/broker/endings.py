@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, select
 
-from airflow_elastic_gpu.broker.models import Node
+from airflow_elastic_gpu.broker.models import Event, Node
 from airflow_elastic_gpu.broker.queries import Queries
 from airflow_elastic_gpu.broker.rows import NODES_ACKED, job_gpus, lock_book, read_job, update_job
 from airflow_elastic_gpu.broker.types import InvalidRequest, JobView, NotFound
@@ -18,6 +18,8 @@ from airflow_elastic_gpu.states import TERMINAL, EventKind, JobStatus
 log = logging.getLogger(__name__)
 
 _NODE_OF_POOL = select(Node.id).where(Node.pool == bindparam("pool"), Node.name == bindparam("node"))
+_LAST_EVENT = (select(Event.kind, Event.message).where(Event.job_id == bindparam("job_id"))
+               .order_by(Event.id.desc()).limit(1))
 
 
 class Endings(Queries):
@@ -122,6 +124,31 @@ class Endings(Queries):
         :raises InvalidRequest: ``node`` is not a node of the job's pool.
         """
         return self._end(job_id, JobStatus.FAILED, reason, exit_code, metrics, node=node, hold=hold)
+
+    def note_problem(self, job_id: str, message: str) -> bool:
+        """Record that the backend could not do what the job needs now and tries again (``message``:
+        e.g. a pod not created, a resource quota exceeded): a ``backend`` event, which the task's log
+        and the UI show, and which the reason names if the job is declared LOST meanwhile (its agent
+        never started). Recorded once while it is the job's latest event (a backend retries every
+        poll). Nothing on an ended job.
+
+        :returns: whether an event was recorded.
+        :raises NotFound: unknown job.
+        """
+        message = str(message)[:2000]
+
+        def run() -> bool:
+            with self.engine.begin() as conn:
+                job = self._locked_job(conn, job_id)
+                if JobStatus(job.status) in TERMINAL:
+                    return False
+                last = conn.execute(_LAST_EVENT, {"job_id": job_id}).first()
+                if last is not None and last.kind == EventKind.BACKEND.value and last.message == message:
+                    return False
+                self._event(conn, job.pool, EventKind.BACKEND, message, job_id)
+                return True
+
+        return self._retrying(run)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user", *, attempt: str | None = None) -> JobView:
         """Stop the job: CANCELLED at once; its agent sees the status on its next heartbeat and

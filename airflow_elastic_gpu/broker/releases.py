@@ -27,6 +27,10 @@ from airflow_elastic_gpu.states import ACTIVE, EventKind, JobStatus
 
 _ENDED_HOLDING = (select(Job.id, Job.pool, Job.last_heartbeat_s).where(Job.id.in_(bindparam("job_ids", expanding=True)))
                   .with_for_update(key_share=True, skip_locked=True))
+# the backend's latest problem with a job since it was last heard (few rows: ``ix_event_job_id``)
+_PROBLEM = (select(Event.message).where(Event.job_id == bindparam("job_id"), Event.time_s >= bindparam("since"),
+                                        Event.kind == literal_column(f"'{EventKind.BACKEND.value}'"))
+            .order_by(Event.id.desc()).limit(1))
 # the outages since the earliest a silent job was last heard (few rows: a range of ``ix_event_time_s``)
 _OUTAGES = (select(Event.time_s).where(Event.time_s >= bindparam("since"), Event.pool == bindparam("pool"),
                                        Event.kind == literal_column(f"'{EventKind.OUTAGE.value}'"))
@@ -132,10 +136,13 @@ class Releases(BrokerBase):
         reaped = set()
         for job in self._locked_active(s, [j.id for j in silent]).values():
             if (silent_s := _silent_for(job, now, outages)) > row.lease_s:
+                # why the agent may never have started: the backend's problem (a pod not created)
+                problem = s.execute(_PROBLEM, {"job_id": job.id, "since": _heard_s(job)}).scalar()
                 self._release(
                     s, job, JobStatus.LOST,
                     f"no heartbeat from the job's agent for {silent_s:.0f}s since its last heartbeat or "
-                    f"placement (or an outage of the broker) (lease {row.lease_s:.0f}s); its GPUs were reclaimed",
+                    f"placement (or an outage of the broker) (lease {row.lease_s:.0f}s); its GPUs were reclaimed"
+                    + (f"; the backend's last problem with it: {problem}" if problem else ""),
                     None,
                 )
                 reaped.add(job.id)
