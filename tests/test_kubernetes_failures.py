@@ -7,6 +7,7 @@ import json
 
 import kubernetes.client as k8s
 import pytest
+from kubernetes.client.exceptions import ApiException
 from test_kubernetes import a_running_pod, cluster, config, submit  # noqa: F401 - cluster is a fixture
 
 from airflow_elastic_gpu.backends.base import BackendError
@@ -199,7 +200,6 @@ def test_a_pod_that_a_quota_keeps_from_being_made_is_named_when_its_job_is_lost(
     is recorded with the broker once, as a ``backend`` event the task's log shows, and the job,
     LOST a lease later since no agent ever reported, names it: its reason said only "no heartbeat"."""
     from conftest import FakeClock
-    from kubernetes.client.exceptions import ApiException
     from test_kubernetes import FakeCoreV1
 
     from airflow_elastic_gpu.backends.base import start_job
@@ -237,5 +237,42 @@ def test_a_pod_that_a_quota_keeps_from_being_made_is_named_when_its_job_is_lost(
         assert "the backend's last problem with it: cannot create pod" in lost.reason
         assert "exceeded quota: gpu-pods" in lost.reason
         assert not broker.note_problem(job.id, "later")  # an ended job: nothing recorded
+    finally:
+        broker.engine.dispose()
+
+
+def test_a_gangs_service_is_made_once_and_deleted_by_a_new_backend_when_no_pod_was_made(tmp_path):
+    """A gang's headless Service is created at its first sync only (a create each poll, answered
+    409, before), and a backend new to the job (a restarted triggerer, the task's on_kill) deletes
+    it on stop although none of the gang's pods was ever made (a quota): it leaked, as that
+    backend told a gang only by its pods' labels."""
+    from test_kubernetes_gang import FakeCoreV1WithServices, submit_gang
+
+    from airflow_elastic_gpu.backends.base import start_job
+    from airflow_elastic_gpu.backends.kubernetes_gang import service_name
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    try:
+        for node in ("n0", "n1", "n2"):
+            broker.register_node(node, 4)
+        api = FakeCoreV1WithServices()
+
+        def quota(namespace, body):
+            raise ApiException(status=403, reason="Forbidden: exceeded quota: gpu-pods")
+
+        api.create_namespaced_pod = quota
+        sent, create_service = [], api.create_namespaced_service
+        api.create_namespaced_service = lambda namespace, body: (sent.append(body.metadata.name),
+                                                                 create_service(namespace, body))
+        backend = KubernetesBackend(config(), broker, api)
+        job = start_job(broker, backend, submit_gang(broker, 8, 12))
+        for _ in range(3):
+            backend.sync(broker.job(job.id))
+        assert api.pods == {} and list(api.services) == [service_name(job.id)]
+        assert sent == [service_name(job.id)]  # one request, not one a poll
+        broker.cancel(job.id, "no pod could be made")
+        KubernetesBackend(config(), broker, api).stop(job.id)
+        assert api.services == {} and api.secrets == {}
     finally:
         broker.engine.dispose()

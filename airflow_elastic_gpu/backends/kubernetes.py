@@ -71,7 +71,7 @@ from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the b
     pod_state,
 )
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.broker.types import JobView
+from airflow_elastic_gpu.broker.types import JobView, NotFound
 
 if TYPE_CHECKING:
     from airflow_elastic_gpu.backends.kubernetes_gang import GangPods
@@ -453,6 +453,13 @@ class KubernetesBackend:
         if action == "delete_pod" or (action == "delete_succeeded_pod" and succeeded):
             for pod in pods:
                 self._delete_pod(pod.metadata.name)
+        if job_id not in self._gang_jobs and not pods:
+            # no pod left to tell (deleted by an earlier stop, or never made: a quota) and a backend
+            # new to the job (a restarted triggerer, a task's on_kill): the broker's job tells
+            try:
+                self.is_gang(self.broker.job(job_id), pods)
+            except NotFound:  # not known: a Service it may have had goes (a 404 is fine)
+                self._gang_jobs[job_id] = True
         if self._gang_jobs.get(job_id) or any(LABEL_NODE in (p.metadata.labels or {}) for p in pods):
             self.gang.delete_service(job_id)
         try:

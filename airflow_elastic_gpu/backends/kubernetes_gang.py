@@ -126,6 +126,7 @@ class GangPods:
     def __init__(self, backend: KubernetesBackend) -> None:
         self.backend = backend
         self.builder = GangBuilder(backend.builder)
+        self._services: set[str] = set()  # jobs whose Service this backend made or found (not sent again)
 
     @property
     def namespace(self) -> str:
@@ -213,11 +214,15 @@ class GangPods:
         return self.backend.create_pod(job, pod, others_run=True)
 
     def _ensure_service(self, job_id: str, context: Mapping[str, str] | None) -> None:
+        """Create the job's headless Service, once per backend (a sync runs every poll)."""
+        if job_id in self._services:
+            return
         try:
             self.backend.core_v1.create_namespaced_service(self.namespace, self.builder.service(job_id, context))
         except ApiException as exc:
             if exc.status != 409:
                 raise BackendError(f"cannot create the job's headless Service: {exc.status} {exc.reason}") from None
+        self._services.add(job_id)
 
     def problem(self, job: JobView) -> Problem | None:
         """Why the gang cannot go on: one pod broken (evicted, failed, its trainer terminated, its
@@ -247,8 +252,10 @@ class GangPods:
         return pods[0] if pods else None
 
     def delete_service(self, job_id: str) -> None:
+        """Delete the job's headless Service (gone already: fine)."""
         try:
             self.backend.core_v1.delete_namespaced_service(service_name(job_id), self.namespace)
         except ApiException as exc:
             if exc.status != 404:
                 raise BackendError(f"cannot delete the job's headless Service: {exc.status} {exc.reason}") from None
+        self._services.discard(job_id)
