@@ -351,7 +351,7 @@ class KubernetesBackend:
             self.config.resize_mechanism == "inplace" or current.generation >= target.generation
         ):
             return "keep"
-        if current is None and not starting and job.acked_generation >= max(1, target.generation):
+        if current is None and not starting and job.acked(target.generation):
             # its agent runs this generation already: the pod was deleted from outside (kubectl, a
             # node removed). Made again it would hide that, and on a node that is gone it would be
             # made again and again, each new pod Pending and the job's lease kept: problem() fails it
@@ -370,7 +370,7 @@ class KubernetesBackend:
                                env=env, context=context)
         if self.create_pod(job, pod):
             return action
-        if starting and job.acked_generation >= max(1, target.generation) and not self.broker.job(job_id).status.terminal:
+        if starting and job.acked(target.generation) and not self.broker.job(job_id).status.terminal:
             # a task's try that makes a missing pod again: a poll would take the missing pod for one
             # deleted from outside and fail the job; the try fails instead, and the next reattaches
             raise BackendError(f"cannot make job {job_id}'s pod {pod.metadata.name} again now (the API server is "
@@ -426,7 +426,7 @@ class KubernetesBackend:
         state = self.state(job.id)
         if state is None:
             # (a resize or move under way, whose new pod is not made yet: no pod is expected)
-            expected = bool(job.target_gpus) and job.acked_generation >= max(1, job.target_generation)
+            expected = bool(job.target_gpus) and job.acked()
             return Problem("the job's pod was deleted from outside the broker") if expected else None
         reason = state.why_stopped(self.config.startup_grace_s)
         return None if reason is None else Problem(reason, running=state.trainer_running)

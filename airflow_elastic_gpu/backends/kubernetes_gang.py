@@ -230,7 +230,7 @@ class GangPods:
         while no resize is under way. Either fails the whole job."""
         listed = self.backend.pods(job.id)
         missing: list[str] = []  # nodes running the acked generation whose pod is gone (no resize under way)
-        if job.acked_generation >= max(job.target_generation, 1):
+        if job.acked():
             missing = sorted({g.node for g in job.in_use_gpus} - {p.spec.node_name for p in listed})
         for pod in _live(listed):
             state = pod_state(pod)

@@ -228,6 +228,12 @@ class JobView:
     family: str | None = None  # the training it repeats (see JobSpec.family)
     token: str | None = None  # the job's API bearer token: only in the reply that created it
 
+    def acked(self, generation: int | None = None) -> bool:
+        """Whether the job's agent has acked ``generation`` (default: its target's), a published one
+        (>= 1), or a later one: its trainer runs on that generation's GPUs (a backend that finds
+        no pod then finds one deleted from outside, not one still to make)."""
+        return self.acked_generation >= max(1, self.target_generation if generation is None else generation)
+
     @property
     def suspended(self) -> bool:
         """True while the job is suspended (resized to zero GPUs; it resumes from its checkpoint)."""
