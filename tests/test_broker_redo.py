@@ -252,3 +252,21 @@ def test_a_retried_tasks_start_does_not_put_off_the_release_of_an_ended_jobs_gpu
     clock.advance(11)
     pool.rebalance()
     assert pool.job(job.id).in_use_gpus == ()
+
+
+def test_a_drain_or_a_pool_setting_made_again_records_one_event(pool):
+    """A drain, or a pool setting, redone after its commit went through (or simply given twice)
+    changes nothing the second time and records no second event: the pool's log said each twice."""
+    from airflow_elastic_gpu.states import EventKind
+
+    def kinds():
+        return [e.kind for e in pool.events() if e.kind in (EventKind.NODE, EventKind.CONFIG)]
+
+    before = kinds()
+    pool.set_node_schedulable("n0", False)
+    pool.set_node_schedulable("n0", False)
+    pool.configure_pool(lease_s=90, policy_params={"hysteresis": 0.1})
+    pool.configure_pool(lease_s=90, policy_params={"hysteresis": 0.1})
+    assert kinds()[len(before):] == [EventKind.NODE, EventKind.CONFIG]
+    pool.set_node_schedulable("n0", True)
+    assert kinds()[len(before):] == [EventKind.NODE, EventKind.CONFIG, EventKind.NODE]

@@ -133,8 +133,9 @@ class Inventory(Lifecycle):
         def run() -> None:
             with self._tx(pool) as s:
                 node = _known_node(s, pool, name)
-                node.schedulable = schedulable
-                self._event(s, pool, EventKind.NODE, f"node {name} {'schedulable' if schedulable else 'drained'}")
+                if node.schedulable != schedulable:  # a repeated call (or a redo after its commit) records nothing
+                    node.schedulable = schedulable
+                    self._event(s, pool, EventKind.NODE, f"node {name} {'schedulable' if schedulable else 'drained'}")
                 request_rebalance(s, pool, self.clock())
 
         self._retrying(run)
@@ -242,6 +243,7 @@ class Inventory(Lifecycle):
         def run() -> None:
             with self._tx(pool) as s:
                 row = s.get(GpuPool, pool)
+                before = (row.policy, row.policy_params, row.lease_s, row.rebalance_interval_s)
                 if policy is not None:
                     row.policy = policy
                     row.policy_params = policy_params
@@ -258,8 +260,10 @@ class Inventory(Lifecycle):
                     row.lease_s = float(lease_s)
                 if rebalance_interval_s is not None:
                     row.rebalance_interval_s = float(rebalance_interval_s)
-                self._event(s, pool, EventKind.CONFIG, f"policy {row.policy} {row.policy_params or {}}, "
-                            f"lease {row.lease_s:g}s, rebalance every {row.rebalance_interval_s:g}s")
+                if (row.policy, row.policy_params, row.lease_s, row.rebalance_interval_s) != before:
+                    # (a repeated call, or a redo after its commit went through, records nothing)
+                    self._event(s, pool, EventKind.CONFIG, f"policy {row.policy} {row.policy_params or {}}, "
+                                f"lease {row.lease_s:g}s, rebalance every {row.rebalance_interval_s:g}s")
                 request_rebalance(s, pool, self.clock())
 
         self._retrying(run)
