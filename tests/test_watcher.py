@@ -111,3 +111,23 @@ def test_both_backends_implement_the_protocol_and_come_from_one_factory(tmp_path
         backend_settings("local", image="train:1")
     with pytest.raises(BackendError, match="unexpected keyword argument 'namespaces'"):
         backend_settings("kubernetes", image="train:1", kubernetes={"namespaces": "ml"})
+
+
+def test_a_renewed_watcher_goes_on_where_the_failed_one_left_off(tmp_path, broker):
+    """After a failed poll the trigger and the operator renew their watcher (new clients): its event
+    cursor, its polls that found the processes gone and its failed clean-ups carry over, so that
+    the job's end is reported after CLEANUP_TRIES failed clean-ups in all, renewals or not."""
+    from airflow_elastic_gpu.triggers.watcher import CLEANUP_TRIES, CleanupFailed
+
+    backend = LocalBackend(tmp_path / "jobs", broker)
+    job = broker.submit(JobSpec("renewed", "python train.py", 1, 2, total_steps=100))
+    watcher = JobWatcher(broker, backend, job.id)
+    watcher.poll()
+    watcher.gone_polls = 1
+    broker.cancel(job.id)
+    failed = CleanupFailed(broker.job(job.id), OSError(30, "Read-only file system"))
+    for _ in range(CLEANUP_TRIES - 1):
+        assert not watcher.cleanup_failed(failed)
+        watcher = watcher.renewed(broker, LocalBackend(tmp_path / "jobs", broker))
+    assert watcher.cleanup_failed(failed)
+    assert watcher.gone_polls == 1 and watcher.after_event_id > 0 and watcher.job_id == job.id

@@ -339,13 +339,11 @@ class ElasticTrainingOperator(BaseOperator):
 
         :raises AirflowException: the job did not succeed, or the broker no longer has it.
         """
-        cleanup_failures = 0
         while True:
             try:
                 job, _events = watcher.poll()
             except CleanupFailed as exc:  # the job has ended: its result counts after a few tries
-                cleanup_failures += 1
-                if not watcher.cleanup_failed(exc, cleanup_failures):
+                if not watcher.cleanup_failed(exc):
                     time.sleep(self.poll_interval)
                     continue
                 job = exc.job
@@ -355,19 +353,12 @@ class ElasticTrainingOperator(BaseOperator):
                 self.log.warning("polling job %s failed (%s); retrying in %ss with a new backend client",
                                  watcher.job_id, exc, self.poll_interval)
                 time.sleep(self.poll_interval)
-                watcher = self._new_watcher(watcher)
+                # a new backend client; the broker client replaces a dropped connection itself
+                watcher = watcher.renewed(watcher.broker, self._make_backend())
                 continue
             if job.status.terminal:
                 return self._result(job, context)
             time.sleep(self.poll_interval)
-
-    def _new_watcher(self, watcher: JobWatcher) -> JobWatcher:
-        """``watcher`` with a new backend (its client made anew: expired credentials, a dropped
-        connection), where it left off; the broker client replaces a dropped connection itself."""
-        fresh = JobWatcher(watcher.broker, self._make_backend(), watcher.job_id, after_event_id=watcher.after_event_id,
-                           env=watcher.env, context=watcher.context, log=watcher.log)
-        fresh.gone_polls = watcher.gone_polls
-        return fresh
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the trigger fired: log the job's resizes, return its metrics.

@@ -107,6 +107,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         self.job = job
         self.deadline_s = deadline_s
         self._watcher: JobWatcher | None = None
+        self._dropped: JobWatcher | None = None  # the watcher before the last failed poll
         self._submit_future: concurrent.futures.Future[JobView] | None = None
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -188,8 +189,9 @@ class ElasticTrainingTrigger(BaseTrigger):
             broker = GpuBrokerHook(self.broker_conn_id).broker
             backend = make_backend(self.backend, broker=broker, work_dir=self.work_dir,
                                    kubernetes=self.kubernetes)
-            self._watcher = JobWatcher(broker, backend, self.job_id, after_event_id=self.after_event_id,
-                                       env=self.env, context=self.context, log=self.log)
+            self._watcher = (JobWatcher(broker, backend, self.job_id, after_event_id=self.after_event_id,
+                                        env=self.env, context=self.context, log=self.log)
+                             if self._dropped is None else self._dropped.renewed(broker, backend))
         return self._watcher
 
     def _drop_watcher(self) -> None:
@@ -199,7 +201,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         connection the server dropped is invalidated and replaced by the broker itself."""
         if self._watcher is not None:
             self.after_event_id = self._watcher.after_event_id
-            self._watcher = None
+            self._dropped, self._watcher = self._watcher, None  # renewed where it left off
 
     def _poll(self) -> JobView:
         watcher = self._get_watcher()
@@ -233,7 +235,7 @@ class ElasticTrainingTrigger(BaseTrigger):
                 self.log.error("could not submit the training: %s", exc)
                 yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc)})
                 return
-        cleanup_failures, timed_out = 0, False
+        timed_out = False
         while True:
             try:
                 job = await asyncio.to_thread(self._poll)
@@ -248,8 +250,7 @@ class ElasticTrainingTrigger(BaseTrigger):
                 yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": reason})
                 return
             except CleanupFailed as exc:  # the job has ended: its end is fired after a few tries
-                cleanup_failures += 1
-                if self._get_watcher().cleanup_failed(exc, cleanup_failures):
+                if self._get_watcher().cleanup_failed(exc):
                     job = exc.job
                 else:
                     await asyncio.sleep(self.poll_interval)

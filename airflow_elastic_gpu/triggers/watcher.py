@@ -65,7 +65,16 @@ class JobWatcher:
         self.env = env
         self.context = context
         self.log: TaskLog = log or logging.getLogger(__name__)
-        self.gone_polls = 0
+        self.gone_polls = 0  # polls in a row that found the job's processes gone
+        self.cleanup_failures = 0  # clean-ups of the ended job that failed (see cleanup_failed)
+
+    def renewed(self, broker: GpuBroker, backend: Backend) -> JobWatcher:
+        """This watcher with new clients (after a failed poll: expired credentials, a dropped
+        connection), where it left off: its event cursor, its gone polls and its failed clean-ups."""
+        fresh = JobWatcher(broker, backend, self.job_id, after_event_id=self.after_event_id, env=self.env,
+                           context=self.context, log=self.log)
+        fresh.gone_polls, fresh.cleanup_failures = self.gone_polls, self.cleanup_failures
+        return fresh
 
     def poll(self) -> tuple[JobView, list[EventView]]:
         """One round: the leased periodic rebalance of the job's pool, ``backend.sync``, a check of
@@ -99,13 +108,15 @@ class JobWatcher:
                 raise CleanupFailed(job, exc) from exc
         return job, events
 
-    def cleanup_failed(self, exc: CleanupFailed, failures: int) -> bool:
-        """After the ``failures``-th clean-up failure: True (the end is to be reported) once
-        there were :data:`CLEANUP_TRIES`, with an error in the task log that says what is left
-        behind. The broker's record is the truth: the job has ended, and an ended job's GPUs go to
+    def cleanup_failed(self, exc: CleanupFailed) -> bool:
+        """Count the clean-up failure ``exc`` (raised by :meth:`poll`): True (the end is to be
+        reported) once there were :data:`CLEANUP_TRIES`, with an error in the task log that says
+        what is left behind. The broker's record is the truth: the job has ended, and an ended job's GPUs go to
         others once its trainer has stopped (a cancelled one's agent stops it); what a failed
         clean-up leaves (on Kubernetes: pods, the token Secret, a gang's Service) is to be removed
         by hand, as the error says."""
+        self.cleanup_failures += 1
+        failures = self.cleanup_failures
         if failures < CLEANUP_TRIES:
             self.log.warning("%s; retrying (%d of %d)", exc, failures, CLEANUP_TRIES)
             return False
