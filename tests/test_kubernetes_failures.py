@@ -276,3 +276,35 @@ def test_a_gangs_service_is_made_once_and_deleted_by_a_new_backend_when_no_pod_w
         assert api.services == {} and api.secrets == {}
     finally:
         broker.engine.dispose()
+
+
+@pytest.mark.parametrize("error", [403, "connection"])
+def test_a_pod_listing_the_api_refuses_at_submit_fails_the_new_job_with_a_clear_error(cluster, error):  # noqa: F811
+    """The task's first look at the job's pods fails (RBAC without ``list`` on pods, or no
+    connection): the task fails with a BackendError that names the listing (the raw ApiException
+    or urllib3 error escaped the operator's error handling), and the job, never started, is failed
+    in the broker rather than left queued with no task to follow it."""
+    import logging
+
+    import urllib3
+
+    from airflow_elastic_gpu.triggers.submit import submit_and_start
+
+    broker, api = cluster
+
+    def refuse(namespace, label_selector):
+        if error == "connection":
+            raise urllib3.exceptions.MaxRetryError(None, "/api/v1/namespaces/ml/pods", "connection refused")
+        refusal = ApiException(status=403, reason="Forbidden")
+        refusal.body = json.dumps({"kind": "Status", "message": 'pods is forbidden: cannot list resource "pods"'})
+        raise refusal
+
+    api.list_namespaced_pod = refuse
+    backend = KubernetesBackend(config(), broker, api)
+    spec = JobSpec("j", "python train.py", 1, 1, total_steps=10, backend="kubernetes", key="k", attempt="try-1")
+    with pytest.raises(BackendError, match="cannot list job .*'s pods") as raised:
+        submit_and_start(broker, backend, spec, env=None, labels={}, log=logging.getLogger("test"))
+    if error == 403:
+        assert 'cannot list resource "pods"' in str(raised.value)
+    (job,) = broker.jobs()
+    assert job.status is JobStatus.FAILED and "cannot list job" in job.reason

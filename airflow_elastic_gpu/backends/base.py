@@ -164,14 +164,14 @@ def start_job(broker: GpuBroker, backend: Backend, job: JobView, *, env: Mapping
         ref = backend.start(job, env=check_env(env), context=context)
     except Exception as exc:
         if fresh:
-            _abandon(broker, backend, job.id, exc)
+            abandon(broker, backend, job.id, exc)
         raise
     return broker.start(job.id, ref)
 
 
-def _abandon(broker: GpuBroker, backend: Backend, job_id: str, error: Exception) -> None:
-    """Fail a job that could not be started and stop what was started of it; a failure of either
-    step is logged and noted on ``error`` (which the caller raises), never hidden."""
+def abandon(broker: GpuBroker, backend: Backend, job_id: str, error: Exception) -> None:
+    """Fail a job that could not be started (``error`` says why) and stop what was started of it; a
+    failure of either step is logged and noted on ``error`` (which the caller raises), never hidden."""
     reason = f"the {backend.name} backend could not start the job: {error}"
     for step, call in (("fail the job in the broker", lambda: broker.fail(job_id, reason)),
                        ("stop what was started", lambda: backend.stop(job_id, timeout_s=10))):

@@ -293,9 +293,19 @@ class KubernetesBackend:
         return ref
 
     def pods(self, job_id: str) -> list[Any]:
-        """The job's pods (``V1Pod``), oldest generation first."""
-        found = self.core_v1.list_namespaced_pod(
-            self.config.namespace, label_selector=f"{LABEL_JOB}={label_value(job_id)}").items
+        """The job's pods (``V1Pod``), oldest generation first.
+
+        :raises BackendError: the API server refused the listing (its status and message: RBAC
+            without ``list`` on pods, an unknown namespace) or could not be reached."""
+        try:
+            found = self.core_v1.list_namespaced_pod(
+                self.config.namespace, label_selector=f"{LABEL_JOB}={label_value(job_id)}").items
+        except ApiException as exc:
+            raise BackendError(f"cannot list job {job_id}'s pods in namespace {self.config.namespace!r}: "
+                               f"{exc.status} {exc.reason}{api_message(exc)}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise BackendError(f"cannot list job {job_id}'s pods: the Kubernetes API server cannot be "
+                               f"reached ({exc})") from exc
         return sorted(found, key=lambda p: int((p.metadata.labels or {}).get(LABEL_GENERATION, 0)))
 
     def state(self, job_id: str, pods: list[Any] | None = None) -> PodState | None:

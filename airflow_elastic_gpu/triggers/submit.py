@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from airflow_elastic_gpu.backends.base import Backend, check_env, start_job
+from airflow_elastic_gpu.backends.base import Backend, abandon, check_env, start_job
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec, JobView
 from airflow_elastic_gpu.states import JobStatus
@@ -55,7 +55,12 @@ def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env:
         log.info("job %s of this try already %s (while the triggerer was away): not started again",
                  job.id, job.status.value)
         return Started(job, True)
-    running = backend.is_running(job.id)
+    try:
+        running = backend.is_running(job.id)
+    except Exception as exc:  # the cluster API refused or is away
+        if job.backend_ref is None:  # never started: failed now, as a failed start is (start_job)
+            abandon(broker, backend, job.id, exc)
+        raise
     job = start_job(broker, backend, job, env=env, context=labels)
     if job.status.terminal and not running:  # ended while it started (its task was killed meanwhile)
         log.info("job %s %s while it started: what the start made is stopped", job.id, job.status.value)
