@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from filelock import FileLock, Timeout
+
 from airflow_elastic_gpu.backends import local_checkpoints
 from airflow_elastic_gpu.backends.base import (  # BackendError: also from here
     BackendError,
@@ -67,6 +69,7 @@ TRAINER_ENV_DROPPED = ("AIRFLOW_ELASTIC_GPU_", "AIRFLOW_CONN_", "AIRFLOW_VAR_", 
 tokens), Airflow's connections and variables, and Airflow's configuration (its database URL,
 Fernet key, secret keys)."""
 JOB_DIR_MODE = 0o700
+START_LOCK_TIMEOUT_S = 120.0  # a start spawns a few Python processes: seconds, a minute on a loaded host
 LOG_MODE = 0o600
 _SPAWN = (
     "import subprocess, sys\n"
@@ -256,15 +259,27 @@ class LocalBackend:
         except ValueError as exc:
             raise BackendError(f"fence_s: {exc}") from None
         job_dir = self.job_dir(job.id)
-        existing = self.handle(job.id)
-        if existing is not None and existing.owns(existing.agent_pid):
-            return existing.to_ref()
         try:
             job_dir.mkdir(mode=JOB_DIR_MODE, exist_ok=True)
             job_dir.chmod(JOB_DIR_MODE)
             _private_file(job_dir / protocol.LOG)
         except OSError as exc:
             raise BackendError(f"job directory {job_dir} cannot be created: {exc}") from None
+        # one start of a job at a time (a trigger run in two triggerers for a moment, a cleared
+        # task's new try reattaching while the old one starts): each would see no handle yet and
+        # start a trainer of its own on the job's GPUs
+        try:
+            with FileLock(job_dir / ".start.lock", timeout=START_LOCK_TIMEOUT_S):
+                return self._start_locked(job, job_dir, env, lease_s)
+        except Timeout:
+            raise BackendError(f"job {job.id}: another start of it has held {job_dir / '.start.lock'} for "
+                               f"{START_LOCK_TIMEOUT_S:.0f}s") from None
+
+    def _start_locked(self, job: JobView, job_dir: Path, env: Mapping[str, str], lease_s: float) -> str:
+        """:meth:`start` under the job's start lock."""
+        existing = self.handle(job.id)
+        if existing is not None and existing.owns(existing.agent_pid):
+            return existing.to_ref()
         new_launcher = existing is None or not all(existing.owns(p) for p in existing.launcher_pids)
         if not new_launcher:
             # the agent died but the trainer runs on: start a new agent for the same launcher(s)
@@ -314,6 +329,7 @@ class LocalBackend:
             for node, shared in dirs:
                 shared.mkdir(mode=JOB_DIR_MODE, parents=True, exist_ok=True)
                 _private_file(shared / protocol.LOG)
+                _drop_stop(shared / protocol.DESIRED)
                 launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
                             "--shared-dir", str(shared), "--grace-s", str(self.grace_s)]
                 if checkpoint_dir:
@@ -361,8 +377,11 @@ class LocalBackend:
         restart, or processes killed by hand)."""
         if job.backend_ref is None or self.is_running(job.id):
             return None
+        h = self.handle(job.id)
+        # a trainer (or worker) left running by its dead launcher: the job keeps its GPUs until the
+        # stop that follows has killed it (a process stuck in the kernel may outlive SIGKILL)
         return Problem("the job's agent and launcher processes are gone (host restart or killed by hand)",
-                       gone=True)
+                       gone=True, running=h is not None and bool(h.recorded()))
 
     def handle(self, job_id: str) -> LocalHandle | None:
         data = protocol.read_json(self.job_dir(job_id) / "handle.json")
@@ -397,14 +416,14 @@ class LocalBackend:
         """SIGKILL every process of the job left: its launchers' and agent's groups, its trainers'
         and their workers in sessions of their own (recorded in each launcher's ``status.json``),
         each only if it is still the job's (:meth:`LocalHandle.owns`); the pids signalled."""
-        statuses = [protocol.read_json(d / protocol.STATUS) or {} for d in h.launcher_dirs()]
-        pids = [int(p) for p in (*h.launcher_pids, h.agent_pid, *(s.get("pid") for s in statuses))
-                if p and h.owns(int(p))]
+        pids = [p for p in (*h.launcher_pids, h.agent_pid) if h.owns(p)]
         for pid in pids:
             kill_group(pid)
-        workers = [int(p) for s in statuses for p in s.get("workers") or [] if h.owns(int(p))]
-        protocol.signal_processes(workers, signal.SIGKILL)
-        return pids + workers
+        recorded = h.recorded()  # with their start times: a pid another process has now is left alone
+        for pid in recorded:
+            kill_group(pid)  # a trainer leads its group; a worker in a session of its own, its own
+        protocol.signal_processes(list(recorded), signal.SIGKILL, recorded)
+        return pids + list(recorded)
 
     def _report_stopped(self, job_id: str, pids: list[int]) -> None:
         """Once every process of an ended job (cancelled: the broker holds its GPUs until its
@@ -443,3 +462,18 @@ class LocalBackend:
         """Stop the job if needed and delete its directory (checkpoints elsewhere are kept)."""
         self.stop(job_id, timeout_s=5)
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+
+
+def _drop_stop(path: Path) -> None:
+    """Take out of a new launcher's ``desired.json`` the stop an earlier launcher of the job was
+    given (a task's try stopped its processes but could not cancel the job: the next try
+    reattaches and starts a launcher again, which would exit at once); the job's agent writes
+    a stop again if the broker has ended the job. A malformed file is removed (the agent writes
+    it anew)."""
+    try:
+        desired = protocol.read_json(path)
+    except ValueError:
+        path.unlink(missing_ok=True)
+        return
+    if desired is not None and desired.pop("stop", False):
+        protocol.write_json(path, desired)

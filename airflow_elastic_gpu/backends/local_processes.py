@@ -97,10 +97,19 @@ class LocalHandle:
         """Each launcher's shared directory (one per node for a gang job)."""
         return [self.job_dir / protocol.NODES / node for node, _ in self.node_pids] or [self.job_dir]
 
-    def owns(self, pid: int | None) -> bool:
+    def owns(self, pid: int | None, started: int | None = None) -> bool:
         """Whether ``pid`` (the handle's, or one its launchers recorded) is still a live process of
-        the job (:func:`job_process` with the handle's boot and the pid's start time)."""
-        return job_process(pid, self.job_dir.name, boot=self.boot, started=dict(self.starts).get(pid or 0))
+        the job (:func:`job_process` with the handle's boot and the pid's start time: ``started``,
+        else the handle's)."""
+        if started is None:
+            started = dict(self.starts).get(pid or 0)
+        return job_process(pid, self.job_dir.name, boot=self.boot, started=started)
+
+    def recorded(self) -> dict[int, int | None]:
+        """The trainers and workers the job's launchers recorded (:func:`protocol.recorded_processes`
+        of their ``status.json``) that are still live processes of the job, pid -> start time."""
+        statuses = [protocol.read_json(d / protocol.STATUS) or {} for d in self.launcher_dirs()]
+        return {p: t for p, t in protocol.recorded_processes(statuses).items() if self.owns(p, t)}
 
     def to_ref(self) -> str:
         data: dict = {"job_dir": str(self.job_dir), "agent_pid": self.agent_pid, "launcher_pid": self.launcher_pid}

@@ -110,7 +110,7 @@ class EndReports:
         return self.parsers[node]
 
     def _with_tail(self, reason: str) -> str:
-        lines = "\n".join(self._log_parser().tail)
+        lines = protocol.log_excerpt(self._log_parser().tail)
         return f"{reason}. Last log lines:\n{lines}" if lines else reason
 
     def _report_exit(self, code: int | None) -> int:
@@ -222,14 +222,6 @@ class EndReports:
         """SIGKILL the trainers and workers of the launchers that have not stopped or exited (called
         once they are no longer alive: from their ``status.json``, pids with start times, so a pid
         another process has now is left alone); True once none of them is alive."""
-        procs: dict[int, int | None] = {}
-        for s in self._launcher_statuses():
-            if s.get("state") in (protocol.STOPPED, protocol.EXITED):
-                continue
-            if s.get("pid"):
-                procs[int(s["pid"])] = s.get("pid_start")
-            starts = s.get("worker_starts") or []
-            for i, pid in enumerate(s.get("workers") or []):
-                procs[int(pid)] = starts[i] if i < len(starts) else None
+        procs = protocol.recorded_processes(self._launcher_statuses())
         protocol.signal_processes(list(procs), signal.SIGKILL, procs)
         return not protocol.survivors(list(procs), starts=procs)

@@ -130,6 +130,7 @@ class Launcher:
         env = dict(os.environ)
         env.update(
             CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
+            CUDA_DEVICE_ORDER="PCI_BUS_ID",  # the broker's indices are nvidia-smi's (CUDA's default: fastest first)
             ELASTIC_GPU_COUNT=str(len(gpus)),
             ELASTIC_GENERATION=str(self.generation),
             ELASTIC_NNODES=str(desired.get("nnodes", 1)),

@@ -48,7 +48,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,6 +167,32 @@ def fence_periods(lease_s: float, fence_s: float | None = None, margin_s: float 
     return FencePeriods(float(lease_s), fence, kill)
 
 _GENERATION_LINE = re.compile(r"^\[launcher [^\]]*\] generation (\d+): starting")
+
+
+def log_excerpt(lines: Iterable[str], *, line_chars: int = 500, total_chars: int = 8000) -> str:
+    """The last log ``lines`` as one text fit for a job's reason: each line cut to its last
+    ``line_chars`` characters (a progress bar redrawn with ``\r`` and no newline is one line of
+    megabytes), NUL characters replaced (no database column takes them), and the whole cut to its
+    last ``total_chars`` characters (the broker's API takes a reason of at most 20,000)."""
+    kept = [line[-line_chars:].replace("\x00", "\ufffd") for line in lines]
+    return "\n".join(kept)[-total_chars:]
+
+
+def recorded_processes(statuses: Iterable[Mapping[str, Any]]) -> dict[int, int | None]:
+    """The trainers and workers that launchers' ``status.json`` files record, pid -> start time
+    (:func:`proc_stat`'s; None when not recorded), but none of a launcher whose trainer has
+    stopped or exited (its pid is kept in the file, reaped long since: another process may have
+    it now). What a stop or a kill of a dead launcher's orphans signals, with those start times."""
+    procs: dict[int, int | None] = {}
+    for s in statuses:
+        if s.get("state") in (STOPPED, EXITED):
+            continue
+        if s.get("pid"):
+            procs[int(s["pid"])] = s.get("pid_start")
+        starts = s.get("worker_starts") or []
+        for i, pid in enumerate(s.get("workers") or []):
+            procs[int(pid)] = starts[i] if i < len(starts) else None
+    return procs
 
 
 def launcher_line(message: str, now: float | None = None) -> str:

@@ -1,0 +1,153 @@
+"""The local backend's processes under races and reuse: two starts of one job at once, a pid of a
+trainer that ended taken by another process since, a dead launcher's orphan trainer, and a stop
+left in ``desired.json`` by an earlier try."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_local_backend import local  # noqa: F401 - a fixture
+from test_sidecar import wait_for
+
+from airflow_elastic_gpu.backends.local import LocalBackend
+from airflow_elastic_gpu.backends.local_processes import JOB_MARK, boot_id, start_ticks
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.states import JobStatus
+from airflow_elastic_gpu.triggers.watcher import GONE_POLLS, CleanupFailed, JobWatcher
+
+SLEEPER = f"{sys.executable} -c 'import time; time.sleep(60)'"
+
+
+def marked(job_id: str | None) -> list[int]:
+    """Live processes whose environment carries ``job_id``'s mark."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if f"{JOB_MARK}={job_id}".encode() in environ.split(b"\0") and protocol.pid_alive(int(entry)):
+            out.append(int(entry))
+    return out
+
+
+def command_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_two_starts_of_one_job_at_once_start_one_agent_and_one_launcher(local):  # noqa: F811
+    """Both see no handle yet (a trigger in two triggerers for a moment, a cleared task's new try):
+    each started a launcher, an agent and a trainer of its own on the job's GPUs."""
+    broker, backend = local
+    job = broker.submit(JobSpec("twice", SLEEPER, 1, 1, total_steps=10))
+    refs: list[str] = []
+    threads = [threading.Thread(target=lambda: refs.append(backend.start(job))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(refs) == 2 and refs[0] == refs[1]
+    procs = marked(job.id)
+    agents = [p for p in procs if "sidecar.agent" in command_of(p)]
+    launchers = [p for p in procs if "sidecar.launcher" in command_of(p)]
+    assert len(agents) == 1 and len(launchers) == 1
+
+
+def test_a_stop_signals_no_pid_of_a_trainer_that_ended_and_no_reused_one(local, tmp_path):  # noqa: F811
+    """``status.json`` keeps an ended trainer's pid (state ``exited``), and a running one's with its
+    start time: another process of this user that has the pid now (no job mark: it could have been
+    the job's) is not SIGKILLed by the stop, as it was."""
+    broker, backend = local
+    job = broker.submit(JobSpec("reused", SLEEPER, 1, 1, total_steps=10))
+    job_dir = backend.job_dir(job.id)
+    job_dir.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != JOB_MARK}
+    strangers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                                  env=env) for _ in range(2)]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        protocol.write_json(job_dir / "handle.json", {"job_dir": str(job_dir), "agent_pid": dead.pid,
+                                                      "launcher_pid": dead.pid, "boot_id": boot_id()})
+        exited, reused = strangers
+        for status in ({"state": protocol.EXITED, "generation": 1, "pid": exited.pid, "exit_code": 0,
+                        "pid_start": start_ticks(exited.pid), "workers": []},
+                       {"state": protocol.RUNNING, "generation": 1, "pid": reused.pid,
+                        "pid_start": start_ticks(reused.pid) - 1, "workers": [exited.pid],
+                        "worker_starts": [start_ticks(exited.pid) - 1]}):
+            protocol.write_json(job_dir / protocol.STATUS, status)
+            backend.stop(job.id, timeout_s=1)
+            assert exited.poll() is None and reused.poll() is None
+    finally:
+        for p in strangers:
+            p.kill()
+            p.wait()
+
+
+def test_a_dead_launchers_orphan_trainer_keeps_the_jobs_gpu_until_it_is_killed(local):  # noqa: F811
+    """The agent and the launcher are killed (the OOM killer), the trainer runs on in its session:
+    the watcher fails the job with its GPU held (it went to the next job at once, while the
+    orphan, perhaps stuck in the kernel, still ran on it), and the stop that follows kills the
+    orphan and frees the GPU."""
+    broker, backend = local
+    job = broker.submit(JobSpec("orphan", SLEEPER, 2, 2, total_steps=10))
+    job = broker.start(job.id, backend.start(job))
+    status = wait_for(lambda: (s := protocol.read_json(backend.job_dir(job.id) / protocol.STATUS) or {}).get(
+        "state") == protocol.RUNNING and s, 30, "the trainer")
+    broker.ack(job.id, 1)
+    h = backend.handle(job.id)
+    for pid in (h.agent_pid, h.launcher_pid):
+        os.kill(pid, 9)
+    wait_for(lambda: not backend.is_running(job.id), 10, "the agent and launcher to be gone")
+    assert backend.problem(broker.job(job.id)).running
+    watcher = JobWatcher(broker, backend, job.id)
+    stop = backend.stop
+    backend.stop = lambda *a, **k: (_ for _ in ()).throw(OSError("stuck in the kernel"))  # it cannot kill it yet
+    for _ in range(GONE_POLLS - 1):
+        watcher.poll()
+    with pytest.raises(CleanupFailed):
+        watcher.poll()
+    failed = broker.job(job.id)
+    assert failed.status is JobStatus.FAILED and "processes are gone" in failed.reason
+    assert len(failed.in_use_gpus) == 2 and protocol.pid_alive(status["pid"])  # held while the orphan runs
+    backend.stop = stop
+    watcher.poll()  # the stop kills the orphan and tells the broker
+    assert not protocol.pid_alive(status["pid"])
+    assert broker.job(job.id).in_use_gpus == ()
+
+
+def test_a_stop_left_in_desired_json_by_an_earlier_try_does_not_end_the_new_launcher(local):  # noqa: F811
+    """A try stopped the job's processes but could not cancel the job (the broker away); the next
+    try starts a launcher again, which read the old ``stop`` and exited at once: the job then failed
+    as "stopped from outside the broker"."""
+    broker, backend = local
+    job = broker.submit(JobSpec("restarted", SLEEPER, 1, 1, total_steps=10))
+    job = broker.start(job.id, backend.start(job))
+    backend.stop(job.id, timeout_s=10)  # the try's stop; its cancel failed
+    assert protocol.read_json(backend.job_dir(job.id) / protocol.DESIRED)["stop"] is True
+    assert broker.job(job.id).status is JobStatus.RUNNING
+    backend.start(broker.job(job.id))  # the next try reattaches
+    time.sleep(2.0)  # several launcher polls
+    h = backend.handle(job.id)
+    assert h.owns(h.launcher_pid) and not protocol.read_json(backend.job_dir(job.id) / protocol.DESIRED).get("stop")
+    assert broker.job(job.id).status is JobStatus.RUNNING
+
+
+def test_the_trainer_numbers_gpus_as_nvidia_smi_does(local, tmp_path):  # noqa: F811
+    """The broker's GPU indices are nvidia-smi's (PCI bus order); CUDA's default order is fastest
+    first, so on a host of mixed GPUs index 0 was another GPU (a drained one handed out again)."""
+    broker, backend = local
+    job = broker.submit(JobSpec("order", f"{sys.executable} -c \"import os; print(os.environ['CUDA_DEVICE_ORDER'])\"",
+                                1, 1, total_steps=1))
+    job = broker.start(job.id, backend.start(job))
+    wait_for(lambda: broker.job(job.id).status.terminal, 60, "the job to end")
+    assert "PCI_BUS_ID" in LocalBackend.log_tail(backend, job.id)
