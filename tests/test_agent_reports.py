@@ -189,3 +189,40 @@ def test_a_gang_node_whose_exit_code_cannot_be_read_fails_the_gang(tmp_path):
     status = Gang(dirs).status(1)
     assert (status["state"], status["exit_code"], status["node"]) == (protocol.EXITED, None, "a")
     assert [protocol.clean_exit(s) for s in Gang(dirs).statuses().values()] == [False, True]
+
+
+def test_a_dead_launchers_failure_is_reported_with_a_log_tail_the_broker_takes(tmp_path):
+    """The trainer's last lines go into the reason of a dead launcher's failure: a progress bar
+    redrawn with ``\\r`` (one line of 30,000 characters) and a NUL made a reason the broker's API
+    refuses (over 20,000 characters, or NUL: 422), and that report had no plain fallback, so the job
+    held its GPUs for a lease and ended LOST with no reason. The tail is cut and cleaned now."""
+    import subprocess
+
+    class Strict(FlakyBroker):
+        def heartbeat(self, job_id):
+            return Target(job_id, JobStatus.RUNNING, 1, (GpuId("localhost", 0),))
+
+        def fail(self, job_id, reason, exit_code=None, metrics=None):
+            self.calls.append(("fail", reason))
+            if len(reason) > 20_000 or "\x00" in reason:
+                raise BrokerRejected("HTTP 422: reason", 422)
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.RUNNING, "pid": None,
+                                                      "launcher_pid": dead.pid})
+    (tmp_path / protocol.LOG).write_text(protocol.generation_line(1, "on GPUs [0]: x") + "epoch 1\n"
+                                         + "\r".join(f"{i}%|\x00" for i in range(5000)) + "\n")
+    broker = Strict(0)
+    assert Agent(broker, "job", tmp_path, launcher_pid=dead.pid, poll_s=0.01, stop_timeout_s=1).run() == 1
+    (reason,) = [c[1] for c in broker.calls if c[0] == "fail"]  # the first report was taken
+    assert reason.startswith(f"the launcher (pid {dead.pid}) died") and "epoch 1" in reason
+    assert len(reason) < 9_000 and "\x00" not in reason and reason.endswith("4999%|\ufffd")
+
+
+def test_a_log_excerpt_cuts_each_line_and_the_whole():
+    assert protocol.log_excerpt(["a", "b\x00"]) == "a\nb\ufffd"
+    assert protocol.log_excerpt(["x" * 600], line_chars=500) == "x" * 500
+    assert protocol.log_excerpt([str(i) * 100 for i in range(10)], total_chars=250) == \
+        ("\n".join(str(i) * 100 for i in range(10)))[-250:]

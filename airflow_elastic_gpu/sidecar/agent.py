@@ -240,9 +240,10 @@ class Agent(EndReports):
                     # a trainer still runs: its GPUs must not be freed, the lease ends the job
                     log.error("the dead launcher's trainer did not stop: the broker's lease will end the job")
                     return 1
-                reason = self._with_tail(f"the launcher (pid {gone}) died without reporting "
-                                         "an exit; its trainer was killed")
-                self._report_end("fail", functools.partial(self.broker.fail, self.job_id, reason, **self._node_kw))
+                plain = f"the launcher (pid {gone}) died without reporting an exit; its trainer was killed"
+                self._report_end("fail", functools.partial(self.broker.fail, self.job_id, self._with_tail(plain),
+                                                           **self._node_kw),
+                                 functools.partial(self.broker.fail, self.job_id, plain, **self._node_kw))
                 return 1
             self.terminating.wait(self.poll_s)
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from airflow_elastic_gpu.backends.base import Backend, BackendError
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import EventView, JobView
+from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.states import ENDED_KINDS, PUBLISH_KINDS, EventKind, JobStatus
 
 GONE_POLLS = 3
@@ -129,7 +130,7 @@ class JobWatcher:
         self.gone_polls = self.gone_polls + 1 if problem is not None and problem.gone else 0
         if problem is None or (problem.gone and self.gone_polls < GONE_POLLS):
             return
-        tail = "\n".join(self.backend.log_tail(job.id))
+        tail = protocol.log_excerpt(self.backend.log_tail(job.id))
         # a gang: the broken pod's node only, the other nodes' GPUs stay held until their trainers stop
         reason = f"{problem.reason}. Last log lines:\n{tail}" if tail else problem.reason
         self.broker.fail(job.id, reason, node=problem.node, hold=problem.running)
