@@ -288,3 +288,76 @@ def test_a_worker_try_leaves_the_job_a_later_try_reattached_to(worker_env, monke
     assert len(polls) <= 20, f"{len(polls)} polls in 1.5 s at a 0.1 s interval"
     ops[1].on_kill()  # the try that follows it may stop it
     assert broker.job(job_id).status is JobStatus.CANCELLED
+
+
+def test_a_deferred_task_past_its_deadline_fails_for_a_retry_when_the_triggerer_cannot_reach_the_broker(
+        worker_env, monkeypatch):
+    """Every poll and every cancel from the triggerer fails (its broker connection is broken): the
+    trigger fired nothing and the task stayed deferred for ever, Airflow not enforcing
+    ``execution_timeout`` while deferred. It fires an error after a few tries now, and the worker
+    cancels the job through its own broker and fails the task for a retry, as a time-out."""
+    from airflow_elastic_gpu.triggers.training import TIME_OUT_TRIES
+
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("long", "python train.py", 1, 2, total_steps=10**6))
+    tries = []
+
+    def unreachable(self, *args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("could not connect to the broker's database")
+
+    monkeypatch.setattr(JobWatcher, "poll", unreachable)
+    monkeypatch.setattr(ElasticTrainingTrigger, "_time_out", unreachable)
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6, poll_interval=0.05)
+    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None, deadline_s=time.time() - 1))
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 20))
+    assert event.payload["status"] == "error" and event.payload["timed_out"] is True
+    assert event.payload["reason"].startswith("execution_timeout") and "could not connect" in event.payload["reason"]
+    assert len(tries) == 2 * TIME_OUT_TRIES  # a poll and a cancel each time
+    assert broker.job(job.id).status is JobStatus.RUNNING  # the triggerer could not end it
+    with pytest.raises(AirflowException) as raised:
+        op.execute_complete({"ti": _FakeTI()}, event.payload)
+    assert not isinstance(raised.value, AirflowFailException)
+    cancelled = broker.job(job.id)
+    assert cancelled.status is JobStatus.CANCELLED and cancelled.reason.startswith("execution_timeout")
+
+
+def test_a_job_its_tasks_on_kill_cancelled_fails_the_task_for_a_retry(worker_env):
+    """Airflow kills a task (``on_kill``) when a user marks it failed, but also when its worker shuts
+    down or loses its heartbeats: the job's cancel by on_kill failed the task with no retry, and
+    the training was thrown away."""
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("killed", "python train.py", 1, 2, total_steps=10))
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, deferrable=False)
+    op._job_id = job.id
+    op.on_kill()
+    cancelled = broker.job(job.id)
+    assert cancelled.status is JobStatus.CANCELLED
+    with pytest.raises(AirflowException, match="cancelled: task killed") as raised:
+        op._result(cancelled, {"ti": _FakeTI()})
+    assert not isinstance(raised.value, AirflowFailException)
+
+
+def test_a_trigger_cancelled_while_its_triggerer_stops_does_not_wait_for_ever_for_the_task_state(
+        tmp_path, monkeypatch):
+    """A triggerer shutting down cancels its triggers after it stopped reading its supervisor's
+    answers: the question whether the task is still deferred blocked for ever, and the triggerer's
+    shutdown with it, until the supervisor's SIGKILL. Unanswered, it is taken as "still deferred"
+    (the job goes on) after STATE_QUERY_TIMEOUT_S."""
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+    from test_airflow_tasks import _trigger_ti
+
+    from airflow_elastic_gpu.triggers import training
+
+    never = threading.Event()
+    monkeypatch.setattr(RuntimeTaskInstance, "get_ti_count", staticmethod(lambda **kw: never.wait()))
+    monkeypatch.setattr(training, "STATE_QUERY_TIMEOUT_S", 0.5)
+    trigger = ElasticTrainingTrigger("some-job", "elastic_gpu_missing_conn", 0.2, "local", str(tmp_path / "jobs"))
+    trigger.task_instance = _trigger_ti()
+    started = time.monotonic()
+    assert trigger._still_deferred(unsure=True) is True
+    assert trigger._still_deferred(unsure=False) is False
+    assert time.monotonic() - started < 5
+    never.set()

@@ -61,6 +61,9 @@ from airflow_elastic_gpu.triggers.training import (
 )
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
+KILLED_REASON = "task killed"
+"""The reason of a job cancelled by its task's ``on_kill`` (retried: see ``_result``)."""
+
 
 def _later(value: object) -> bool:
     """Whether a template field's value is resolved only when the task runs (an upstream task's
@@ -366,8 +369,9 @@ class ElasticTrainingOperator(BaseOperator):
         :raises AirflowFailException: the triggerer cannot follow the job (its broker is not the
             worker's: the job is cancelled here and its processes stopped, so it holds no GPU
             that nobody watches), or :meth:`_result`'s.
-        :raises AirflowException: the trigger could not start the job (``start_from_trigger``), or
-            the job did not succeed.
+        :raises AirflowException: the trigger could not start the job (``start_from_trigger``), the
+            triggerer could not cancel the job past the task's deadline (the job is cancelled here;
+            retried, as a time-out), or the job did not succeed.
         """
         if event.get("job_id") is None:
             raise AirflowException(f"{self.task_id}: the triggerer could not start the training: "
@@ -376,10 +380,15 @@ class ElasticTrainingOperator(BaseOperator):
             message = (f"{self.task_id}: the triggerer could not follow training job {event['job_id']}: "
                        f"{event.get('reason')}")
             self._job_id, self._attempt = event["job_id"], attempt_of(context["ti"])
+            timed_out = bool(event.get("timed_out"))
             try:  # the worker's broker has the job: no one would watch it, or end it
-                self._stop_job("the triggerer could not follow the job (its broker is not the worker's)")
+                self._stop_job(f"{TIMEOUT_REASON}: the task's time ran out while it was deferred; cancelled"
+                               if timed_out else "the triggerer could not follow the job (its broker is not the "
+                               "worker's)")
             except Exception as exc:  # noqa: BLE001 - the message says what is left
                 self.log.warning("could not cancel job %s in the worker's broker (%s)", self._job_id, exc)
+            if timed_out:  # retried, as on Airflow's own time-out
+                raise AirflowException(message)
             raise AirflowFailException(message)
         broker = self.hook.broker
         job = broker.job(event["job_id"])
@@ -392,14 +401,18 @@ class ElasticTrainingOperator(BaseOperator):
         return self._result(job, context)
 
     def _result(self, job: JobView, context: Any) -> dict[str, Any]:
-        """:raises AirflowFailException: ``job`` was cancelled, but not by the task's time-out (a
-            user stopped it: ``airflow-elastic-gpu cancel``, or the task was killed): not retried.
+        """:raises AirflowFailException: ``job`` was cancelled, but not by the task's time-out nor
+            by this task's ``on_kill`` (a user stopped it: ``airflow-elastic-gpu cancel``): not
+            retried.
         :raises AirflowException: ``job`` did not succeed otherwise (the message has the broker's
-            reason; the task's ``retries`` apply).
+            reason; the task's ``retries`` apply). A job cancelled by ``on_kill`` is one of them:
+            Airflow kills a task when a user marks it failed (its state is then set already), but
+            also when its worker shuts down or loses its heartbeats, and then a retry is due.
         """
         if job.status is not JobStatus.SUCCEEDED:
             message = f"{self.task_id}: training job {job.id} {job.status.value}: {job.reason}"
-            if job.status is JobStatus.CANCELLED and not (job.reason or "").startswith(TIMEOUT_REASON):
+            retried = (TIMEOUT_REASON, KILLED_REASON)
+            if job.status is JobStatus.CANCELLED and not (job.reason or "").startswith(retried):
                 raise AirflowFailException(message)
             raise AirflowException(message)
         result = self.metrics(job)
@@ -444,7 +457,7 @@ class ElasticTrainingOperator(BaseOperator):
     def on_kill(self) -> None:
         """Cancel the job and stop its processes (the job is known from its submission on, while its
         processes start too)."""
-        self._stop_job("task killed")
+        self._stop_job(KILLED_REASON)
 
     def _stop_job(self, reason: str) -> None:
         """Cancel this try's job with ``reason`` and stop its processes; the stop is tried even when

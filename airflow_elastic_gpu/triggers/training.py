@@ -28,8 +28,8 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from airflow_elastic_gpu.broker.types import (
     BrokerError,
@@ -41,9 +41,34 @@ from airflow_elastic_gpu.broker.types import (
 from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
+T = TypeVar("T")
 TRIGGER_CLASSPATH = "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger"
 TIMEOUT_REASON = "execution_timeout"
 """How the reason of a job cancelled at its task's deadline begins (a time-out: retried)."""
+TIME_OUT_TRIES = 3
+"""Failed polls past the task's deadline whose cancel failed too (the triggerer cannot reach the
+broker) after which the trigger fires an error event: the worker cancels the job, the task fails
+and is retried, as on a time-out (it stayed deferred for ever, Airflow not enforcing
+``execution_timeout`` while deferred)."""
+STATE_QUERY_TIMEOUT_S = 10.0
+"""How long a trigger waits for the triggerer's supervisor to say whether its task instance is
+still deferred (a triggerer shutting down has stopped reading the answers)."""
+
+
+def in_daemon_thread(call: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
+    """Run ``call`` in a daemon thread (one that never holds up the process's exit, unlike the
+    event loop's executor); its future, which nothing can cancel."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def work() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
+            future.set_exception(exc)
+
+    future.set_running_or_notify_cancel()  # running: a cancelled waiter cannot cancel it
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return future
 
 
 def attempt_of(ti: Any) -> str | None:
@@ -166,18 +191,8 @@ class ElasticTrainingTrigger(BaseTrigger):
     def _submitting(self) -> concurrent.futures.Future[JobView]:
         """:meth:`_submit` in a thread of its own; its future outlives a cancelled :meth:`run`, so
         that :meth:`on_kill` can wait for a submission under way and stop the job it started."""
-        future: concurrent.futures.Future[JobView] = concurrent.futures.Future()
-
-        def work() -> None:
-            try:
-                future.set_result(self._submit())
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
-                future.set_exception(exc)
-
-        future.set_running_or_notify_cancel()  # running: a cancelled run() cannot cancel it
-        self._submit_future = future
-        threading.Thread(target=work, name="elastic-gpu-submit", daemon=True).start()
-        return future
+        self._submit_future = in_daemon_thread(self._submit, "elastic-gpu-submit")
+        return self._submit_future
 
     def _get_watcher(self) -> JobWatcher:
         """The watcher, with a new hook (broker client) and backend after :meth:`_drop_watcher`.
@@ -235,7 +250,7 @@ class ElasticTrainingTrigger(BaseTrigger):
                 self.log.error("could not submit the training: %s", exc)
                 yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc)})
                 return
-        timed_out = False
+        timed_out, failures = False, 0  # failures: time-outs tried past the deadline that failed
         while True:
             try:
                 job = await asyncio.to_thread(self._poll)
@@ -261,6 +276,14 @@ class ElasticTrainingTrigger(BaseTrigger):
                 await asyncio.to_thread(self._drop_watcher)
                 if self._past_deadline() and not timed_out:  # not put off by polls that keep failing
                     timed_out = await asyncio.to_thread(self._try_time_out)
+                    if not timed_out and (failures := failures + 1) >= TIME_OUT_TRIES:
+                        # the broker stays out of reach: the worker, whose broker it is, ends the job
+                        reason = (f"{TIMEOUT_REASON}: the task's time ran out and the triggerer could not "
+                                  f"cancel the job {TIME_OUT_TRIES} times ({exc})")
+                        self.log.error("job %s: %s", self.job_id, reason)
+                        yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": reason,
+                                            "timed_out": True})
+                        return
                 await asyncio.sleep(self.poll_interval)
                 continue
             if job.status.terminal:
@@ -319,9 +342,12 @@ class ElasticTrainingTrigger(BaseTrigger):
         """Whether this trigger's task instance is still deferred, asked through the triggerer's
         supervisor (blocking: call it in a thread).
 
-        :param unsure: the answer when it cannot be told (no task instance, no supervisor to ask):
-            ``False`` for ``on_kill`` (its documented meaning: a user acted), ``True`` for a
-            cancelled :meth:`run` (a triggerer shutting down must never stop a job).
+        :param unsure: the answer when it cannot be told (no task instance, no supervisor to ask, or
+            no answer within :data:`STATE_QUERY_TIMEOUT_S`: a triggerer shutting down no longer
+            reads its supervisor's answers, and the question blocked for ever, holding up the
+            shutdown until the supervisor's SIGKILL): ``False`` for ``on_kill`` (its documented
+            meaning: a user acted), ``True`` for a cancelled :meth:`run` (a triggerer shutting
+            down must never stop a job).
         """
         ti = self.task_instance
         if ti is None:
@@ -329,10 +355,15 @@ class ElasticTrainingTrigger(BaseTrigger):
         try:
             from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
-            return RuntimeTaskInstance.get_ti_count(
+            return in_daemon_thread(lambda: RuntimeTaskInstance.get_ti_count(
                 dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id], map_index=ti.map_index,
-                states=["deferred"]) > 0
-        except Exception as exc:  # noqa: BLE001 - no supervisor to ask (a test, an older Airflow)
+                states=["deferred"]), "elastic-gpu-ti-state").result(STATE_QUERY_TIMEOUT_S) > 0
+        except TimeoutError:
+            self.log.warning("the triggerer's supervisor did not say within %gs whether task instance %s is "
+                             "still deferred (the triggerer stops?); taking it as %s", STATE_QUERY_TIMEOUT_S, ti,
+                             "deferred" if unsure else "ended by a user")
+            return unsure
+        except Exception as exc:  # noqa: BLE001 - no supervisor to ask (a test, an older Airflow), or no answer
             self.log.warning("could not read the state of task instance %s (%s); taking it as %s", ti, exc,
                              "deferred" if unsure else "ended by a user")
             return unsure
