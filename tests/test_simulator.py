@@ -208,6 +208,31 @@ def test_a_recreated_job_waits_for_gpus_that_others_took_meanwhile():
     assert all(n > 0 for time, job, n in a.allocations if job == "long" and time < a.jobs[0].end_s)
 
 
+def test_a_recreated_jobs_wait_for_gpus_is_not_taken_for_its_restart_overhead(monkeypatch):
+    """The policy measures a re-created job's restart overhead from the resize's publication: the
+    old pod's termination and the new pod's start, not its wait for GPUs in between. With the wait
+    counted (here 430 s; hours on a busy pool), a job needed a gain of twice its wait to be
+    resized again and stayed where it was placed (yolov3 on one GPU for 50,000 s)."""
+    from airflow_elastic_gpu.simulator.schedulers import PolicyScheduler
+
+    trace = [TraceJob("long", 0, 1, 20_000, "imagenet")] + [
+        TraceJob(f"s{i}", 3000 + 5 * i, 1, 1200, "imagenet") for i in range(4)]
+    model = RecreateModel(grace_period_s=30.0)
+    overheads: dict[str, float | None] = {}
+    finish = PolicyScheduler.finish
+
+    def recorded(self, sid, now):
+        book = self.jobs.get(sid)
+        if book is not None:
+            overheads[book.job_id] = book.restart_overhead_s
+        return finish(self, sid, now)
+
+    monkeypatch.setattr(PolicyScheduler, "finish", recorded)
+    t = simulate(trace, ClusterShape(1, 4), "termination", overheads=RestartOverheads(recreate=model))
+    assert next(j for j in t.jobs if j.job_id == "long").recreate_wait_s > 400
+    assert overheads["long"] is not None and overheads["long"] <= model.cost_s + 60  # a rebalance's sample
+
+
 def test_recreate_model_adds_its_parts_and_a_total_overrides_them():
     model = RecreateModel(grace_period_s=30, scheduling_s=1, image_cached=False, image_size_mb=1000,
                           pull_bandwidth_mb_s=100, container_start_s=4, init_s=5)

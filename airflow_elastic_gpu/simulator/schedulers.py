@@ -87,8 +87,8 @@ class PolicyScheduler:
         self.history: dict[str, ThroughputModel] = {}  # family -> model of its last finished measured job
         self.history_by_type: dict[str, dict[str, ThroughputModel]] = {}  # family -> its models per GPU type
         self._last_sample: dict[str, tuple[int, float, float]] = {}  # job -> (generation, time_s, step)
-        # re-queued job -> (its resize's publish time, its own min, max and requested GPUs)
-        self._requeued: dict[str, tuple[float | None, int, int, int | None]] = {}
+        # re-created jobs waiting for GPUs: (published_s, when re-queued, min, max, requested GPUs)
+        self._requeued: dict[str, tuple[float | None, float, int, int, int | None]] = {}
 
     @property
     def decisions(self) -> int:
@@ -151,13 +151,15 @@ class PolicyScheduler:
         maximum and request, so it waits while fewer GPUs can be had (a preempted job, whose target is empty,
         waits with its own bounds). Its latest generation counts as acked with no GPUs. Its
         placement counts as a resize (``last_resize_s``), and its restart overhead is measured
-        from the resize's publication, so the policy sees what the re-creation cost, the wait
-        included.
+        as the re-creation's: the old pod's termination (from the resize's publication until now)
+        and the new pod's start, not its wait for GPUs in between (a queueing delay, which the
+        policy would otherwise take for a restart cost: a re-created job that waited hours then
+        needed a gain of twice that to be resized again, and stayed on one GPU).
 
         :returns: that generation (the next placement is a later one).
         """
         book = self.jobs[sid]
-        self._requeued[sid] = (book.published_s, book.min_gpus, book.max_gpus, book.requested_gpus)
+        self._requeued[sid] = (book.published_s, now, book.min_gpus, book.max_gpus, book.requested_gpus)
         if book.target:
             book.min_gpus = book.max_gpus = book.requested_gpus = len(book.target)
         account_gpu_time(book, now)
@@ -173,8 +175,10 @@ class PolicyScheduler:
         for pub in self.core.rebalance(self.nodes, books, now, self.history, self.history_by_type):
             if pub.job_id in self._requeued and pub.gpus:
                 book = self.jobs[pub.job_id]
-                book.published_s, book.min_gpus, book.max_gpus, book.requested_gpus = self._requeued.pop(
+                published_s, requeued_s, book.min_gpus, book.max_gpus, book.requested_gpus = self._requeued.pop(
                     pub.job_id)
+                # the restart overhead, from then: termination + start, not the wait for GPUs
+                book.published_s = None if published_s is None else published_s + (now - requeued_s)
                 book.last_resize_s = now
 
 
