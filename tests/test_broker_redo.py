@@ -270,3 +270,24 @@ def test_a_drain_or_a_pool_setting_made_again_records_one_event(pool):
     assert kinds()[len(before):] == [EventKind.NODE, EventKind.CONFIG]
     pool.set_node_schedulable("n0", True)
     assert kinds()[len(before):] == [EventKind.NODE, EventKind.CONFIG, EventKind.NODE]
+
+
+def test_a_retry_of_a_task_whose_job_succeeded_gets_that_job_and_a_cleared_task_trains_again(pool):
+    """The try failed after its job succeeded (its worker lost while it returned the result): the
+    retry, whose max_tries Airflow leaves as it was, gets the success back rather than training
+    again for hours. A cleared task (Airflow raised max_tries) and a retry after a failed job
+    train again; without max_tries (the triggerer's task instance has none) every retry does."""
+    job = pool.submit(spec("k", attempt="try-1", max_tries=2))
+    pool.finish(job.id, 0, {"final": True, "accuracy": 0.9})
+    retried = pool.submit(spec("k", attempt="try-2", max_tries=2))
+    assert retried.id == job.id and retried.status is JobStatus.SUCCEEDED and retried.token is None
+    assert pool.job(job.id).metrics["accuracy"] == 0.9
+    cleared = pool.submit(spec("k", attempt="try-3", max_tries=4))
+    assert cleared.id != job.id and not cleared.status.terminal
+    pool.fail(cleared.id, "boom")
+    again = pool.submit(spec("k", attempt="try-4", max_tries=4))
+    assert again.id not in (job.id, cleared.id)  # a failed job's retry trains again
+    pool.finish(again.id, 0)
+    assert pool.submit(spec("k", attempt="try-5")).id not in (job.id, cleared.id, again.id)
+    with pytest.raises(InvalidRequest, match="max_tries must be an integer >= 0"):
+        spec("k", max_tries=-1)

@@ -74,7 +74,7 @@ def token_hash(token: str) -> str:
 
 # statements of the hot calls, built once (parameters bound per call)
 # locked: a reattach hands the job to its try (attempt) only if no cancel ended it meanwhile
-_BY_KEY = (select(Job.id, Job.status, Job.token_hash, Job.attempt).where(Job.key == bindparam("key"))
+_BY_KEY = (select(Job.id, Job.status, Job.token_hash, Job.attempt, Job.max_tries).where(Job.key == bindparam("key"))
            .with_for_update(key_share=True))
 _ADD_JOB = insert(Job)
 # schedulable healthy GPUs per node of the pool (``size``), with the pool's rebalance settings and
@@ -162,8 +162,9 @@ class Lifecycle(Endings):
         A key whose job is unfinished returns that job (``spec.attempt``, if given, becomes the try it
         belongs to: see :meth:`cancel`); a key whose job has ended returns it too when ``spec.attempt``
         submitted it (the same task try again, e.g. a trigger made
-        again after a triggerer restart), else (a task retry) starts a new job and keeps the old
-        one's record under ``KEY@OLD_ID``. The reply of a new job carries its API token (only there).
+        again after a triggerer restart), or when it succeeded and ``spec.max_tries`` is the one it
+        was submitted with (a retry, not a clear, of the task: see :class:`JobSpec`), else (a task
+        retry) starts a new job and keeps the old one's record under ``KEY@OLD_ID``. The reply of a new job carries its API token (only there).
 
         :raises InvalidRequest: not a :class:`JobSpec`, or a job the pool cannot place (the message
             names the field).
@@ -191,6 +192,11 @@ class Lifecycle(Endings):
                         return existing.id, (True if existing.token_hash == token_hash(token) else None)
                     if spec.attempt is not None and existing.attempt == spec.attempt:
                         return existing.id, None  # this attempt's job, ended: not trained again
+                    if (JobStatus(existing.status) is JobStatus.SUCCEEDED and spec.max_tries is not None
+                            and existing.max_tries == spec.max_tries):
+                        # a retry (not a clear) of a task whose training succeeded: that success
+                        update_job(conn, existing.id, attempt=spec.attempt)
+                        return existing.id, None
                 if spec.min_gpus > capacity:
                     raise InvalidRequest(
                         f"min_gpus={spec.min_gpus} is more than GPU pool {spec.pool!r} has ({capacity})"
@@ -203,7 +209,7 @@ class Lifecycle(Endings):
                 job_id = str(uuid.uuid4())
                 conn.execute(_ADD_JOB, {
                     "id": job_id, "key": key, "pool": spec.pool, "name": spec.name, "family": spec.family,
-                    "attempt": spec.attempt,
+                    "attempt": spec.attempt, "max_tries": spec.max_tries,
                     "command": spec.command,
                     "min_gpus": spec.min_gpus, "max_gpus": spec.max_gpus,
                     "requested_gpus": spec.requested_gpus or spec.max_gpus, "total_steps": spec.total_steps,

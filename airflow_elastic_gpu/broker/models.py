@@ -103,6 +103,8 @@ class Job(Base):
     family: Mapped[str | None] = mapped_column(String(256), default=None)
     # the Airflow task try that submitted it (JobSpec.attempt), if one did
     attempt: Mapped[str | None] = mapped_column(String(64), default=None)
+    # that task's max_tries then (JobSpec.max_tries): Airflow raises it when the task is cleared
+    max_tries: Mapped[int | None] = mapped_column(Integer, default=None)
     command: Mapped[str] = mapped_column(Text)
     min_gpus: Mapped[int] = mapped_column(Integer)
     max_gpus: Mapped[int] = mapped_column(Integer)

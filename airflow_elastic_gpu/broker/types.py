@@ -110,7 +110,12 @@ class JobSpec:
     :param attempt: the Airflow task try that submits it (the task instance's id, new for every
         try), at most 64 characters: when the job of ``key`` has ended, the same attempt submitting
         the key again gets that job back (a trigger made again after a triggerer restart: its job
-        ended meanwhile and must not train again), any other attempt a new job (a retry).
+        ended meanwhile and must not train again), any other attempt a new job (a retry), unless:
+    :param max_tries: the Airflow task's ``max_tries`` (>= 0) when it submits: Airflow raises it
+        when a user clears the task, never on a retry. A retry (another ``attempt``, the same
+        ``max_tries``) of a task whose job of ``key`` succeeded gets that job back (the try failed
+        after the training: its worker lost while it returned the result), rather than training
+        again for hours; a cleared task trains again.
     :raises InvalidRequest: a bad field; the message names it.
     """
 
@@ -130,6 +135,7 @@ class JobSpec:
     relative_speed: Mapping[str, float] | None = None
     family: str | None = None
     attempt: str | None = None
+    max_tries: int | None = None
 
     def __post_init__(self) -> None:
         check_text("name", self.name, MAX_NAME_CHARS)
@@ -157,6 +163,8 @@ class JobSpec:
             check_text("key", self.key, MAX_KEY_CHARS)
         if self.attempt is not None:
             check_text("attempt", self.attempt, 64)
+        if self.max_tries is not None:
+            check_int("max_tries", self.max_tries, 0, MAX_INT32)
         check_pool_name("pool", self.pool)
         check_int("priority", self.priority, -MAX_INT32, MAX_INT32)
         if self.checkpoint_dir is not None:

@@ -58,6 +58,7 @@ from airflow_elastic_gpu.triggers.training import (
     TRIGGER_CLASSPATH,
     ElasticTrainingTrigger,
     attempt_of,
+    max_tries_of,
 )
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
@@ -317,7 +318,7 @@ class ElasticTrainingOperator(BaseOperator):
                 pool=self.gpu_pool or self.hook.default_pool(), priority=self.priority,
                 progress_pattern=self.progress_pattern, checkpoint_dir=self.checkpoint_dir, backend=self.backend,
                 preemptible=self.preemptible, relative_speed=self.relative_speed,
-                family=task_family(ti.dag_id, ti.task_id), attempt=self._attempt,
+                family=task_family(ti.dag_id, ti.task_id), attempt=self._attempt, max_tries=max_tries_of(ti),
             )
             job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log,
                                    on_submitted=lambda submitted: setattr(self, "_job_id", submitted.id)).job

@@ -30,7 +30,8 @@ def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env:
                      labels: Mapping[str, str], log: logging.Logger,
                      on_submitted: Callable[[JobView], None] | None = None) -> Started:
     """Register ``spec.pool`` if the backend can (local: this host's GPUs), check the command,
-    submit ``spec`` (idempotent on ``spec.key``; for ``spec.attempt`` also once its job has ended)
+    submit ``spec`` (idempotent on ``spec.key``; for ``spec.attempt`` also once its job has ended,
+    and for a retry (``spec.max_tries``) once its job has succeeded)
     and start the job's processes, unless they run already or the job has ended.
 
     Blocking (DB and backend calls): a trigger runs it in a thread.
@@ -51,9 +52,9 @@ def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env:
     job = broker.submit(spec)
     if on_submitted is not None:
         on_submitted(job)
-    if job.status.terminal:  # this attempt's job ended (the broker answers it for spec.attempt): nothing to start
-        log.info("job %s of this try already %s (while the triggerer was away): not started again",
-                 job.id, job.status.value)
+    if job.status.terminal:  # this attempt's job ended, or a retry's succeeded one: nothing to start
+        log.info("job %s of this task already %s (this try's, while the triggerer was away, or a retried "
+                 "try's success): not trained again", job.id, job.status.value)
         return Started(job, True)
     try:
         running = backend.is_running(job.id)

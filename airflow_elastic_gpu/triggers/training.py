@@ -78,6 +78,13 @@ def attempt_of(ti: Any) -> str | None:
     return None if ti_id is None else str(ti_id)
 
 
+def max_tries_of(ti: Any) -> int | None:
+    """The task instance's ``max_tries`` (``JobSpec.max_tries``: Airflow raises it when the task is
+    cleared, never on a retry); None where the task instance has none (the triggerer's)."""
+    value = getattr(ti, "max_tries", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 class ElasticTrainingTrigger(BaseTrigger):
     """Fires ``{"job_id", "status", "reason"}`` when job ``job_id`` ends; ``status`` ``"error"``
     when it cannot be followed (the broker has no such job: the triggerer's broker is another
@@ -184,7 +191,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
             backend=self.backend, preemptible=bool(job.get("preemptible", False)),
             relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
-            attempt=attempt_of(ti),
+            attempt=attempt_of(ti), max_tries=max_tries_of(ti),
         )
         return submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log).job
 
