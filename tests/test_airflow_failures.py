@@ -361,3 +361,25 @@ def test_a_trigger_cancelled_while_its_triggerer_stops_does_not_wait_for_ever_fo
     assert trigger._still_deferred(unsure=False) is False
     assert time.monotonic() - started < 5
     never.set()
+
+
+def test_a_task_started_from_the_triggerer_sends_no_max_tries(worker_env, monkeypatch):
+    """The triggerer builds its task instance without ``max_tries`` (it reads 0 for every try, a
+    cleared one's too): sent with the job, a cleared task's new try got the old success back
+    rather than training again. The worker's task instance has the real one."""
+    from types import SimpleNamespace
+
+    from airflow_elastic_gpu.triggers import submit
+    from airflow_elastic_gpu.triggers.training import max_tries_of
+
+    sent = []
+    monkeypatch.setattr(submit, "submit_and_start", lambda broker, backend, spec, **kw: sent.append(spec) or
+                        SimpleNamespace(job=None))
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, start_from_trigger=True,
+                                 virtual_gpus=2)
+    trigger = ElasticTrainingTrigger(**op.start_trigger_args.trigger_kwargs)
+    trigger.task_instance = SimpleNamespace(id="try-2", dag_id="sft", task_id="train", run_id="manual__1",
+                                            map_index=-1, try_number=2, max_tries=0)
+    trigger._submit()
+    assert sent[0].attempt == "try-2" and sent[0].max_tries is None
+    assert max_tries_of(SimpleNamespace(max_tries=3)) == 3 and max_tries_of(SimpleNamespace()) is None

@@ -308,3 +308,24 @@ def test_a_pod_listing_the_api_refuses_at_submit_fails_the_new_job_with_a_clear_
         assert 'cannot list resource "pods"' in str(raised.value)
     (job,) = broker.jobs()
     assert job.status is JobStatus.FAILED and "cannot list job" in job.reason
+
+
+def test_a_stop_deletes_the_token_and_a_possible_service_while_the_broker_is_away(cluster):  # noqa: F811
+    """A backend new to a job whose pods were never made asks the broker whether it is a gang; with
+    the broker away (the very moment a task's on_kill could not cancel the job) the stop raised
+    before it deleted the token Secret. It deletes both now (the Service may not exist: a 404)."""
+    from airflow_elastic_gpu.broker.types import BrokerError
+
+    broker, api = cluster
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit(broker, "j", 1, 1)
+    backend.core_v1.create_namespaced_secret("ml", backend.builder.secret(job.id, "token"))
+    fresh = KubernetesBackend(config(), broker, api)
+
+    def away(job_id):
+        raise BrokerError("could not connect to the broker's database")
+
+    fresh.broker = type("Away", (), {"job": staticmethod(away)})()
+    api.delete_namespaced_service = lambda name, namespace: api.calls.append(("delete service", name))
+    fresh.stop(job.id)
+    assert api.secrets == {} and ("delete service", f"elastic-gpu-{job.id}") in api.calls

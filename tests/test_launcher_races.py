@@ -306,3 +306,35 @@ def test_a_process_whose_name_the_kernel_cut_inside_a_utf8_character_is_seen_ali
         child.kill()
         child.wait()
     assert not protocol.pid_alive(child.pid) and protocol.proc_stat(child.pid) is None
+
+
+@pytest.mark.parametrize("trainer", ["exits by itself", "still runs"])
+def test_the_watchdog_fences_only_a_trainer_it_killed(tmp_path, trainer):
+    """The launcher's loop was blocked (a hung shared directory) and the lease it read last is past
+    kill_s. A trainer that exited by itself meanwhile (code 0, not reaped yet) is reported as that
+    exit once the loop is back: the watchdog marked it too, and the loop took the success for a
+    fence, which the agent would have restarted. A trainer still running is SIGKILLed and fenced."""
+    shared = tmp_path / "job"
+    shared.mkdir()
+    launcher = Launcher(shared, "true", poll_s=0.05)
+    now = time.time()
+    launcher.lease.update({"contact_s": now - 3.5, "lease_s": 4.0, "fence_s": 2.0, "kill_s": 3.0}, now, time.monotonic())
+    launcher.generation = 1
+    command = "exit 0" if trainer == "exits by itself" else "sleep 60"
+    launcher.proc = subprocess.Popen(["sh", "-c", command], start_new_session=True)
+    launcher.proc_start = protocol.proc_stat(launcher.proc.pid)[1]
+    if trainer == "exits by itself":
+        wait_for(lambda: protocol.proc_stat(launcher.proc.pid)[0] == "Z", 10, "the trainer to exit")
+    threading.Thread(target=launcher._watchdog, daemon=True).start()
+    time.sleep(0.3)  # a few watchdog rounds
+    assert (launcher.watchdog_killed is launcher.proc) == (trainer == "still runs")
+    protocol.write_json(shared / protocol.LEASE, {"contact_s": time.time(), "lease_s": 4.0, "fence_s": 2.0,
+                                                  "kill_s": 3.0})  # contact is back
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    threading.Thread(target=launcher._run, daemon=True).start()
+    if trainer == "exits by itself":
+        done = wait_for(lambda: (s := status(shared)).get("state") == protocol.EXITED and s, 10, "the exit")
+        assert done["exit_code"] == 0 and done["fences"] == 0
+    else:
+        fenced = wait_for(lambda: (s := status(shared)).get("state") == protocol.FENCED and s, 10, "the fence")
+        assert fenced["fences"] == 1 and launcher.proc is None

@@ -71,7 +71,7 @@ from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the b
     pod_state,
 )
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.broker.types import JobView, NotFound
+from airflow_elastic_gpu.broker.types import JobView
 
 if TYPE_CHECKING:
     from airflow_elastic_gpu.backends.kubernetes_gang import GangPods
@@ -402,7 +402,10 @@ class KubernetesBackend:
         try:
             self.core_v1.create_namespaced_pod(self.config.namespace, pod)
         except (urllib3.exceptions.HTTPError, OSError) as exc:  # the API server unreachable for a moment
-            self._retry_later(job, f"cannot create pod {pod.metadata.name} ({exc})")
+            log.warning("job %s: cannot create pod %s: %s", job.id, pod.metadata.name, exc)
+            # (the note without the error's text, which names objects by address: one note, not one a poll)
+            self._retry_later(job, f"cannot create pod {pod.metadata.name}: the Kubernetes API server cannot be "
+                                   f"reached ({type(exc).__name__})")
             return False
         except ApiException as exc:
             if exc.status == 409:
@@ -468,7 +471,7 @@ class KubernetesBackend:
             # new to the job (a restarted triggerer, a task's on_kill): the broker's job tells
             try:
                 self.is_gang(self.broker.job(job_id), pods)
-            except NotFound:  # not known: a Service it may have had goes (a 404 is fine)
+            except Exception:  # noqa: BLE001 - not known (the broker away): a Service it may have had goes (a 404 is fine)
                 self._gang_jobs[job_id] = True
         if self._gang_jobs.get(job_id) or any(LABEL_NODE in (p.metadata.labels or {}) for p in pods):
             self.gang.delete_service(job_id)

@@ -275,7 +275,8 @@ class Launcher:
     def _run(self) -> int:
         self._status(protocol.STARTING)
         while True:
-            if self.proc is not None and self.proc is self.watchdog_killed and self.proc.poll() is not None:
+            if (self.proc is not None and self.proc.poll() is not None and self.proc is self.watchdog_killed
+                    and self.proc.returncode == -signal.SIGKILL):  # not an exit of its own just before
                 self._kill_workers()
                 self._mark_fenced("fenced by the watchdog: this launcher's loop was blocked (a hung shared "
                                   "directory?) past the lease's kill deadline, so the trainer and its workers "
@@ -352,9 +353,9 @@ class Launcher:
                 continue
             if self.lease.age_s(time.time(), time.monotonic()) < periods.kill_s:
                 continue
-            self.watchdog_killed = proc  # before the kill: the main loop sees no end it has not marked
             tree, starts = list(self.tree), dict(self.starts)
-            if protocol.same_process(proc.pid, self.proc_start):  # not reaped meanwhile: still its group
+            if protocol.same_process(proc.pid, self.proc_start):  # alive (not a zombie): still its group
+                self.watchdog_killed = proc  # before the kill: the main loop sees no end it has not marked
                 _signal_group(proc.pid, signal.SIGKILL)
             protocol.signal_processes(tree, signal.SIGKILL, starts)
 

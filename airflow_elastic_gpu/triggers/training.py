@@ -79,8 +79,9 @@ def attempt_of(ti: Any) -> str | None:
 
 
 def max_tries_of(ti: Any) -> int | None:
-    """The task instance's ``max_tries`` (``JobSpec.max_tries``: Airflow raises it when the task is
-    cleared, never on a retry); None where the task instance has none (the triggerer's)."""
+    """The worker's task instance's ``max_tries`` (``JobSpec.max_tries``: Airflow raises it when the
+    task is cleared, never on a retry); None where it has none. Not for the triggerer's task
+    instance, built without it (its ``max_tries`` reads 0 for every try, a clear's too)."""
     value = getattr(ti, "max_tries", None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
@@ -191,7 +192,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
             backend=self.backend, preemptible=bool(job.get("preemptible", False)),
             relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
-            attempt=attempt_of(ti), max_tries=max_tries_of(ti),
+            attempt=attempt_of(ti),  # no max_tries: the triggerer's task instance does not have the real one
         )
         return submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log).job
 
