@@ -402,8 +402,7 @@ class KubernetesBackend:
         try:
             self.core_v1.create_namespaced_pod(self.config.namespace, pod)
         except (urllib3.exceptions.HTTPError, OSError) as exc:  # the API server unreachable for a moment
-            log.warning("job %s: cannot create pod %s: %s", job.id, pod.metadata.name, exc)
-            # (the note without the error's text, which names objects by address: one note, not one a poll)
+            log.warning("job %s: cannot create pod %s: %s", job.id, pod.metadata.name, exc)  # the note: no addresses
             self._retry_later(job, f"cannot create pod {pod.metadata.name}: the Kubernetes API server cannot be "
                                    f"reached ({type(exc).__name__})")
             return False
