@@ -402,9 +402,8 @@ class KubernetesBackend:
         try:
             self.core_v1.create_namespaced_pod(self.config.namespace, pod)
         except (urllib3.exceptions.HTTPError, OSError) as exc:  # the API server unreachable for a moment
-            log.warning("job %s: cannot create pod %s: %s", job.id, pod.metadata.name, exc)  # the note: no addresses
             self._retry_later(job, f"cannot create pod {pod.metadata.name}: the Kubernetes API server cannot be "
-                                   f"reached ({type(exc).__name__})")
+                                   f"reached ({type(exc).__name__})", detail=str(exc))
             return False
         except ApiException as exc:
             if exc.status == 409:
@@ -419,11 +418,12 @@ class KubernetesBackend:
             raise BackendError(reason) from None
         return True
 
-    def _retry_later(self, job: JobView, reason: str) -> None:
-        """Log ``reason`` (a pod not created for now) and record it with the broker (a ``backend``
-        event, named if the job is declared LOST before its agent ever reports: a quota that stays
-        exceeded); best effort, the next sync tries the pod again."""
-        log.warning("job %s: %s; trying again at the next poll", job.id, reason)
+    def _retry_later(self, job: JobView, reason: str, detail: str = "") -> None:
+        """Log ``reason`` (a pod not created for now; ``detail``, the error's text, in the log only:
+        it may name objects by address, and the broker keeps one note per distinct reason) and record
+        it with the broker (a ``backend`` event, named if the job is declared LOST before its agent
+        ever reports: a quota that stays exceeded); best effort, the next sync tries the pod again."""
+        log.warning("job %s: %s%s; trying again at the next poll", job.id, reason, f": {detail}" if detail else "")
         try:
             self.broker.note_problem(job.id, f"{reason}; trying again at the next poll")
         except Exception as exc:  # noqa: BLE001 - a note: the broker's database may be away too

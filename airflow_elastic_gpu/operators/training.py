@@ -54,6 +54,7 @@ from airflow_elastic_gpu.links.job import ElasticJobLink
 from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
 from airflow_elastic_gpu.triggers.submit import submit_and_start
 from airflow_elastic_gpu.triggers.training import (
+    TIMEOUT_CANCEL,
     TIMEOUT_REASON,
     TRIGGER_CLASSPATH,
     ElasticTrainingTrigger,
@@ -383,9 +384,8 @@ class ElasticTrainingOperator(BaseOperator):
             self._job_id, self._attempt = event["job_id"], attempt_of(context["ti"])
             timed_out = bool(event.get("timed_out"))
             try:  # the worker's broker has the job: no one would watch it, or end it
-                self._stop_job(f"{TIMEOUT_REASON}: the task's time ran out while it was deferred; cancelled"
-                               if timed_out else "the triggerer could not follow the job (its broker is not the "
-                               "worker's)")
+                self._stop_job(TIMEOUT_CANCEL if timed_out
+                               else "the triggerer could not follow the job (its broker is not the worker's)")
             except Exception as exc:  # noqa: BLE001 - the message says what is left
                 self.log.warning("could not cancel job %s in the worker's broker (%s)", self._job_id, exc)
             if timed_out:  # retried, as on Airflow's own time-out

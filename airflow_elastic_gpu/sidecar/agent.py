@@ -240,10 +240,7 @@ class Agent(EndReports):
                     # a trainer still runs: its GPUs must not be freed, the lease ends the job
                     log.error("the dead launcher's trainer did not stop: the broker's lease will end the job")
                     return 1
-                plain = f"the launcher (pid {gone}) died without reporting an exit; its trainer was killed"
-                self._report_end("fail", functools.partial(self.broker.fail, self.job_id, self._with_tail(plain),
-                                                           **self._node_kw),
-                                 functools.partial(self.broker.fail, self.job_id, plain, **self._node_kw))
+                self._report_failure(f"the launcher (pid {gone}) died without reporting an exit; its trainer was killed")
                 return 1
             self.terminating.wait(self.poll_s)
 

@@ -155,11 +155,14 @@ class EndReports:
                 (lambda: self.broker.finish(self.job_id, 0, None, **node)) if metrics else None,
             )
         where = "" if self.node is None else f" on node {self.node}"
-        reason = self._with_tail(f"trainer{where} exited with {how}")
-        return self._report_end(
-            "fail", lambda: self.broker.fail(self.job_id, reason, code, metrics, **node),
-            lambda: self.broker.fail(self.job_id, f"trainer{where} exited with {how}", code, **node),
-        )
+        return self._report_failure(f"trainer{where} exited with {how}", code, metrics)
+
+    def _report_failure(self, plain: str, code: int | None = None, metrics: dict[str, Any] | None = None) -> int:
+        """Report the job's failure: ``plain`` with the trainer's last log lines, and ``metrics``;
+        a rejected report is sent once more as ``plain`` alone (:meth:`_report_end`)."""
+        reason, node = self._with_tail(plain), self._node_kw
+        return self._report_end("fail", lambda: self.broker.fail(self.job_id, reason, code, metrics, **node),
+                                lambda: self.broker.fail(self.job_id, plain, code, **node))
 
     def _report_end(self, what: str, call: Callable[[], Any], fallback: Callable[[], Any] | None = None) -> int:
         """Report the job's end, retrying transient failures for ``end_report_timeout_s``; a rejected

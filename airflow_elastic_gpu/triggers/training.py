@@ -50,6 +50,9 @@ TIME_OUT_TRIES = 3
 broker) after which the trigger fires an error event: the worker cancels the job, the task fails
 and is retried, as on a time-out (it stayed deferred for ever, Airflow not enforcing
 ``execution_timeout`` while deferred)."""
+TIMEOUT_CANCEL = f"{TIMEOUT_REASON}: the task's time ran out while it was deferred; cancelled"
+"""The reason of a job cancelled at its deferred task's deadline (by the trigger, or by the worker
+when the triggerer could not reach the broker)."""
 STATE_QUERY_TIMEOUT_S = 10.0
 """How long a trigger waits for the triggerer's supervisor to say whether its task instance is
 still deferred (a triggerer shutting down has stopped reading the answers)."""
@@ -320,9 +323,8 @@ class ElasticTrainingTrigger(BaseTrigger):
         """Cancel the job past ``deadline_s`` and stop its processes (blocking).
 
         :returns: False when the job was left alone (another try of the task follows it)."""
-        reason = f"{TIMEOUT_REASON}: the task's time ran out while it was deferred; cancelled"
-        self.log.error("job %s: %s", self.job_id, reason)
-        return self._kill(reason)
+        self.log.error("job %s: %s", self.job_id, TIMEOUT_CANCEL)
+        return self._kill(TIMEOUT_CANCEL)
 
     def _kill(self, reason: str) -> bool:
         """Cancel the job (``reason``) and stop its processes (blocking; after a submission under
@@ -371,7 +373,7 @@ class ElasticTrainingTrigger(BaseTrigger):
                              "still deferred (the triggerer stops?); taking it as %s", STATE_QUERY_TIMEOUT_S, ti,
                              "deferred" if unsure else "ended by a user")
             return unsure
-        except Exception as exc:  # noqa: BLE001 - no supervisor to ask (a test, an older Airflow), or no answer
+        except Exception as exc:  # noqa: BLE001 - no supervisor to ask (a test, an older Airflow)
             self.log.warning("could not read the state of task instance %s (%s); taking it as %s", ti, exc,
                              "deferred" if unsure else "ended by a user")
             return unsure
