@@ -1,6 +1,6 @@
-"""The local backend's processes under races and reuse: two starts of one job at once, a pid of a
-trainer that ended taken by another process since, a dead launcher's orphan trainer, and a stop
-left in ``desired.json`` by an earlier try."""
+"""The local backend's processes under races and reuse: two starts of one job at once, a stop
+during a start, a pid of a trainer that ended taken by another process since, a dead launcher's
+orphan trainer, and a stop left in ``desired.json`` by an earlier try."""
 
 from __future__ import annotations
 
@@ -60,6 +60,34 @@ def test_two_starts_of_one_job_at_once_start_one_agent_and_one_launcher(local): 
     agents = [p for p in procs if "sidecar.agent" in command_of(p)]
     launchers = [p for p in procs if "sidecar.launcher" in command_of(p)]
     assert len(agents) == 1 and len(launchers) == 1
+
+
+def test_a_stop_during_a_start_stops_the_processes_that_start_makes(local):  # noqa: F811
+    """A stop (a task's ``on_kill``) while a start of the job runs (its trigger in another
+    triggerer) read no handle yet and returned: the launcher and agent the start spawned next ran
+    on, a trainer on GPUs the task's end was to free."""
+    broker, backend = local
+    job = broker.submit(JobSpec("raced", SLEEPER, 1, 1, total_steps=10))
+    spawned, stopping = threading.Event(), threading.Event()
+    start_launchers = backend._start_launchers
+
+    def slow_start_launchers(*args, **kwargs):
+        out = start_launchers(*args, **kwargs)
+        spawned.set()
+        stopping.wait(10)  # the stop is called now, before the start has written handle.json
+        time.sleep(0.5)
+        return out
+
+    backend._start_launchers = slow_start_launchers
+    starter = threading.Thread(target=lambda: backend.start(job))
+    starter.start()
+    assert spawned.wait(60)
+    stopper = threading.Thread(target=lambda: backend.stop(job.id, timeout_s=10))
+    stopper.start()
+    stopping.set()
+    starter.join(60)
+    stopper.join(60)
+    wait_for(lambda: not marked(job.id), 10, "the job's processes to be gone")
 
 
 def test_a_stop_signals_no_pid_of_a_trainer_that_ended_and_no_reused_one(local, tmp_path):  # noqa: F811

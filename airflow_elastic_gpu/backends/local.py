@@ -396,7 +396,21 @@ class LocalBackend:
         """Ask the launcher(s) to stop the trainer, then kill whatever is left after ``timeout_s``
         (default ``grace_s`` + 10 s). The job directory is kept (see :meth:`cleanup`); with
         ``succeeded``, the default checkpoint directory is renamed out of the task's way
-        (:meth:`default_checkpoint_dir`)."""
+        (:meth:`default_checkpoint_dir`). It waits for a start of the job under way (the job's start
+        lock, at most ``START_LOCK_TIMEOUT_S``), whose processes it would miss otherwise, and holds
+        the lock until the job's processes are gone."""
+        if not self.job_dir(job_id).is_dir():
+            return
+        try:
+            with FileLock(self.job_dir(job_id) / ".start.lock", timeout=START_LOCK_TIMEOUT_S):
+                self._stop_locked(job_id, succeeded, timeout_s)
+        except Timeout:
+            log.warning("job %s: a start of it has held its start lock for %.0fs; stopping the processes "
+                        "recorded so far", job_id, START_LOCK_TIMEOUT_S)
+            self._stop_locked(job_id, succeeded, timeout_s)
+
+    def _stop_locked(self, job_id: str, succeeded: bool, timeout_s: float | None) -> None:
+        """:meth:`stop` under the job's start lock."""
         h = self.handle(job_id)
         if h is None:
             return
