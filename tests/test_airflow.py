@@ -169,6 +169,15 @@ def test_dag_with_a_training_and_a_mapped_training_over_three_configs_succeeds(a
         assert j.in_use_gpus == () and j.key.startswith("elastic_test/")
     logs = run.stdout + run.stderr
     assert "[start] generation 1" in logs, "the job's allocations are logged into the task log"
+    # Airflow 3's API server reads a task's extra link whole from its XCom "_link_<class>" (it never
+    # calls get_link): the "GPU job" button was empty
+    with sqlite3.connect(Path(airflow_env["AIRFLOW_HOME"]) / "airflow.db") as db:
+        links = dict(db.execute("SELECT task_id || ':' || map_index, value FROM xcom "
+                                "WHERE dag_id = 'elastic_test' AND key = '_link_ElasticJobLink'").fetchall())
+    by_name = {"single:-1": "single", **{f"mapped:{i}": f"mapped[{i}]" for i in range(3)}}
+    assert {k: json.loads(v) for k, v in links.items()} == {
+        k: f"/elastic-gpu/ui?pool=default&job={next(j.id for j in jobs if j.name == name)}"
+        for k, name in by_name.items()}
 
 
 def test_a_finished_training_emits_its_model_asset_event_with_its_figures_and_the_downstream_dag_runs(

@@ -325,8 +325,7 @@ class ElasticTrainingOperator(BaseOperator):
                                    on_submitted=lambda submitted: setattr(self, "_job_id", submitted.id)).job
         except (BrokerError, BackendError) as exc:  # a refusal too: a pool's size changes (a drain ends)
             raise AirflowException(f"{self.task_id}: {exc}") from None
-        ti.xcom_push(key="job_id", value=job.id)
-        ti.xcom_push(key="gpu_pool", value=job.pool)
+        ElasticJobLink.persist(ti, pool=job.pool, job_id=job.id)
         if self.deferrable:
             deadline_s = started_s + self.execution_timeout.total_seconds() if self.execution_timeout else None
             self.defer(trigger=ElasticTrainingTrigger(**self._trigger_kwargs(job_id=job.id, labels=labels,
@@ -394,8 +393,7 @@ class ElasticTrainingOperator(BaseOperator):
         broker = self.hook.broker
         job = broker.job(event["job_id"])
         if self.start_from_trigger:  # the triggerer cannot push XCom: the link's job id comes now
-            context["ti"].xcom_push(key="job_id", value=job.id)
-            context["ti"].xcom_push(key="gpu_pool", value=job.pool)
+            ElasticJobLink.persist(context["ti"], pool=job.pool, job_id=job.id)
         for e in broker.events(job_id=job.id):
             if e.kind in PUBLISH_KINDS:
                 self.log.info("[%s] %s", e.kind, e.message)
