@@ -54,6 +54,7 @@ from airflow_elastic_gpu.links.job import ElasticJobLink
 from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
 from airflow_elastic_gpu.triggers.submit import submit_and_start
 from airflow_elastic_gpu.triggers.training import (
+    KILLED_REASON,
     TIMEOUT_CANCEL,
     TIMEOUT_REASON,
     TRIGGER_CLASSPATH,
@@ -62,9 +63,6 @@ from airflow_elastic_gpu.triggers.training import (
     max_tries_of,
 )
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
-
-KILLED_REASON = "task killed"
-"""The reason of a job cancelled by its task's ``on_kill`` (retried: see ``_result``)."""
 
 
 def _later(value: object) -> bool:

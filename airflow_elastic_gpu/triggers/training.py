@@ -53,6 +53,15 @@ and is retried, as on a time-out (it stayed deferred for ever, Airflow not enfor
 TIMEOUT_CANCEL = f"{TIMEOUT_REASON}: the task's time ran out while it was deferred; cancelled"
 """The reason of a job cancelled at its deferred task's deadline (by the trigger, or by the worker
 when the triggerer could not reach the broker)."""
+KILLED_REASON = "task killed"
+"""How the reason of a job cancelled by its task's ``on_kill`` (the operator's or the trigger's)
+begins: retried, since Airflow kills a task whose worker shuts down or a trigger that moved to another
+triggerer too (a task a user marked failed is not retried: its state is set already)."""
+TRIGGER_KILLED = f"{KILLED_REASON} while deferred (marked failed or success, or cleared)"
+"""The reason of a job cancelled by the trigger's ``on_kill``."""
+USER_ACTION_CANCEL = "__airflow_user_action__"
+"""The message of the ``CancelledError`` that Airflow 3's triggerer sends a trigger whose task a
+user acted on (marked it failed or success, cleared it), just before it calls ``on_kill``."""
 STATE_QUERY_TIMEOUT_S = 10.0
 """How long a trigger waits for the triggerer's supervisor to say whether its task instance is
 still deferred (a triggerer shutting down has stopped reading the answers)."""
@@ -241,12 +250,13 @@ class ElasticTrainingTrigger(BaseTrigger):
             async for event in self._events():
                 fired = True
                 yield event
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             # Airflow ended the deferral without on_kill (a start_from_trigger task's execution_timeout
             # is a trigger timeout): once the task instance is no longer deferred nobody watches the
             # job, so it is stopped. A triggerer that shuts down, or gives the trigger to another,
-            # leaves the task deferred (or cannot tell): the job goes on.
-            if not fired:
+            # leaves the task deferred (or cannot tell): the job goes on. A user's action is
+            # on_kill's, which follows (its reason, not a time-out's, is the job's)
+            if not fired and not (exc.args and exc.args[0] == USER_ACTION_CANCEL):
                 await self._stop_unless_deferred("the task's deferral ended without the job (timed out)",
                                                  unsure=True)
             raise
@@ -392,7 +402,9 @@ class ElasticTrainingTrigger(BaseTrigger):
                 return
             self._kill(reason)
 
-        await asyncio.to_thread(stop)
+        # a thread of its own: the triggerer's default executor may be busy with other triggers'
+        # polls, and a stop queued there is dropped when on_kill's time (30 s) runs out
+        await asyncio.wrap_future(in_daemon_thread(stop, "elastic-gpu-stop"))
 
     async def on_kill(self) -> None:
         """The user marked the deferred task failed/success or cleared it: stop the job, free its GPUs
@@ -402,4 +414,4 @@ class ElasticTrainingTrigger(BaseTrigger):
         Airflow 3.3 also calls ``on_kill`` on a live triggerer whose trigger was given to another
         one (its heartbeat was late, e.g. on a loaded machine): the task instance is then still
         deferred, the other triggerer watches the job, and the job goes on."""
-        await self._stop_unless_deferred("task instance killed by a user while deferred", unsure=False)
+        await self._stop_unless_deferred(TRIGGER_KILLED, unsure=False)

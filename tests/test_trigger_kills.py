@@ -1,0 +1,102 @@
+"""The trigger when Airflow's triggerer kills it: a user's action on a deferred task (the triggerer
+cancels ``run`` with its user-action message, then calls ``on_kill``), a trigger moved to another
+triggerer whose task state cannot be read, and an ``on_kill`` whose stop must not wait for the
+event loop's busy executor."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+import threading
+import time
+
+import pytest
+from airflow.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowFailException
+from test_airflow_tasks import _FakeTI, _trigger_ti
+from test_sidecar import wait_for
+
+from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
+from airflow_elastic_gpu.states import JobStatus
+from airflow_elastic_gpu.triggers.training import (
+    TRIGGER_KILLED,
+    USER_ACTION_CANCEL,
+    ElasticTrainingTrigger,
+)
+
+
+def test_a_user_action_on_a_deferred_task_cancels_its_job_with_on_kills_reason_not_a_time_outs(worker_env):
+    """The triggerer cancels ``run`` with its user-action message before it calls ``on_kill``: ``run``
+    took it for a time-out and cancelled the job first ("the task's deferral ended without the job
+    (timed out)"), the reason the broker, the UI and the CLI then showed, and stopped it twice."""
+    broker, backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
+                                 total_steps=100000, virtual_gpus=1, poll_interval=0.2, start_from_trigger=True)
+    trigger = ElasticTrainingTrigger(**op.start_trigger_args.trigger_kwargs)
+    trigger.task_instance = _trigger_ti()
+    trigger._still_deferred = lambda unsure=False: False  # the user marked it failed: its state is set
+
+    async def mark_failed_while_it_watches():
+        running = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.to_thread(wait_for, lambda: trigger.job_id and backend.is_running(trigger.job_id), 60,
+                                "the job to start")
+        await asyncio.sleep(0.5)  # now polling
+        running.cancel(USER_ACTION_CANCEL)  # what the triggerer's cancel_triggers does, then on_kill
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        await trigger.on_kill()
+
+    asyncio.run(mark_failed_while_it_watches())
+    (job,) = broker.jobs()
+    assert job.status is JobStatus.CANCELLED and job.reason == TRIGGER_KILLED
+    assert not backend.is_running(job.id)
+
+
+def test_a_job_whose_trigger_was_killed_without_a_known_task_state_fails_its_task_for_a_retry(worker_env):
+    """Airflow 3.3 calls ``on_kill`` on a triggerer whose trigger moved to another one too; a task
+    state that cannot be read (no answer from a loaded triggerer's supervisor) is taken for a
+    user's action, and the job is cancelled. The other triggerer then fires the cancelled job, and
+    its reason failed the task for good: a moved trigger threw a training away."""
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("moved", "python train.py", 1, 2, total_steps=10))
+    trigger = ElasticTrainingTrigger(job.id, "elastic_gpu_missing_conn", 0.2, "local", str(worker_env[1].work_dir))
+    trigger.task_instance = _trigger_ti()
+    trigger._still_deferred = lambda unsure=False: unsure  # no answer
+    asyncio.run(trigger.on_kill())
+    cancelled = broker.job(job.id)
+    assert cancelled.status is JobStatus.CANCELLED
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10)
+    with pytest.raises(AirflowException, match="task killed while deferred") as raised:
+        op._result(cancelled, {"ti": _FakeTI()})
+    assert not isinstance(raised.value, AirflowFailException)
+
+
+def test_on_kill_stops_the_job_when_the_event_loops_executor_is_busy(worker_env):
+    """``on_kill`` has 30 s in Airflow's triggerer; its stop waited in the event loop's default
+    executor behind other triggers' blocking polls, and was dropped, never run, when the time ran
+    out: the job kept its GPUs with nobody following it."""
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("killed", "python train.py", 1, 2, total_steps=10))
+    trigger = ElasticTrainingTrigger(job.id, "elastic_gpu_missing_conn", 0.2, "local", str(worker_env[1].work_dir))
+    trigger.task_instance = _trigger_ti()
+    trigger._still_deferred = lambda unsure=False: False
+    busy = threading.Event()
+
+    async def kill_while_the_executor_is_busy():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+        loop.run_in_executor(None, busy.wait, 30)  # another trigger's poll, stuck for a while
+        try:
+            await asyncio.wait_for(trigger.on_kill(), 1.0)  # the triggerer's limit, shortened
+        except TimeoutError:
+            pass  # as the triggerer does
+        busy.set()
+
+    started = time.monotonic()
+    asyncio.run(kill_while_the_executor_is_busy())
+    assert time.monotonic() - started < 20
+    wait_for(lambda: broker.job(job.id).status is JobStatus.CANCELLED, 10, "the job to be cancelled")
