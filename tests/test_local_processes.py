@@ -1,6 +1,7 @@
 """The local backend's processes under races and reuse: two starts of one job at once, a stop
 during a start, a pid of a trainer that ended taken by another process since, a dead launcher's
-orphan trainer, and a stop left in ``desired.json`` by an earlier try."""
+orphan trainer, a stop left in ``desired.json`` by an earlier try, and a host's real GPUs claimed
+by one broker only."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from test_sidecar import wait_for
 
 from airflow_elastic_gpu.backends.local import LocalBackend
 from airflow_elastic_gpu.backends.local_processes import JOB_MARK, boot_id, start_ticks
+from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.states import JobStatus
@@ -179,3 +181,52 @@ def test_the_trainer_numbers_gpus_as_nvidia_smi_does(local, tmp_path):  # noqa: 
     job = broker.start(job.id, backend.start(job))
     wait_for(lambda: broker.job(job.id).status.terminal, 60, "the job to end")
     assert "PCI_BUS_ID" in LocalBackend.log_tail(backend, job.id)
+
+
+@pytest.fixture
+def two_real_gpus(tmp_path, monkeypatch):
+    """An ``nvidia-smi`` on PATH that lists two A100s, as on a GPU host."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0, NVIDIA A100-SXM4-80GB\\n1, NVIDIA A100-SXM4-80GB\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+def test_a_second_broker_cannot_register_or_use_a_hosts_real_gpus(tmp_path, two_real_gpus):
+    """Airflow 3 reports a connection it could not read for a moment as not defined; a worker then
+    used the ``[elastic_gpu]`` section's broker (a SQLite file by default), which registered the
+    host's GPUs anew: two brokers handed the same GPUs to a job each."""
+    from airflow_elastic_gpu.backends import BackendError
+
+    work_dir = tmp_path / "jobs"
+    first, second = (GpuBroker(f"sqlite:///{tmp_path / name}") for name in ("real.db", "fallback.db"))
+    assert LocalBackend(work_dir, first).ensure_pool("default").startswith("registered 2 GPU(s)")
+    with pytest.raises(BackendError, match=r"handed out by the broker 'sqlite:///.*real\.db'.*fallback\.db"):
+        LocalBackend(work_dir, second).ensure_pool("default")
+    assert second.nodes() == []
+    assert LocalBackend(work_dir, first).ensure_pool("default") is None  # its own: fine
+    # a broker that registered them before the claim existed is refused too once another has it
+    second.register_node("localhost", pool="default", gpu_type="NVIDIA A100-SXM4-80GB", gpu_indices=(0, 1))
+    with pytest.raises(BackendError, match="two brokers would hand the same GPUs to two jobs"):
+        LocalBackend(work_dir, second).ensure_pool("default")
+
+
+def test_a_broker_that_had_a_hosts_real_gpus_before_the_claim_is_recorded_as_theirs(tmp_path, two_real_gpus):
+    from airflow_elastic_gpu.backends import BackendError
+
+    work_dir = tmp_path / "jobs"
+    old, other = (GpuBroker(f"sqlite:///{tmp_path / name}") for name in ("old.db", "other.db"))
+    old.register_node("localhost", pool="default", gpu_type="NVIDIA A100-SXM4-80GB", gpu_indices=(0, 1))
+    assert LocalBackend(work_dir, old).ensure_pool("default") is None
+    with pytest.raises(BackendError, match="old.db"):
+        LocalBackend(work_dir, other).ensure_pool("default")
+
+
+def test_brokers_of_virtual_gpus_claim_nothing(tmp_path):
+    """Virtual GPUs are CPU processes: a test or a second demo on one host may have brokers of its own."""
+    work_dir = tmp_path / "jobs"
+    for name in ("one.db", "two.db"):
+        assert "virtual" in LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / name}"),
+                                         virtual_gpus=2).ensure_pool("default")

@@ -45,6 +45,7 @@ from airflow_elastic_gpu.backends.base import (  # BackendError: also from here
 from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backend's public names
     LOCAL_NODE,
     check_host_not_in_another_pool,
+    claim_host_gpus,
     detect_gpus,
 )
 from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-exported
@@ -173,15 +174,19 @@ class LocalBackend:
         :data:`LOCAL_NODE` of ``pool`` when the broker has no such pool yet.
 
         :raises BackendError: ``virtual_gpus`` < 1, or this host's GPUs are already a node of
-            another pool (a second pool would hand the same GPUs out twice).
+            another pool, or the real ones of another broker (:func:`claim_host_gpus`): a second
+            pool or broker would hand the same GPUs out twice.
         """
         if pool in self.broker.pools():
+            claim_host_gpus(self.work_dir, self.broker, pool, registering=False)
             return None
         check_host_not_in_another_pool(self.broker, pool)
         try:
             found = detect_gpus(self.virtual_gpus)
         except ValueError as exc:
             raise BackendError(str(exc)) from None
+        if not found.virtual:
+            claim_host_gpus(self.work_dir, self.broker, pool, registering=True)
         if self.virtual_nodes == 1:
             self.broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
             return (f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) of this host "

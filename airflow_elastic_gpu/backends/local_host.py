@@ -1,5 +1,5 @@
 """This host's GPUs for the local backend: finding them (``nvidia-smi``, else virtual ones), the
-node name they are registered under, and the guard that keeps them in one GPU pool only."""
+node name they are registered under, and the guards that keep them in one GPU pool of one broker."""
 
 from __future__ import annotations
 
@@ -7,16 +7,24 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from filelock import FileLock
+from sqlalchemy.engine import make_url
 
 from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.config import default_virtual_gpus
+from airflow_elastic_gpu.sidecar import protocol
 
 if TYPE_CHECKING:
     from airflow_elastic_gpu.broker.service import GpuBroker
 
 LOCAL_NODE = "localhost"
 """The node name under which this host's GPUs are registered (``localhost-<i>`` for virtual nodes)."""
+CLAIM_FILE = "host-gpus.json"
+"""The file in the local backend's work directory that names the broker handing out this host's
+real GPUs (:func:`claim_host_gpus`)."""
 
 @dataclass(frozen=True)
 class HostGpus:
@@ -73,3 +81,44 @@ def check_host_not_in_another_pool(broker: GpuBroker, pool: str) -> None:
             f"would hand the same GPUs to two jobs. Use pool {elsewhere[0]!r} (--pool, the operator's "
             f"pool=), or register other GPUs in {pool!r} (airflow-elastic-gpu nodes add NAME --gpus N)"
         )
+
+
+def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering: bool) -> None:
+    """Keep this host's real GPUs in one broker: the first broker to have them (``registering`` them
+    in ``pool``, or found with them already) is recorded in ``work_dir``/:data:`CLAIM_FILE`, and
+    another broker that would register them, or has them, is refused.
+
+    Two brokers would hand the same GPUs to a job each. That happens when a process reads another
+    broker than the rest of the deployment: Airflow 3 reports a connection it could not read (a
+    secrets backend or its API server away for a moment) as not defined, and the broker then falls
+    back to the ``[elastic_gpu]`` section, whose default is a SQLite file in ``$AIRFLOW_HOME``.
+    Virtual GPUs (CPU processes) are not claimed. Brokers are told apart by URL, password hidden.
+
+    :param registering: the caller registers the host's GPUs in ``pool`` next (not yet in it).
+    :raises BackendError: another broker has them, naming both and the file; a malformed file.
+    """
+    path = Path(work_dir) / CLAIM_FILE
+    name = make_url(broker.url).render_as_string(hide_password=True)
+    try:
+        claim = protocol.read_json(path)
+        if claim is not None and claim.get("broker") == name:
+            return
+        if not registering and not any(_HOST_NODE.fullmatch(n.name) and any(g.gpu_type != "virtual" for g in n.gpus)
+                                       for n in broker.nodes(pool)):
+            return  # not this host's real GPUs
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(path.with_name(f".{CLAIM_FILE}.lock"), timeout=30):
+            claim = protocol.read_json(path)
+            if claim is None:
+                protocol.write_json(path, {"broker": name, "pool": pool})
+                return
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"cannot read or record which broker has this host's GPUs ({path}): {exc}") from None
+    if claim.get("broker") == name:
+        return
+    raise BackendError(
+        f"this host's GPUs are handed out by the broker {claim.get('broker')!r} (recorded in {path}), not by this "
+        f"process's broker {name!r}: two brokers would hand the same GPUs to two jobs. Every Airflow component "
+        "must read the same broker (the connection elastic_gpu_default, or [elastic_gpu] broker_url; Airflow "
+        "reports a connection it cannot read for a moment as not defined, and the [elastic_gpu] section's "
+        f"broker is used then). If the broker moved for good, delete {path} once no job of the old one runs")
