@@ -7,6 +7,7 @@ triggerer that cannot see the job)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -383,3 +384,29 @@ def test_a_task_started_from_the_triggerer_sends_no_max_tries(worker_env, monkey
     trigger._submit()
     assert sent[0].attempt == "try-2" and sent[0].max_tries is None
     assert max_tries_of(SimpleNamespace(max_tries=3)) == 3 and max_tries_of(SimpleNamespace()) is None
+
+
+def test_a_trigger_whose_connection_cannot_be_read_for_a_moment_follows_the_job_once_it_can(worker_env, monkeypatch,
+                                                                                              tmp_path):
+    """Airflow 3 reports a connection it cannot read for a moment as not defined: the triggerer's
+    broker was then the [elastic_gpu] section's, which has no such job, and the trigger fired an
+    error at once, on which the worker cancelled a healthy training and failed its task for good."""
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("followed", "python train.py", 1, 2, total_steps=10))
+    broker.ack(job.id, 1)
+    broker.finish(job.id, 0, {"final": True, "step": 10})
+    real_url = os.environ["AIRFLOW_ELASTIC_GPU_BROKER_URL"]
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", f"sqlite:///{tmp_path / 'fallback.db'}")
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, poll_interval=0.1)
+    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
+
+    async def follow():
+        first = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.sleep(1.0)  # several polls that find no such job
+        assert not first.done()
+        monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", real_url)  # the connection is read again
+        return await asyncio.wait_for(first, 30)
+
+    event = asyncio.run(follow())
+    assert event.payload["status"] == "succeeded" and event.payload["job_id"] == job.id

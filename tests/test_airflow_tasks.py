@@ -354,9 +354,13 @@ def test_a_trigger_made_again_after_its_job_ended_fires_that_end_and_a_retry_tra
     backend.stop(new_id, timeout_s=10)
 
 
-def test_a_trigger_whose_broker_has_no_such_job_fails_the_task_rather_than_wait_forever(worker_env):
+def test_a_trigger_whose_broker_has_no_such_job_fails_the_task_rather_than_wait_forever(worker_env, monkeypatch):
     """A triggerer configured with another broker than the worker's (a missing connection on one
-    of them) finds no such job: no retry changes that, so the task fails with the reason."""
+    of them) finds no such job: once reading the connection again has not changed that for
+    NOT_FOUND_GRACE_S, the task fails with the reason."""
+    from airflow_elastic_gpu.triggers import training
+
+    monkeypatch.setattr(training, "NOT_FOUND_GRACE_S", 0.5)
     op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=3, poll_interval=0.1)
     trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id="no-such-job", labels=None))
     event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 30))

@@ -76,12 +76,17 @@ class GpuBrokerHook(BaseHook):
     def connection(self) -> Any | None:
         """The Airflow connection ``broker_conn_id``, or ``None`` when it is not defined (read once).
 
-        Only a connection that is not defined falls back to the ``[elastic_gpu]`` settings: one that
-        is defined but cannot be read (a secrets backend that denies it or is down, the API
-        server unreachable) raises, since falling back would give this process another broker
-        than the rest of the deployment's (the same GPUs handed out twice).
+        Only a connection that is not defined falls back to the ``[elastic_gpu]`` settings, since
+        falling back would give this process another broker than the rest of the deployment's (the
+        same GPUs handed out twice): what Airflow raises reading one that may exist is raised. But
+        Airflow 3 reports a connection that a secrets backend or its API server could not read
+        for a moment as not defined too: a deployment that uses the connection should set
+        ``[elastic_gpu] broker_url`` to the same URL. Against the rest, a trigger whose broker has
+        no such job reads the connection again for a while, and the local backend refuses to give
+        this host's real GPUs to a second broker (:func:`.local_host.claim_host_gpus`).
 
-        :raises Exception: whatever Airflow raised reading a connection that may exist.
+        :raises Exception: whatever Airflow raised reading a connection that may exist (an access
+            denied by a secrets backend).
         """
         from airflow.exceptions import AirflowNotFoundException
 

@@ -53,6 +53,10 @@ and is retried, as on a time-out (it stayed deferred for ever, Airflow not enfor
 TIMEOUT_CANCEL = f"{TIMEOUT_REASON}: the task's time ran out while it was deferred; cancelled"
 """The reason of a job cancelled at its deferred task's deadline (by the trigger, or by the worker
 when the triggerer could not reach the broker)."""
+NOT_FOUND_GRACE_S = 300.0
+"""How long a trigger whose broker has no such job reads the connection again at every poll before
+it gives up (seconds): Airflow 3 reports a connection it cannot read for a moment (a secrets backend
+or its API server away) as not defined, and the broker of the ``[elastic_gpu]`` section is used then."""
 KILLED_REASON = "task killed"
 """How the reason of a job cancelled by its task's ``on_kill`` (the operator's or the trigger's)
 begins: retried, since Airflow kills a task whose worker shuts down or a trigger that moved to another
@@ -272,16 +276,26 @@ class ElasticTrainingTrigger(BaseTrigger):
                 yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc)})
                 return
         timed_out, failures = False, 0  # failures: time-outs tried past the deadline that failed
+        missing_since: float | None = None  # when the triggerer's broker first had no such job
         while True:
             try:
                 job = await asyncio.to_thread(self._poll)
+                missing_since = None
                 if not job.status.terminal and self._past_deadline():
                     if await asyncio.to_thread(self._time_out):
                         continue  # the next poll reads the cancelled job and fires its end
                     self.deadline_s = None  # another try of the task follows the job: not this one's to end
-            except NotFound as exc:  # no retry brings it back: this triggerer's broker is not the worker's
-                reason = (f"{exc} in the triggerer's broker: the triggerer must reach the broker the task "
-                          f"submitted to (connection {self.broker_conn_id!r} or [elastic_gpu] broker_url)")
+            except NotFound as exc:  # this triggerer's broker is not the worker's, for a moment or for good
+                missing_since = missing_since or time.monotonic()
+                if time.monotonic() - missing_since < NOT_FOUND_GRACE_S:
+                    self.log.warning("%s in the triggerer's broker; reading the connection again in %ss (one "
+                                     "that cannot be read is taken for not defined)", exc, self.poll_interval)
+                    await asyncio.to_thread(self._drop_watcher)
+                    await asyncio.sleep(self.poll_interval)
+                    continue
+                reason = (f"{exc} in the triggerer's broker for {NOT_FOUND_GRACE_S:.0f}s: the triggerer must reach "
+                          f"the broker the task submitted to (connection {self.broker_conn_id!r} or "
+                          "[elastic_gpu] broker_url)")
                 self.log.error("%s", reason)
                 yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": reason})
                 return
