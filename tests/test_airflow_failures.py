@@ -410,3 +410,25 @@ def test_a_trigger_whose_connection_cannot_be_read_for_a_moment_follows_the_job_
 
     event = asyncio.run(follow())
     assert event.payload["status"] == "succeeded" and event.payload["job_id"] == job.id
+
+
+def test_a_task_of_airflows_longest_ids_gets_a_job_and_the_same_key_from_the_trigger(worker_env):
+    """dag, task and run ids of up to 250 characters each made a key past the broker's 512: the
+    task failed on every try with "key must be at most 512 characters"."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from airflow_elastic_gpu.triggers.training import task_key
+
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    ti = _FakeTI()
+    ti.dag_id, ti.task_id, ti.run_id, ti.map_index = "d" * 250, "group." + "t" * 244, "manual__" + "r" * 242, 7
+    op = ElasticTrainingOperator(task_id=ti.task_id, command="python train.py", total_steps=10)
+    with pytest.raises(TaskDeferred):
+        op.execute({"ti": ti})
+    (job,) = broker.jobs()
+    assert job.key == task_key(ti) and len(job.key) <= 475 and job.key.startswith(f"{'d' * 250}/group.ttt")
+    other = _FakeTI()
+    other.dag_id, other.task_id, other.run_id, other.map_index = ti.dag_id, ti.task_id, ti.run_id, 8
+    assert task_key(other) != job.key  # the hash is the whole key's
+    assert task_key(_FakeTI()) == "retry_dag/train/manual__1/-1"  # a key that fits stays as it was

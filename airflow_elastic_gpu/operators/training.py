@@ -61,6 +61,7 @@ from airflow_elastic_gpu.triggers.training import (
     ElasticTrainingTrigger,
     attempt_of,
     max_tries_of,
+    task_key,
 )
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
@@ -290,11 +291,6 @@ class ElasticTrainingOperator(BaseOperator):
                     "broker_api_url_given": self.broker_api_url_given}}
 
     @staticmethod
-    def job_key(context: Any) -> str:
-        ti = context["ti"]
-        return f"{ti.dag_id}/{ti.task_id}/{ti.run_id}/{ti.map_index}"
-
-    @staticmethod
     def task_labels(context: Any) -> dict[str, str]:
         """The task instance's ``dag_id``, ``task_id``, ``run_id`` and ``map_index``, for the backend."""
         ti = context["ti"]
@@ -313,7 +309,7 @@ class ElasticTrainingOperator(BaseOperator):
             spec = JobSpec(
                 name=self.job_name or (self.task_id if ti.map_index < 0 else f"{self.task_id}[{ti.map_index}]"),
                 command=self.command, min_gpus=self.min_gpus, max_gpus=self.max_gpus,
-                requested_gpus=self.requested_gpus, total_steps=self.total_steps, key=self.job_key(context),
+                requested_gpus=self.requested_gpus, total_steps=self.total_steps, key=task_key(ti),
                 pool=self.gpu_pool or self.hook.default_pool(), priority=self.priority,
                 progress_pattern=self.progress_pattern, checkpoint_dir=self.checkpoint_dir, backend=self.backend,
                 preemptible=self.preemptible, relative_speed=self.relative_speed,

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from airflow_elastic_gpu.broker.types import (
+    MAX_KEY_CHARS,
     BrokerError,
     JobSpec,
     JobView,
@@ -85,6 +87,18 @@ def in_daemon_thread(call: Callable[[], T], name: str) -> concurrent.futures.Fut
     future.set_running_or_notify_cancel()  # running: a cancelled waiter cannot cancel it
     threading.Thread(target=work, name=name, daemon=True).start()
     return future
+
+
+def task_key(ti: Any) -> str:
+    """The job key of task instance ``ti`` (``JobSpec.key``, one job per task instance):
+    ``dag_id/task_id/run_id/map_index``. Ids of Airflow's longest (250 characters each) would pass
+    the broker's key limit, or leave no room for the ``@<job id>`` of a replaced job's record:
+    such a key is cut and ends with a hash of the whole (``#`` and 16 hex digits)."""
+    key = f"{ti.dag_id}/{ti.task_id}/{ti.run_id}/{int(ti.map_index)}"
+    room = MAX_KEY_CHARS - 37  # "@" and a job id (a uuid, 36 characters)
+    if len(key) <= room:
+        return key
+    return f"{key[:room - 17]}#{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def attempt_of(ti: Any) -> str | None:
@@ -203,7 +217,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         spec = JobSpec(
             name=name, command=self.command, min_gpus=job["min_gpus"], max_gpus=job.get("max_gpus"),
             requested_gpus=job.get("requested_gpus"), total_steps=job["total_steps"],
-            key=f"{ti.dag_id}/{ti.task_id}/{ti.run_id}/{map_index}",
+            key=task_key(ti),
             pool=job.get("gpu_pool") or hook.default_pool(), priority=job.get("priority", 0),
             progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
             backend=self.backend, preemptible=bool(job.get("preemptible", False)),
