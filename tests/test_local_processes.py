@@ -1,5 +1,5 @@
 """The local backend's processes under races and reuse: two starts of one job at once, a stop
-during a start, a pid of a trainer that ended taken by another process since, a dead launcher's
+during a start, a start killed before it recorded its processes, a pid of a trainer that ended taken by another process since, a dead launcher's
 orphan trainer, a stop left in ``desired.json`` by an earlier try, and a host's real GPUs claimed
 by one broker only."""
 
@@ -230,3 +230,20 @@ def test_brokers_of_virtual_gpus_claim_nothing(tmp_path):
     for name in ("one.db", "two.db"):
         assert "virtual" in LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / name}"),
                                          virtual_gpus=2).ensure_pool("default")
+
+
+def test_a_start_killed_before_it_recorded_its_processes_is_not_followed_by_a_second_trainer(local):  # noqa: F811
+    """The worker is killed (OOM) after the start spawned the launcher and the agent, before it
+    wrote ``handle.json``: the next try's start saw no handle and started a second launcher,
+    agent and trainer on the job's GPUs and checkpoint."""
+    broker, backend = local
+    job = broker.submit(JobSpec("interrupted", SLEEPER, 1, 1, total_steps=10))
+    backend.start(job)
+    wait_for(lambda: len(marked(job.id)) >= 3, 30, "the agent, the launcher and the trainer")
+    first = set(marked(job.id))
+    (backend.job_dir(job.id) / "handle.json").unlink()  # never written
+    backend.start(broker.job(job.id))
+    wait_for(lambda: not first & set(marked(job.id)), 10, "the unrecorded processes to be gone")
+    procs = marked(job.id)
+    assert len([p for p in procs if "sidecar.agent" in command_of(p)]) == 1
+    assert len([p for p in procs if "sidecar.launcher" in command_of(p)]) == 1

@@ -26,7 +26,6 @@ import logging
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -53,6 +52,8 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
     LocalHandle,
     boot_id,
     kill_group,
+    kill_job_processes,
+    kill_unrecorded,
     start_ticks,
 )
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
@@ -293,9 +294,12 @@ class LocalBackend:
             # part of a gang is gone: start the whole gang again, killing its trainers and their
             # workers too (sessions of their own: a launcher's group misses them), else the new
             # trainers would share GPUs and a checkpoint with them
-            if existing is not None and (alive := protocol.survivors(self._kill_processes(existing))):
+            if existing is not None and (alive := protocol.survivors(kill_job_processes(existing))):
                 raise BackendError(f"job {job.id}: its earlier processes {alive} survive SIGKILL (stuck in the "
                                        "kernel?): not starting a second trainer on their GPUs")
+            if existing is None and (alive := kill_unrecorded(job.id)):
+                raise BackendError(f"job {job.id}: processes {alive} of a start that did not record them survive "
+                                   "SIGKILL (stuck in the kernel?): not starting a second trainer on their GPUs")
             launcher_pid, node_pids = self._start_launchers(job, job_dir, env)
         pids = [pid for _, pid in node_pids] or [launcher_pid]
         agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job.id,
@@ -426,23 +430,9 @@ class LocalBackend:
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and any(h.owns(p) for p in h.launcher_pids):
             time.sleep(0.2)
-        self._report_stopped(job_id, self._kill_processes(h))
+        self._report_stopped(job_id, kill_job_processes(h))
         if succeeded:
             self._keep_checkpoints_of_a_success(job_id)
-
-    @staticmethod
-    def _kill_processes(h: LocalHandle) -> list[int]:
-        """SIGKILL every process of the job left: its launchers' and agent's groups, its trainers'
-        and their workers in sessions of their own (recorded in each launcher's ``status.json``),
-        each only if it is still the job's (:meth:`LocalHandle.owns`); the pids signalled."""
-        pids = [p for p in (*h.launcher_pids, h.agent_pid) if h.owns(p)]
-        for pid in pids:
-            kill_group(pid)
-        recorded = h.recorded()  # with their start times: a pid another process has now is left alone
-        for pid in recorded:
-            kill_group(pid)  # a trainer leads its group; a worker in a session of its own, its own
-        protocol.signal_processes(list(recorded), signal.SIGKILL, recorded)
-        return pids + list(recorded)
 
     def _report_stopped(self, job_id: str, pids: list[int]) -> None:
         """Once every process of an ended job (cancelled: the broker holds its GPUs until its

@@ -1,16 +1,19 @@
 """The local backend's processes: where a job runs (:class:`LocalHandle`), which recorded pid is
-still the job's, and killing one's group."""
+still the job's, finding its unrecorded ones by their mark, and killing them."""
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 from airflow_elastic_gpu.sidecar import protocol
+
+log = logging.getLogger(__name__)
 
 JOB_MARK = "ELASTIC_GPU_JOB_ID"
 """Set to the job's id in the environment of its agent and launchers, and so of its trainers and
@@ -62,6 +65,25 @@ def job_process(pid: int | None, job_id: str, *, boot: str | None = None, starte
     # no mark at all (started by an older version, or a command that cleared its environment):
     # possibly the job's, as a live pid always counted before; another job's mark: not this job's
     return not marks or f"{JOB_MARK}={job_id}".encode() in marks
+
+
+def marked_processes(job_id: str) -> list[int]:
+    """Live processes (readable by this user) whose environment carries job ``job_id``'s
+    :data:`JOB_MARK`: its agent, launchers, trainers and their workers, recorded or not (a start
+    killed before it wrote ``handle.json``); empty where there is no ``/proc``."""
+    mark = f"{JOB_MARK}={job_id}".encode()
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    found = []
+    for pid in entries:
+        try:
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue  # gone, or another user's
+    return found
 
 
 def kill_group(pid: int) -> None:
@@ -127,3 +149,31 @@ class LocalHandle:
         return cls(Path(data["job_dir"]), int(data["agent_pid"]), int(data["launcher_pid"]),
                    tuple((str(n), int(p)) for n, p in (data.get("node_pids") or {}).items()),
                    data.get("boot_id"), tuple((int(p), int(t)) for p, t in (data.get("starts") or {}).items()))
+
+
+def kill_unrecorded(job_id: str) -> list[int]:
+    """SIGKILL job ``job_id``'s processes that no ``handle.json`` records (:func:`marked_processes`:
+    a start killed mid-way, with the task's worker, after it spawned them; the next start would run
+    a second trainer on the job's GPUs and checkpoint beside them); those that survive."""
+    strays = marked_processes(job_id)
+    if not strays:
+        return []
+    log.warning("job %s: stopping processes %s of an earlier start that did not record them", job_id, strays)
+    starts = {pid: start_ticks(pid) for pid in strays}
+    protocol.signal_processes(strays, signal.SIGKILL, starts)
+    return protocol.survivors(strays, starts=starts)
+
+
+def kill_job_processes(h: LocalHandle) -> list[int]:
+    """SIGKILL every process of the job of handle ``h`` left: its launchers' and agent's groups,
+    its trainers' and their workers in sessions of their own (recorded in each launcher's
+    ``status.json``), each only if it is still the job's (:meth:`LocalHandle.owns`); the pids
+    signalled."""
+    pids = [p for p in (*h.launcher_pids, h.agent_pid) if h.owns(p)]
+    for pid in pids:
+        kill_group(pid)
+    recorded = h.recorded()  # with their start times: a pid another process has now is left alone
+    for pid in recorded:
+        kill_group(pid)  # a trainer leads its group; a worker in a session of its own, its own
+    protocol.signal_processes(list(recorded), signal.SIGKILL, recorded)
+    return pids + list(recorded)
