@@ -247,3 +247,38 @@ def test_a_start_killed_before_it_recorded_its_processes_is_not_followed_by_a_se
     procs = marked(job.id)
     assert len([p for p in procs if "sidecar.agent" in command_of(p)]) == 1
     assert len([p for p in procs if "sidecar.launcher" in command_of(p)]) == 1
+
+
+def test_a_start_that_fails_after_it_spawned_frees_the_gpus_only_once_nothing_of_it_runs(local, monkeypatch):  # noqa: F811
+    """``handle.json`` cannot be written (a full disk) after the launcher and the agent were
+    spawned: the job was failed with its GPUs freed at once, for another job, while they ran on,
+    and the stop that followed, finding no handle, left them running."""
+    from airflow_elastic_gpu.backends.base import start_job
+
+    broker, backend = local
+    job = broker.submit(JobSpec("full-disk", SLEEPER, 2, 2, total_steps=10))
+    assert len(broker.job(job.id).target_gpus) == 2
+    write_json = protocol.write_json
+    released_while_running: list[list[int]] = []
+
+    def full_disk(path, data):
+        if Path(path).name == "handle.json":
+            raise OSError(28, "No space left on device")
+        return write_json(path, data)
+
+    fail = broker.fail
+
+    def watched_fail(job_id, *args, **kwargs):
+        ended = fail(job_id, *args, **kwargs)
+        if not ended.target_gpus and not ended.in_use_gpus and (alive := marked(job_id)):
+            released_while_running.append(alive)
+        return ended
+
+    monkeypatch.setattr(protocol, "write_json", full_disk)
+    monkeypatch.setattr(broker, "fail", watched_fail)
+    with pytest.raises(OSError, match="No space left"):
+        start_job(broker, backend, job)
+    ended = broker.job(job.id)
+    assert ended.status is JobStatus.FAILED and "No space left" in ended.reason
+    assert released_while_running == [] and marked(job.id) == []
+    assert ended.target_gpus == () and ended.in_use_gpus == ()

@@ -149,8 +149,8 @@ def start_job(broker: GpuBroker, backend: Backend, job: JobView, *, env: Mapping
     either started or failed, never left holding GPUs with nothing running.
 
     A job never started before (no backend reference yet) whose start fails is failed at once in the
-    broker, with the error as its reason (its GPUs are released), and whatever the backend had
-    started of it is stopped; the error is then raised. A job that was started before (a retried
+    broker, with the error as its reason, whatever the backend had started of it is stopped, and its
+    GPUs are released once nothing of it runs (:func:`abandon`); the error is then raised. A job that was started before (a retried
     task reattaching) is left as it is: its processes may well be running.
 
     :param env: extra environment variables for the trainer (see :func:`check_env`).
@@ -171,10 +171,20 @@ def start_job(broker: GpuBroker, backend: Backend, job: JobView, *, env: Mapping
 
 def abandon(broker: GpuBroker, backend: Backend, job_id: str, error: Exception) -> None:
     """Fail a job that could not be started (``error`` says why) and stop what was started of it; a
-    failure of either step is logged and noted on ``error`` (which the caller raises), never hidden."""
+    failure of either step is logged and noted on ``error`` (which the caller raises), never hidden.
+
+    Its GPUs stay held until nothing of it runs any more (the backend's stop reports it, or the
+    check after the stop, or else the pool's lease passes): a start may fail after it spawned a
+    trainer, which another job's must not meet on the GPUs."""
     reason = f"the {backend.name} backend could not start the job: {error}"
-    for step, call in (("fail the job in the broker", lambda: broker.fail(job_id, reason)),
-                       ("stop what was started", lambda: backend.stop(job_id, timeout_s=10))):
+
+    def release() -> None:
+        if not backend.is_running(job_id):
+            broker.fail(job_id, "nothing of it runs")  # an ended job's held GPUs freed
+
+    for step, call in (("fail the job in the broker", lambda: broker.fail(job_id, reason, hold=True)),
+                       ("stop what was started", lambda: backend.stop(job_id, timeout_s=10)),
+                       ("free its GPUs", release)):
         try:
             call()
         except Exception as cleanup_exc:  # reported on the error being raised, never hidden

@@ -54,6 +54,7 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
     kill_group,
     kill_job_processes,
     kill_unrecorded,
+    marked_processes,
     start_ticks,
 )
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
@@ -421,7 +422,9 @@ class LocalBackend:
     def _stop_locked(self, job_id: str, succeeded: bool, timeout_s: float | None) -> None:
         """:meth:`stop` under the job's start lock."""
         h = self.handle(job_id)
-        if h is None:
+        if h is None:  # never started, or a start that failed before it recorded what it spawned
+            if marked_processes(job_id):
+                self._report_stopped(job_id, kill_unrecorded(job_id))  # the survivors: none reported
             return
         for d in {h.job_dir, *h.launcher_dirs()}:
             desired = protocol.read_json(d / protocol.DESIRED) or {"generation": 0, "gpus": []}
