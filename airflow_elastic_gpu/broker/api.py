@@ -8,7 +8,8 @@ Two parts:
   a token for one job can never read or change another. No token: 401; a token that is not this
   job's: 403. The token is checked before the request's body is read. Once the job has ended its
   token changes nothing: progress and ack get 403; heartbeat and target still say that it ended
-  (so a running agent stops its trainer) and a repeated finish or fail answers the job as it ended.
+  (so a running agent stops its trainer) and a repeated finish or fail answers the job as it ended
+  (a finish of a LOST job, whose agent could not report the clean exit within the lease, succeeds it).
 * ``/api/v1/pools/...``, ``/api/v1/jobs``, ``/api/v1/events`` and ``/ui``: read-only views for people
   (pool snapshot with who holds which GPU, jobs with progress and throughput, allocation timeline,
   the event log with each resize's reason). Inside Airflow's api-server (the plugin) they require

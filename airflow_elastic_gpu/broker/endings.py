@@ -52,6 +52,17 @@ class Endings(Queries):
                 if node is not None and conn.execute(_NODE_OF_POOL, {"pool": job.pool, "node": node}).first() is None:
                     raise InvalidRequest(f"node {node!r} is not a node of GPU pool {job.pool!r}")
                 where = "its trainer stopped" if node is None else f"its trainer on node {node} stopped"
+                if (job.status == JobStatus.LOST.value and status is JobStatus.SUCCEEDED
+                        and (node is None or metrics)):
+                    # the trainer had finished cleanly, but its agent could not report it within the
+                    # lease (the broker's API away): the job succeeded (its GPUs were freed already)
+                    update_job(conn, job.id, status=status.value, reason=reason, exit_code=exit_code,
+                               **({"metrics": dict(metrics)} if metrics else {}))
+                    self._event(conn, job.pool, EventKind.ended(status),
+                                f"{reason}: its trainer had exited cleanly, reported after the job was declared "
+                                "lost (its agent could not reach the broker within the lease)", job.id,
+                                exit_code=exit_code)
+                    return
                 if JobStatus(job.status) in TERMINAL:
                     # the agent's report of a trainer that stopped after its job ended (cancelled)
                     if not hold and self._release_held(conn, job, f"{where} ({reason})", node):
@@ -97,7 +108,9 @@ class Endings(Queries):
     def finish(self, job_id: str, exit_code: int = 0, metrics: dict[str, Any] | None = None, *,
                node: str | None = None) -> JobView:
         """The trainer exited with 0: SUCCEEDED, GPUs released. On an ended job it changes nothing
-        but frees the GPUs the job still holds (its trainer has stopped: see :meth:`cancel`).
+        but frees the GPUs the job still holds (its trainer has stopped: see :meth:`cancel`), except
+        on a LOST one, which succeeds (its agent could not report the clean exit within the lease;
+        a gang's node: only with the final metrics).
 
         :param node: as for :meth:`fail`: a gang of pods' node whose agent reports; the other
             nodes' GPUs stay held until their agents report their trainers stopped. Without
