@@ -282,3 +282,26 @@ def test_a_start_that_fails_after_it_spawned_frees_the_gpus_only_once_nothing_of
     assert ended.status is JobStatus.FAILED and "No space left" in ended.reason
     assert released_while_running == [] and marked(job.id) == []
     assert ended.target_gpus == () and ended.in_use_gpus == ()
+
+
+@pytest.mark.parametrize(("script", "virtual"), [
+    ("echo 'No devices were found'; exit 6", True),  # a host with the driver and no GPU
+    ("echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2; exit 9", False),
+])
+def test_an_nvidia_smi_that_fails_is_an_error_not_a_host_of_virtual_gpus(tmp_path, monkeypatch, script, virtual):
+    """A driver that did not answer at a host's first registration made its pool one of virtual GPUs
+    for good: jobs got CUDA_VISIBLE_DEVICES of the real ones, which no broker's claim held."""
+    from airflow_elastic_gpu.backends import BackendError
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{script}\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    backend = LocalBackend(tmp_path / "jobs", GpuBroker(f"sqlite:///{tmp_path / 'b.db'}"), virtual_gpus=2)
+    if virtual:
+        assert "2 virtual GPU(s)" in backend.ensure_pool("default")
+    else:
+        with pytest.raises(BackendError, match="could not communicate with the NVIDIA driver"):
+            backend.ensure_pool("default")
+        assert backend.broker.nodes() == []

@@ -38,22 +38,32 @@ class HostGpus:
 def detect_gpus(virtual_gpus: int | None = None, nvidia_smi: str = "nvidia-smi") -> HostGpus:
     """The host's NVIDIA GPUs via ``nvidia-smi``, else ``virtual_gpus`` virtual ones.
 
+    Virtual GPUs only where there is no ``nvidia-smi`` or it finds no device: one that fails (a
+    driver that does not answer, a time-out) is an error, not a host without GPUs (its pool would
+    hand out virtual GPUs that are the real ones, and no other broker's claim would hold them).
+
     :param virtual_gpus: count of virtual GPUs when none is found (default
         ``[elastic_gpu] virtual_gpus``, ``$AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS``, or 4); >= 1.
-    :raises ValueError: ``virtual_gpus`` < 1, or a configured value that is not an integer.
+    :raises ValueError: ``nvidia-smi`` failed (its message), ``virtual_gpus`` < 1, or a configured
+        value that is not an integer.
     """
     exe = shutil.which(nvidia_smi)
     if exe:
         try:
-            out = subprocess.run(
-                [exe, "--query-gpu=index,name", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20, check=True,
-            ).stdout
-            rows = [line.split(",", 1) for line in out.strip().splitlines() if line.strip()]
-            if rows:
+            run = subprocess.run([exe, "--query-gpu=index,name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20, check=False)
+        except (subprocess.SubprocessError, OSError) as exc:
+            raise ValueError(f"{exe} failed: {exc}; the host's GPUs cannot be listed") from None
+        said = (run.stdout + run.stderr).strip()
+        if run.returncode != 0 and "no devices were found" not in said.lower():
+            raise ValueError(f"{exe} failed (exit {run.returncode}): {said[-500:] or 'no output'}; the host's "
+                             "GPUs cannot be listed (take nvidia-smi off the PATH to use virtual GPUs)")
+        rows = [line.split(",", 1) for line in run.stdout.strip().splitlines() if line.strip()]
+        if run.returncode == 0 and rows:
+            try:
                 return HostGpus(tuple(int(i) for i, _ in rows), rows[0][1].strip(), False)
-        except (subprocess.SubprocessError, ValueError, OSError):
-            pass
+            except (ValueError, IndexError):
+                raise ValueError(f"{exe} printed what is not a GPU list: {run.stdout[-500:]!r}") from None
     if virtual_gpus is None:
         virtual_gpus = default_virtual_gpus()
     if virtual_gpus < 1:
