@@ -101,6 +101,11 @@ def test_hostile_text_is_stored_verbatim_and_harms_nothing(broker):
     (lambda b: b.register_node("n1", 1_000_000), InvalidRequest, "num_gpus must be at most 1024"),
     (lambda b: b.register_node("n\x001", 2), InvalidRequest, "node name must not contain NUL"),
     (lambda b: b.register_node("n1", 2, gpu_type="t" * 129), InvalidRequest, "gpu_type must be at most 128"),
+    # out-of-service indices that are not the node's were dropped without a word
+    (lambda b: b.register_node("n1", 2, out_of_service=[5]), InvalidRequest, "has no GPU 5 to put out of service"),
+    (lambda b: b.register_node("n1", gpu_indices=3), InvalidRequest, "GPU indices must be a list of integers, got 3"),
+    (lambda b: b.set_gpus_healthy("n0", 1, False), InvalidRequest, "GPU indices must be a list of integers, got 1"),
+    (lambda b: b.set_gpus_healthy("n0", [True], False), InvalidRequest, "GPU index must be an integer >= 0, got True"),
     (lambda b: b.progress("no-such-job", 1.0), NotFound, "unknown job"),
     (lambda b: b.ack("no-such-job", 1), NotFound, "unknown job"),
     (lambda b: b.finish("no-such-job"), NotFound, "unknown job"),

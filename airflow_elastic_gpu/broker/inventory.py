@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import delete, select, text
@@ -79,11 +79,13 @@ class Inventory(Lifecycle):
             if num_gpus > MAX_GPUS_PER_NODE:
                 raise InvalidRequest(f"node {name!r}: num_gpus must be at most {MAX_GPUS_PER_NODE}, got {num_gpus}")
             gpu_indices = range(num_gpus)
-        indices = list(gpu_indices)
+        indices = _indices(name, gpu_indices)
         if not indices or len(set(indices)) != len(indices):
             raise InvalidRequest(f"node {name!r}: bad GPU indices {indices[:20]}")
-        for i in indices:
-            check_int(f"node {name!r}: GPU index", i, 0, MAX_GPUS_PER_NODE - 1)
+        out_of_service = _indices(name, out_of_service, "out-of-service GPU")
+        if unknown := sorted(set(out_of_service) - set(indices)):
+            raise InvalidRequest(f"node {name!r} has no GPU {unknown[0]} to put out of service (its GPUs: "
+                                 f"{sorted(indices)[:20]})")
 
         def run() -> NodeView:
             with self._tx(pool, create_pool=True) as s:
@@ -151,7 +153,7 @@ class Inventory(Lifecycle):
         :param indices: the GPUs' device indices on the node.
         :raises NotFound: unknown pool, node, or GPU index of the node.
         """
-        wanted = sorted(set(indices))
+        wanted = sorted(set(_indices(name, indices)))
         if not wanted:
             raise InvalidRequest("name at least one GPU index")
 
@@ -291,3 +293,16 @@ def _holders(s: Any, pool: str) -> bool:
     """Whether a job of ``pool`` holds GPUs (in use, or in a published target)."""
     return any(s.execute(select(held.job_id).join(Job, Job.id == held.job_id).where(Job.pool == pool).limit(1)).first()
                for held in (GpuInUse, GpuTarget))
+
+
+def _indices(node: str, values: Any, kind: str = "GPU") -> list[int]:
+    """``values`` as a list of GPU indices (integers, not bools, 0 to ``MAX_GPUS_PER_NODE - 1``).
+
+    :raises InvalidRequest: not a sequence of such integers (the message names ``node`` and the
+        ``kind`` of GPU meant)."""
+    if isinstance(values, (str, bytes, int)) or not isinstance(values, Iterable):
+        raise InvalidRequest(f"node {node!r}: {kind} indices must be a list of integers, got {values!r}")
+    out = list(values)
+    for i in out:
+        check_int(f"node {node!r}: {kind} index", i, 0, MAX_GPUS_PER_NODE - 1)
+    return out
