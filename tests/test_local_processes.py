@@ -305,3 +305,29 @@ def test_an_nvidia_smi_that_fails_is_an_error_not_a_host_of_virtual_gpus(tmp_pat
         with pytest.raises(BackendError, match="could not communicate with the NVIDIA driver"):
             backend.ensure_pool("default")
         assert backend.broker.nodes() == []
+
+
+def test_a_clean_exit_that_its_agent_did_not_live_to_report_is_a_success(local):  # noqa: F811
+    """The trainer exits 0 (its launcher records it), and the agent is killed before it reports
+    the end (or gives up on a broker away for ten minutes): the watcher found the processes gone
+    and failed the job, whose trainer had finished, and the task's retry trained it again."""
+    broker, backend = local
+    job = broker.submit(JobSpec("finished", SLEEPER, 1, 1, total_steps=10))
+    job = broker.start(job.id, backend.start(job))
+    status = wait_for(lambda: (s := protocol.read_json(backend.job_dir(job.id) / protocol.STATUS) or {}).get(
+        "state") == protocol.RUNNING and s, 30, "the trainer")
+    broker.ack(job.id, 1)
+    h = backend.handle(job.id)
+    for pid in (h.agent_pid, h.launcher_pid, status["pid"]):
+        os.kill(pid, 9)
+    wait_for(lambda: not backend.is_running(job.id), 10, "the processes to be gone")
+    # what the launcher had recorded of a trainer that exited by itself, and its last lines
+    protocol.write_json(backend.job_dir(job.id) / protocol.STATUS, {**status, "state": protocol.EXITED,
+                                                                     "exit_code": 0})
+    with open(backend.log_path(job.id), "a") as log:
+        log.write('{"step": 10}\n{"final": true, "step": 10, "accuracy": 0.97}\n')
+    watcher = JobWatcher(broker, backend, job.id)
+    for _ in range(GONE_POLLS):
+        ended, _ = watcher.poll()
+    assert ended.status is JobStatus.SUCCEEDED and ended.metrics == {"final": True, "step": 10, "accuracy": 0.97}
+    assert ended.in_use_gpus == () and ended.exit_code == 0

@@ -46,6 +46,9 @@ class Problem:
     :param running: the trainer may still run (the problem is its agent's: a sidecar whose image
         cannot be pulled): the job is failed with its GPUs held, as after a cancel, until its
         trainer has stopped (the lease passes: the launcher fences it without its agent).
+    :param finished: with ``gone``: the trainer had exited cleanly, but its agent is gone without
+        reporting it (killed, or it gave up on a broker away for long): the job succeeds, with
+        these final metrics (read from its log; ``{}`` when it printed none).
     """
 
     reason: str
@@ -53,6 +56,7 @@ class Problem:
     node: str | None = None
     stopped_nodes: tuple[str, ...] = ()
     running: bool = False
+    finished: dict[str, Any] | None = None
 
 
 @runtime_checkable

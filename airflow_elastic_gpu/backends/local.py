@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -60,6 +61,7 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
 from airflow_elastic_gpu.config import ENV_BROKER_URL
 from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.logparse import LogParser
 from airflow_elastic_gpu.states import JobStatus
 
 if TYPE_CHECKING:
@@ -388,6 +390,11 @@ class LocalBackend:
         if job.backend_ref is None or self.is_running(job.id):
             return None
         h = self.handle(job.id)
+        if h is not None and h.exited_cleanly():
+            parser = LogParser(re.compile(job.progress_pattern) if job.progress_pattern else None)
+            parser.read(self.log_path(job.id))
+            return Problem("the trainer had exited cleanly, and its agent is gone without reporting it",
+                           gone=True, finished=parser.metrics or {})
         # a trainer (or worker) left running by its dead launcher: the job keeps its GPUs until the
         # stop that follows has killed it (a process stuck in the kernel may outlive SIGKILL)
         return Problem("the job's agent and launcher processes are gone (host restart or killed by hand)",

@@ -133,6 +133,13 @@ class LocalHandle:
         statuses = [protocol.read_json(d / protocol.STATUS) or {} for d in self.launcher_dirs()]
         return {p: t for p, t in protocol.recorded_processes(statuses).items() if self.owns(p, t)}
 
+    def exited_cleanly(self) -> bool:
+        """Whether every launcher of the job recorded its trainer's clean exit (``status.json``)."""
+        try:
+            return all(protocol.clean_exit(protocol.read_json(d / protocol.STATUS) or {}) for d in self.launcher_dirs())
+        except (OSError, ValueError):
+            return False
+
     def to_ref(self) -> str:
         data: dict = {"job_dir": str(self.job_dir), "agent_pid": self.agent_pid, "launcher_pid": self.launcher_pid}
         if self.node_pids:

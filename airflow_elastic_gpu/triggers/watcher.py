@@ -130,6 +130,10 @@ class JobWatcher:
         self.gone_polls = self.gone_polls + 1 if problem is not None and problem.gone else 0
         if problem is None or (problem.gone and self.gone_polls < GONE_POLLS):
             return
+        if problem.finished is not None:  # a clean exit that its agent did not live to report
+            self.log.warning("job %s: %s", job.id, problem.reason)
+            self.broker.finish(job.id, 0, problem.finished or None)
+            return
         tail = protocol.log_excerpt(self.backend.log_tail(job.id))
         # a gang: the broken pod's node only, the other nodes' GPUs stay held until their trainers stop
         reason = f"{problem.reason}. Last log lines:\n{tail}" if tail else problem.reason
