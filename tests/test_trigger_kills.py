@@ -1,7 +1,7 @@
 """The trigger when Airflow's triggerer kills it: a user's action on a deferred task (the triggerer
 cancels ``run`` with its user-action message, then calls ``on_kill``), a trigger moved to another
 triggerer whose task state cannot be read, and an ``on_kill`` whose stop must not wait for the
-event loop's busy executor."""
+event loop's busy executor; and a triggerer that cannot make its clients, which ends the deferral."""
 
 from __future__ import annotations
 
@@ -100,3 +100,23 @@ def test_on_kill_stops_the_job_when_the_event_loops_executor_is_busy(worker_env)
     asyncio.run(kill_while_the_executor_is_busy())
     assert time.monotonic() - started < 20
     wait_for(lambda: broker.job(job.id).status is JobStatus.CANCELLED, 10, "the job to be cancelled")
+
+
+def test_a_triggerer_that_cannot_make_its_broker_client_fails_the_task_with_the_reason(worker_env, monkeypatch):
+    """A triggerer without the broker's database driver (or with a malformed URL) logged a warning
+    at every poll, for ever: the task stayed deferred while its job ran unwatched."""
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("unwatched", "python train.py", 1, 2, total_steps=10**6))
+    broker.ack(job.id, 1)
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6, poll_interval=0.1)
+    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", "postgresql+nosuchdriver://db.example/broker")
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 30))
+    assert event.payload["status"] == "error" and "cannot make its broker or backend client" in event.payload["reason"]
+    assert "nosuchdriver" in event.payload["reason"]
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", broker.url)  # the worker's broker
+    with pytest.raises(AirflowFailException, match="cannot make its broker or backend client"):
+        op.execute_complete({"ti": _FakeTI()}, event.payload)
+    ended = broker.job(job.id)
+    assert ended.status is JobStatus.CANCELLED and "nosuchdriver" in ended.reason

@@ -362,8 +362,8 @@ class ElasticTrainingOperator(BaseOperator):
         """Resume after the trigger fired: log the job's resizes, return its metrics.
 
         :raises AirflowFailException: the triggerer cannot follow the job (its broker is not the
-            worker's: the job is cancelled here and its processes stopped, so it holds no GPU
-            that nobody watches), or :meth:`_result`'s.
+            worker's, or it cannot make its broker or backend client: the job is cancelled here and
+            its processes stopped, so it holds no GPU that nobody watches), or :meth:`_result`'s.
         :raises AirflowException: the trigger could not start the job (``start_from_trigger``), the
             triggerer could not cancel the job past the task's deadline (the job is cancelled here;
             retried, as a time-out), or the job did not succeed.
@@ -378,7 +378,7 @@ class ElasticTrainingOperator(BaseOperator):
             timed_out = bool(event.get("timed_out"))
             try:  # the worker's broker has the job: no one would watch it, or end it
                 self._stop_job(TIMEOUT_CANCEL if timed_out
-                               else "the triggerer could not follow the job (its broker is not the worker's)")
+                               else f"the triggerer could not follow the job: {event.get('reason')}")
             except Exception as exc:  # noqa: BLE001 - the message says what is left
                 self.log.warning("could not cancel job %s in the worker's broker (%s)", self._job_id, exc)
             if timed_out:  # retried, as on Airflow's own time-out

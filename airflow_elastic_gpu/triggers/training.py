@@ -116,6 +116,11 @@ def max_tries_of(ti: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+class ClientSetupError(Exception):
+    """The triggerer cannot make the broker or backend client of a trigger (its configuration: a
+    malformed broker URL, a database driver it lacks, bad backend settings)."""
+
+
 class ElasticTrainingTrigger(BaseTrigger):
     """Fires ``{"job_id", "status", "reason"}`` when job ``job_id`` ends; ``status`` ``"error"``
     when it cannot be followed (the broker has no such job: the triggerer's broker is another
@@ -234,14 +239,19 @@ class ElasticTrainingTrigger(BaseTrigger):
 
     def _get_watcher(self) -> JobWatcher:
         """The watcher, with a new hook (broker client) and backend after :meth:`_drop_watcher`.
-        Blocking (reads the Airflow connection): call it in a thread."""
+        Blocking (reads the Airflow connection): call it in a thread.
+
+        :raises ClientSetupError: the triggerer cannot make them (no retry changes that)."""
         if self._watcher is None:
-            from airflow_elastic_gpu.backends import make_backend
+            from airflow_elastic_gpu.backends import BackendError, make_backend
             from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 
-            broker = GpuBrokerHook(self.broker_conn_id).broker
-            backend = make_backend(self.backend, broker=broker, work_dir=self.work_dir,
-                                   kubernetes=self.kubernetes)
+            try:
+                broker = GpuBrokerHook(self.broker_conn_id).broker
+                backend = make_backend(self.backend, broker=broker, work_dir=self.work_dir,
+                                       kubernetes=self.kubernetes)
+            except (ValueError, ImportError, BackendError) as exc:  # a bad URL, a missing driver, bad settings
+                raise ClientSetupError(f"the triggerer cannot make its broker or backend client: {exc}") from exc
             self._watcher = (JobWatcher(broker, backend, self.job_id, after_event_id=self.after_event_id,
                                         env=self.env, context=self.context, log=self.log)
                              if self._dropped is None else self._dropped.renewed(broker, backend))
@@ -312,6 +322,10 @@ class ElasticTrainingTrigger(BaseTrigger):
                           "[elastic_gpu] broker_url)")
                 self.log.error("%s", reason)
                 yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": reason})
+                return
+            except ClientSetupError as exc:  # a triggerer's configuration: polling again changes nothing
+                self.log.error("job %s: %s", self.job_id, exc)
+                yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": str(exc)})
                 return
             except CleanupFailed as exc:  # the job has ended: its end is fired after a few tries
                 if self._get_watcher().cleanup_failed(exc):
