@@ -41,6 +41,7 @@ from airflow_elastic_gpu.compat import (
     Asset,
     BaseOperator,
     StartTriggerArgs,
+    TaskDeferred,
     XComArg,
 )
 from airflow_elastic_gpu.config import (
@@ -302,6 +303,35 @@ class ElasticTrainingOperator(BaseOperator):
         ti = context["ti"]
         started_s = time.time()  # this try's execution_timeout counts from here, while deferred too
         self._attempt = attempt_of(ti)  # the job is this try's (a cleared task's old trigger leaves it)
+        try:
+            return self._execute(context, started_s)
+        except TaskDeferred:
+            raise
+        except Exception as exc:
+            # Airflow calls no on_kill when execute raises: on the task's last try, nobody would
+            # follow the job (a retry reattaches to it), which would hold its GPUs until it ends
+            if self._job_id is not None and not self._will_retry(ti, exc):
+                self._stop_after_last_try(exc)
+            raise
+
+    @staticmethod
+    def _will_retry(ti: Any, exc: Exception) -> bool:
+        """Whether Airflow retries the task after ``exc`` (unknown: assumed so, the job left running)."""
+        if isinstance(exc, AirflowFailException):
+            return False
+        try_number, tries = getattr(ti, "try_number", None), max_tries_of(ti)
+        return not isinstance(try_number, int) or tries is None or try_number <= tries
+
+    def _stop_after_last_try(self, exc: Exception) -> None:
+        try:
+            if not self.hook.broker.job(self._job_id).status.terminal:
+                self.log.error("job %s: cancelled, the task's last try fails (%s)", self._job_id, exc)
+                self._stop_job(f"the task's last try failed: {str(exc)[:500]}")
+        except Exception as stop_exc:  # noqa: BLE001 - noted on the error raised
+            exc.add_note(f"job {self._job_id} could not be cancelled after the task's last try: {stop_exc}")
+
+    def _execute(self, context: Any, started_s: float) -> dict[str, Any] | None:
+        ti = context["ti"]
         labels = self.task_labels(context)
         try:
             broker = self.hook.broker

@@ -1,7 +1,8 @@
-"""The trigger when Airflow's triggerer kills it: a user's action on a deferred task (the triggerer
-cancels ``run`` with its user-action message, then calls ``on_kill``), a trigger moved to another
-triggerer whose task state cannot be read, and an ``on_kill`` whose stop must not wait for the
-event loop's busy executor; and a triggerer that cannot make its clients, which ends the deferral."""
+"""What becomes of a training task's job when Airflow ends the task another way than through the
+job: a user's action on a deferred task (the triggerer cancels ``run`` with its user-action
+message, then calls ``on_kill``), a trigger moved to another triggerer whose task state cannot be
+read, an ``on_kill`` whose stop must not wait for the event loop's busy executor, a triggerer that
+cannot make its clients (the deferral ends), and a last try that fails after its job started."""
 
 from __future__ import annotations
 
@@ -120,3 +121,29 @@ def test_a_triggerer_that_cannot_make_its_broker_client_fails_the_task_with_the_
         op.execute_complete({"ti": _FakeTI()}, event.payload)
     ended = broker.job(job.id)
     assert ended.status is JobStatus.CANCELLED and "nosuchdriver" in ended.reason
+
+
+@pytest.mark.parametrize("retried", [False, True])
+def test_a_last_try_that_fails_after_its_job_started_cancels_the_job(worker_env, retried):
+    """The task's XCom cannot be written (the API server away) once the job has started: Airflow
+    calls no on_kill when execute raises, and on the task's last try the job trained on, holding
+    its GPUs, with nobody to follow it. A try that will be retried leaves it for the retry."""
+    broker, backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
+                                 total_steps=100000, virtual_gpus=1)
+    ti = _FakeTI()
+    ti.try_number, ti.max_tries = 1, 1 if retried else 0
+
+    def unreachable(key, value):
+        raise OSError("the API server cannot be reached")
+
+    ti.xcom_push = unreachable
+    with pytest.raises(OSError, match="cannot be reached"):
+        op.execute({"ti": ti})
+    (job,) = broker.jobs()
+    if retried:
+        assert broker.job(job.id).status is JobStatus.RUNNING and backend.is_running(job.id)
+    else:
+        ended = broker.job(job.id)
+        assert ended.status is JobStatus.CANCELLED and "last try failed" in ended.reason
+        assert not backend.is_running(job.id)
