@@ -22,16 +22,20 @@ from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
 from airflow_elastic_gpu.states import JobStatus
 from airflow_elastic_gpu.triggers.training import (
+    STARTED_TRIGGER_ENDED,
     TRIGGER_KILLED,
     USER_ACTION_CANCEL,
     ElasticTrainingTrigger,
 )
 
 
-def test_a_user_action_on_a_deferred_task_cancels_its_job_with_on_kills_reason_not_a_time_outs(worker_env):
-    """The triggerer cancels ``run`` with its user-action message before it calls ``on_kill``: ``run``
-    took it for a time-out and cancelled the job first ("the task's deferral ended without the job
-    (timed out)"), the reason the broker, the UI and the CLI then showed, and stopped it twice."""
+@pytest.mark.parametrize("on_kill", [True, False])
+def test_a_user_action_or_a_trigger_timeout_stops_a_started_triggers_job_with_a_retried_reason(worker_env, on_kill):
+    """The triggerer cancels ``run`` with its user-action message, then calls ``on_kill`` (a user
+    marked the task failed) or not (the trigger timeout of a ``start_from_trigger`` task passed):
+    ``run`` took the first for a time-out ("the task's deferral ended without the job (timed
+    out)", the reason the broker, the UI and the CLI then showed, the job stopped twice); leaving
+    it to ``on_kill`` left the second's job running, followed by nobody."""
     broker, backend, trainer = worker_env
     op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
                                  total_steps=100000, virtual_gpus=1, poll_interval=0.2, start_from_trigger=True)
@@ -44,15 +48,41 @@ def test_a_user_action_on_a_deferred_task_cancels_its_job_with_on_kills_reason_n
         await asyncio.to_thread(wait_for, lambda: trigger.job_id and backend.is_running(trigger.job_id), 60,
                                 "the job to start")
         await asyncio.sleep(0.5)  # now polling
-        running.cancel(USER_ACTION_CANCEL)  # what the triggerer's cancel_triggers does, then on_kill
+        running.cancel(USER_ACTION_CANCEL)  # what the triggerer's cancel_triggers does
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        if on_kill:
+            await trigger.on_kill()
+
+    asyncio.run(mark_failed_while_it_watches())
+    (job,) = broker.jobs()
+    assert job.status is JobStatus.CANCELLED and job.reason == STARTED_TRIGGER_ENDED
+    assert not backend.is_running(job.id)
+    (cancelled,) = [e.message for e in broker.events(job_id=job.id) if e.kind == "cancelled"]  # once
+    assert cancelled.startswith(STARTED_TRIGGER_ENDED)
+
+
+def test_a_user_action_on_a_deferred_task_cancels_its_job_with_on_kills_reason(worker_env):
+    broker, backend, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("followed", "python train.py", 1, 2, total_steps=10**6))
+    broker.ack(job.id, 1)
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6, poll_interval=0.1)
+    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
+    trigger.task_instance = _trigger_ti()
+    trigger._still_deferred = lambda unsure=False: False
+
+    async def mark_failed():
+        running = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.sleep(0.5)
+        running.cancel(USER_ACTION_CANCEL)
         with pytest.raises(asyncio.CancelledError):
             await running
         await trigger.on_kill()
 
-    asyncio.run(mark_failed_while_it_watches())
-    (job,) = broker.jobs()
-    assert job.status is JobStatus.CANCELLED and job.reason == TRIGGER_KILLED
-    assert not backend.is_running(job.id)
+    asyncio.run(mark_failed())
+    ended = broker.job(job.id)
+    assert ended.status is JobStatus.CANCELLED and ended.reason == TRIGGER_KILLED
 
 
 def test_a_job_whose_trigger_was_killed_without_a_known_task_state_fails_its_task_for_a_retry(worker_env):

@@ -65,9 +65,15 @@ begins: retried, since Airflow kills a task whose worker shuts down or a trigger
 triggerer too (a task a user marked failed is not retried: its state is set already)."""
 TRIGGER_KILLED = f"{KILLED_REASON} while deferred (marked failed or success, or cleared)"
 """The reason of a job cancelled by the trigger's ``on_kill``."""
+STARTED_TRIGGER_ENDED = (f"{KILLED_REASON} while deferred (marked failed or success, cleared, or past its "
+                         "execution_timeout)")
+"""The reason of a job a ``start_from_trigger`` trigger cancels when Airflow cancels it with the
+user-action message: a user's action, or its trigger timeout (``on_kill`` does not follow then)."""
 USER_ACTION_CANCEL = "__airflow_user_action__"
 """The message of the ``CancelledError`` that Airflow 3's triggerer sends a trigger whose task a
-user acted on (marked it failed or success, cleared it), just before it calls ``on_kill``."""
+user acted on (marked it failed or success, cleared it), just before it calls ``on_kill``; and one
+whose trigger timeout passed (a ``start_from_trigger`` task's execution_timeout), without
+``on_kill``."""
 STATE_QUERY_TIMEOUT_S = 10.0
 """How long a trigger waits for the triggerer's supervisor to say whether its task instance is
 still deferred (a triggerer shutting down has stopped reading the answers)."""
@@ -177,6 +183,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         self._watcher: JobWatcher | None = None
         self._dropped: JobWatcher | None = None  # the watcher before the last failed poll
         self._submit_future: concurrent.futures.Future[JobView] | None = None
+        self._stopped = False  # the job was stopped when Airflow cancelled the trigger (on_kill skips)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         kwargs: dict[str, Any] = {
@@ -279,14 +286,16 @@ class ElasticTrainingTrigger(BaseTrigger):
                 fired = True
                 yield event
         except asyncio.CancelledError as exc:
-            # Airflow ended the deferral without on_kill (a start_from_trigger task's execution_timeout
-            # is a trigger timeout): once the task instance is no longer deferred nobody watches the
-            # job, so it is stopped. A triggerer that shuts down, or gives the trigger to another,
-            # leaves the task deferred (or cannot tell): the job goes on. A user's action is
-            # on_kill's, which follows (its reason, not a time-out's, is the job's)
-            if not fired and not (exc.args and exc.args[0] == USER_ACTION_CANCEL):
-                await self._stop_unless_deferred("the task's deferral ended without the job (timed out)",
-                                                 unsure=True)
+            # Airflow ended the deferral: a user's action (on_kill follows), or, without on_kill, a
+            # start_from_trigger task's execution_timeout (a trigger timeout), with the user-action
+            # message too. Once the task instance is no longer deferred nobody watches the job, so
+            # it is stopped (and on_kill has nothing left to do). A triggerer that shuts down, or
+            # gives the trigger to another, leaves the task deferred (or cannot tell): the job goes on
+            if not fired:
+                user_action = bool(exc.args) and exc.args[0] == USER_ACTION_CANCEL
+                reason = (("the task's deferral ended without the job (timed out)" if not user_action
+                           else TRIGGER_KILLED if self.command is None else STARTED_TRIGGER_ENDED))
+                await self._stop_unless_deferred(reason, unsure=True)
             raise
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
@@ -434,7 +443,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         """Cancel the job and stop its processes unless the task instance is still deferred (one
         thread for the check, the wait for a submission under way and the stop: it goes on if the
         caller is cancelled); nothing to do before a submission started."""
-        if self.job_id is None and self._submit_future is None:
+        if (self.job_id is None and self._submit_future is None) or self._stopped:
             return
 
         def stop() -> None:
@@ -442,6 +451,7 @@ class ElasticTrainingTrigger(BaseTrigger):
                 self.log.info("job %s goes on: its task instance is still deferred (the trigger moved to "
                               "another triggerer, or the triggerer stops)", self.job_id or "being submitted")
                 return
+            self._stopped = True
             self._kill(reason)
 
         # a thread of its own: the triggerer's default executor may be busy with other triggers'
