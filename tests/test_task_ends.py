@@ -63,7 +63,7 @@ def test_a_user_action_or_a_trigger_timeout_stops_a_started_triggers_job_with_a_
 
 
 def test_a_user_action_on_a_deferred_task_cancels_its_job_with_on_kills_reason(worker_env):
-    broker, backend, _ = worker_env
+    broker, _, _ = worker_env
     broker.register_node("localhost", 2)
     job = broker.submit(JobSpec("followed", "python train.py", 1, 2, total_steps=10**6))
     broker.ack(job.id, 1)

@@ -293,8 +293,8 @@ class ElasticTrainingTrigger(BaseTrigger):
             # gives the trigger to another, leaves the task deferred (or cannot tell): the job goes on
             if not fired:
                 user_action = bool(exc.args) and exc.args[0] == USER_ACTION_CANCEL
-                reason = (("the task's deferral ended without the job (timed out)" if not user_action
-                           else TRIGGER_KILLED if self.command is None else STARTED_TRIGGER_ENDED))
+                reason = ("the task's deferral ended without the job (timed out)" if not user_action
+                          else TRIGGER_KILLED if self.command is None else STARTED_TRIGGER_ENDED)
                 await self._stop_unless_deferred(reason, unsure=True)
             raise
 
