@@ -331,3 +331,61 @@ def test_a_clean_exit_that_its_agent_did_not_live_to_report_is_a_success(local):
         ended, _ = watcher.poll()
     assert ended.status is JobStatus.SUCCEEDED and ended.metrics == {"final": True, "step": 10, "accuracy": 0.97}
     assert ended.in_use_gpus == () and ended.exit_code == 0
+
+
+@pytest.mark.parametrize("then", ["start", "stop"])
+def test_a_restart_killed_before_it_recorded_its_processes_leaves_no_second_set(local, monkeypatch, then):  # noqa: F811
+    """The job's agent and launcher died; a retry's start spawned new ones and was killed (or its
+    disk was full) before it rewrote ``handle.json``, which still named the dead ones: the next
+    start spawned a second launcher and agent beside them, and a stop killed only what the handle
+    named."""
+    broker, backend = local
+    job = broker.submit(JobSpec("restarted", SLEEPER, 1, 1, total_steps=10))
+    backend.start(job)
+    h = backend.handle(job.id)
+    for pid in (h.agent_pid, h.launcher_pid):
+        os.kill(pid, 9)
+    wait_for(lambda: not backend.is_running(job.id), 10, "the agent and the launcher to be gone")
+    write_json = protocol.write_json
+
+    def full_disk(path, data):
+        if Path(path).name == "handle.json":
+            raise OSError(28, "No space left on device")
+        return write_json(path, data)
+
+    monkeypatch.setattr(protocol, "write_json", full_disk)
+    with pytest.raises(OSError):
+        backend.start(broker.job(job.id))
+    monkeypatch.setattr(protocol, "write_json", write_json)
+    strays = set(marked(job.id))
+    assert strays
+    if then == "stop":
+        backend.stop(job.id, timeout_s=2)
+        assert not marked(job.id)  # killed by the stop, not left to see the stop in desired.json
+        return
+    backend.start(broker.job(job.id))
+    wait_for(lambda: not strays & set(marked(job.id)), 10, "the unrecorded processes to be gone")
+    procs = marked(job.id)
+    assert len([p for p in procs if "sidecar.agent" in command_of(p)]) == 1
+    assert len([p for p in procs if "sidecar.launcher" in command_of(p)]) == 1
+
+
+def test_a_stop_from_the_thread_that_is_starting_the_job_does_not_wait_for_itself(local):  # noqa: F811
+    """Airflow calls a task's on_kill from its SIGTERM handler, in the thread that may be inside the
+    job's start, holding the start lock: the stop waited for that lock, held by its own thread,
+    for START_LOCK_TIMEOUT_S (120 s), and the supervisor's SIGKILL came first."""
+    broker, backend = local
+    job = broker.submit(JobSpec("killed-while-starting", SLEEPER, 1, 1, total_steps=10))
+    start_launchers, waited = backend._start_launchers, []
+
+    def sigterm_while_starting(*args, **kwargs):
+        out = start_launchers(*args, **kwargs)
+        began = time.monotonic()
+        backend.stop(job.id, timeout_s=2)  # the task's on_kill, in this thread
+        waited.append(time.monotonic() - began)
+        return out
+
+    backend._start_launchers = sigterm_while_starting
+    backend.start(job)
+    assert waited[0] < 30
+    assert not any("sidecar.launcher" in command_of(p) for p in marked(job.id))

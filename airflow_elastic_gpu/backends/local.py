@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from filelock import FileLock, Timeout
+from filelock import Timeout
 
 from airflow_elastic_gpu.backends import local_checkpoints
 from airflow_elastic_gpu.backends.base import (  # BackendError: also from here
@@ -49,13 +49,16 @@ from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backen
     detect_gpus,
 )
 from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-exported
+    AGENT_MODULE,
     JOB_MARK,
+    START_LOCK_TIMEOUT_S,
     LocalHandle,
     boot_id,
     kill_group,
     kill_job_processes,
     kill_unrecorded,
     marked_processes,
+    start_lock,
     start_ticks,
 )
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
@@ -74,7 +77,6 @@ TRAINER_ENV_DROPPED = ("AIRFLOW_ELASTIC_GPU_", "AIRFLOW_CONN_", "AIRFLOW_VAR_", 
 tokens), Airflow's connections and variables, and Airflow's configuration (its database URL,
 Fernet key, secret keys)."""
 JOB_DIR_MODE = 0o700
-START_LOCK_TIMEOUT_S = 120.0  # a start spawns a few Python processes: seconds, a minute on a loaded host
 LOG_MODE = 0o600
 _SPAWN = (
     "import subprocess, sys\n"
@@ -278,7 +280,7 @@ class LocalBackend:
         # task's new try reattaching while the old one starts): each would see no handle yet and
         # start a trainer of its own on the job's GPUs
         try:
-            with FileLock(job_dir / ".start.lock", timeout=START_LOCK_TIMEOUT_S):
+            with start_lock(job_dir):
                 return self._start_locked(job, job_dir, env, lease_s)
         except Timeout:
             raise BackendError(f"job {job.id}: another start of it has held {job_dir / '.start.lock'} for "
@@ -291,21 +293,21 @@ class LocalBackend:
             return existing.to_ref()
         new_launcher = existing is None or not all(existing.owns(p) for p in existing.launcher_pids)
         if not new_launcher:
-            # the agent died but the trainer runs on: start a new agent for the same launcher(s)
+            # the agent died but the trainer runs on: start a new agent for the same launcher(s),
+            # and none beside one that a start killed mid-way had spawned
+            kill_unrecorded(job.id, AGENT_MODULE)
             launcher_pid, node_pids = existing.launcher_pid, existing.node_pids
         else:
-            # part of a gang is gone: start the whole gang again, killing its trainers and their
-            # workers too (sessions of their own: a launcher's group misses them), else the new
-            # trainers would share GPUs and a checkpoint with them
-            if existing is not None and (alive := protocol.survivors(kill_job_processes(existing))):
+            # part of a gang is gone: start the whole gang again, killing its trainers and workers
+            # too (sessions of their own), and what a start killed mid-way spawned unrecorded, else
+            # the new trainers would share GPUs and a checkpoint with them
+            alive = protocol.survivors(kill_job_processes(existing)) if existing is not None else []
+            if alive := alive + kill_unrecorded(job.id):
                 raise BackendError(f"job {job.id}: its earlier processes {alive} survive SIGKILL (stuck in the "
-                                       "kernel?): not starting a second trainer on their GPUs")
-            if existing is None and (alive := kill_unrecorded(job.id)):
-                raise BackendError(f"job {job.id}: processes {alive} of a start that did not record them survive "
-                                   "SIGKILL (stuck in the kernel?): not starting a second trainer on their GPUs")
+                                   "kernel?): not starting a second trainer on their GPUs")
             launcher_pid, node_pids = self._start_launchers(job, job_dir, env)
         pids = [pid for _, pid in node_pids] or [launcher_pid]
-        agent = [self.python, "-m", "airflow_elastic_gpu.sidecar.agent", "--job-id", job.id,
+        agent = [self.python, "-m", AGENT_MODULE, "--job-id", job.id,
                  "--shared-dir", str(job_dir), "--poll-s", str(self.poll_s),
                  *(a for pid in pids for a in ("--launcher-pid", str(pid))), "--lease-s", repr(lease_s)]
         if self.fence_s is not None:
@@ -419,7 +421,7 @@ class LocalBackend:
         if not self.job_dir(job_id).is_dir():
             return
         try:
-            with FileLock(self.job_dir(job_id) / ".start.lock", timeout=START_LOCK_TIMEOUT_S):
+            with start_lock(self.job_dir(job_id)):
                 self._stop_locked(job_id, succeeded, timeout_s)
         except Timeout:
             log.warning("job %s: a start of it has held its start lock for %.0fs; stopping the processes "
@@ -440,7 +442,7 @@ class LocalBackend:
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and any(h.owns(p) for p in h.launcher_pids):
             time.sleep(0.2)
-        self._report_stopped(job_id, kill_job_processes(h))
+        self._report_stopped(job_id, kill_job_processes(h) + kill_unrecorded(job_id))
         if succeeded:
             self._keep_checkpoints_of_a_success(job_id)
 

@@ -11,10 +11,17 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
 from airflow_elastic_gpu.sidecar import protocol
 
 log = logging.getLogger(__name__)
 
+AGENT_MODULE = "airflow_elastic_gpu.sidecar.agent"
+"""The module a job's agent runs (``python -m``)."""
+START_LOCK_TIMEOUT_S = 120.0
+"""How long a start or stop of a job waits for another one's (seconds): a start spawns a few Python
+processes, seconds, a minute on a loaded host."""
 JOB_MARK = "ELASTIC_GPU_JOB_ID"
 """Set to the job's id in the environment of its agent and launchers, and so of its trainers and
 their workers: a pid the job recorded counts as the job's only while its process has it (after a
@@ -67,10 +74,12 @@ def job_process(pid: int | None, job_id: str, *, boot: str | None = None, starte
     return not marks or f"{JOB_MARK}={job_id}".encode() in marks
 
 
-def marked_processes(job_id: str) -> list[int]:
+def marked_processes(job_id: str, command: str | None = None) -> list[int]:
     """Live processes (readable by this user) whose environment carries job ``job_id``'s
     :data:`JOB_MARK`: its agent, launchers, trainers and their workers, recorded or not (a start
-    killed before it wrote ``handle.json``); empty where there is no ``/proc``."""
+    killed before it wrote ``handle.json``); empty where there is no ``/proc``.
+
+    :param command: only those whose command line has this argument (e.g. :data:`AGENT_MODULE`)."""
     mark = f"{JOB_MARK}={job_id}".encode()
     try:
         entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
@@ -78,8 +87,11 @@ def marked_processes(job_id: str) -> list[int]:
         return []
     found = []
     for pid in entries:
+        if pid == os.getpid():
+            continue  # a caller that is the job's own (never itself)
         try:
-            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") and (
+                    command is None or command.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")):
                 found.append(pid)
         except OSError:
             continue  # gone, or another user's
@@ -158,11 +170,12 @@ class LocalHandle:
                    data.get("boot_id"), tuple((int(p), int(t)) for p, t in (data.get("starts") or {}).items()))
 
 
-def kill_unrecorded(job_id: str) -> list[int]:
-    """SIGKILL job ``job_id``'s processes that no ``handle.json`` records (:func:`marked_processes`:
-    a start killed mid-way, with the task's worker, after it spawned them; the next start would run
-    a second trainer on the job's GPUs and checkpoint beside them); those that survive."""
-    strays = marked_processes(job_id)
+def kill_unrecorded(job_id: str, command: str | None = None) -> list[int]:
+    """SIGKILL job ``job_id``'s processes that no ``handle.json`` records (:func:`marked_processes`,
+    ``command`` as there: a start killed mid-way, with the task's worker, after it spawned them; the
+    next start would run a second trainer on the job's GPUs and checkpoint beside them); those that
+    survive. Call it once the recorded ones are killed, or with a ``command`` they do not run."""
+    strays = marked_processes(job_id, command)
     if not strays:
         return []
     log.warning("job %s: stopping processes %s of an earlier start that did not record them", job_id, strays)
@@ -184,3 +197,10 @@ def kill_job_processes(h: LocalHandle) -> list[int]:
         kill_group(pid)  # a trainer leads its group; a worker in a session of its own, its own
     protocol.signal_processes(list(recorded), signal.SIGKILL, recorded)
     return pids + list(recorded)
+
+
+def start_lock(job_dir: Path) -> FileLock:
+    """The job's start lock, also taken by its stop: one per process and path, re-entrant in the
+    thread that holds it (a task's on_kill, which Airflow calls from a signal handler in the thread
+    that may be in the start, would wait for itself) and exclusive between threads and processes."""
+    return FileLock(job_dir / ".start.lock", timeout=START_LOCK_TIMEOUT_S, is_singleton=True)
