@@ -153,16 +153,22 @@ def test_a_triggerer_that_cannot_make_its_broker_client_fails_the_task_with_the_
     assert ended.status is JobStatus.CANCELLED and "nosuchdriver" in ended.reason
 
 
-@pytest.mark.parametrize("retried", [False, True])
-def test_a_last_try_that_fails_after_its_job_started_cancels_the_job(worker_env, retried):
+@pytest.mark.parametrize(("retried", "tries", "policy"), [
+    (False, 0, None), (True, 1, None),
+    (False, 1, "fail"),  # tries left, but the task's retry_policy fails it on this error
+])
+def test_a_last_try_that_fails_after_its_job_started_cancels_the_job(worker_env, retried, tries, policy):
     """The task's XCom cannot be written (the API server away) once the job has started: Airflow
     calls no on_kill when execute raises, and on the task's last try the job trained on, holding
     its GPUs, with nobody to follow it. A try that will be retried leaves it for the retry."""
+    from airflow.sdk.definitions.retry_policy import ExceptionRetryPolicy, RetryAction, RetryRule
+
     broker, backend, trainer = worker_env
-    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000",
-                                 total_steps=100000, virtual_gpus=1)
+    op = ElasticTrainingOperator(
+        task_id="train", command=f"{sys.executable} {trainer} x 100000", total_steps=100000, virtual_gpus=1,
+        retry_policy=ExceptionRetryPolicy([RetryRule(OSError, RetryAction.FAIL)]) if policy else None)
     ti = _FakeTI()
-    ti.try_number, ti.max_tries = 1, 1 if retried else 0
+    ti.try_number, ti.max_tries = 1, tries
 
     def unreachable(key, value):
         raise OSError("the API server cannot be reached")

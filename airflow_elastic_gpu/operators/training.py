@@ -63,6 +63,7 @@ from airflow_elastic_gpu.triggers.training import (
     attempt_of,
     max_tries_of,
     task_key,
+    will_retry,
 )
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
@@ -310,17 +311,9 @@ class ElasticTrainingOperator(BaseOperator):
         except Exception as exc:
             # Airflow calls no on_kill when execute raises: on the task's last try, nobody would
             # follow the job (a retry reattaches to it), which would hold its GPUs until it ends
-            if self._job_id is not None and not self._will_retry(ti, exc):
+            if self._job_id is not None and not will_retry(ti, self, exc, AirflowFailException):
                 self._stop_after_last_try(exc)
             raise
-
-    @staticmethod
-    def _will_retry(ti: Any, exc: Exception) -> bool:
-        """Whether Airflow retries the task after ``exc`` (unknown: assumed so, the job left running)."""
-        if isinstance(exc, AirflowFailException):
-            return False
-        try_number, tries = getattr(ti, "try_number", None), max_tries_of(ti)
-        return not isinstance(try_number, int) or tries is None or try_number <= tries
 
     def _stop_after_last_try(self, exc: Exception) -> None:
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import threading
 import time
@@ -120,6 +121,27 @@ def max_tries_of(ti: Any) -> int | None:
     instance, built without it (its ``max_tries`` reads 0 for every try, a clear's too)."""
     value = getattr(ti, "max_tries", None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def will_retry(ti: Any, task: Any, exc: BaseException, never: type[BaseException]) -> bool:
+    """Whether Airflow retries task instance ``ti`` (of ``task``) after ``exc``, decided as Airflow
+    3's task runner does: not on ``never`` (``AirflowFailException``), nor when the task's
+    ``retry_policy`` says FAIL; else as the API server said when the try started (``should_retry``),
+    or, where that is not known, while ``try_number <= max_tries``. Unknown: True (a job is then
+    left to a retry that may come)."""
+    if isinstance(exc, never):
+        return False
+    policy, context = getattr(task, "retry_policy", None), getattr(ti, "_ti_context_from_server", None)
+    max_tries = max_tries_of(ti)
+    if policy is not None:
+        with contextlib.suppress(Exception):  # Airflow falls back to its default then too
+            action = policy.evaluate(exception=exc, try_number=ti.try_number, max_tries=max_tries or 0, context=None)
+            if str(getattr(action.action, "value", action.action)).lower() == "fail":
+                return False
+    if isinstance(getattr(context, "should_retry", None), bool):
+        return context.should_retry
+    try_number = getattr(ti, "try_number", None)
+    return not isinstance(try_number, int) or max_tries is None or try_number <= max_tries
 
 
 class ClientSetupError(Exception):
