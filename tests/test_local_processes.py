@@ -389,3 +389,27 @@ def test_a_stop_from_the_thread_that_is_starting_the_job_does_not_wait_for_itsel
     backend.start(job)
     assert waited[0] < 30
     assert not any("sidecar.launcher" in command_of(p) for p in marked(job.id))
+
+
+def test_one_broker_spelled_two_ways_is_one_and_a_failed_registration_claims_nothing(tmp_path, two_real_gpus,
+                                                                                      monkeypatch):
+    from airflow_elastic_gpu.backends import BackendError
+    from airflow_elastic_gpu.backends.local_host import CLAIM_FILE, broker_identity
+    from airflow_elastic_gpu.broker.types import InvalidRequest
+
+    same = {broker_identity(u) for u in ("postgresql+psycopg://gpu:secret@DB.example/broker?connect_timeout=3",
+                                         "postgresql://gpu@db.example:5432/broker")}
+    assert same == {"postgresql://gpu@db.example:5432/broker"}
+    assert broker_identity("postgresql://gpu@db.example/other") != same.pop()
+    monkeypatch.chdir(tmp_path)
+    assert broker_identity("sqlite:///b.db") == broker_identity(f"sqlite:///{tmp_path / 'b.db'}")
+    # a broker whose registration fails does not keep the host's GPUs from the one that has them
+    work_dir = tmp_path / "jobs"
+    failing = GpuBroker(f"sqlite:///{tmp_path / 'failing.db'}")
+    monkeypatch.setattr(failing, "register_node", lambda *a, **k: (_ for _ in ()).throw(InvalidRequest("refused")))
+    with pytest.raises(InvalidRequest):
+        LocalBackend(work_dir, failing).ensure_pool("default")
+    assert not (work_dir / CLAIM_FILE).exists()
+    assert LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'real.db'}")).ensure_pool("default")
+    with pytest.raises(BackendError, match="real.db"):
+        LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'other.db'}")).ensure_pool("default")

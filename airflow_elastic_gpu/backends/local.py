@@ -179,10 +179,8 @@ class LocalBackend:
         """Register this host's GPUs (or virtual ones, see :func:`detect_gpus`) as node
         :data:`LOCAL_NODE` of ``pool`` when the broker has no such pool yet.
 
-        :raises BackendError: ``virtual_gpus`` < 1, or this host's GPUs are already a node of
-            another pool, or the real ones of another broker (:func:`claim_host_gpus`): a second
-            pool or broker would hand the same GPUs out twice.
-        """
+        :raises BackendError: ``virtual_gpus`` < 1, or this host's GPUs are already a node of another
+            pool, or the real ones of another broker (:func:`claim_host_gpus`): handed out twice."""
         if pool in self.broker.pools():
             claim_host_gpus(self.work_dir, self.broker, pool, registering=False)
             return None
@@ -191,14 +189,15 @@ class LocalBackend:
             found = detect_gpus(self.virtual_gpus)
         except ValueError as exc:
             raise BackendError(str(exc)) from None
-        if not found.virtual:
+        if not found.virtual and self.virtual_nodes > 1:
+            raise BackendError("virtual_nodes > 1 splits virtual GPUs; this host has real ones")
+        if not found.virtual:  # no other broker has them (checked), then this one's claim (recorded)
             claim_host_gpus(self.work_dir, self.broker, pool, registering=True)
         if self.virtual_nodes == 1:
             self.broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
+            claim_host_gpus(self.work_dir, self.broker, pool, registering=False)
             return (f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) of this host "
                     f"in pool {pool!r}")
-        if not found.virtual:
-            raise BackendError("virtual_nodes > 1 splits virtual GPUs; this host has real ones")
         size = len(found.indices)
         for i in range(self.virtual_nodes):  # device indices unique on the host: node i has i*size ...
             self.broker.register_node(f"{LOCAL_NODE}-{i}", pool=pool, gpu_type=found.gpu_type,

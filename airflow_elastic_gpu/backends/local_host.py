@@ -94,24 +94,25 @@ def check_host_not_in_another_pool(broker: GpuBroker, pool: str) -> None:
 
 
 def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering: bool) -> None:
-    """Keep this host's real GPUs in one broker: the first broker to have them (``registering`` them
-    in ``pool``, or found with them already) is recorded in ``work_dir``/:data:`CLAIM_FILE`, and
-    another broker that would register them, or has them, is refused.
+    """Keep this host's real GPUs in one broker: the first broker found with them in ``pool`` is
+    recorded in ``work_dir``/:data:`CLAIM_FILE`, and another broker that would register them, or
+    has them, is refused.
 
     Two brokers would hand the same GPUs to a job each. That happens when a process reads another
     broker than the rest of the deployment: Airflow 3 reports a connection it could not read (a
     secrets backend or its API server away for a moment) as not defined, and the broker then falls
     back to the ``[elastic_gpu]`` section, whose default is a SQLite file in ``$AIRFLOW_HOME``.
-    Virtual GPUs (CPU processes) are not claimed. Brokers are told apart by URL, password hidden.
+    Virtual GPUs (CPU processes) are not claimed. Brokers are told apart by :func:`broker_identity`.
 
-    :param registering: the caller registers the host's GPUs in ``pool`` next (not yet in it).
+    :param registering: the caller registers the host's GPUs in ``pool`` next: only checked (the
+        claim is recorded by the call after the registration, when the broker has them).
     :raises BackendError: another broker has them, naming both and the file; a malformed file.
     """
     path = Path(work_dir) / CLAIM_FILE
-    name = make_url(broker.url).render_as_string(hide_password=True)
+    name = broker_identity(broker.url)
     try:
         claim = protocol.read_json(path)
-        if claim is not None and claim.get("broker") == name:
+        if (claim is not None and claim.get("broker") == name) or (claim is None and registering):
             return
         if not registering and not any(_HOST_NODE.fullmatch(n.name) and any(g.gpu_type != "virtual" for g in n.gpus)
                                        for n in broker.nodes(pool)):
@@ -132,3 +133,16 @@ def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering
         "must read the same broker (the connection elastic_gpu_default, or [elastic_gpu] broker_url; Airflow "
         "reports a connection it cannot read for a moment as not defined, and the [elastic_gpu] section's "
         f"broker is used then). If the broker moved for good, delete {path} once no job of the old one runs")
+
+
+def broker_identity(url: str) -> str:
+    """The broker database ``url`` names, as one string whatever the spelling: its dialect without
+    the driver, user, host (lower case), port (the dialect's default if none) and database; no
+    password, no query. A SQLite file by its absolute path. (Two host names of one server still
+    read as two brokers.)"""
+    u = make_url(url)
+    backend = u.get_backend_name()
+    if backend == "sqlite":
+        return f"sqlite:///{Path(u.database).resolve()}" if u.database and u.database != ":memory:" else "sqlite://"
+    port = u.port or {"postgresql": 5432, "mysql": 3306}.get(backend)
+    return f"{backend}://{u.username or ''}@{(u.host or 'localhost').lower()}:{port}/{u.database or ''}"
