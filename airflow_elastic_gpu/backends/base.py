@@ -183,7 +183,9 @@ def abandon(broker: GpuBroker, backend: Backend, job_id: str, error: Exception) 
     reason = f"the {backend.name} backend could not start the job: {error}"
 
     def release() -> None:
-        if not backend.is_running(job_id):
+        # a backend whose stop frees them itself once nothing of the job runs (the local one: it
+        # sees its trainers, which may outlive SIGKILL) is left to do so
+        if not getattr(backend, "stop_releases", False) and not backend.is_running(job_id):
             broker.fail(job_id, "nothing of it runs")  # an ended job's held GPUs freed
 
     for step, call in (("fail the job in the broker", lambda: broker.fail(job_id, reason, hold=True)),

@@ -156,6 +156,7 @@ class LocalBackend:
     """
 
     name = "local"
+    stop_releases = True  # a stop frees an ended job's held GPUs once its processes are gone
 
     def __init__(self, work_dir: str | Path, broker: GpuBroker, *, broker_url: str | None = None,
                  virtual_gpus: int | None = None, virtual_nodes: int = 1, python: str = sys.executable,
