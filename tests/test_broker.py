@@ -468,23 +468,23 @@ def test_a_lost_job_whose_trainer_had_finished_cleanly_succeeds_when_the_report_
     the job is declared lost, and the report of the clean exit that comes later was dropped. The
     job stayed LOST without its metrics, and the task's retry trained it again."""
     pool.configure_pool(lease_s=30)
-    a = pool.submit(spec("a"))
-    pool.ack(a.id, 1)
-    clock.advance(20)
-    pool.rebalance()
-    clock.advance(11)
-    pool.rebalance()
-    assert pool.job(a.id).status is JobStatus.LOST
+    a = _declared_lost(pool, clock, "a")
     done = pool.finish(a.id, 0, {"final": True, "step": 100, "accuracy": 0.93})
     assert done.status is JobStatus.SUCCEEDED and done.exit_code == 0 and done.metrics["accuracy"] == 0.93
     assert done.in_use_gpus == () and done.target_gpus == ()
     assert "reported after the job was declared lost" in pool.events(job_id=a.id)[-1].message
     # a failure reported late changes nothing: LOST stays
-    b = pool.submit(spec("b"))
-    pool.ack(b.id, 1)
+    b = _declared_lost(pool, clock, "b")
+    assert pool.fail(b.id, "exit 1", 1).status is JobStatus.LOST
+
+
+def _declared_lost(pool, clock, name: str):
+    """A job of ``pool`` (lease 30 s) whose agent acked and was then silent until it was LOST."""
+    job = pool.submit(spec(name))
+    pool.ack(job.id, 1)
     clock.advance(20)
-    pool.rebalance()
+    pool.rebalance()  # a call within the lease (else the silence of every caller reads as an outage)
     clock.advance(11)
     pool.rebalance()
-    assert pool.job(b.id).status is JobStatus.LOST
-    assert pool.fail(b.id, "exit 1", 1).status is JobStatus.LOST
+    assert pool.job(job.id).status is JobStatus.LOST
+    return job

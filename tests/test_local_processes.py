@@ -123,21 +123,29 @@ def test_a_stop_signals_no_pid_of_a_trainer_that_ended_and_no_reused_one(local, 
             p.wait()
 
 
+def _running_then_killed(broker, backend, name: str, gpus: int, *, trainer_too: bool):
+    """A job started on ``gpus`` GPUs whose trainer runs, then its agent and launcher (and with
+    ``trainer_too`` its trainer) SIGKILLed, as a host's OOM killer might: the job and the trainer's
+    last ``status.json``."""
+    job = broker.submit(JobSpec(name, SLEEPER, gpus, gpus, total_steps=10))
+    job = broker.start(job.id, backend.start(job))
+    status = wait_for(lambda: (s := protocol.read_json(backend.job_dir(job.id) / protocol.STATUS) or {}).get(
+        "state") == protocol.RUNNING and s, 30, "the trainer")
+    broker.ack(job.id, 1)
+    h = backend.handle(job.id)
+    for pid in (h.agent_pid, h.launcher_pid, *([status["pid"]] if trainer_too else [])):
+        os.kill(pid, 9)
+    wait_for(lambda: not backend.is_running(job.id), 10, "the agent and launcher to be gone")
+    return job, status
+
+
 def test_a_dead_launchers_orphan_trainer_keeps_the_jobs_gpu_until_it_is_killed(local):  # noqa: F811
     """The agent and the launcher are killed (the OOM killer), the trainer runs on in its session:
     the watcher fails the job with its GPU held (it went to the next job at once, while the
     orphan, perhaps stuck in the kernel, still ran on it), and the stop that follows kills the
     orphan and frees the GPU."""
     broker, backend = local
-    job = broker.submit(JobSpec("orphan", SLEEPER, 2, 2, total_steps=10))
-    job = broker.start(job.id, backend.start(job))
-    status = wait_for(lambda: (s := protocol.read_json(backend.job_dir(job.id) / protocol.STATUS) or {}).get(
-        "state") == protocol.RUNNING and s, 30, "the trainer")
-    broker.ack(job.id, 1)
-    h = backend.handle(job.id)
-    for pid in (h.agent_pid, h.launcher_pid):
-        os.kill(pid, 9)
-    wait_for(lambda: not backend.is_running(job.id), 10, "the agent and launcher to be gone")
+    job, status = _running_then_killed(broker, backend, "orphan", 2, trainer_too=False)
     assert backend.problem(broker.job(job.id)).running
     watcher = JobWatcher(broker, backend, job.id)
     stop = backend.stop
@@ -319,15 +327,7 @@ def test_a_clean_exit_that_its_agent_did_not_live_to_report_is_a_success(local):
     the end (or gives up on a broker away for ten minutes): the watcher found the processes gone
     and failed the job, whose trainer had finished, and the task's retry trained it again."""
     broker, backend = local
-    job = broker.submit(JobSpec("finished", SLEEPER, 1, 1, total_steps=10))
-    job = broker.start(job.id, backend.start(job))
-    status = wait_for(lambda: (s := protocol.read_json(backend.job_dir(job.id) / protocol.STATUS) or {}).get(
-        "state") == protocol.RUNNING and s, 30, "the trainer")
-    broker.ack(job.id, 1)
-    h = backend.handle(job.id)
-    for pid in (h.agent_pid, h.launcher_pid, status["pid"]):
-        os.kill(pid, 9)
-    wait_for(lambda: not backend.is_running(job.id), 10, "the processes to be gone")
+    job, status = _running_then_killed(broker, backend, "finished", 1, trainer_too=True)
     # what the launcher had recorded of a trainer that exited by itself, and its last lines
     protocol.write_json(backend.job_dir(job.id) / protocol.STATUS, {**status, "state": protocol.EXITED,
                                                                      "exit_code": 0})

@@ -29,6 +29,15 @@ from airflow_elastic_gpu.triggers.training import (
 )
 
 
+def _deferred_on(broker, name: str):
+    """A running job of ``broker``, the operator whose task deferred on it, and its trigger."""
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec(name, "python train.py", 1, 2, total_steps=10**6))
+    broker.ack(job.id, 1)
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6, poll_interval=0.1)
+    return job, op, ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
+
+
 @pytest.mark.parametrize("on_kill", [True, False])
 def test_a_user_action_or_a_trigger_timeout_stops_a_started_triggers_job_with_a_retried_reason(worker_env, on_kill):
     """The triggerer cancels ``run`` with its user-action message, then calls ``on_kill`` (a user
@@ -64,11 +73,7 @@ def test_a_user_action_or_a_trigger_timeout_stops_a_started_triggers_job_with_a_
 
 def test_a_user_action_on_a_deferred_task_cancels_its_job_with_on_kills_reason(worker_env):
     broker, _, _ = worker_env
-    broker.register_node("localhost", 2)
-    job = broker.submit(JobSpec("followed", "python train.py", 1, 2, total_steps=10**6))
-    broker.ack(job.id, 1)
-    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6, poll_interval=0.1)
-    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
+    job, _, trigger = _deferred_on(broker, "followed")
     trigger.task_instance = _trigger_ti()
     trigger._still_deferred = lambda unsure=False: False
 
@@ -137,11 +142,7 @@ def test_a_triggerer_that_cannot_make_its_broker_client_fails_the_task_with_the_
     """A triggerer without the broker's database driver (or with a malformed URL) logged a warning
     at every poll, for ever: the task stayed deferred while its job ran unwatched."""
     broker, _, _ = worker_env
-    broker.register_node("localhost", 2)
-    job = broker.submit(JobSpec("unwatched", "python train.py", 1, 2, total_steps=10**6))
-    broker.ack(job.id, 1)
-    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6, poll_interval=0.1)
-    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
+    job, op, trigger = _deferred_on(broker, "unwatched")
     monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", "postgresql+nosuchdriver://db.example/broker")
     event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 30))
     assert event.payload["status"] == "error" and "cannot make its broker or backend client" in event.payload["reason"]
