@@ -16,6 +16,7 @@ import pytest
 from test_local_backend import local  # noqa: F401 - a fixture
 from test_sidecar import wait_for
 
+from airflow_elastic_gpu.backends import BackendError
 from airflow_elastic_gpu.backends.local import LocalBackend
 from airflow_elastic_gpu.backends.local_processes import JOB_MARK, boot_id, start_ticks
 from airflow_elastic_gpu.broker.service import GpuBroker
@@ -170,9 +171,13 @@ def test_a_stop_left_in_desired_json_by_an_earlier_try_does_not_end_the_new_laun
     broker, backend = local
     job = broker.submit(JobSpec("restarted", SLEEPER, 1, 1, total_steps=10))
     job = broker.start(job.id, backend.start(job))
-    backend.stop(job.id, timeout_s=10)  # the try's stop; its cancel failed
-    assert protocol.read_json(backend.job_dir(job.id) / protocol.DESIRED)["stop"] is True
-    assert broker.job(job.id).status is JobStatus.RUNNING
+    # what the try's stop leaves: its processes gone, "stop" in desired.json. (A real stop races
+    # the agent, which may report the launcher's exit first: the job is then failed, not reattached)
+    os.kill(backend.handle(job.id).agent_pid, 9)
+    desired = backend.job_dir(job.id) / protocol.DESIRED
+    protocol.write_json(desired, {**(protocol.read_json(desired) or {"generation": 0, "gpus": []}), "stop": True})
+    backend.stop(job.id, timeout_s=10)
+    assert protocol.read_json(desired)["stop"] is True and broker.job(job.id).status is JobStatus.RUNNING
     backend.start(broker.job(job.id))  # the next try reattaches
     time.sleep(2.0)  # several launcher polls
     h = backend.handle(job.id)
@@ -299,6 +304,19 @@ def test_a_start_that_fails_after_it_spawned_frees_the_gpus_only_once_nothing_of
     assert marked(job.id) == [] and ended.target_gpus == () and ended.in_use_gpus == ()
 
 
+def test_a_start_that_fails_before_it_spawned_anything_frees_the_gpus_at_once(local):  # noqa: F811
+    """No Python to run the launcher: the failed job's GPUs stayed held for the pool's lease."""
+    from airflow_elastic_gpu.backends.base import start_job
+
+    broker, local_backend = local
+    backend = LocalBackend(local_backend.work_dir, broker, python="/nonexistent/python")
+    job = broker.submit(JobSpec("no-python", SLEEPER, 2, 2, total_steps=10))
+    with pytest.raises(BackendError):
+        start_job(broker, backend, job)
+    ended = broker.job(job.id)
+    assert ended.status is JobStatus.FAILED and ended.target_gpus == () and ended.in_use_gpus == ()
+
+
 @pytest.mark.parametrize(("script", "virtual"), [
     ("echo 'No devices were found'; exit 6", True),  # a host with the driver and no GPU
     ("echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2; exit 9", False),
@@ -393,9 +411,10 @@ def test_a_stop_from_the_thread_that_is_starting_the_job_does_not_wait_for_itsel
         return out
 
     backend._start_launchers = sigterm_while_starting
-    backend.start(job)
+    with pytest.raises(BackendError, match="stopped while it started"):  # nothing of it left running
+        backend.start(job)
     assert waited[0] < 30
-    assert not any("sidecar.launcher" in command_of(p) for p in marked(job.id))
+    assert marked(job.id) == []  # the launcher killed by the stop, the agent spawned after it by the start
 
 
 def test_one_broker_spelled_two_ways_is_one_and_a_failed_registration_claims_nothing(tmp_path, two_real_gpus,
@@ -420,3 +439,29 @@ def test_one_broker_spelled_two_ways_is_one_and_a_failed_registration_claims_not
     assert LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'real.db'}")).ensure_pool("default")
     with pytest.raises(BackendError, match="real.db"):
         LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'other.db'}")).ensure_pool("default")
+
+
+def test_two_brokers_registering_a_hosts_real_gpus_at_once_leave_them_in_one(tmp_path, two_real_gpus):
+    """Both saw no claim yet and registered the GPUs; the loser raised only afterwards, its
+    database holding the host's real GPUs too."""
+    work_dir = tmp_path / "jobs"
+    brokers = [GpuBroker(f"sqlite:///{tmp_path / f'{i}.db'}") for i in range(2)]
+    for b in brokers:
+        register = b.register_node
+        b.register_node = lambda *a, _register=register, **k: (time.sleep(0.5), _register(*a, **k))[1]
+    outcomes: list[str] = []
+
+    def first_run(broker):
+        try:
+            LocalBackend(work_dir, broker).ensure_pool("default")
+            outcomes.append("registered")
+        except BackendError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=first_run, args=(b,)) for b in brokers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes) == ["refused", "registered"]
+    assert sorted(len(b.nodes()) for b in brokers) == [0, 1]

@@ -154,9 +154,19 @@ def test_a_triggerer_that_cannot_make_its_broker_client_fails_the_task_with_the_
     assert ended.status is JobStatus.CANCELLED and "nosuchdriver" in ended.reason
 
 
+class _FailWhenAsked:
+    """A retry policy that reads the task's context (as Airflow's evaluation gives it): FAIL."""
+
+    def evaluate(self, exception, try_number, max_tries, context=None):
+        from airflow.sdk.definitions.retry_policy import RetryAction, RetryDecision
+
+        return RetryDecision(action=RetryAction.FAIL, reason=f"try {context['ti'].try_number}: do not retry")
+
+
 @pytest.mark.parametrize(("retried", "tries", "policy"), [
     (False, 0, None), (True, 1, None),
     (False, 1, "fail"),  # tries left, but the task's retry_policy fails it on this error
+    (False, 1, "context"),  # a policy that reads the context (it was given none, and its error ignored)
 ])
 def test_a_last_try_that_fails_after_its_job_started_cancels_the_job(worker_env, retried, tries, policy):
     """The task's XCom cannot be written (the API server away) once the job has started: Airflow
@@ -167,7 +177,8 @@ def test_a_last_try_that_fails_after_its_job_started_cancels_the_job(worker_env,
     broker, backend, trainer = worker_env
     op = ElasticTrainingOperator(
         task_id="train", command=f"{sys.executable} {trainer} x 100000", total_steps=100000, virtual_gpus=1,
-        retry_policy=ExceptionRetryPolicy([RetryRule(OSError, RetryAction.FAIL)]) if policy else None)
+        retry_policy={"fail": ExceptionRetryPolicy([RetryRule(OSError, RetryAction.FAIL)]),
+                      "context": _FailWhenAsked(), None: None}[policy])
     ti = _FakeTI()
     ti.try_number, ti.max_tries = 1, tries
 
@@ -184,3 +195,31 @@ def test_a_last_try_that_fails_after_its_job_started_cancels_the_job(worker_env,
         ended = broker.job(job.id)
         assert ended.status is JobStatus.CANCELLED and "last try failed" in ended.reason
         assert not backend.is_running(job.id)
+
+
+def test_a_stop_that_fails_when_the_trigger_is_cancelled_leaves_the_cancel_and_on_kill_as_they_are(worker_env):
+    """The job's stop in ``run`` failed (the broker away for a moment): its error replaced the
+    triggerer's CancelledError, so the triggerer took it for a trigger's failure and called no
+    ``on_kill``, whose stop would have been tried again."""
+    broker, _, _ = worker_env
+    job, _, trigger = _deferred_on(broker, "stopped-later")
+    trigger.task_instance = _trigger_ti()
+    trigger._still_deferred = lambda unsure=False: False
+    kill = trigger._kill
+
+    def broker_away(reason):
+        trigger._kill = kill
+        raise OSError("the broker cannot be reached")
+
+    trigger._kill = broker_away
+
+    async def mark_failed():
+        running = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.sleep(0.5)
+        running.cancel(USER_ACTION_CANCEL)
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        await trigger.on_kill()
+
+    asyncio.run(mark_failed())
+    assert broker.job(job.id).status is JobStatus.CANCELLED

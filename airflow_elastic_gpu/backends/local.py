@@ -46,18 +46,20 @@ from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backen
     LOCAL_NODE,
     check_host_not_in_another_pool,
     claim_host_gpus,
+    claim_lock,
     detect_gpus,
 )
 from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-exported
     AGENT_MODULE,
     JOB_MARK,
     START_LOCK_TIMEOUT_S,
+    STOPPED_WHILE_STARTING,
     LocalHandle,
     boot_id,
+    drop_stop,
     kill_group,
     kill_job_processes,
     kill_unrecorded,
-    marked_processes,
     start_lock,
     start_ticks,
 )
@@ -192,11 +194,12 @@ class LocalBackend:
             raise BackendError(str(exc)) from None
         if not found.virtual and self.virtual_nodes > 1:
             raise BackendError("virtual_nodes > 1 splits virtual GPUs; this host has real ones")
-        if not found.virtual:  # no other broker has them (checked), then this one's claim (recorded)
-            claim_host_gpus(self.work_dir, self.broker, pool, registering=True)
         if self.virtual_nodes == 1:
-            self.broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
-            claim_host_gpus(self.work_dir, self.broker, pool, registering=False)
+            with claim_lock(self.work_dir, real=not found.virtual):  # one broker's check and claim at a time
+                if not found.virtual:  # no other broker has them (checked), then this one's claim (recorded)
+                    claim_host_gpus(self.work_dir, self.broker, pool, registering=True)
+                self.broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
+                claim_host_gpus(self.work_dir, self.broker, pool, registering=False)
             return (f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) of this host "
                     f"in pool {pool!r}")
         size = len(found.indices)
@@ -262,6 +265,7 @@ class LocalBackend:
         :raises BackendError: bad command, env, work dir or checkpoint dir, unknown pool, a
             ``fence_s`` that does not fit in the pool's lease, or a spawn failure.
         """
+        STOPPED_WHILE_STARTING.discard(job.id)
         env = check_env(env)
         self.check(job.command, job.checkpoint_dir)
         lease_s = pool_lease_s(self.broker, job.pool)
@@ -324,6 +328,9 @@ class LocalBackend:
                 for pid in pids:
                     kill_group(pid)
             raise
+        if job.id in STOPPED_WHILE_STARTING:  # its stop ran inside this start (a task's on_kill)
+            kill_unrecorded(job.id)
+            raise BackendError(f"job {job.id} was stopped while it started")
         # the boot and start times tell these processes from any that get their pids later
         handle = LocalHandle(job_dir, agent_pid, launcher_pid, node_pids, boot_id(),
                              tuple((p, t) for p in (agent_pid, *pids) if (t := start_ticks(p)) is not None))
@@ -343,7 +350,7 @@ class LocalBackend:
             for node, shared in dirs:
                 shared.mkdir(mode=JOB_DIR_MODE, parents=True, exist_ok=True)
                 _private_file(shared / protocol.LOG)
-                _drop_stop(shared / protocol.DESIRED)
+                drop_stop(shared / protocol.DESIRED)
                 launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
                             "--shared-dir", str(shared), "--grace-s", str(self.grace_s)]
                 if checkpoint_dir:
@@ -418,10 +425,14 @@ class LocalBackend:
         (:meth:`default_checkpoint_dir`). It waits for a start of the job under way (the job's start
         lock, at most ``START_LOCK_TIMEOUT_S``), whose processes it would miss otherwise, and holds
         the lock until the job's processes are gone."""
-        if not self.job_dir(job_id).is_dir():
+        if not self.job_dir(job_id).is_dir():  # nothing was ever spawned
+            self._report_stopped(job_id, [])
             return
+        lock = start_lock(self.job_dir(job_id))
         try:
-            with start_lock(self.job_dir(job_id)):
+            with lock:
+                if lock.lock_counter > 1:  # re-entered: on_kill's, from a signal handler inside a start
+                    STOPPED_WHILE_STARTING.add(job_id)  # which then stops too
                 self._stop_locked(job_id, succeeded, timeout_s)
         except Timeout:
             log.warning("job %s: a start of it has held its start lock for %.0fs; stopping the processes "
@@ -432,8 +443,7 @@ class LocalBackend:
         """:meth:`stop` under the job's start lock."""
         h = self.handle(job_id)
         if h is None:  # never started, or a start that failed before it recorded what it spawned
-            if marked_processes(job_id):
-                self._report_stopped(job_id, kill_unrecorded(job_id))  # the survivors: none reported
+            self._report_stopped(job_id, kill_unrecorded(job_id))  # the survivors: none reported
             return
         for d in {h.job_dir, *h.launcher_dirs()}:
             desired = protocol.read_json(d / protocol.DESIRED) or {"generation": 0, "gpus": []}
@@ -484,17 +494,3 @@ class LocalBackend:
         self.stop(job_id, timeout_s=5)
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
 
-
-def _drop_stop(path: Path) -> None:
-    """Take out of a new launcher's ``desired.json`` the stop an earlier launcher of the job was
-    given (a task's try stopped its processes but could not cancel the job: the next try
-    reattaches and starts a launcher again, which would exit at once); the job's agent writes
-    a stop again if the broker has ended the job. A malformed file is removed (the agent writes
-    it anew)."""
-    try:
-        desired = protocol.read_json(path)
-    except ValueError:
-        path.unlink(missing_ok=True)
-        return
-    if desired is not None and desired.pop("stop", False):
-        protocol.write_json(path, desired)

@@ -3,9 +3,11 @@ node name they are registered under, and the guards that keep them in one GPU po
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -117,8 +119,7 @@ def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering
         if not registering and not any(_HOST_NODE.fullmatch(n.name) and any(g.gpu_type != "virtual" for g in n.gpus)
                                        for n in broker.nodes(pool)):
             return  # not this host's real GPUs
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(path.with_name(f".{CLAIM_FILE}.lock"), timeout=30):
+        with claim_lock(path.parent):
             claim = protocol.read_json(path)
             if claim is None:
                 protocol.write_json(path, {"broker": name, "pool": pool})
@@ -133,6 +134,16 @@ def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering
         "must read the same broker (the connection elastic_gpu_default, or [elastic_gpu] broker_url; Airflow "
         "reports a connection it cannot read for a moment as not defined, and the [elastic_gpu] section's "
         f"broker is used then). If the broker moved for good, delete {path} once no job of the old one runs")
+
+
+def claim_lock(work_dir: Path, real: bool = True) -> AbstractContextManager[object]:
+    """The lock of ``work_dir``'s :data:`CLAIM_FILE` (re-entrant in its thread), taken across a
+    broker's check, registration and claim of the host's GPUs; none for virtual GPUs (``real``
+    false). Makes ``work_dir``."""
+    if not real:
+        return contextlib.nullcontext()
+    Path(work_dir).mkdir(parents=True, exist_ok=True)
+    return FileLock(Path(work_dir) / f".{CLAIM_FILE}.lock", timeout=60, is_singleton=True)
 
 
 def broker_identity(url: str) -> str:

@@ -22,6 +22,9 @@ AGENT_MODULE = "airflow_elastic_gpu.sidecar.agent"
 START_LOCK_TIMEOUT_S = 120.0
 """How long a start or stop of a job waits for another one's (seconds): a start spawns a few Python
 processes, seconds, a minute on a loaded host."""
+STOPPED_WHILE_STARTING: set[str] = set()
+"""Jobs whose stop ran inside their start, in the start's thread (a task's on_kill, called from a
+signal handler): the start kills what it spawned and fails rather than record it."""
 JOB_MARK = "ELASTIC_GPU_JOB_ID"
 """Set to the job's id in the environment of its agent and launchers, and so of its trainers and
 their workers: a pid the job recorded counts as the job's only while its process has it (after a
@@ -204,3 +207,18 @@ def start_lock(job_dir: Path) -> FileLock:
     thread that holds it (a task's on_kill, which Airflow calls from a signal handler in the thread
     that may be in the start, would wait for itself) and exclusive between threads and processes."""
     return FileLock(job_dir / ".start.lock", timeout=START_LOCK_TIMEOUT_S, is_singleton=True)
+
+
+def drop_stop(path: Path) -> None:
+    """Take out of a new launcher's ``desired.json`` the stop an earlier launcher of the job was
+    given (a task's try stopped its processes but could not cancel the job: the next try
+    reattaches and starts a launcher again, which would exit at once); the job's agent writes
+    a stop again if the broker has ended the job. A malformed file is removed (the agent writes
+    it anew)."""
+    try:
+        desired = protocol.read_json(path)
+    except ValueError:
+        path.unlink(missing_ok=True)
+        return
+    if desired is not None and desired.pop("stop", False):
+        protocol.write_json(path, desired)

@@ -311,7 +311,7 @@ class ElasticTrainingOperator(BaseOperator):
         except Exception as exc:
             # Airflow calls no on_kill when execute raises: on the task's last try, nobody would
             # follow the job (a retry reattaches to it), which would hold its GPUs until it ends
-            if self._job_id is not None and not will_retry(ti, self, exc, AirflowFailException):
+            if self._job_id is not None and not will_retry(ti, self, exc, AirflowFailException, context):
                 self._stop_after_last_try(exc)
             raise
 

@@ -123,23 +123,23 @@ def max_tries_of(ti: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def will_retry(ti: Any, task: Any, exc: BaseException, never: type[BaseException]) -> bool:
+def will_retry(ti: Any, task: Any, exc: BaseException, never: type[BaseException], context: Any = None) -> bool:
     """Whether Airflow retries task instance ``ti`` (of ``task``) after ``exc``, decided as Airflow
     3's task runner does: not on ``never`` (``AirflowFailException``), nor when the task's
     ``retry_policy`` says FAIL; else as the API server said when the try started (``should_retry``),
     or, where that is not known, while ``try_number <= max_tries``. Unknown: True (a job is then
-    left to a retry that may come)."""
+    left to a retry that may come). ``context``: the task's, for the policy."""
     if isinstance(exc, never):
         return False
-    policy, context = getattr(task, "retry_policy", None), getattr(ti, "_ti_context_from_server", None)
+    policy, server = getattr(task, "retry_policy", None), getattr(ti, "_ti_context_from_server", None)
     max_tries = max_tries_of(ti)
     if policy is not None:
         with contextlib.suppress(Exception):  # Airflow falls back to its default then too
-            action = policy.evaluate(exception=exc, try_number=ti.try_number, max_tries=max_tries or 0, context=None)
+            action = policy.evaluate(exception=exc, try_number=ti.try_number, max_tries=max_tries or 0, context=context)
             if str(getattr(action.action, "value", action.action)).lower() == "fail":
                 return False
-    if isinstance(getattr(context, "should_retry", None), bool):
-        return context.should_retry
+    if isinstance(getattr(server, "should_retry", None), bool):
+        return server.should_retry
     try_number = getattr(ti, "try_number", None)
     return not isinstance(try_number, int) or max_tries is None or try_number <= max_tries
 
@@ -317,7 +317,10 @@ class ElasticTrainingTrigger(BaseTrigger):
                 user_action = bool(exc.args) and exc.args[0] == USER_ACTION_CANCEL
                 reason = ("the task's deferral ended without the job (timed out)" if not user_action
                           else TRIGGER_KILLED if self.command is None else STARTED_TRIGGER_ENDED)
-                await self._stop_unless_deferred(reason, unsure=True)
+                try:
+                    await self._stop_unless_deferred(reason, unsure=True)
+                except Exception as stop_exc:  # noqa: BLE001 - the cancel goes on (on_kill may try again)
+                    self.log.warning("job %s: could not stop it (%s)", self.job_id, stop_exc)
             raise
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
@@ -473,8 +476,8 @@ class ElasticTrainingTrigger(BaseTrigger):
                 self.log.info("job %s goes on: its task instance is still deferred (the trigger moved to "
                               "another triggerer, or the triggerer stops)", self.job_id or "being submitted")
                 return
-            self._stopped = True
             self._kill(reason)
+            self._stopped = True  # on_kill, which may follow, has nothing left to do
 
         # a thread of its own: the triggerer's default executor may be busy with other triggers'
         # polls, and a stop queued there is dropped when on_kill's time (30 s) runs out
