@@ -1,7 +1,8 @@
 """The local backend's processes under races and reuse: two starts of one job at once, a stop
-during a start, a start killed before it recorded its processes, a pid of a trainer that ended taken by another process since, a dead launcher's
-orphan trainer, a stop left in ``desired.json`` by an earlier try, and a host's real GPUs claimed
-by one broker only."""
+during a start (from another thread, from the start's own thread, from a thread waiting for its
+lock), a start or restart killed before it recorded its processes, a start that failed, a pid of a
+trainer that ended taken by another process since, a dead launcher's orphan trainer, a clean exit
+its agent did not report, and a stop left in ``desired.json`` by an earlier try."""
 
 from __future__ import annotations
 
@@ -196,55 +197,6 @@ def test_the_trainer_numbers_gpus_as_nvidia_smi_does(local, tmp_path):  # noqa: 
     assert "PCI_BUS_ID" in LocalBackend.log_tail(backend, job.id)
 
 
-@pytest.fixture
-def two_real_gpus(tmp_path, monkeypatch):
-    """An ``nvidia-smi`` on PATH that lists two A100s, as on a GPU host."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\nprintf '0, NVIDIA A100-SXM4-80GB\\n1, NVIDIA A100-SXM4-80GB\\n'\n")
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-
-
-def test_a_second_broker_cannot_register_or_use_a_hosts_real_gpus(tmp_path, two_real_gpus):
-    """Airflow 3 reports a connection it could not read for a moment as not defined; a worker then
-    used the ``[elastic_gpu]`` section's broker (a SQLite file by default), which registered the
-    host's GPUs anew: two brokers handed the same GPUs to a job each."""
-    from airflow_elastic_gpu.backends import BackendError
-
-    work_dir = tmp_path / "jobs"
-    first, second = (GpuBroker(f"sqlite:///{tmp_path / name}") for name in ("real.db", "fallback.db"))
-    assert LocalBackend(work_dir, first).ensure_pool("default").startswith("registered 2 GPU(s)")
-    with pytest.raises(BackendError, match=r"handed out by the broker 'sqlite:///.*real\.db'.*fallback\.db"):
-        LocalBackend(work_dir, second).ensure_pool("default")
-    assert second.nodes() == []
-    assert LocalBackend(work_dir, first).ensure_pool("default") is None  # its own: fine
-    # a broker that registered them before the claim existed is refused too once another has it
-    second.register_node("localhost", pool="default", gpu_type="NVIDIA A100-SXM4-80GB", gpu_indices=(0, 1))
-    with pytest.raises(BackendError, match="two brokers would hand the same GPUs to two jobs"):
-        LocalBackend(work_dir, second).ensure_pool("default")
-
-
-def test_a_broker_that_had_a_hosts_real_gpus_before_the_claim_is_recorded_as_theirs(tmp_path, two_real_gpus):
-    from airflow_elastic_gpu.backends import BackendError
-
-    work_dir = tmp_path / "jobs"
-    old, other = (GpuBroker(f"sqlite:///{tmp_path / name}") for name in ("old.db", "other.db"))
-    old.register_node("localhost", pool="default", gpu_type="NVIDIA A100-SXM4-80GB", gpu_indices=(0, 1))
-    assert LocalBackend(work_dir, old).ensure_pool("default") is None
-    with pytest.raises(BackendError, match="old.db"):
-        LocalBackend(work_dir, other).ensure_pool("default")
-
-
-def test_brokers_of_virtual_gpus_claim_nothing(tmp_path):
-    """Virtual GPUs are CPU processes: a test or a second demo on one host may have brokers of its own."""
-    work_dir = tmp_path / "jobs"
-    for name in ("one.db", "two.db"):
-        assert "virtual" in LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / name}"),
-                                         virtual_gpus=2).ensure_pool("default")
-
-
 def test_a_start_killed_before_it_recorded_its_processes_is_not_followed_by_a_second_trainer(local):  # noqa: F811
     """The worker is killed (OOM) after the start spawned the launcher and the agent, before it
     wrote ``handle.json``: the next try's start saw no handle and started a second launcher,
@@ -315,29 +267,6 @@ def test_a_start_that_fails_before_it_spawned_anything_frees_the_gpus_at_once(lo
         start_job(broker, backend, job)
     ended = broker.job(job.id)
     assert ended.status is JobStatus.FAILED and ended.target_gpus == () and ended.in_use_gpus == ()
-
-
-@pytest.mark.parametrize(("script", "virtual"), [
-    ("echo 'No devices were found'; exit 6", True),  # a host with the driver and no GPU
-    ("echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2; exit 9", False),
-])
-def test_an_nvidia_smi_that_fails_is_an_error_not_a_host_of_virtual_gpus(tmp_path, monkeypatch, script, virtual):
-    """A driver that did not answer at a host's first registration made its pool one of virtual GPUs
-    for good: jobs got CUDA_VISIBLE_DEVICES of the real ones, which no broker's claim held."""
-    from airflow_elastic_gpu.backends import BackendError
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{script}\n")
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    backend = LocalBackend(tmp_path / "jobs", GpuBroker(f"sqlite:///{tmp_path / 'b.db'}"), virtual_gpus=2)
-    if virtual:
-        assert "2 virtual GPU(s)" in backend.ensure_pool("default")
-    else:
-        with pytest.raises(BackendError, match="could not communicate with the NVIDIA driver"):
-            backend.ensure_pool("default")
-        assert backend.broker.nodes() == []
 
 
 def test_a_clean_exit_that_its_agent_did_not_live_to_report_is_a_success(local):  # noqa: F811
@@ -417,51 +346,34 @@ def test_a_stop_from_the_thread_that_is_starting_the_job_does_not_wait_for_itsel
     assert marked(job.id) == []  # the launcher killed by the stop, the agent spawned after it by the start
 
 
-def test_one_broker_spelled_two_ways_is_one_and_a_failed_registration_claims_nothing(tmp_path, two_real_gpus,
-                                                                                      monkeypatch):
-    from airflow_elastic_gpu.backends import BackendError
-    from airflow_elastic_gpu.backends.local_host import CLAIM_FILE, broker_identity
-    from airflow_elastic_gpu.broker.types import InvalidRequest
+def test_a_stop_while_its_thread_waits_for_the_start_lock_stops_the_job_without_it(local, monkeypatch):  # noqa: F811
+    """on_kill's stop from the signal handler of a thread that waits for the job's start lock (another
+    process starts the job): filelock refuses the nested acquire (RuntimeError), which escaped the
+    stop, so nothing was stopped and the start that got the lock next ran the job on."""
+    from airflow_elastic_gpu.backends import local as local_module
+    from airflow_elastic_gpu.backends.local_processes import STOPPED_WHILE_STARTING
 
-    same = {broker_identity(u) for u in ("postgresql+psycopg://gpu:secret@DB.example/broker?connect_timeout=3",
-                                         "postgresql://gpu@db.example:5432/broker")}
-    assert same == {"postgresql://gpu@db.example:5432/broker"}
-    assert broker_identity("postgresql://gpu@db.example/other") != same.pop()
-    monkeypatch.chdir(tmp_path)
-    assert broker_identity("sqlite:///b.db") == broker_identity(f"sqlite:///{tmp_path / 'b.db'}")
-    # a broker whose registration fails does not keep the host's GPUs from the one that has them
-    work_dir = tmp_path / "jobs"
-    failing = GpuBroker(f"sqlite:///{tmp_path / 'failing.db'}")
-    monkeypatch.setattr(failing, "register_node", lambda *a, **k: (_ for _ in ()).throw(InvalidRequest("refused")))
-    with pytest.raises(InvalidRequest):
-        LocalBackend(work_dir, failing).ensure_pool("default")
-    assert not (work_dir / CLAIM_FILE).exists()
-    assert LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'real.db'}")).ensure_pool("default")
-    with pytest.raises(BackendError, match="real.db"):
-        LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'other.db'}")).ensure_pool("default")
+    broker, backend = local
+    job = broker.submit(JobSpec("waiting", SLEEPER, 1, 1, total_steps=10))
+    backend.start(job)
+    assert backend.is_running(job.id)
+
+    class Waited:
+        def acquire(self):
+            raise RuntimeError("Deadlock: the lock is acquired again while this thread's acquire of it waits")
+
+    monkeypatch.setattr(local_module, "start_lock", lambda job_dir: Waited())
+    backend.stop(job.id, timeout_s=2)
+    assert not backend.is_running(job.id) and job.id in STOPPED_WHILE_STARTING  # the waiting start fails next
 
 
-def test_two_brokers_registering_a_hosts_real_gpus_at_once_leave_them_in_one(tmp_path, two_real_gpus):
-    """Both saw no claim yet and registered the GPUs; the loser raised only afterwards, its
-    database holding the host's real GPUs too."""
-    work_dir = tmp_path / "jobs"
-    brokers = [GpuBroker(f"sqlite:///{tmp_path / f'{i}.db'}") for i in range(2)]
-    for b in brokers:
-        register = b.register_node
-        b.register_node = lambda *a, _register=register, **k: (time.sleep(0.5), _register(*a, **k))[1]
-    outcomes: list[str] = []
-
-    def first_run(broker):
-        try:
-            LocalBackend(work_dir, broker).ensure_pool("default")
-            outcomes.append("registered")
-        except BackendError:
-            outcomes.append("refused")
-
-    threads = [threading.Thread(target=first_run, args=(b,)) for b in brokers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert sorted(outcomes) == ["refused", "registered"]
-    assert sorted(len(b.nodes()) for b in brokers) == [0, 1]
+def test_a_stop_without_the_jobs_directory_frees_no_gpus_of_a_job_started_elsewhere(tmp_path):
+    """A stop in a process whose work_dir is another's (another AIRFLOW_HOME) finds no job
+    directory: it freed the GPUs of the cancelled job, whose trainer may still run elsewhere."""
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("elsewhere", SLEEPER, 2, 2, total_steps=10))
+    broker.start(job.id, '{"job_dir": "/elsewhere"}')
+    broker.cancel(job.id)
+    LocalBackend(tmp_path / "other-jobs", broker).stop(job.id)
+    assert len(broker.job(job.id).target_gpus) == 2  # held until its trainer is known stopped

@@ -422,22 +422,25 @@ class LocalBackend:
         """Ask the launcher(s) to stop the trainer, then kill whatever is left after ``timeout_s``
         (default ``grace_s`` + 10 s). The job directory is kept (see :meth:`cleanup`); with
         ``succeeded``, the default checkpoint directory is renamed out of the task's way
-        (:meth:`default_checkpoint_dir`). It waits for a start of the job under way (the job's start
-        lock, at most ``START_LOCK_TIMEOUT_S``), whose processes it would miss otherwise, and holds
-        the lock until the job's processes are gone."""
-        if not self.job_dir(job_id).is_dir():  # nothing was ever spawned
-            self._report_stopped(job_id, [])
+        (:meth:`default_checkpoint_dir`). It holds the job's start lock (waiting for a start under
+        way, whose processes it would miss otherwise) until the job's processes are gone."""
+        if not self.job_dir(job_id).is_dir():  # nothing spawned here: a failed first start's GPUs freed
+            self._report_stopped(job_id, [], unstarted=True)
             return
         lock = start_lock(self.job_dir(job_id))
         try:
-            with lock:
-                if lock.lock_counter > 1:  # re-entered: on_kill's, from a signal handler inside a start
-                    STOPPED_WHILE_STARTING.add(job_id)  # which then stops too
-                self._stop_locked(job_id, succeeded, timeout_s)
-        except Timeout:
-            log.warning("job %s: a start of it has held its start lock for %.0fs; stopping the processes "
-                        "recorded so far", job_id, START_LOCK_TIMEOUT_S)
+            lock.acquire()
+        except (Timeout, RuntimeError) as exc:  # held for long; or this thread waits for it (on_kill in a start)
+            log.warning("job %s: stopping without its start lock (%s)", job_id, exc)
+            STOPPED_WHILE_STARTING.add(job_id)  # a start of it under way in this process then stops too
             self._stop_locked(job_id, succeeded, timeout_s)
+            return
+        try:
+            if lock.lock_counter > 1:  # re-entered: on_kill's, from a signal handler inside a start
+                STOPPED_WHILE_STARTING.add(job_id)  # which then stops too
+            self._stop_locked(job_id, succeeded, timeout_s)
+        finally:
+            lock.release()
 
     def _stop_locked(self, job_id: str, succeeded: bool, timeout_s: float | None) -> None:
         """:meth:`stop` under the job's start lock."""
@@ -456,14 +459,15 @@ class LocalBackend:
         if succeeded:
             self._keep_checkpoints_of_a_success(job_id)
 
-    def _report_stopped(self, job_id: str, pids: list[int]) -> None:
+    def _report_stopped(self, job_id: str, pids: list[int], *, unstarted: bool = False) -> None:
         """Once every process of an ended job (cancelled: the broker holds its GPUs until its
-        trainer stops) is gone, tell the broker, so that the GPUs go to other jobs now."""
+        trainer stops) is gone, tell the broker, so that the GPUs go to other jobs now (with
+        ``unstarted``: only of a job the broker never recorded as started)."""
         if protocol.survivors(pids):
             return  # the broker frees the GPUs a lease after the job's last heartbeat
         try:
             job = self.broker.job(job_id)
-            if job.status.terminal and (job.in_use_gpus or job.target_gpus):
+            if job.status.terminal and (job.in_use_gpus or job.target_gpus) and not (unstarted and job.backend_ref):
                 self.broker.fail(job_id, "its processes were stopped by the backend")
         except Exception as exc:  # noqa: BLE001 - the lease frees them anyway
             log.warning("could not report job %s's stopped processes to the broker: %s", job_id, exc)

@@ -7,7 +7,7 @@ import contextlib
 import re
 import shutil
 import subprocess
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 LOCAL_NODE = "localhost"
 """The node name under which this host's GPUs are registered (``localhost-<i>`` for virtual nodes)."""
+CLAIM_LOCK_TIMEOUT_S = 60.0
+"""How long a broker waits for another's check, registration and claim of the host's GPUs (seconds)."""
 CLAIM_FILE = "host-gpus.json"
 """The file in the local backend's work directory that names the broker handing out this host's
 real GPUs (:func:`claim_host_gpus`)."""
@@ -136,14 +138,27 @@ def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering
         f"broker is used then). If the broker moved for good, delete {path} once no job of the old one runs")
 
 
-def claim_lock(work_dir: Path, real: bool = True) -> AbstractContextManager[object]:
-    """The lock of ``work_dir``'s :data:`CLAIM_FILE` (re-entrant in its thread), taken across a
+@contextlib.contextmanager
+def claim_lock(work_dir: Path, real: bool = True) -> Iterator[None]:
+    """Hold the lock of ``work_dir``'s :data:`CLAIM_FILE` (re-entrant in its thread) across a
     broker's check, registration and claim of the host's GPUs; none for virtual GPUs (``real``
-    false). Makes ``work_dir``."""
+    false). Makes ``work_dir``.
+
+    :raises BackendError: the lock cannot be taken (held for a minute, a directory not writable)."""
     if not real:
-        return contextlib.nullcontext()
-    Path(work_dir).mkdir(parents=True, exist_ok=True)
-    return FileLock(Path(work_dir) / f".{CLAIM_FILE}.lock", timeout=60, is_singleton=True)
+        yield
+        return
+    path = Path(work_dir) / f".{CLAIM_FILE}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(path, timeout=CLAIM_LOCK_TIMEOUT_S, is_singleton=True)
+        lock.acquire()
+    except OSError as exc:  # a Timeout too
+        raise BackendError(f"cannot take {path}, which guards this host's GPUs: {exc}") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def broker_identity(url: str) -> str:
