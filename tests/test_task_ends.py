@@ -38,6 +38,17 @@ def _deferred_on(broker, name: str):
     return job, op, ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
 
 
+async def _mark_failed_while_it_watches(trigger) -> None:
+    """What the triggerer does when a user marks the task failed: ``run`` cancelled with the
+    user-action message (its CancelledError raised on), then ``on_kill``."""
+    running = asyncio.ensure_future(trigger.run().__anext__())
+    await asyncio.sleep(0.5)
+    running.cancel(USER_ACTION_CANCEL)
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await trigger.on_kill()
+
+
 @pytest.mark.parametrize("on_kill", [True, False])
 def test_a_user_action_or_a_trigger_timeout_stops_a_started_triggers_job_with_a_retried_reason(worker_env, on_kill):
     """The triggerer cancels ``run`` with its user-action message, then calls ``on_kill`` (a user
@@ -76,16 +87,7 @@ def test_a_user_action_on_a_deferred_task_cancels_its_job_with_on_kills_reason(w
     job, _, trigger = _deferred_on(broker, "followed")
     trigger.task_instance = _trigger_ti()
     trigger._still_deferred = lambda unsure=False: False
-
-    async def mark_failed():
-        running = asyncio.ensure_future(trigger.run().__anext__())
-        await asyncio.sleep(0.5)
-        running.cancel(USER_ACTION_CANCEL)
-        with pytest.raises(asyncio.CancelledError):
-            await running
-        await trigger.on_kill()
-
-    asyncio.run(mark_failed())
+    asyncio.run(_mark_failed_while_it_watches(trigger))
     ended = broker.job(job.id)
     assert ended.status is JobStatus.CANCELLED and ended.reason == TRIGGER_KILLED
 
@@ -212,14 +214,5 @@ def test_a_stop_that_fails_when_the_trigger_is_cancelled_leaves_the_cancel_and_o
         raise OSError("the broker cannot be reached")
 
     trigger._kill = broker_away
-
-    async def mark_failed():
-        running = asyncio.ensure_future(trigger.run().__anext__())
-        await asyncio.sleep(0.5)
-        running.cancel(USER_ACTION_CANCEL)
-        with pytest.raises(asyncio.CancelledError):
-            await running
-        await trigger.on_kill()
-
-    asyncio.run(mark_failed())
+    asyncio.run(_mark_failed_while_it_watches(trigger))
     assert broker.job(job.id).status is JobStatus.CANCELLED
