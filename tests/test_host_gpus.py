@@ -15,23 +15,26 @@ from airflow_elastic_gpu.backends.local import LocalBackend
 from airflow_elastic_gpu.broker.service import GpuBroker
 
 
-@pytest.fixture
-def two_real_gpus(tmp_path, monkeypatch):
-    """An ``nvidia-smi`` on PATH that lists two A100s, as on a GPU host."""
+def fake_nvidia_smi(tmp_path, monkeypatch, script: str) -> None:
+    """Put an ``nvidia-smi`` that runs the shell ``script`` first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\nprintf '0, NVIDIA A100-SXM4-80GB\\n1, NVIDIA A100-SXM4-80GB\\n'\n")
+    smi.write_text(f"#!/bin/sh\n{script}\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+@pytest.fixture
+def two_real_gpus(tmp_path, monkeypatch):
+    """An ``nvidia-smi`` on PATH that lists two A100s, as on a GPU host."""
+    fake_nvidia_smi(tmp_path, monkeypatch, "printf '0, NVIDIA A100-SXM4-80GB\\n1, NVIDIA A100-SXM4-80GB\\n'")
 
 
 def test_a_second_broker_cannot_register_or_use_a_hosts_real_gpus(tmp_path, two_real_gpus):
     """Airflow 3 reports a connection it could not read for a moment as not defined; a worker then
     used the ``[elastic_gpu]`` section's broker (a SQLite file by default), which registered the
     host's GPUs anew: two brokers handed the same GPUs to a job each."""
-    from airflow_elastic_gpu.backends import BackendError
-
     work_dir = tmp_path / "jobs"
     first, second = (GpuBroker(f"sqlite:///{tmp_path / name}") for name in ("real.db", "fallback.db"))
     assert LocalBackend(work_dir, first).ensure_pool("default").startswith("registered 2 GPU(s)")
@@ -46,8 +49,6 @@ def test_a_second_broker_cannot_register_or_use_a_hosts_real_gpus(tmp_path, two_
 
 
 def test_a_broker_that_had_a_hosts_real_gpus_before_the_claim_is_recorded_as_theirs(tmp_path, two_real_gpus):
-    from airflow_elastic_gpu.backends import BackendError
-
     work_dir = tmp_path / "jobs"
     old, other = (GpuBroker(f"sqlite:///{tmp_path / name}") for name in ("old.db", "other.db"))
     old.register_node("localhost", pool="default", gpu_type="NVIDIA A100-SXM4-80GB", gpu_indices=(0, 1))
@@ -71,13 +72,7 @@ def test_brokers_of_virtual_gpus_claim_nothing(tmp_path):
 def test_an_nvidia_smi_that_fails_is_an_error_not_a_host_of_virtual_gpus(tmp_path, monkeypatch, script, virtual):
     """A driver that did not answer at a host's first registration made its pool one of virtual GPUs
     for good: jobs got CUDA_VISIBLE_DEVICES of the real ones, which no broker's claim held."""
-    from airflow_elastic_gpu.backends import BackendError
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{script}\n")
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    fake_nvidia_smi(tmp_path, monkeypatch, script)
     backend = LocalBackend(tmp_path / "jobs", GpuBroker(f"sqlite:///{tmp_path / 'b.db'}"), virtual_gpus=2)
     if virtual:
         assert "2 virtual GPU(s)" in backend.ensure_pool("default")
@@ -89,7 +84,6 @@ def test_an_nvidia_smi_that_fails_is_an_error_not_a_host_of_virtual_gpus(tmp_pat
 
 def test_one_broker_spelled_two_ways_is_one_and_a_failed_registration_claims_nothing(tmp_path, two_real_gpus,
                                                                                       monkeypatch):
-    from airflow_elastic_gpu.backends import BackendError
     from airflow_elastic_gpu.backends.local_host import CLAIM_FILE, broker_identity
     from airflow_elastic_gpu.broker.types import InvalidRequest
 
