@@ -154,6 +154,41 @@ def test_no_trainer_starts_on_a_lease_that_went_stale_during_the_stop(tmp_path):
         runner.join(30)
 
 
+def test_a_stop_survives_a_generation_the_agent_writes_after_it(tmp_path):
+    """A backend stops the job while the agent writes the generation it just read from the broker:
+    ``desired.json`` has two writers, and the agent's write (``"stop": false``) erased the stop.
+    The launcher then restarted the trainer on the new generation, and the stop SIGKILLed it at
+    its timeout, without the SIGTERM that lets it checkpoint. The stop is kept in ``stop.json``."""
+    shared = tmp_path / "job"
+    shared.mkdir()
+    trainer = tmp_path / "t.py"
+    trainer.write_text("import os, signal, sys, time\n"
+                       "gen = os.environ['ELASTIC_GENERATION']\n"
+                       f"signal.signal(signal.SIGTERM, lambda *_: (open({str(tmp_path / 'checkpointed')!r}, 'a')"
+                       ".write(gen), sys.exit(0)))\n"
+                       "while True:\n    time.sleep(0.05)\n")
+    launcher = Launcher(shared, f"{sys.executable} {trainer}", grace_s=5.0, poll_s=0.05)
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    done: list[int] = []
+    runner = threading.Thread(target=lambda: done.append(launcher._run()), daemon=True)
+    runner.start()
+    try:
+        wait_for(lambda: status(shared).get("state") == protocol.RUNNING, 30, "generation 1 to run")
+        protocol.request_stop(shared, "the task was killed")  # the backend's stop...
+        protocol.write_json(shared / protocol.DESIRED,  # ...and the agent's generation, written after it
+                            {"generation": 2, "gpus": [0, 1], "stop": False})
+        runner.join(30)
+        assert done == [0] and status(shared)["state"] == protocol.STOPPED
+        assert status(shared)["generation"] == 1 and launcher.restarts == 0
+        assert (tmp_path / "checkpointed").read_text() == "1"  # SIGTERM'd once, on generation 1
+    finally:
+        if runner.is_alive():
+            launcher._terminated.set()
+            runner.join(30)
+    protocol.withdraw_stop(shared)  # a new launcher of the job (the next try) is not stopped by it
+    assert not protocol.stop_requested(shared, protocol.read_json(shared / protocol.DESIRED))
+
+
 def test_a_launcher_line_never_glues_onto_a_trainers_unfinished_line(tmp_path):
     """A trainer killed mid-line, or whose final metrics line has no newline: the launcher's next
     line starts on a line of its own, so the new generation's progress and the metrics still parse."""

@@ -182,7 +182,8 @@ def test_a_stop_left_in_desired_json_by_an_earlier_try_does_not_end_the_new_laun
     backend.start(broker.job(job.id))  # the next try reattaches
     time.sleep(2.0)  # several launcher polls
     h = backend.handle(job.id)
-    assert h.owns(h.launcher_pid) and not protocol.read_json(backend.job_dir(job.id) / protocol.DESIRED).get("stop")
+    assert h.owns(h.launcher_pid) and not protocol.stop_requested(
+        backend.job_dir(job.id), protocol.read_json(backend.job_dir(job.id) / protocol.DESIRED))
     assert broker.job(job.id).status is JobStatus.RUNNING
 
 

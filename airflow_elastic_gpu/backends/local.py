@@ -56,7 +56,6 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
     STOPPED_WHILE_STARTING,
     LocalHandle,
     boot_id,
-    drop_stop,
     kill_group,
     kill_job_processes,
     kill_unrecorded,
@@ -350,7 +349,7 @@ class LocalBackend:
             for node, shared in dirs:
                 shared.mkdir(mode=JOB_DIR_MODE, parents=True, exist_ok=True)
                 _private_file(shared / protocol.LOG)
-                drop_stop(shared / protocol.DESIRED)
+                protocol.withdraw_stop(shared)
                 launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
                             "--shared-dir", str(shared), "--grace-s", str(self.grace_s)]
                 if checkpoint_dir:
@@ -449,9 +448,7 @@ class LocalBackend:
             self._report_stopped(job_id, kill_unrecorded(job_id))  # the survivors: none reported
             return
         for d in {h.job_dir, *h.launcher_dirs()}:
-            desired = protocol.read_json(d / protocol.DESIRED) or {"generation": 0, "gpus": []}
-            desired["stop"] = True
-            protocol.write_json(d / protocol.DESIRED, desired)
+            protocol.request_stop(d, "the job was stopped by its backend")
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and any(h.owns(p) for p in h.launcher_pids):
             time.sleep(0.2)

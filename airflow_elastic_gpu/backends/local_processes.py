@@ -207,18 +207,3 @@ def start_lock(job_dir: Path) -> FileLock:
     thread that holds it (a task's on_kill, which Airflow calls from a signal handler in the thread
     that may be in the start, would wait for itself) and exclusive between threads and processes."""
     return FileLock(job_dir / ".start.lock", timeout=START_LOCK_TIMEOUT_S, is_singleton=True)
-
-
-def drop_stop(path: Path) -> None:
-    """Take out of a new launcher's ``desired.json`` the stop an earlier launcher of the job was
-    given (a task's try stopped its processes but could not cancel the job: the next try
-    reattaches and starts a launcher again, which would exit at once); the job's agent writes
-    a stop again if the broker has ended the job. A malformed file is removed (the agent writes
-    it anew)."""
-    try:
-        desired = protocol.read_json(path)
-    except ValueError:
-        path.unlink(missing_ok=True)
-        return
-    if desired is not None and desired.pop("stop", False):
-        protocol.write_json(path, desired)

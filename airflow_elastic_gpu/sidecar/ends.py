@@ -199,9 +199,7 @@ class EndReports:
         """Stop every launcher's trainer and wait (``stop_timeout_s``) for them; True once every
         launcher reports its trainer stopped or exited, or is gone."""
         log.info("%s: stopping the trainer", why)
-        desired = self._desired()
-        desired["stop"] = True
-        protocol.write_json(self.dir / protocol.DESIRED, desired)
+        protocol.request_stop(self.dir, why)
         if self.gang is not None:
             self.gang.stop()
         deadline = time.monotonic() + self.stop_timeout_s

@@ -134,10 +134,8 @@ class Gang:
 
     def stop(self) -> None:
         """Ask every launcher to stop its trainer and exit."""
-        for node, d in self.dirs.items():
-            desired = self.desired(node) or {"generation": 0, "gpus": []}
-            desired["stop"] = True
-            protocol.write_json(d / protocol.DESIRED, desired)
+        for d in self.dirs.values():
+            protocol.request_stop(d, "the job ended")
 
     def write_all(self, name: str, data: dict[str, Any]) -> None:
         """Write ``data`` as file ``name`` into every node's directory (the lease)."""

@@ -295,7 +295,7 @@ class Launcher:
                 self._status(protocol.STOPPED)
                 return 0
             desired = protocol.read_json(self.dir / protocol.DESIRED) or {}
-            if desired.get("stop"):
+            if protocol.stop_requested(self.dir, desired):
                 self._stop()
                 self._note("stopped on request")
                 self._status(protocol.STOPPED)
@@ -387,7 +387,7 @@ class Launcher:
         deadline = time.monotonic() + max(self.peer_wait_s, self.lease.peer_wait_s)
         while True:
             desired = protocol.read_json(self.dir / protocol.DESIRED) or {}
-            if self._terminated.is_set() or desired.get("stop") or int(desired.get("generation", 0)) > self.generation:
+            if self._terminated.is_set() or protocol.stop_requested(self.dir, desired) or int(desired.get("generation", 0)) > self.generation:
                 if self._check_lease() is not None:
                     return False
                 self._note(f"trainer exited with code {self.proc.returncode} as the gang left generation "

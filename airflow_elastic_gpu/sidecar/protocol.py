@@ -14,6 +14,13 @@ file, fsync, ``os.replace``) so a reader never sees half a file:
     (the rendezvous of the generation; the launcher expands :data:`PLACEHOLDERS` with them), and
     a newer generation with no ``gpus`` tells a node's launcher to stop its trainer and wait
     (state ``suspended``: the gang shrank to fewer nodes).
+``stop.json`` (agent or backend -> launcher)
+    ``{"time_s": float, "why": str}``: stop the trainer and exit, like ``desired.json``'s
+    ``stop``, which is also set (for a launcher of an earlier version). It is a file of its own
+    because ``desired.json`` has two writers: a stop written there by a backend could be
+    overwritten by the agent writing a generation it had just read from the broker (the launcher
+    then never saw the stop, and its trainer was SIGKILLed at the stop's timeout, without the
+    SIGTERM that lets it checkpoint). Nothing but :func:`withdraw_stop` removes it.
 ``status.json`` (launcher -> agent)
     ``{"generation": int, "state": str, "pid": int|null, "exit_code": int|null,
     "restarts": int, "workers": [int, ...], "fences": int, "fenced_s": float|null,
@@ -54,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 DESIRED = "desired.json"
+STOP = "stop.json"
 STATUS = "status.json"
 LOG = "train.log"
 LEASE = "lease.json"
@@ -227,6 +235,41 @@ def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def request_stop(directory: str | os.PathLike[str], why: str) -> None:
+    """Ask the launcher of ``directory`` to stop its trainer and exit: write ``stop.json``, then
+    set ``stop`` in ``desired.json`` (a launcher of an earlier version reads only that). The first
+    write is the one that counts: a generation the agent writes meanwhile cannot erase it."""
+    directory = Path(directory)
+    write_json(directory / STOP, {"time_s": time.time(), "why": why})
+    try:
+        desired = read_json(directory / DESIRED) or {"generation": 0, "gpus": []}
+    except ValueError:  # malformed: the stop file alone says it
+        return
+    desired["stop"] = True
+    write_json(directory / DESIRED, desired)
+
+
+def stop_requested(directory: str | os.PathLike[str], desired: Mapping[str, Any]) -> bool:
+    """True when the launcher of ``directory`` was asked to stop (``stop.json``, or ``desired``'s
+    ``stop``)."""
+    return bool(desired.get("stop")) or (Path(directory) / STOP).exists()
+
+
+def withdraw_stop(directory: str | os.PathLike[str]) -> None:
+    """Remove a stop an earlier launcher of the job was given, before a new launcher starts in
+    ``directory`` (``stop.json``, and ``stop`` in ``desired.json``; a malformed ``desired.json``
+    is removed: the agent writes it anew)."""
+    directory = Path(directory)
+    (directory / STOP).unlink(missing_ok=True)
+    try:
+        desired = read_json(directory / DESIRED)
+    except ValueError:
+        (directory / DESIRED).unlink(missing_ok=True)
+        return
+    if desired is not None and desired.pop("stop", False):
+        write_json(directory / DESIRED, desired)
 
 
 class LeaseWatch:
