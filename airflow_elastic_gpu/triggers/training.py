@@ -28,10 +28,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from airflow_elastic_gpu.broker.types import (
     MAX_KEY_CHARS,
@@ -42,9 +41,10 @@ from airflow_elastic_gpu.broker.types import (
     task_family,
 )
 from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
+from airflow_elastic_gpu.triggers.orphans import check_orphans
+from airflow_elastic_gpu.triggers.threads import in_daemon_thread
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
-T = TypeVar("T")
 TRIGGER_CLASSPATH = "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger"
 TIMEOUT_REASON = "execution_timeout"
 """How the reason of a job cancelled at its task's deadline begins (a time-out: retried)."""
@@ -78,22 +78,6 @@ whose trigger timeout passed (a ``start_from_trigger`` task's execution_timeout)
 STATE_QUERY_TIMEOUT_S = 10.0
 """How long a trigger waits for the triggerer's supervisor to say whether its task instance is
 still deferred (a triggerer shutting down has stopped reading the answers)."""
-
-
-def in_daemon_thread(call: Callable[[], T], name: str) -> concurrent.futures.Future[T]:
-    """Run ``call`` in a daemon thread (one that never holds up the process's exit, unlike the
-    event loop's executor); its future, which nothing can cancel."""
-    future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def work() -> None:
-        try:
-            future.set_result(call())
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the future
-            future.set_exception(exc)
-
-    future.set_running_or_notify_cancel()  # running: a cancelled waiter cannot cancel it
-    threading.Thread(target=work, name=name, daemon=True).start()
-    return future
 
 
 def task_key(ti: Any) -> str:
@@ -299,6 +283,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         watcher = self._get_watcher()
         job, _events = watcher.poll()
         self.after_event_id = watcher.after_event_id
+        check_orphans(watcher.broker, watcher.backend, job.pool)  # jobs whose tasks ended unseen
         return job
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
