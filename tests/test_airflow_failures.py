@@ -432,3 +432,23 @@ def test_a_task_of_airflows_longest_ids_gets_a_job_and_the_same_key_from_the_tri
     other.dag_id, other.task_id, other.run_id, other.map_index = ti.dag_id, ti.task_id, ti.run_id, 8
     assert task_key(other) != job.key  # the hash is the whole key's
     assert task_key(_FakeTI()) == "retry_dag/train/manual__1/-1"  # a key that fits stays as it was
+
+
+def test_a_non_deferrable_task_cleared_with_its_max_tries_as_they_were_trains_again(worker_env):
+    """A retry of a task whose job succeeded gets that success back; a clear trains again, also
+    one that left ``max_tries`` as it was: the operator sends its DAG run's ``clear_number``."""
+    from types import SimpleNamespace
+
+    broker, _backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 10", total_steps=10,
+                                 virtual_gpus=2, poll_interval=0.2, deferrable=False)
+
+    def run(ti_id: str, clear_number: int) -> str:
+        ti = _FakeTI()
+        ti.id, ti.max_tries, ti.try_number = ti_id, 1, 1
+        return op.execute({"ti": ti, "dag_run": SimpleNamespace(clear_number=clear_number)})["job_id"]
+
+    first = run("try-1", 0)
+    assert run("try-2", 0) == first  # a retry: the success back, not trained again
+    assert run("try-3", 1) != first  # cleared: trained again
+    assert [j.status for j in broker.jobs()] == [JobStatus.SUCCEEDED, JobStatus.SUCCEEDED]

@@ -291,3 +291,21 @@ def test_a_retry_of_a_task_whose_job_succeeded_gets_that_job_and_a_cleared_task_
     assert pool.submit(spec("k", attempt="try-5")).id not in (job.id, cleared.id, again.id)
     with pytest.raises(InvalidRequest, match="max_tries must be an integer >= 0"):
         spec("k", max_tries=-1)
+
+
+def test_a_clear_that_left_max_tries_as_it_was_trains_again(pool):
+    """Airflow's clear leaves ``max_tries`` as it was when the task's ``retries`` were lowered
+    before it, or when the task still ran (the seconds between its job's success and its end):
+    such a clear got the old success back. The DAG run's ``clear_number`` tells it from a retry;
+    a job recorded without one (before the broker knew it) goes by ``max_tries`` alone."""
+    job = pool.submit(spec("k", attempt="try-1", max_tries=2, clear_number=0))
+    pool.finish(job.id, 0)
+    assert pool.submit(spec("k", attempt="try-2", max_tries=2, clear_number=0)).id == job.id  # a retry
+    cleared = pool.submit(spec("k", attempt="try-3", max_tries=2, clear_number=1))
+    assert cleared.id != job.id and not cleared.status.terminal
+    pool.finish(cleared.id, 0)
+    old = pool.submit(spec("old", attempt="try-1", max_tries=2))  # recorded without a clear_number
+    pool.finish(old.id, 0)
+    assert pool.submit(spec("old", attempt="try-2", max_tries=2, clear_number=3)).id == old.id
+    with pytest.raises(InvalidRequest, match="clear_number must be an integer >= 0"):
+        spec("k", clear_number=-1)

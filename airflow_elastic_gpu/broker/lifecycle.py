@@ -74,7 +74,8 @@ def token_hash(token: str) -> str:
 
 # statements of the hot calls, built once (parameters bound per call)
 # locked: a reattach hands the job to its try (attempt) only if no cancel ended it meanwhile
-_BY_KEY = (select(Job.id, Job.status, Job.token_hash, Job.attempt, Job.max_tries).where(Job.key == bindparam("key"))
+_BY_KEY = (select(Job.id, Job.status, Job.token_hash, Job.attempt, Job.max_tries,
+                   Job.clear_number).where(Job.key == bindparam("key"))
            .with_for_update(key_share=True))
 _ADD_JOB = insert(Job)
 # schedulable healthy GPUs per node of the pool (``size``), with the pool's rebalance settings and
@@ -163,7 +164,8 @@ class Lifecycle(Endings):
         belongs to: see :meth:`cancel`); a key whose job has ended returns it too when ``spec.attempt``
         submitted it (the same task try again, e.g. a trigger made
         again after a triggerer restart), or when it succeeded and ``spec.max_tries`` is the one it
-        was submitted with (a retry, not a clear, of the task: see :class:`JobSpec`), else (a task
+        was submitted with, and ``spec.clear_number`` too where both are known (a retry, not a
+        clear, of the task: see :class:`JobSpec`), else (a task
         retry) starts a new job and keeps the old one's record under ``KEY@OLD_ID``. The reply of a new job carries its API token (only there).
 
         :raises InvalidRequest: not a :class:`JobSpec`, or a job the pool cannot place (the message
@@ -193,7 +195,9 @@ class Lifecycle(Endings):
                     if spec.attempt is not None and existing.attempt == spec.attempt:
                         return existing.id, None  # this attempt's job, ended: not trained again
                     if (JobStatus(existing.status) is JobStatus.SUCCEEDED and spec.max_tries is not None
-                            and existing.max_tries == spec.max_tries):
+                            and existing.max_tries == spec.max_tries
+                            and (None in (spec.clear_number, existing.clear_number)
+                                 or existing.clear_number == spec.clear_number)):
                         # a retry (not a clear) of a task whose training succeeded: that success
                         update_job(conn, existing.id, attempt=spec.attempt)
                         return existing.id, None
@@ -210,6 +214,7 @@ class Lifecycle(Endings):
                 conn.execute(_ADD_JOB, {
                     "id": job_id, "key": key, "pool": spec.pool, "name": spec.name, "family": spec.family,
                     "attempt": spec.attempt, "max_tries": spec.max_tries,
+                    "clear_number": spec.clear_number,
                     "command": spec.command,
                     "min_gpus": spec.min_gpus, "max_gpus": spec.max_gpus,
                     "requested_gpus": spec.requested_gpus or spec.max_gpus, "total_steps": spec.total_steps,

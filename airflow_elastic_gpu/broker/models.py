@@ -105,6 +105,8 @@ class Job(Base):
     attempt: Mapped[str | None] = mapped_column(String(64), default=None)
     # that task's max_tries then (JobSpec.max_tries): Airflow raises it when the task is cleared
     max_tries: Mapped[int | None] = mapped_column(Integer, default=None)
+    # and its DAG run's clear_number then (JobSpec.clear_number): raised by every clear of the run
+    clear_number: Mapped[int | None] = mapped_column(Integer, default=None)
     command: Mapped[str] = mapped_column(Text)
     min_gpus: Mapped[int] = mapped_column(Integer)
     max_gpus: Mapped[int] = mapped_column(Integer)

@@ -116,6 +116,11 @@ class JobSpec:
         ``max_tries``) of a task whose job of ``key`` succeeded gets that job back (the try failed
         after the training: its worker lost while it returned the result), rather than training
         again for hours; a cleared task trains again.
+    :param clear_number: the Airflow DAG run's ``clear_number`` (>= 0) when it submits: Airflow
+        adds one each time a user clears tasks of the run, never on a retry. With it, a retry is
+        told from a clear even when the clear left ``max_tries`` as it was (the task's ``retries``
+        lowered before the clear, or a task cleared while it still ran: ``max_tries`` then stays):
+        the succeeded job is given back only when both match.
     :raises InvalidRequest: a bad field; the message names it.
     """
 
@@ -136,6 +141,7 @@ class JobSpec:
     family: str | None = None
     attempt: str | None = None
     max_tries: int | None = None
+    clear_number: int | None = None
 
     def __post_init__(self) -> None:
         check_text("name", self.name, MAX_NAME_CHARS)
@@ -165,6 +171,8 @@ class JobSpec:
             check_text("attempt", self.attempt, 64)
         if self.max_tries is not None:
             check_int("max_tries", self.max_tries, 0, MAX_INT32)
+        if self.clear_number is not None:
+            check_int("clear_number", self.clear_number, 0, MAX_INT32)
         check_pool_name("pool", self.pool)
         check_int("priority", self.priority, -MAX_INT32, MAX_INT32)
         if self.checkpoint_dir is not None:

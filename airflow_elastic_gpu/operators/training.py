@@ -61,6 +61,7 @@ from airflow_elastic_gpu.triggers.training import (
     TRIGGER_CLASSPATH,
     ElasticTrainingTrigger,
     attempt_of,
+    clear_number_of,
     max_tries_of,
     task_key,
     will_retry,
@@ -337,6 +338,7 @@ class ElasticTrainingOperator(BaseOperator):
                 progress_pattern=self.progress_pattern, checkpoint_dir=self.checkpoint_dir, backend=self.backend,
                 preemptible=self.preemptible, relative_speed=self.relative_speed,
                 family=task_family(ti.dag_id, ti.task_id), attempt=self._attempt, max_tries=max_tries_of(ti),
+                clear_number=clear_number_of(context),
             )
             job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log,
                                    on_submitted=lambda submitted: setattr(self, "_job_id", submitted.id)).job

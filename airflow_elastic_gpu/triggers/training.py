@@ -103,7 +103,16 @@ def max_tries_of(ti: Any) -> int | None:
     """The worker's task instance's ``max_tries`` (``JobSpec.max_tries``: Airflow raises it when the
     task is cleared, never on a retry); None where it has none. Not for the triggerer's task
     instance, built without it (its ``max_tries`` reads 0 for every try, a clear's too)."""
-    value = getattr(ti, "max_tries", None)
+    return _count(getattr(ti, "max_tries", None))
+
+
+def clear_number_of(context: Any) -> int | None:
+    """The ``clear_number`` of the worker's DAG run (``JobSpec.clear_number``: Airflow raises it on
+    every clear of the run, never on a retry) in the task's ``context``; None where it has none."""
+    return _count(getattr(context.get("dag_run"), "clear_number", None))
+
+
+def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
