@@ -78,6 +78,23 @@ def test_a_progress_report_redone_after_its_commit_went_through_is_counted_once(
     assert pool.job(job.id).throughput == ((4, pytest.approx(10.0)),)
 
 
+def test_a_step_reported_again_later_is_not_a_sample(pool, clock):
+    """An agent sends a report again when the reply to it was lost (the broker had committed it),
+    and a progress pattern may match two lines of one step (a training line and "saved checkpoint
+    at step N"): stored at its later time, the step made the next sample read 38 steps/s for 10."""
+    job = pool.submit(spec("a", min_gpus=4, max_gpus=4))
+    pool.ack(job.id, 1)
+    pool.progress(job.id, 100)
+    clock.advance(8)
+    pool.progress(job.id, 100)  # the same step again, 8 s later
+    clock.advance(2)
+    pool.progress(job.id, 200)
+    clock.advance(10)
+    pool.progress(job.id, 300)
+    assert [step for _t, step, _gpus, _gen in pool.samples(job.id)] == [100, 200, 300]
+    assert pool.job(job.id).throughput == ((4, pytest.approx(10.0)),)
+
+
 @pytest.mark.postgres
 def test_a_pool_created_by_two_processes_at_once_is_created_once_and_both_calls_succeed(postgres_url, clock):
     """Two hosts register their nodes in a pool that does not exist yet, at the same moment: the

@@ -190,9 +190,14 @@ def record_progress(book: JobBook, *, generation: int, step: float, now_s: float
         (default :meth:`JobBook.num_gpus_of`, from the book's GPU sets).
     :param gpu_type: the one GPU type of those GPUs (:func:`gpu_type_of`), or None (several types,
         or not known): a throughput sample is also folded into ``book.throughput_by_type[gpu_type]``.
-    :returns: True if the sample counts (the caller stores it as the generation's latest).
+    :returns: True if the sample counts (the caller stores it as the generation's latest). A step
+        the generation's latest sample has already reported does not (an HTTP report sent again
+        after its reply was lost, a progress pattern that matches two lines of one step): stored at
+        its later time, it shortened the next sample's interval and inflated its throughput.
     """
     if generation < book.acked_generation or generation < 1:
+        return False
+    if previous is not None and step == previous[1]:
         return False
     if num_gpus is None:
         num_gpus = book.num_gpus_of(generation)
