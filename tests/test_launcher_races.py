@@ -5,6 +5,8 @@ during a stop; the launcher's lines never glue onto a trainer's unfinished one."
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_sidecar import wait_for
 
-from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar import protocol, stops
 from airflow_elastic_gpu.sidecar.launcher import Launcher
 from airflow_elastic_gpu.sidecar.logparse import LogParser
 
@@ -174,7 +176,7 @@ def test_a_stop_survives_a_generation_the_agent_writes_after_it(tmp_path):
     runner.start()
     try:
         wait_for(lambda: status(shared).get("state") == protocol.RUNNING, 30, "generation 1 to run")
-        protocol.request_stop(shared, "the task was killed")  # the backend's stop...
+        stops.request_stop(shared, "the task was killed")  # the backend's stop...
         protocol.write_json(shared / protocol.DESIRED,  # ...and the agent's generation, written after it
                             {"generation": 2, "gpus": [0, 1], "stop": False})
         runner.join(30)
@@ -185,8 +187,82 @@ def test_a_stop_survives_a_generation_the_agent_writes_after_it(tmp_path):
         if runner.is_alive():
             launcher._terminated.set()
             runner.join(30)
-    protocol.withdraw_stop(shared)  # a new launcher of the job (the next try) is not stopped by it
+    stops.withdraw_stop(shared)  # a new launcher of the job (the next try) is not stopped by it
     assert not protocol.stop_requested(shared, protocol.read_json(shared / protocol.DESIRED))
+
+
+def checkpointing_trainer(tmp_path: Path, stop_s: float = 0.0) -> Path:
+    """A trainer that, on SIGTERM, takes ``stop_s`` to checkpoint, then appends its generation to
+    ``checkpointed`` and exits."""
+    trainer = tmp_path / "ckpt_trainer.py"
+    trainer.write_text("import os, signal, sys, time\n"
+                       "gen = os.environ['ELASTIC_GENERATION']\n"
+                       f"signal.signal(signal.SIGTERM, lambda *_: (time.sleep({stop_s}), open("
+                       f"{str(tmp_path / 'checkpointed')!r}, 'a').write(gen), sys.exit(0)))\n"
+                       "while True:\n    time.sleep(0.05)\n")
+    return trainer
+
+
+def test_a_stop_during_a_resize_is_not_followed_by_the_new_generations_trainer(tmp_path):
+    """The backend stops the job while the trainer checkpoints for a resize: the launcher started
+    the new generation's trainer all the same, then stopped it with a second grace period (and the
+    backend's SIGKILL at its timeout could cut that trainer's checkpoint)."""
+    shared = tmp_path / "job"
+    shared.mkdir()
+    launcher = Launcher(shared, f"{sys.executable} {checkpointing_trainer(tmp_path, stop_s=1.0)}", grace_s=10.0,
+                        poll_s=0.05)
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    done: list[int] = []
+    runner = threading.Thread(target=lambda: done.append(launcher._run()), daemon=True)
+    runner.start()
+    try:
+        wait_for(lambda: status(shared).get("state") == protocol.RUNNING, 30, "generation 1 to run")
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [0, 1], "stop": False})
+        wait_for(lambda: status(shared).get("state") == protocol.STOPPING, 30, "the resize's stop")
+        stops.request_stop(shared, "the task was killed")
+        runner.join(30)
+        assert done == [0] and status(shared)["state"] == protocol.STOPPED
+        assert (tmp_path / "checkpointed").read_text() == "1"
+        assert "generation 2: starting" not in (shared / protocol.LOG).read_text()
+    finally:
+        if runner.is_alive():
+            launcher._terminated.set()
+            runner.join(30)
+
+
+def test_a_trainer_stopped_by_a_job_control_signal_still_gets_its_grace_period(tmp_path):
+    """A trainer stopped with SIGSTOP (Ctrl-Z, a debugger) left its SIGTERM pending through the
+    grace period and was SIGKILLed without its checkpoint."""
+    shared = tmp_path / "job"
+    shared.mkdir()
+    launcher = Launcher(shared, f"{sys.executable} {checkpointing_trainer(tmp_path)}", grace_s=10.0, poll_s=0.05)
+    launcher.generation = 1
+    launcher._start({"generation": 1, "gpus": [0]})
+    time.sleep(1.0)  # the handler is installed
+    os.killpg(launcher.proc.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    assert launcher._stop() == 0
+    assert (tmp_path / "checkpointed").read_text() == "1" and time.monotonic() - started < 9
+
+
+@pytest.mark.parametrize(("command", "code"), [
+    ("{script}", 126),  # executable, but no shebang: "Exec format error"
+    ("python -c 'unbalanced", 126),  # quoting shlex cannot split
+    ("/no/such/trainer", 127),
+])
+def test_a_trainer_that_cannot_be_started_is_an_exit_with_the_reason(tmp_path, command, code):
+    """A launcher that could not start its trainer for a reason other than "not found" died of a
+    traceback, with ``status.json`` left at "starting": the agent then reported a dead launcher."""
+    shared = tmp_path / "job"
+    shared.mkdir()
+    script = tmp_path / "train.sh"
+    script.write_text("echo hello\n")
+    script.chmod(0o755)
+    launcher = Launcher(shared, command.format(script=script), grace_s=2.0, poll_s=0.05)
+    protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    assert launcher._run() == code
+    assert status(shared)["state"] == protocol.EXITED and status(shared)["exit_code"] == code
+    assert "the trainer could not be started" in (shared / protocol.LOG).read_text()
 
 
 def test_a_launcher_line_never_glues_onto_a_trainers_unfinished_line(tmp_path):

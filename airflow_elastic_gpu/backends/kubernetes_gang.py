@@ -10,7 +10,7 @@ applies). Each node's pod is the single-pod layout (:class:`~.kubernetes.PodBuil
   ``HOSTNAME.elastic-gpu-<job>.NAMESPACE.svc`` resolves as soon as it has an address;
 * its agent runs with ``--node NODE --gang-domain elastic-gpu-<job>.NAMESPACE.svc
   --rendezvous-port PORT``: it writes its node's part of the generation
-  (:func:`~airflow_elastic_gpu.sidecar.protocol.gang_plan`: ``nnodes``, ``node_rank``, the DNS name
+  (:func:`~airflow_elastic_gpu.sidecar.gang.gang_plan`: ``nnodes``, ``node_rank``, the DNS name
   of the rank-0 node's pod as ``master_addr``, the fixed ``rendezvous_port`` as ``master_port``)
   and acks *its node*; the broker moves the job's in-use set only once every node of the old and
   the new allocation has acked (``GpuBroker.ack(..., node=...)``).

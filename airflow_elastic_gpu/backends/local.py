@@ -64,7 +64,7 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
 )
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
 from airflow_elastic_gpu.config import ENV_BROKER_URL
-from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar import protocol, stops
 from airflow_elastic_gpu.sidecar.logparse import LogParser
 from airflow_elastic_gpu.states import JobStatus
 
@@ -349,7 +349,7 @@ class LocalBackend:
             for node, shared in dirs:
                 shared.mkdir(mode=JOB_DIR_MODE, parents=True, exist_ok=True)
                 _private_file(shared / protocol.LOG)
-                protocol.withdraw_stop(shared)
+                stops.withdraw_stop(shared)
                 launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
                             "--shared-dir", str(shared), "--grace-s", str(self.grace_s)]
                 if checkpoint_dir:
@@ -448,7 +448,7 @@ class LocalBackend:
             self._report_stopped(job_id, kill_unrecorded(job_id))  # the survivors: none reported
             return
         for d in {h.job_dir, *h.launcher_dirs()}:
-            protocol.request_stop(d, "the job was stopped by its backend")
+            stops.request_stop(d, "the job was stopped by its backend")
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and any(h.owns(p) for p in h.launcher_pids):
             time.sleep(0.2)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar import protocol, stops
 from airflow_elastic_gpu.sidecar.calls import BrokerTransport, Outcome
 from airflow_elastic_gpu.sidecar.gang import Gang
 from airflow_elastic_gpu.sidecar.logparse import LogParser
@@ -199,7 +199,7 @@ class EndReports:
         """Stop every launcher's trainer and wait (``stop_timeout_s``) for them; True once every
         launcher reports its trainer stopped or exited, or is gone."""
         log.info("%s: stopping the trainer", why)
-        protocol.request_stop(self.dir, why)
+        stops.request_stop(self.dir, why)
         if self.gang is not None:
             self.gang.stop()
         deadline = time.monotonic() + self.stop_timeout_s

@@ -18,7 +18,7 @@ address is 127.0.0.1 and the port a free one picked for each generation. The tra
 arrival order), so the agent reads every node's log.
 
 On Kubernetes the nodes share no directory: each node's pod has its own agent, which takes its
-node's part of the same :func:`~.protocol.gang_plan` and acks its node (see
+node's part of the same :func:`gang_plan` and acks its node (see
 ``Agent(node=...)``); the rendezvous is the rank-0 node's pod, found through the job's headless
 Service by the host name :func:`pod_hostname` gives it.
 """
@@ -32,7 +32,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar import protocol, stops
+
+
+def gang_plan(gpus: list[tuple[str, int]], master_addr: str, master_port: int) -> dict[str, dict[str, Any]]:
+    """Split a generation's GPUs (``(node, device index)`` pairs) into one ``desired.json`` part per node.
+
+    Nodes are ranked by name (rank 0 hosts the rendezvous at ``master_addr:master_port``); each part
+    is ``{"gpus": [indices], "nnodes": int, "node_rank": int, "master_addr": str, "master_port": int}``.
+
+    :returns: node name -> its part (nodes without GPUs in the generation are absent).
+    """
+    by_node: dict[str, list[int]] = {}
+    for node, index in sorted(gpus):
+        by_node.setdefault(node, []).append(index)
+    return {node: {"gpus": indices, "nnodes": len(by_node), "node_rank": rank, "master_addr": master_addr,
+                   "master_port": master_port}
+            for rank, (node, indices) in enumerate(sorted(by_node.items()))}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -63,13 +79,13 @@ def rendezvous_address(node: str, domain: str) -> str:
 
 def node_part(gpus: list[tuple[str, int]], node: str, domain: str, port: int) -> dict[str, Any]:
     """``node``'s part of a generation's GPUs (``(node, device index)`` pairs) in a gang with one
-    agent per node: its entry of :func:`~.protocol.gang_plan` with the rank-0 node's pod
+    agent per node: its entry of :func:`gang_plan` with the rank-0 node's pod
     (:func:`rendezvous_address` in ``domain``) at ``port`` as the rendezvous, or ``{"gpus": []}``
     (suspended) when the generation does not use ``node``."""
     nodes = sorted({n for n, _ in gpus})
     if not nodes:
         return {"gpus": []}
-    plan = protocol.gang_plan(gpus, rendezvous_address(nodes[0], domain), port)
+    plan = gang_plan(gpus, rendezvous_address(nodes[0], domain), port)
     return plan.get(node, {"gpus": []})
 
 
@@ -109,7 +125,7 @@ class Gang:
         return [n for n in self.dirs if self.desired(n).get("gpus")]
 
     def publish(self, generation: int, gpus: list[tuple[str, int]]) -> dict[str, dict[str, Any]]:
-        """Write ``generation`` to every node: its part of :func:`~.protocol.gang_plan`, or no GPUs
+        """Write ``generation`` to every node: its part of :func:`gang_plan`, or no GPUs
         (the node is suspended) where the generation does not use it. A generation with no GPUs
         suspends the whole job (every node).
 
@@ -118,7 +134,7 @@ class Gang:
         unknown = sorted({node for node, _ in gpus} - set(self.dirs))
         if unknown:
             raise ValueError(f"generation {generation} names node(s) {unknown} this job has no launcher on")
-        plan = protocol.gang_plan(gpus, self.master_addr, free_port()) if gpus else {}
+        plan = gang_plan(gpus, self.master_addr, free_port()) if gpus else {}
         for node, d in self.dirs.items():
             part = plan.get(node, {"gpus": []})
             protocol.write_json(d / protocol.DESIRED, {"generation": generation, "stop": False, **part})
@@ -135,7 +151,7 @@ class Gang:
     def stop(self) -> None:
         """Ask every launcher to stop its trainer and exit."""
         for d in self.dirs.values():
-            protocol.request_stop(d, "the job ended")
+            stops.request_stop(d, "the job ended")
 
     def write_all(self, name: str, data: dict[str, Any]) -> None:
         """Write ``data`` as file ``name`` into every node's directory (the lease)."""

@@ -13,7 +13,7 @@ count on this node (and, for a job on several nodes, ``{nnodes}``, ``{node_rank}
 ``ELASTIC_CHECKPOINT_DIR``; it runs in its own process group so that stopping it (SIGTERM, then SIGKILL
 after ``--grace-s`` seconds) reaches every worker ``torchrun`` started. The launcher exits with the
 trainer's exit code when the trainer ends by itself, 0 after a requested stop, 127 if the command is not
-found. A trainer that is one node of a gang (``nnodes`` > 1) and exits non-zero is given ``--peer-wait-s``
+found, 126 if it cannot be run. A trainer that is one node of a gang (``nnodes`` > 1) and exits non-zero is given ``--peer-wait-s``
 (5 s), or the longer ``peer_wait_s`` of the agent's lease (a gang of pods: 34 s), for the gang's next
 generation or a stop: each node sees a generation at its own poll, and a peer's trainer stopped first breaks
 the others' rendezvous, so that exit is the resize's stop (the trainer restarts on the new generation from
@@ -46,7 +46,8 @@ try:  # inside the package
 except ImportError:  # copied next to protocol.py in a bare image
     import protocol  # type: ignore[no-redef]
 
-EXIT_NOT_FOUND = 127
+EXIT_NOT_FOUND = 127  # the shell's: the command was not found
+EXIT_CANNOT_RUN = 126  # the shell's: found, but it could not be run (not executable, no shebang, bad quoting)
 EXIT_FENCED = 75  # EX_TEMPFAIL: fenced, and no agent came back to resume the trainer
 STUCK_NOTE_S = 60.0  # how often a process that survives SIGKILL is named again in train.log
 
@@ -175,19 +176,22 @@ class Launcher:
         self._note(f"stopping trainer (pid {proc.pid}): SIGTERM, {grace_s:.1f}s grace")
         self._track(proc.pid)  # workers in sessions of their own too
         tree = list(self.tree)
-        _signal_group(proc.pid, signal.SIGTERM)
+        protocol.signal_group(proc.pid, signal.SIGTERM)
+        # a trainer stopped by a job-control signal or a debugger would sleep through its grace period
+        protocol.signal_group(proc.pid, signal.SIGCONT)
+        protocol.signal_processes(tree, signal.SIGCONT, self.starts)
         deadline = time.monotonic() + grace_s
         try:
             proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             self._note("grace period over: SIGKILL")
-            _signal_group(proc.pid, signal.SIGKILL)
+            protocol.signal_group(proc.pid, signal.SIGKILL)
             protocol.signal_processes(tree, signal.SIGKILL, self.starts)
             proc.wait()
         # workers may still be writing their checkpoint: give them the rest of the grace period
         while any(protocol.same_process(p, self.starts.get(p)) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
-        _signal_group(proc.pid, signal.SIGKILL)  # stray workers of the group
+        protocol.signal_group(proc.pid, signal.SIGKILL)  # stray workers of the group
         self.tree = tree
         self._kill_workers()
         return proc.returncode
@@ -317,6 +321,11 @@ class Launcher:
             if fence is None and (gen > self.generation or resume) and desired.get("gpus"):
                 if (self.proc is not None and self._stop() is not None) or self.fenced:
                     self.restarts += 1
+                self.proc = None  # stopped: not an exit to report
+                fresh = protocol.read_json(self.dir / protocol.DESIRED) or {}
+                if (self._terminated.is_set() or protocol.stop_requested(self.dir, fresh)
+                        or int(fresh.get("generation", 0)) > gen):
+                    continue  # a stop or a newer generation came during the grace period: that first
                 if (late := self._check_lease()) is not None:
                     # contact was lost during the stop (a grace period): no new trainer without a lease
                     self._mark_fenced(f"not starting generation {gen}: {late}")
@@ -329,11 +338,13 @@ class Launcher:
                 self.suspended = False
                 try:
                     self._start(desired)
-                except (FileNotFoundError, PermissionError) as exc:
-                    self._note(f"command not found or not executable: {exc}")
+                except (OSError, ValueError) as exc:  # also: no shebang, unbalanced quotes, a bad ELASTIC_WORKDIR
+                    code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_RUN
+                    why = "command not found" if code == EXIT_NOT_FOUND else type(exc).__name__
+                    self._note(f"the trainer could not be started ({why}): {exc}")
                     self.proc = None
-                    self._status(protocol.EXITED, EXIT_NOT_FOUND)
-                    return EXIT_NOT_FOUND
+                    self._status(protocol.EXITED, code)
+                    return code
                 self._status(protocol.RUNNING)
             if self.proc is not None and self.proc.poll() is None and self._track(self.proc.pid):
                 self._status(protocol.RUNNING)  # kept in status.json so a stop from outside finds them
@@ -356,7 +367,7 @@ class Launcher:
             tree, starts = list(self.tree), dict(self.starts)
             if protocol.same_process(proc.pid, self.proc_start):  # alive (not a zombie): still its group
                 self.watchdog_killed = proc  # before the kill: the main loop sees no end it has not marked
-                _signal_group(proc.pid, signal.SIGKILL)
+                protocol.signal_group(proc.pid, signal.SIGKILL)
             protocol.signal_processes(tree, signal.SIGKILL, starts)
 
     def _kill_all(self) -> None:
@@ -365,7 +376,7 @@ class Launcher:
         may be the disk's), so that no trainer outlives the launcher that would fence it."""
         if self.proc is not None and self.proc.poll() is None:  # not reaped: the pid is still the trainer's
             self._track(self.proc.pid)
-            _signal_group(self.proc.pid, signal.SIGKILL)
+            protocol.signal_group(self.proc.pid, signal.SIGKILL)
         protocol.signal_processes(self.tree, signal.SIGKILL, self.starts)
 
     def _peer_stopped_first(self) -> bool:
@@ -431,13 +442,6 @@ class Launcher:
         self._note(f"the agent (pid {self.lease.agent_pid}) has been gone for {gone:.1f}s after the fence: "
                    f"exiting ({EXIT_FENCED})")
         return True
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class _Echo:

@@ -10,7 +10,7 @@ file, fsync, ``os.replace``) so a reader never sees half a file:
     launcher restart the trainer on the same generation once ``resume`` is at least its
     ``fences`` count (the agent writes it only after the broker confirmed that the job
     still runs with that generation). A job on several nodes (a gang, one launcher per node, see
-    :func:`gang_plan`) adds ``nnodes``, ``node_rank``, ``master_addr`` and ``master_port``
+    :func:`.gang.gang_plan`) adds ``nnodes``, ``node_rank``, ``master_addr`` and ``master_port``
     (the rendezvous of the generation; the launcher expands :data:`PLACEHOLDERS` with them), and
     a newer generation with no ``gpus`` tells a node's launcher to stop its trainer and wait
     (state ``suspended``: the gang shrank to fewer nodes).
@@ -20,7 +20,7 @@ file, fsync, ``os.replace``) so a reader never sees half a file:
     because ``desired.json`` has two writers: a stop written there by a backend could be
     overwritten by the agent writing a generation it had just read from the broker (the launcher
     then never saw the stop, and its trainer was SIGKILLed at the stop's timeout, without the
-    SIGTERM that lets it checkpoint). Nothing but :func:`withdraw_stop` removes it.
+    SIGTERM that lets it checkpoint). Nothing but :func:`.stops.withdraw_stop` removes it.
 ``status.json`` (launcher -> agent)
     ``{"generation": int, "state": str, "pid": int|null, "exit_code": int|null,
     "restarts": int, "workers": [int, ...], "fences": int, "fenced_s": float|null,
@@ -113,22 +113,6 @@ def expand_command(command: str, desired: dict[str, Any]) -> str:
     for name, value in values.items():
         command = command.replace(name, str(value))
     return command
-
-
-def gang_plan(gpus: list[tuple[str, int]], master_addr: str, master_port: int) -> dict[str, dict[str, Any]]:
-    """Split a generation's GPUs (``(node, device index)`` pairs) into one ``desired.json`` part per node.
-
-    Nodes are ranked by name (rank 0 hosts the rendezvous at ``master_addr:master_port``); each part
-    is ``{"gpus": [indices], "nnodes": int, "node_rank": int, "master_addr": str, "master_port": int}``.
-
-    :returns: node name -> its part (nodes without GPUs in the generation are absent).
-    """
-    by_node: dict[str, list[int]] = {}
-    for node, index in sorted(gpus):
-        by_node.setdefault(node, []).append(index)
-    return {node: {"gpus": indices, "nnodes": len(by_node), "node_rank": rank, "master_addr": master_addr,
-                   "master_port": master_port}
-            for rank, (node, indices) in enumerate(sorted(by_node.items()))}
 
 
 @dataclass(frozen=True)
@@ -237,39 +221,10 @@ def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
         raise
 
 
-def request_stop(directory: str | os.PathLike[str], why: str) -> None:
-    """Ask the launcher of ``directory`` to stop its trainer and exit: write ``stop.json``, then
-    set ``stop`` in ``desired.json`` (a launcher of an earlier version reads only that). The first
-    write is the one that counts: a generation the agent writes meanwhile cannot erase it."""
-    directory = Path(directory)
-    write_json(directory / STOP, {"time_s": time.time(), "why": why})
-    try:
-        desired = read_json(directory / DESIRED) or {"generation": 0, "gpus": []}
-    except ValueError:  # malformed: the stop file alone says it
-        return
-    desired["stop"] = True
-    write_json(directory / DESIRED, desired)
-
-
 def stop_requested(directory: str | os.PathLike[str], desired: Mapping[str, Any]) -> bool:
     """True when the launcher of ``directory`` was asked to stop (``stop.json``, or ``desired``'s
     ``stop``)."""
     return bool(desired.get("stop")) or (Path(directory) / STOP).exists()
-
-
-def withdraw_stop(directory: str | os.PathLike[str]) -> None:
-    """Remove a stop an earlier launcher of the job was given, before a new launcher starts in
-    ``directory`` (``stop.json``, and ``stop`` in ``desired.json``; a malformed ``desired.json``
-    is removed: the agent writes it anew)."""
-    directory = Path(directory)
-    (directory / STOP).unlink(missing_ok=True)
-    try:
-        desired = read_json(directory / DESIRED)
-    except ValueError:
-        (directory / DESIRED).unlink(missing_ok=True)
-        return
-    if desired is not None and desired.pop("stop", False):
-        write_json(directory / DESIRED, desired)
 
 
 class LeaseWatch:
@@ -507,6 +462,14 @@ def may_signal(pid: int) -> bool:
     except OSError:
         pass
     return True
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pid``, if it still exists."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def signal_processes(pids: list[int], sig: int, starts: Mapping[int, int | None] | None = None) -> None:
