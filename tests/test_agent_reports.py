@@ -164,6 +164,50 @@ def test_a_404_stops_the_trainer_only_when_the_broker_itself_answered(from_broke
         server.shutdown()
 
 
+@pytest.mark.parametrize("code", [301, 302, 307, 308])
+def test_a_redirect_is_not_followed_with_the_token(code):
+    """An ingress that redirects http to https (308), or any 3xx: urllib followed 301-303 to any
+    host with the job's bearer token (as a GET), and took 307/308 for a refusal, dropping every
+    heartbeat. The token never leaves for the redirect; the call is a transient failure that says
+    where the redirect leads."""
+    import http.server
+
+    from airflow_elastic_gpu.sidecar.http_transport import BrokerUnavailable, HttpBrokerTransport
+
+    seen: list[str | None] = []
+
+    class Elsewhere(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.end_headers()
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+
+    class Redirect(Elsewhere):
+        def do_POST(self):
+            self.send_response(code)
+            self.send_header("Location", f"http://127.0.0.1:{other.server_address[1]}/api/v1/jobs/job/heartbeat")
+            self.end_headers()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    for s in (server, other):
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        transport = HttpBrokerTransport(f"http://127.0.0.1:{server.server_address[1]}", "SECRET", timeout_s=5)
+        with pytest.raises(BrokerUnavailable, match=f"HTTP {code}, a redirect to 'http://127.0.0.1:"):
+            transport.heartbeat("job")
+        assert seen == []
+    finally:
+        server.shutdown()
+        other.shutdown()
+
+
 @pytest.mark.parametrize("written", [{}, {"exit_code": None}, {"exit_code": "0"}, {"exit_code": False}])
 def test_an_exit_whose_code_cannot_be_read_is_reported_as_a_failure(tmp_path, written):
     """A ``status.json`` that says ``exited`` without an integer exit code (another launcher version,

@@ -7,7 +7,9 @@ the broker's database password. Transient failures (connection refused, 5xx, 408
 :class:`JobGone` (401, 403, 404, 410: the job ended, its token stopped working, or it is unknown:
 the agent stops the trainer). Those four count only when the broker itself answered (its
 ``x-elastic-gpu-broker`` header): from a proxy or ingress in front of it (a 404 while the API
-restarts) they are transient.
+restarts) they are transient. A redirect is never followed (urllib would send the token on to
+wherever it points, and turn a POST into a GET): it is a transient failure whose message names
+where it leads, so that the broker API URL can be set to that.
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ RETRY_STATUSES = frozenset({408, 429})
 
 class BrokerUnavailable(Exception):
     """The broker API did not answer, or answered with a server error; worth retrying."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Every 3xx is raised as an :class:`urllib.error.HTTPError`, never followed."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201 - urllib's
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 class HttpBrokerTransport:
@@ -89,11 +101,16 @@ class HttpBrokerTransport:
             headers={"Authorization": f"Bearer {self._token()}", "Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with _OPENER.open(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
             message = f"broker API {path}: HTTP {exc.code}: {detail}"
+            if 300 <= exc.code < 400:
+                where = exc.headers.get("Location") if exc.headers is not None else None
+                raise BrokerUnavailable(f"broker API {path}: HTTP {exc.code}, a redirect to {where!r}, not followed "
+                                        "(the job's token goes to the broker only): set the broker API URL to "
+                                        "where it leads, e.g. https://") from None
             if exc.code >= 500 or exc.code in RETRY_STATUSES:
                 raise BrokerUnavailable(message) from None
             if exc.code in GONE_STATUSES:
