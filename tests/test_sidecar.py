@@ -194,6 +194,40 @@ def test_log_parser_uses_a_progress_regex(tmp_path):
     assert parser.metrics == {"final": True, "accuracy": 0.93}
 
 
+def test_a_progress_bar_redrawn_with_carriage_returns_is_read_as_it_goes(tmp_path):
+    """tqdm redraws its bar with ``\r``: split on ``\n`` alone, no step was read until the bar
+    ended with a newline, and then only the first drawing's; the unfinished line grew all along."""
+    from airflow_elastic_gpu.sidecar import logparse
+
+    log = tmp_path / "train.log"
+    log.write_text("loading\r\n" + "\r".join(f"train:  40%|#### | {s}/500" for s in (100, 200, 300)))
+    parser = LogParser(compile_progress_pattern(r"\| (?P<step>\d+)/500"))
+    assert [s for _, s in parser.read(log)] == [100.0, 200.0]
+    with open(log, "a") as f:
+        f.write("\r" + "x" * (logparse.PARTIAL_CHARS * 2))
+    assert [s for _, s in parser.read(log)] == [300.0] and len(parser._partial) == logparse.PARTIAL_CHARS
+
+
+def test_a_restarted_agent_reads_only_the_end_of_a_long_log(tmp_path, monkeypatch):
+    """A restarted agent takes the log already reported as read: it read the whole of it at once
+    (a 93 MB log took 525 MB and 7 s before its first heartbeat). It reads the end only, for the
+    last lines and the final metrics; a read never takes more than READ_BYTES."""
+    from airflow_elastic_gpu.sidecar import logparse
+
+    monkeypatch.setattr(logparse, "SKIP_KEEP_BYTES", 4096)
+    monkeypatch.setattr(logparse, "READ_BYTES", 1 << 16)
+    log = tmp_path / "train.log"
+    log.write_text("".join(f'{{"step": {i}}}\n' for i in range(20_000)) + '{"final": true, "accuracy": 0.9}\n')
+    parser = LogParser()
+    parser.skip(log)
+    assert parser.metrics == {"final": True, "accuracy": 0.9} and parser.tail[-2] == '{"step": 19999}'
+    with open(log, "a") as f:
+        f.write('{"step": 20000}\n')
+    assert parser.read(log) == [(0, 20000.0)]
+    fresh = LogParser()
+    assert len(fresh.read(log)) < 20_000 and fresh.read(log)  # a long log is read over several polls
+
+
 @pytest.fixture
 def real_broker(broker_url):
     """A broker on the real clock: the agent processes it talks to use the real clock too."""

@@ -400,7 +400,7 @@ class LocalBackend:
         h = self.handle(job.id)
         if h is not None and h.exited_cleanly():
             parser = LogParser(re.compile(job.progress_pattern) if job.progress_pattern else None)
-            parser.read(self.log_path(job.id))
+            parser.skip(self.log_path(job.id))  # its end: the final metrics line
             return Problem("the trainer had exited cleanly, and its agent is gone without reporting it",
                            gone=True, finished=parser.metrics or {})
         # a trainer (or worker) left running by its dead launcher: the job keeps its GPUs until the

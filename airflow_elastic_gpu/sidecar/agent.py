@@ -174,7 +174,7 @@ class Agent(EndReports):
             status = protocol.read_json(d / protocol.STATUS)
             if status is not None:
                 parser.generation = int(status.get("generation", 0))
-                parser.read(d / protocol.LOG)
+                parser.skip(d / protocol.LOG)
         while True:
             if self.terminating.is_set():
                 status = self._status()

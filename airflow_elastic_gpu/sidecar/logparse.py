@@ -23,6 +23,16 @@ log = logging.getLogger(__name__)
 
 TAIL_LINES = 20
 """Lines of the log kept for a failure's reason."""
+READ_BYTES = 8 << 20
+"""The most of the log one :meth:`LogParser.read` takes (the rest waits for the next poll): a
+restarted agent or a long pause met gigabytes, read, decoded and split at once (memory about six
+times the size, a minute without a heartbeat)."""
+PARTIAL_CHARS = 64 << 10
+"""The most of an unfinished line kept between reads (its end): a progress bar redrawn with
+``\r`` for hours is one line that never ends."""
+SKIP_KEEP_BYTES = 1 << 20
+"""What :meth:`LogParser.skip` reads of the log's end: its last lines and final metrics."""
+_LINE_END = re.compile(r"(\r\n|\r|\n)")
 
 
 @dataclass
@@ -35,24 +45,48 @@ class LogParser:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     _pos: int = 0
     _partial: str = ""
+    _redrawn: str = ""  # the last drawing of a line redrawn with \r, until the line ends
 
     def read(self, path: Path) -> list[tuple[int, float]]:
-        """New ``(generation, step)`` samples appended to ``path`` since the last call."""
+        """New ``(generation, step)`` samples appended to ``path`` since the last call (at most
+        :data:`READ_BYTES` of it). Lines end with ``\n``, ``\r\n`` or ``\r`` (a progress bar
+        that redraws itself: each drawing is a line)."""
         try:
             with open(path, "rb") as f:
                 f.seek(self._pos)
-                chunk = f.read()
+                chunk = f.read(READ_BYTES)
                 self._pos = f.tell()
         except FileNotFoundError:
             return []
-        text = self._partial + chunk.decode("utf-8", "replace")
-        lines = text.split("\n")
-        self._partial = lines.pop()
+        return self._lines(chunk.decode("utf-8", "replace"))
+
+    def skip(self, path: Path) -> None:
+        """Take ``path`` as read (a restarted agent: its progress was reported before), learning
+        the generation marks, final metrics and last lines of its last :data:`SKIP_KEEP_BYTES` only."""
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, 2)
+                f.seek(max(0, size - SKIP_KEEP_BYTES))
+                chunk = f.read(SKIP_KEEP_BYTES)
+                self._pos = f.tell()
+        except FileNotFoundError:
+            return
+        text = chunk.decode("utf-8", "replace")
+        self._lines(text if size <= SKIP_KEEP_BYTES else _LINE_END.split(text, 1)[-1])  # from a whole line
+
+    def _lines(self, text: str) -> list[tuple[int, float]]:
+        """Parse the lines ``text`` completes. Each drawing of a line redrawn with ``\r`` is parsed;
+        the tail keeps what a terminal would show of it (its last drawing)."""
+        pieces = _LINE_END.split(self._partial + text)
+        self._partial = pieces.pop()[-PARTIAL_CHARS:]
         out: list[tuple[int, float]] = []
-        for line in lines:
-            line = line.rstrip("\r")
-            if line:
-                self.tail.append(line)
+        for line, end in zip(pieces[::2], pieces[1::2], strict=True):
+            if end == "\r":
+                self._redrawn = line or self._redrawn
+            else:
+                shown, self._redrawn = line or self._redrawn, ""
+                if shown:
+                    self.tail.append(shown)
             mark = protocol.parse_generation_line(line)
             if mark is not None:
                 self.generation = mark
