@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_sidecar import wait_for
@@ -75,7 +76,7 @@ def test_a_helper_process_that_ended_is_no_longer_among_the_trainers_workers(tmp
 class _CancelledJobBroker:
     """The broker of a cancelled job: it holds the job's GPUs until the agent reports the stop."""
 
-    def __init__(self, trainer: subprocess.Popen) -> None:
+    def __init__(self, trainer: subprocess.Popen | SimpleNamespace) -> None:
         self.trainer = trainer
         self.reports: list[tuple[str, bool]] = []  # (reason, was the trainer alive)
 
@@ -110,6 +111,29 @@ def test_a_trainer_whose_launcher_died_is_killed_before_its_stop_is_reported(tmp
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_a_stop_kills_a_launcher_stopped_by_sigstop_and_its_trainer(tmp_path):
+    """A launcher stopped by SIGSTOP or a debugger neither stops its trainer nor fences it: the
+    cancelled job's agent waited its whole stop time-out, then left the trainer running on GPUs
+    the broker frees a lease later. The stop kills such a launcher and its trainer."""
+    from test_sidecar import start_launcher
+
+    shared = tmp_path / "job"
+    launcher = start_launcher(shared, f"{sys.executable} -c 'import time; time.sleep(300)'")
+    try:
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+        pid = wait_for(lambda: (protocol.read_json(shared / protocol.STATUS) or {}).get("pid"), 30, "the trainer")
+        launcher.send_signal(signal.SIGSTOP)
+        broker = _CancelledJobBroker(SimpleNamespace(pid=pid))
+        started = time.monotonic()
+        assert Agent(broker, "job", shared, launcher_pid=launcher.pid, stop_timeout_s=30).run() == 0
+        assert time.monotonic() - started < 20  # not the whole stop time-out
+        assert broker.reports and broker.reports[0][1] is False  # reported once the trainer was gone
+        assert launcher.wait(5) == -signal.SIGKILL
+    finally:
+        launcher.kill()
+        launcher.wait()
 
 
 _LEADER_EXITS = """

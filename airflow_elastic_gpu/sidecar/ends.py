@@ -19,6 +19,9 @@ from airflow_elastic_gpu.sidecar.gang import Gang
 from airflow_elastic_gpu.sidecar.logparse import LogParser
 
 log = logging.getLogger("airflow_elastic_gpu.sidecar.agent")
+FROZEN_LAUNCHER_S = 2.0
+"""How long a stop waits for a launcher in the stopped state (``T``: SIGSTOP, ``t``: a debugger)
+before it SIGKILLs it: its trainer is then killed as a dead launcher's is."""
 
 
 class EndReports:
@@ -203,6 +206,7 @@ class EndReports:
         if self.gang is not None:
             self.gang.stop()
         deadline = time.monotonic() + self.stop_timeout_s
+        frozen_since: float | None = None
         while time.monotonic() < deadline:
             if all(s.get("state") in (protocol.STOPPED, protocol.EXITED) for s in self._launcher_statuses()):
                 return True
@@ -210,6 +214,14 @@ class EndReports:
             if (self.launcher_pids and all(not protocol.pid_alive(p) for p in self.launcher_pids)
                     and self._orphans_killed()):
                 return True
+            # a launcher stopped by SIGSTOP or a debugger neither stops its trainer nor fences it
+            frozen = [p for p in self.launcher_pids if (st := protocol.proc_stat(p)) is not None and st[0] in "Tt"]
+            frozen_since = (frozen_since or time.monotonic()) if frozen else None
+            if frozen_since is not None and time.monotonic() - frozen_since >= FROZEN_LAUNCHER_S:
+                log.warning("launcher(s) %s stopped (SIGSTOP, a debugger) for %.0fs: killing them and their "
+                            "trainers", frozen, FROZEN_LAUNCHER_S)
+                protocol.signal_processes(frozen, signal.SIGKILL)
+                frozen_since = None
             time.sleep(0.2)
         log.warning("the trainer did not stop within %.0fs: the broker keeps its GPUs until the lease ends",
                     self.stop_timeout_s)
