@@ -11,7 +11,7 @@ from kubernetes.client.exceptions import ApiException
 from test_kubernetes import a_running_pod, cluster, config, submit  # noqa: F401 - cluster is a fixture
 
 from airflow_elastic_gpu.backends.base import BackendError
-from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
+from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, KubernetesJobConfig
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.types import JobSpec
 
@@ -329,3 +329,43 @@ def test_a_stop_deletes_the_token_and_a_possible_service_while_the_broker_is_awa
     api.delete_namespaced_service = lambda name, namespace: api.calls.append(("delete service", name))
     fresh.stop(job.id)
     assert api.secrets == {} and ("delete service", f"elastic-gpu-{job.id}") in api.calls
+
+
+def test_a_start_in_another_namespace_than_the_jobs_pods_is_refused(cluster):  # noqa: F811
+    """A DAG's namespace changed between two tries of a task that reattach to the same running job:
+    the second try made a second pod in the new namespace, on the GPUs the first one's trainer uses."""
+    broker, api = cluster
+    job = submit(broker, "j", 1, 1)
+    broker.start(job.id, KubernetesBackend(config(), broker, api).start(job))
+    assert broker.job(job.id).backend_ref == f"kubernetes:ml/elastic-gpu-{job.id}"
+    calls = list(api.calls)
+    moved = KubernetesBackend(KubernetesJobConfig(**{**config().to_dict(), "namespace": "ml-prod"}), broker, api)
+    with pytest.raises(BackendError, match="started in namespace 'ml' .*not in the configured namespace 'ml-prod'"):
+        moved.start(broker.job(job.id))
+    assert api.calls == calls  # no Secret, no pod made
+
+
+def test_a_stop_tries_every_deletion_and_names_the_one_that_failed(tmp_path):
+    """One pod's deletion answered 500: the stop raised at once, leaving the gang's other pods, its
+    Service and its token Secret behind. All the rest is deleted now, and the error names the pod."""
+    from test_kubernetes_gang import FakeCoreV1WithServices, ack_all, submit_gang
+
+    from airflow_elastic_gpu.backends.kubernetes_gang import service_name
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    for node in ("gpu-node-0", "gpu-node-1", "gpu-node-2"):
+        broker.register_node(node, 4, gpu_type="NVIDIA A100")
+    api = FakeCoreV1WithServices()
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, ("gpu-node-0", "gpu-node-1", "gpu-node-2"))
+    first, *others = sorted(api.pods)
+    api.fail["delete_namespaced_pod"] = 500  # the first deletion only
+    with pytest.raises(BackendError, match=rf"cannot clean up all of job {job.id} .*cannot delete pod {first}: 500"):
+        backend.stop(job.id)
+    assert list(api.pods) == [first] and len(others) == 2
+    assert api.services == {} and api.secrets == {}
+    assert ("delete service", service_name(job.id)) in api.calls
+    broker.engine.dispose()

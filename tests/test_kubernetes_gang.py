@@ -315,6 +315,28 @@ def test_a_preemptible_gang_of_pods_is_suspended_and_resumed(cluster, mechanism)
     assert "suspend" in kinds and "resume" in kinds[kinds.index("suspend"):], kinds
 
 
+def test_a_gang_suspended_after_one_nodes_pod_was_deleted_frees_its_gpus(cluster):
+    """One node's pod of a preemptible gang is gone (deleted, its node drained) when a short job
+    suspends the gang: no agent is left there to ack the generation without GPUs, so the backend
+    acks that node for it once the other nodes' agents have. It waited for that ack for ever, the
+    gang holding all twelve GPUs and the short job never placed."""
+    broker, api = cluster
+    broker.configure_pool(policy_params={**RESIZE_AT_ONCE, "suspend": True, "min_runtime_s": 0.0})
+    backend = KubernetesBackend(config(), broker, api)
+    job = broker.submit(JobSpec("gang", GANG, 12, 12, total_steps=100_000, backend="kubernetes", preemptible=True))
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    api.delete_namespaced_pod(pods_by_node(api)[NODES[2]], "ml")
+    short = broker.submit(JobSpec("short", "python train.py", 4, 4, total_steps=10, backend="kubernetes"))
+    gang = broker.job(job.id)
+    assert gang.status is JobStatus.SUSPENDED and gang.target_gpus == ()
+    ack_all(broker, job.id, 2, NODES[:2])  # the agents of the pods left stop their trainers
+    assert backend.sync(broker.job(job.id)) == "wait"
+    suspended = broker.job(job.id)
+    assert suspended.acked_generation == 2 and suspended.in_use_gpus == ()
+    assert len(broker.job(short.id).target_gpus) == 4
+
+
 def test_a_job_that_fits_on_one_node_keeps_its_single_pod(cluster):
     broker, api = cluster
     backend = KubernetesBackend(config(), broker, api)

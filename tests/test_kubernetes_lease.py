@@ -80,8 +80,6 @@ def test_a_pod_pending_past_startup_grace_fails_the_job_and_its_lease_is_no_long
     cannot be mounted) must not hold its GPUs forever through the backend's heartbeats."""
     from datetime import UTC, datetime, timedelta
 
-    from kubernetes.client import models as k8s
-
     broker, backend, api, clock = lease_cluster
     job = submit(broker, "stuck", 4)
     backend.start(job)
@@ -93,12 +91,52 @@ def test_a_pod_pending_past_startup_grace_fails_the_job_and_its_lease_is_no_long
     assert broker.job(job.id).last_heartbeat_s == beat_s  # no longer kept
     problem = backend.problem(broker.job(job.id))
     assert problem is not None and "has been Pending for 7" in problem.reason and "startup_grace_s 600s" in problem.reason
-    api.pods[pod].metadata.creation_timestamp = datetime.now(UTC)
-    api.pods[pod].status = k8s.V1PodStatus(phase="Pending", init_container_statuses=[k8s.V1ContainerStatus(
+
+
+def waiting_for(reason: str, message: str) -> object:
+    """A Pending pod's status: its agent waits to start for ``reason`` (``message``)."""
+    from kubernetes.client import models as k8s
+
+    return k8s.V1PodStatus(phase="Pending", init_container_statuses=[k8s.V1ContainerStatus(
         name="elastic-agent", image="agent", image_id="", ready=False, restart_count=0,
-        state=k8s.V1ContainerState(waiting=k8s.V1ContainerStateWaiting(reason="ImagePullBackOff",
-                                                                       message="not found")))])
-    assert "elastic-agent container cannot start: ImagePullBackOff" in backend.problem(broker.job(job.id)).reason
+        state=k8s.V1ContainerState(waiting=k8s.V1ContainerStateWaiting(reason=reason, message=message)))])
+
+
+@pytest.mark.parametrize("reason", ["ErrImagePull", "ImagePullBackOff"])
+def test_an_image_pull_error_is_retried_within_startup_grace_and_named_past_it(lease_cluster, reason):
+    """A registry's 429 or 503 passes, and the kubelet retries the pull with back-off: the job
+    failed at the first poll that saw the error. The pod is starting (the lease kept) until
+    ``startup_grace_s``; past it the job fails with the pull error as its reason."""
+    from datetime import UTC, datetime, timedelta
+
+    broker, backend, api, clock = lease_cluster
+    job = submit(broker, "pulling", 4)
+    backend.start(job)
+    (pod,) = api.pods
+    api.pods[pod].metadata.creation_timestamp = datetime.now(UTC) - timedelta(seconds=30)
+    api.pods[pod].status = waiting_for(reason, "429 Too Many Requests")
+    assert backend.problem(broker.job(job.id)) is None
+    beat_s = broker.job(job.id).last_heartbeat_s
+    clock.advance(10)
+    backend.sync(broker.job(job.id))
+    assert broker.job(job.id).last_heartbeat_s > beat_s  # still starting: the backend keeps the lease
+    api.pods[pod].metadata.creation_timestamp = datetime.now(UTC) - timedelta(seconds=700)
+    problem = backend.problem(broker.job(job.id))
+    assert "Pending for 70" in problem.reason and "startup_grace_s 600s" in problem.reason
+    assert f"elastic-agent container cannot start: {reason}: 429 Too Many Requests" in problem.reason
+
+
+def test_an_invalid_image_name_fails_the_job_at_once(lease_cluster):
+    """No retry makes an invalid image name pullable: a problem at the first poll, within the grace."""
+    from datetime import UTC, datetime
+
+    broker, backend, api, _clock = lease_cluster
+    job = submit(broker, "typo", 4)
+    backend.start(job)
+    (pod,) = api.pods
+    api.pods[pod].metadata.creation_timestamp = datetime.now(UTC)
+    api.pods[pod].status = waiting_for("InvalidImageName", 'couldn\'t parse image name "Train:1"')
+    assert "elastic-agent container cannot start: InvalidImageName" in backend.problem(broker.job(job.id)).reason
 
 
 def test_a_gang_whose_pods_pull_their_images_keeps_its_lease(tmp_path):

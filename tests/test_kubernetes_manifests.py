@@ -104,6 +104,23 @@ def test_pod_semantics_the_schema_cannot_check():
     assert pod["metadata"]["name"] == "elastic-gpu-job-1-g3"
 
 
+def test_an_unmapped_tasks_map_index_label_differs_from_map_index_1():
+    """``-1`` made a label value stripped of its ``-``: ``1``, the label of the mapped task's index 1."""
+    labels = [PodBuilder(config()).pod("job-1", "python train.py", "n", 1,
+                                       context={**CONTEXT, "map_index": index}).metadata.labels
+              for index in ("-1", "1")]
+    assert [x["elastic-gpu.airflow.apache.org/map_index"] for x in labels] == ["none", "1"]
+
+
+def test_the_backends_own_containers_have_requests_and_limits():
+    """A namespace with a compute ResourceQuota refuses a pod with a container without limits: the
+    copy-launcher init container had no resources, the agent requests only."""
+    pod = to_dict(PodBuilder(config()).pod("job-1", "python train.py", "gpu-node-7", 1))
+    for sidecar in pod["spec"]["initContainers"]:
+        resources = sidecar["resources"]
+        assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
+
+
 RESTRICTED = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
               "seccompProfile": {"type": "RuntimeDefault"}}
 
@@ -227,6 +244,13 @@ def test_building_a_pod_without_a_template_does_not_import_airflow():
     ({"annotations": {"note": 3}}, "annotations must be a dict of strings"),
     ({"run_as_user": 0}, "run_as_user must be an integer >= 1"),
     ({"trainer_security_context": "restricted"}, "trainer_security_context must be a dict"),
+    # misspelt fields were dropped without a word: no limits at all, or the hardened default gone
+    ({"container_resources": {"limit": {"cpu": "8"}}},
+     r"container_resources: unknown field 'limit' of a ResourceRequirements .*known there: claims, limits, requests"),
+    ({"trainer_security_context": {"runAsUSer": 0}},
+     r"trainer_security_context: unknown field 'runAsUSer' of a SecurityContext .*runAsNonRoot, runAsUser"),
+    ({"trainer_security_context": {"capabilities": {"ad": ["SYS_PTRACE"]}}},
+     r"unknown field 'capabilities.ad' of a SecurityContext .*known there: add, drop\)"),
     ({"automount_service_account_token": "no"}, "automount_service_account_token must be True or False"),
 ])
 def test_bad_kubernetes_settings_are_rejected(kw, message):

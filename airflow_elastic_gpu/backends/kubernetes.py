@@ -19,7 +19,9 @@ Pod layout (see ``docs/kubernetes.md``):
 * hardened: every container runs as the same non-root user (``run_as_user``: the agent and the
   launcher share files), without privilege escalation or capabilities, under the runtime's seccomp
   profile; the agent and the init container with a read-only root filesystem; no service-account
-  token is mounted. The trainer's ``securityContext`` can be replaced (``trainer_security_context``).
+  token is mounted. The trainer's ``securityContext`` can be replaced (``trainer_security_context``);
+* the agent and the init container have small requests and equal limits (a namespace with a
+  compute ResourceQuota refuses containers without them); the trainer's are ``container_resources``.
 
 ``resize_mechanism="recreate"`` is the termination-based baseline: a new generation deletes the pod
 and creates a new one with the new GPU set (the pod's agent runs its own generation only, never a
@@ -27,8 +29,10 @@ newer one in place). A job whose GPUs move to another node is re-created in eith
 larger than any node runs one pod per node and a headless Service (a gang, see
 :mod:`.kubernetes_gang`).
 
-The Kubernetes API is reached through ``apache-airflow-providers-cncf-kubernetes``'
-``KubernetesHook`` (``core_v1_client``); tests inject a fake with the same methods.
+The manifests are built by :class:`~.kubernetes_builder.PodBuilder` (pure), the pods read by
+:mod:`.kubernetes_pods`. The Kubernetes API is reached through
+``apache-airflow-providers-cncf-kubernetes``' ``KubernetesHook`` (``core_v1_client``); tests inject a
+fake with the same methods.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 
 from airflow_elastic_gpu.backends.base import BackendError, Problem, check_env
-from airflow_elastic_gpu.backends.kubernetes_config import (  # re-exported: the backend's public names
+from airflow_elastic_gpu.backends.kubernetes_builder import PodBuilder
+from airflow_elastic_gpu.backends.kubernetes_config import (  # noqa: F401 - re-exported: the backend's public names
     JOB_DIR,
     LABEL_GENERATION,
     LABEL_JOB,
@@ -54,12 +59,9 @@ from airflow_elastic_gpu.backends.kubernetes_config import (  # re-exported: the
     TOKEN_DIR,
     TOKEN_KEY,
     KubernetesJobConfig,
-    checked_merge,
-    hardened_security_context,
     label_value,
-    model,
     resource_name,
-    to_dict,  # noqa: F401 - re-exported
+    to_dict,
 )
 from airflow_elastic_gpu.backends.kubernetes_nodes import register_nodes_from_cluster  # noqa: F401 - re-exported
 from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the backend's public names
@@ -76,124 +78,7 @@ from airflow_elastic_gpu.broker.types import JobView
 if TYPE_CHECKING:
     from airflow_elastic_gpu.backends.kubernetes_gang import GangPods
 
-_COPY_LAUNCHER = (
-    "import os, shutil, airflow_elastic_gpu.sidecar as s; d = os.path.dirname(s.__file__); "
-    f"[shutil.copy(os.path.join(d, f), '{SHARED}') for f in ('launcher.py', 'protocol.py')]; "
-    f"os.makedirs('{JOB_DIR}', exist_ok=True)"
-)
-
 log = logging.getLogger(__name__)
-
-
-class PodBuilder:
-    """Builds the job's Secret and Pod (pure: no API calls)."""
-
-    def __init__(self, config: KubernetesJobConfig) -> None:
-        self.config = config
-
-    def secret(self, job_id: str, token: str) -> k8s.V1Secret:
-        return k8s.V1Secret(
-            api_version="v1", kind="Secret",
-            metadata=k8s.V1ObjectMeta(name=resource_name("elastic-gpu-token", job_id),
-                                      namespace=self.config.namespace, labels=self._labels(job_id, None, {})),
-            type="Opaque", string_data={TOKEN_KEY: token},
-        )
-
-    def _labels(self, job_id: str, generation: int | None, context: dict[str, str]) -> dict[str, str]:
-        """The user's labels, then the backend's own (last, so that nothing overrides them)."""
-        labels = {**self.config.labels,
-                  **{f"{LABEL_PREFIX}{k}": label_value(v) for k, v in context.items()},
-                  LABEL_MANAGED_BY: MANAGED_BY, LABEL_JOB: label_value(job_id)}
-        if generation is not None:
-            labels[LABEL_GENERATION] = str(generation)
-        return labels
-
-    def pod(self, job_id: str, command: str, node: str, generation: int, *,
-            progress_pattern: str | None = None, checkpoint_dir: str | None = None,
-            env: Mapping[str, str] | None = None, context: Mapping[str, str] | None = None) -> k8s.V1Pod:
-        """The pod of ``job_id``'s ``generation`` on ``node``.
-
-        :param context: dag_id, task_id, run_id, map_index... (labels and annotations).
-
-        The job's token is a Secret volume mounted into the agent only, which reads the file on
-        each request: a token rotated in the Secret reaches a running agent (the kubelet refreshes
-        the file within its sync period) and the trainer never sees it.
-        """
-        c = self.config
-        context = dict(context or {})
-        shared_mount = k8s.V1VolumeMount(name="elastic", mount_path=SHARED)
-        user_mounts = [model("V1VolumeMount", m) for m in c.volume_mounts]
-        agent_args = ["--job-id", job_id, "--shared-dir", JOB_DIR, "--broker-api", c.broker_api_url,
-                      "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}", "--poll-s", "2"]
-        if progress_pattern:
-            agent_args += ["--progress-pattern", progress_pattern]
-        if c.resize_mechanism == "recreate":  # this pod runs this generation only; the next is a new pod
-            agent_args += ["--pod-generation", str(generation)]
-        agent_args += ["--host-node", node]  # a generation on another node is left to a new pod there
-        sidecar_context = model("V1SecurityContext", hardened_security_context(read_only_root=True))
-        copy_launcher = k8s.V1Container(
-            name="copy-launcher", image=c.agent_image, command=["python", "-c", _COPY_LAUNCHER],
-            volume_mounts=[shared_mount], security_context=sidecar_context)
-        agent = k8s.V1Container(
-            name="elastic-agent", image=c.agent_image, restart_policy="Always",
-            command=["python", "-m", "airflow_elastic_gpu.sidecar.agent"], args=agent_args,
-            volume_mounts=[shared_mount, k8s.V1VolumeMount(name="elastic-token", mount_path=TOKEN_DIR,
-                                                           read_only=True)],
-            security_context=sidecar_context,
-            resources=k8s.V1ResourceRequirements(requests={"cpu": "50m", "memory": "128Mi"}))
-        trainer_context = (hardened_security_context(read_only_root=False) if c.trainer_security_context is None
-                           else c.trainer_security_context)
-        launcher_args = ["--shared-dir", JOB_DIR, "--echo"]  # the trainer's output in the container's log
-        if checkpoint_dir:
-            launcher_args += ["--checkpoint-dir", checkpoint_dir]
-        trainer = k8s.V1Container(
-            name="trainer", image=c.image, command=["python3", f"{SHARED}/launcher.py"],
-            args=[*launcher_args, "--", command],
-            env=[k8s.V1EnvVar(name="NVIDIA_VISIBLE_DEVICES", value="all"),
-                 *(k8s.V1EnvVar(name=k, value=v) for k, v in sorted((env or {}).items()))],
-            volume_mounts=[shared_mount, *user_mounts],
-            security_context=model("V1SecurityContext", trainer_context) if trainer_context else None,
-            resources=model("V1ResourceRequirements", c.container_resources) if c.container_resources else None)
-        token_volume = k8s.V1Volume(name="elastic-token", secret=k8s.V1SecretVolumeSource(
-            secret_name=resource_name("elastic-gpu-token", job_id),
-            default_mode=0o440 if c.run_as_group is not None else 0o444))  # fsGroup: readable by the agent
-        pod = k8s.V1Pod(
-            api_version="v1", kind="Pod",
-            metadata=k8s.V1ObjectMeta(
-                name=resource_name("elastic-gpu", job_id, generation), namespace=c.namespace,
-                labels=self._labels(job_id, generation, {k: v for k, v in context.items() if k != "run_id"}),
-                annotations={**c.annotations, **{f"{LABEL_PREFIX}{k}": v for k, v in context.items()},
-                             LABEL_JOB: job_id}),
-            spec=k8s.V1PodSpec(
-                node_name=node, restart_policy="Never", runtime_class_name=c.runtime_class_name,
-                init_containers=[copy_launcher, agent], containers=[trainer],
-                volumes=[k8s.V1Volume(name="elastic", empty_dir=k8s.V1EmptyDirVolumeSource()), token_volume,
-                         *(model("V1Volume", v) for v in c.volumes)],
-                tolerations=[model("V1Toleration", t) for t in c.tolerations] or None,
-                image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in c.image_pull_secrets] or None,
-                service_account_name=c.service_account_name,
-                automount_service_account_token=c.automount_service_account_token,
-                security_context=k8s.V1PodSecurityContext(
-                    run_as_user=c.run_as_user, run_as_group=c.run_as_group, fs_group=c.run_as_group,
-                    fs_group_change_policy="OnRootMismatch" if c.run_as_group is not None else None,
-                    seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault")),
-                termination_grace_period_seconds=120,
-            ),
-        )
-        if c.pod_template_file or c.full_pod_spec:  # Airflow's pod generator, only when it is needed
-            from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
-
-            pod = checked_merge(PodGenerator.reconcile_pods(self._template(), pod), c)
-        return pod
-
-    def _template(self) -> k8s.V1Pod:
-        """The base pod of ``pod_template_file`` or ``full_pod_spec`` (one of them is set)."""
-        from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
-
-        c = self.config
-        if c.pod_template_file:
-            return PodGenerator.deserialize_model_file(c.pod_template_file)
-        return PodGenerator.deserialize_model_dict(c.full_pod_spec)
 
 
 class KubernetesBackend:
@@ -273,10 +158,18 @@ class KubernetesBackend:
         the pod of the current generation is created if missing. Returns the backend reference
         stored in the broker.
 
-        :raises BackendError: a bad command, env or checkpoint dir, or an API error.
+        :raises BackendError: a bad command, env or checkpoint dir, a job started before in another
+            namespace (its recorded reference names it: the DAG's ``namespace`` changed between two
+            tries; its pods there run on), or an API error.
         """
         check_env(env)
         self.check(job.command, job.checkpoint_dir)
+        started_in = (job.backend_ref or "").removeprefix(f"{self.name}:").partition("/")[0]
+        if job.backend_ref and job.backend_ref.startswith(f"{self.name}:") and started_in != self.config.namespace:
+            raise BackendError(
+                f"job {job.id} was started in namespace {started_in!r} ({job.backend_ref}), not in the configured "
+                f"namespace {self.config.namespace!r}: its pods there may still run on its GPUs; set namespace "
+                f"back to {started_in!r}, or cancel the job")
         ref = f"kubernetes:{self.config.namespace}/{resource_name('elastic-gpu', job.id)}"
         pods = self.pods(job.id)  # every pod of the job, a gang's too
         if _any_live(pods):
@@ -457,14 +350,22 @@ class KubernetesBackend:
     def stop(self, job_id: str, *, succeeded: bool = False, timeout_s: float | None = None) -> None:
         """Clean up as ``on_finish_action`` says (pods), and always delete the token Secret.
         ``timeout_s`` is not used: a deleted pod's containers get its termination grace period. A
-        gang's pods go together (every node's, every generation's), and its headless Service always."""
+        gang's pods go together (every node's, every generation's), and its headless Service always.
+        Every deletion is tried, whatever an earlier one met (gone already, a 404: fine).
+
+        :raises BackendError: one or more listings or deletions failed; the message names each."""
         from airflow_elastic_gpu.backends.kubernetes_gang import LABEL_NODE
 
+        failed: list[str] = []
         action = self.config.on_finish_action
-        pods = self.pods(job_id)
+        try:
+            pods = self.pods(job_id)
+        except BackendError as exc:  # the Service and the Secret go all the same
+            failed.append(str(exc))
+            pods = []
         if action == "delete_pod" or (action == "delete_succeeded_pod" and succeeded):
             for pod in pods:
-                self._delete_pod(pod.metadata.name)
+                _attempt(failed, f"cannot delete pod {pod.metadata.name}", self._delete_pod, pod.metadata.name)
         if job_id not in self._gang_jobs and not pods:
             # no pod left to tell (deleted by an earlier stop, or never made: a quota) and a backend
             # new to the job (a restarted triggerer, a task's on_kill): the broker's job tells
@@ -473,7 +374,13 @@ class KubernetesBackend:
             except Exception:  # noqa: BLE001 - not known (the broker away): a Service it may have had goes (a 404 is fine)
                 self._gang_jobs[job_id] = True
         if self._gang_jobs.get(job_id) or any(LABEL_NODE in (p.metadata.labels or {}) for p in pods):
-            self.gang.delete_service(job_id)
+            _attempt(failed, "cannot delete the job's headless Service", self.gang.delete_service, job_id)
+        _attempt(failed, "cannot delete the job's token Secret", self._delete_secret, job_id)
+        if failed:
+            raise BackendError(f"cannot clean up all of job {job_id} in namespace {self.config.namespace!r} "
+                               f"(the rest was deleted): {'; '.join(failed)}")
+
+    def _delete_secret(self, job_id: str) -> None:
         try:
             self.core_v1.delete_namespaced_secret(resource_name("elastic-gpu-token", job_id), self.config.namespace)
         except ApiException as exc:
@@ -498,3 +405,14 @@ class KubernetesBackend:
         except ApiException:
             return []
         return str(text).splitlines()[-lines:]
+
+
+def _attempt(failed: list[str], what: str, delete: Any, *args: Any) -> None:
+    """Call ``delete(*args)``; an API error (:class:`BackendError`) or an API server out of reach
+    is added to ``failed`` (``what`` and the reason) instead of raised, so that the next one is tried."""
+    try:
+        delete(*args)
+    except BackendError as exc:
+        failed.append(str(exc))
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        failed.append(f"{what}: the Kubernetes API server cannot be reached ({exc})")

@@ -79,8 +79,22 @@ def _check_fields(where: str, kind: str, given: dict[str, Any]) -> None:
     except (ValueError, TypeError) as exc:
         raise BackendError(f"{where}: not a valid {kind[2:]}: {exc}") from None
     if lost := _lost_fields(given, kept):
-        raise BackendError(f"{where}: unknown field {lost!r} of a {kind[2:]} (Kubernetes' JSON form: camelCase, "
-                           "e.g. persistentVolumeClaim, mountPath, claimName)")
+        known = _known_fields(kind, lost)
+        raise BackendError(f"{where}: unknown field {lost!r} of a {kind[2:]} (Kubernetes' JSON form: camelCase"
+                           + (f"; known there: {', '.join(known)})" if known else ")"))
+
+
+def _known_fields(kind: str, path: str) -> list[str]:
+    """The field names (JSON form) the model ``kind`` knows where ``path`` (a dotted path of JSON
+    names, list items as ``[i]``, as :func:`_lost_fields` gives it) ends, or ``[]`` if not a model there."""
+    from kubernetes.client import models
+
+    cls = getattr(models, kind, None)
+    for name in [re.sub(r"\[\d+\]$", "", part) for part in path.split(".")][:-1]:
+        attrs = {v: k for k, v in getattr(cls, "attribute_map", {}).items()}
+        inner = re.fullmatch(r"(?:list\[)?(\w+)\]?", getattr(cls, "openapi_types", {}).get(attrs.get(name), ""))
+        cls = getattr(models, inner.group(1), None) if inner else None
+    return sorted(getattr(cls, "attribute_map", {}).values())
 
 
 def _asks_for_gpus(limits: Any, requests: Any) -> bool:
@@ -121,7 +135,8 @@ class KubernetesJobConfig:
     :param pod_template_file: a pod YAML merged under the generated spec (as KPO's).
     :param full_pod_spec: a pod dict merged under the generated spec.
     :param image_pull_secrets: secret names.
-    :param container_resources: the trainer's ``resources`` (cpu/memory; never ``nvidia.com/gpu``).
+    :param container_resources: the trainer's ``resources`` in Kubernetes' JSON form (``requests``,
+        ``limits``: cpu/memory; never ``nvidia.com/gpu``).
     :param tolerations, volumes, volume_mounts: as in the pod spec (dicts in Kubernetes' JSON form).
     :param labels, annotations: extra metadata; keys under ``elastic-gpu.airflow.apache.org/`` and
         ``app.kubernetes.io/managed-by`` are the backend's own (it finds a job's pods by them) and
@@ -135,7 +150,8 @@ class KubernetesJobConfig:
     :param trainer_security_context: the trainer container's ``securityContext`` in Kubernetes' JSON
         form, replacing the default (:func:`hardened_security_context` without a read-only root),
         e.g. to add ``SYS_PTRACE`` for a profiler; ``{}``: none. The trainer must still run as the
-        agent's user (a root trainer's files are not readable by the agent).
+        agent's user (a root trainer's files are not readable by the agent). A field of either that
+        Kubernetes does not know is refused (the API server would drop it).
     :param startup_grace_s: seconds a pod may stay Pending (scheduling, pulling its images,
         mounting its volumes) before that fails the job (>= 0; default 600); meanwhile the backend
         keeps the job's heartbeat lease, since its agent has not started.
@@ -204,6 +220,10 @@ class KubernetesJobConfig:
             if not isinstance(getattr(self, name), (dict, type(None))):
                 raise BackendError(f"{name} must be a dict (Kubernetes' JSON form) or None, "
                                    f"got {getattr(self, name)!r}")
+        for name, kind in (("container_resources", "V1ResourceRequirements"),
+                           ("trainer_security_context", "V1SecurityContext")):
+            if getattr(self, name):  # a misspelt field was dropped: no limits, or the hardened default gone
+                _check_fields(name, kind, getattr(self, name))
         taken = [v.get("name") for v in self.volumes if v.get("name") in RESERVED_VOLUMES]
         if taken:
             raise BackendError(f"volumes: the name {taken[0]!r} is the backend's own; choose another")
@@ -264,6 +284,19 @@ def label_value(text: str) -> str:
     if len(clean) > 63:
         clean = clean[:54].rstrip("-._") + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
     return clean or "x"
+
+
+UNMAPPED = "none"
+"""The ``map_index`` label of an unmapped task (its map index ``-1``)."""
+
+
+def context_label(key: str, value: str) -> str:
+    """The label value of a task's ``key`` (``dag_id``, ``task_id``, ``map_index``): ``value`` as
+    :func:`label_value` makes it, but an unmapped task's map index ``-1`` is :data:`UNMAPPED`
+    (stripped of its ``-`` it read as map index 1)."""
+    if key == "map_index" and value == "-1":
+        return UNMAPPED
+    return label_value(value)
 
 
 def resource_name(prefix: str, job_id: str, generation: int | None = None) -> str:

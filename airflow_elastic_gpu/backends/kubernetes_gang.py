@@ -2,7 +2,7 @@
 rendezvous, created, resized and cleaned up together.
 
 A job whose ``max_gpus`` exceeds every node of its pool runs as a gang (the rule ``submit``
-applies). Each node's pod is the single-pod layout (:class:`~.kubernetes.PodBuilder`) plus:
+applies). Each node's pod is the single-pod layout (:class:`~.kubernetes_builder.PodBuilder`) plus:
 
 * ``hostname`` (:func:`~airflow_elastic_gpu.sidecar.gang.pod_hostname` of its node) and
   ``subdomain`` = the job's headless Service ``elastic-gpu-<job>`` (``clusterIP: None``, selecting
@@ -135,10 +135,11 @@ class GangPods:
     def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
              context: Mapping[str, str] | None = None, pods: list[Any] | None = None) -> str:
         """Make the gang's pods match the broker's target; returns what it did: ``wait`` (no GPUs
-        published), ``keep``, ``create`` (pods added: the first generation, or a growth to more
-        nodes), ``recreate`` (the pods of an older generation replaced), ``shrink`` (pods of nodes
-        the acked generation no longer uses deleted), ``wait`` as well when a node's new pod waits
-        for the job's terminating pod there to be gone, joined with ``+`` when several.
+        published, or suspended: the pods stay, and a node whose pod is gone is acked for it),
+        ``keep``, ``create`` (pods added: the first generation, or a growth to more nodes),
+        ``recreate`` (the pods of an older generation replaced), ``shrink`` (pods of nodes the acked
+        generation no longer uses deleted), ``wait`` as well when a node's new pod waits for the
+        job's terminating pod there to be gone, joined with ``+`` when several.
 
         A node that has acked a generation and lost its pod gets no new one while no resize is
         under way (that is a failure, see :meth:`problem`); during a resize it does (a pod
@@ -150,7 +151,12 @@ class GangPods:
         """
         b = self.backend
         target = b.broker.target(job.id)
-        if target.status.terminal or not target.gpus:
+        if target.status.terminal:
+            return "wait"
+        if not target.gpus:  # suspended: each pod's agent stops its trainer and acks its node
+            if job.acked_generation < target.generation:  # a node whose pod is gone has no agent to ack
+                self._ack_gone_nodes(job, target.generation, [], {g.node for g in job.in_use_gpus},
+                                     b.pods(job.id) if pods is None else pods)
             return "wait"
         nodes = sorted({g.node for g in target.gpus})
         in_use_nodes = {g.node for g in job.in_use_gpus}

@@ -28,14 +28,15 @@ class PodState:
     problem: str | None = None
     pending_s: float | None = None  # seconds since it was created, while Pending
     trainer_running: bool = False  # its trainer container runs (whatever its agent does)
+    pulling: str | None = None  # Pending, an image not pulled yet (:func:`pull_error`): the kubelet retries
 
     def why_stopped(self, grace_s: float) -> str | None:
         """Why the pod can no longer train (:func:`pod_problem`), or why it will not start: Pending
-        for longer than ``grace_s`` seconds (not scheduled, or its images or volumes cannot be
-        had); ``None`` if neither."""
+        for longer than ``grace_s`` seconds (not scheduled, or its images, named if the kubelet
+        could not pull them, or its volumes cannot be had); ``None`` if neither."""
         if self.problem is None and self.pending_s is not None and self.pending_s > grace_s:
-            return (f"pod {self.name} has been Pending for {self.pending_s:.0f}s (startup_grace_s {grace_s:g}s): "
-                    "not scheduled, or its images or volumes cannot be had")
+            why = self.pulling or "not scheduled, or its images or volumes cannot be had"
+            return f"pod {self.name} has been Pending for {self.pending_s:.0f}s (startup_grace_s {grace_s:g}s): {why}"
         return self.problem
 
     def starting(self, grace_s: float) -> bool:
@@ -50,7 +51,7 @@ def pod_state(pod: Any) -> PodState:
     created = pod.metadata.creation_timestamp
     pending_s = (datetime.now(UTC) - created).total_seconds() if phase == "Pending" and created else None
     return PodState(pod.metadata.name, pod.spec.node_name, int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
-                    phase, pod_problem(pod), pending_s, trainer_running(pod))
+                    phase, pod_problem(pod), pending_s, trainer_running(pod), pull_error(pod))
 
 
 def trainer_running(pod: Any) -> bool:
@@ -61,25 +62,49 @@ def trainer_running(pod: Any) -> bool:
 
 # a container waiting for one of these will not start without a change to the pod or its images
 # (not CreateContainerError or RunContainerError: the kubelet retries those, and they often pass)
-_CANNOT_START = ("ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError", "InvalidImageName")
+_CANNOT_START = ("CreateContainerConfigError", "InvalidImageName")
+# nor for one of these if it lasts: the kubelet retries a pull with back-off (a registry's 429 or 503
+# passes), so a Pending pod's pull error is a problem only past startup_grace_s (PodState.why_stopped)
+_PULL_FAILED = ("ErrImagePull", "ImagePullBackOff")
+
+
+def _containers(status: Any) -> list[Any]:
+    """The statuses of the agent (an init container: a native sidecar), then of the trainer."""
+    return [*(status.init_container_statuses or []),
+            *(cs for cs in status.container_statuses or [] if cs.name == "trainer")]
+
+
+def _cannot_start(cs: Any, reasons: tuple[str, ...]) -> str | None:
+    waiting = cs.state.waiting if cs.state is not None else None
+    if waiting is None or waiting.reason not in reasons:
+        return None
+    return f"{cs.name} container cannot start: {waiting.reason}: {waiting.message or ''}".strip()
+
+
+def pull_error(pod: Any) -> str | None:
+    """Why an image of ``pod`` (a ``V1Pod``, Pending) is not pulled yet (``ErrImagePull``,
+    ``ImagePullBackOff``), or ``None``: the kubelet retries the pull with back-off."""
+    status = pod.status
+    if status is None or (status.phase or "Pending") != "Pending":
+        return None
+    return next((why for cs in _containers(status) if (why := _cannot_start(cs, _PULL_FAILED))), None)
 
 
 def pod_problem(pod: Any) -> str | None:
     """Why ``pod`` (a ``V1Pod``) can no longer train, or ``None``: eviction, a failed phase, a
-    terminated trainer (OOMKilled, Error), an unpullable image."""
+    terminated trainer (OOMKilled, Error), an invalid image name, or an image not pulled in a pod
+    that has started (a sidecar restarted; a Pending pod's pull is retried: :func:`pull_error`)."""
     status = pod.status
     if status is None:
         return None
     if status.reason == "Evicted" or (status.phase == "Failed" and status.reason):
         return f"pod {pod.metadata.name} {status.reason or 'failed'}: {status.message or ''}".strip()
-    # the agent (an init container: a native sidecar), then the trainer
-    containers = [*(status.init_container_statuses or []),
-                  *(cs for cs in status.container_statuses or [] if cs.name == "trainer")]
-    for cs in containers:
+    started = (status.phase or "Pending") != "Pending"
+    for cs in _containers(status):
         if cs.state is None:
             continue
-        if cs.state.waiting and cs.state.waiting.reason in _CANNOT_START:
-            return f"{cs.name} container cannot start: {cs.state.waiting.reason}: {cs.state.waiting.message or ''}".strip()
+        if why := _cannot_start(cs, _CANNOT_START + _PULL_FAILED if started else _CANNOT_START):
+            return why
         if cs.name == "trainer" and cs.state.terminated and cs.state.terminated.reason in (
                 "OOMKilled", "Error", "ContainerCannotRun", "StartError"):
             t = cs.state.terminated
