@@ -53,7 +53,7 @@ class BrokerUnavailable(Exception):
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """Every 3xx is raised as an :class:`urllib.error.HTTPError`, never followed."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201 - urllib's
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
         return None
 
 
