@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DatabaseError, OperationalError
 
 from airflow_elastic_gpu.backends.base import BackendError, start_job
 from airflow_elastic_gpu.broker.db import sqlite_file
@@ -439,14 +439,20 @@ def _run(args: argparse.Namespace) -> int:
     except (BrokerError, BackendError, ValueError) as exc:
         notes.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
-    except OperationalError as exc:  # the database cannot be reached: one line, not a traceback
+    except DatabaseError as exc:  # one line, not a traceback
         url = mask_url(getattr(args, "broker_url", None) or default_broker_url())
-        first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
+        first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         where = (f"the Airflow connection {args.conn_id!r}" if getattr(args, "conn_id", None) else
                  "--broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url")
-        notes.print(f"[red]error:[/red] cannot reach the broker database {escape(url)}: {escape(first)}. "
-                    f"Check that the server runs and the URL ({escape(where)}) is right.",
-                    soft_wrap=True, highlight=False)
+        if isinstance(exc, OperationalError):  # the database cannot be reached
+            said, check = "cannot reach the broker database", "that the server runs and the URL"
+        else:  # it answers, but is no broker database (a SQLite URL naming some other file)
+            said, check = "cannot use the broker database", "that the URL"
+        notes.print(f"[red]error:[/red] {said} {escape(url)}: {escape(first)}. "
+                    f"Check {check} ({escape(where)}) is right.", soft_wrap=True, highlight=False)
+        return 2
+    except OSError as exc:  # a file or directory the command cannot make or read: one line
+        notes.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
 
 

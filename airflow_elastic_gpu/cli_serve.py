@@ -7,7 +7,7 @@ import argparse
 
 from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.cli_parsing import port
-from airflow_elastic_gpu.config import default_broker_url, get_option, mask_url
+from airflow_elastic_gpu.config import airflow_conf, default_broker_url, get_option, mask_url
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
@@ -23,7 +23,10 @@ def cmd_broker(args: argparse.Namespace) -> int:
         raise BackendError(f"the broker server needs the api extra ({exc}): "
                            "pip install 'airflow-elastic-gpu[api]'") from None
 
-    ui_token = get_option("ui_token") or None
+    # through Airflow's conf where Airflow is installed: its _CMD and _SECRET forms of the token
+    # (AIRFLOW__ELASTIC_GPU__UI_TOKEN_CMD), which a plain read of the environment does not see;
+    # stripped, as a command's output ends with a newline that no client sends
+    ui_token = get_option("ui_token", conf=airflow_conf()).strip() or None
     check_bind_address(args.host, ui_token)
     # the database answers before the server does: a bad or unreachable URL is one line and exit 2
     # here, not a server whose every API call fails with 500 behind a page that loads
@@ -51,7 +54,7 @@ def add_broker_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("action", choices=["serve"], help="serve: run the server until Ctrl-C")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1); any but a loopback one needs "
-                        "$AIRFLOW_ELASTIC_GPU_UI_TOKEN")
+                        "the UI token ($AIRFLOW_ELASTIC_GPU_UI_TOKEN or [elastic_gpu] ui_token)")
     p.add_argument("--port", type=port, default=8793, help="TCP port (default 8793)")
     p.add_argument("--api-docs", action="store_true",
                    help="also serve Swagger UI (/docs) and ReDoc (/redoc); their assets load from a CDN")

@@ -5,6 +5,7 @@ finish-time fairness; ``docs/simulator.md``)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     profiles = (load_typed_profiles(cluster, args.profiles) if isinstance(cluster, MixedCluster)
                 else load_profiles(args.profiles, args.profile_source))
     overheads = _restart_overheads(args)
+    out = _output_directory(args.out) if args.out else None  # made now: a bad --out fails before the work
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeElapsedColumn(), console=console) as bar:
@@ -112,9 +114,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             bar.update(task, completed=1.0)
     summaries = [r.summary() for r in results]
     Console(width=max(console.width, 110)).print(comparison_table(summaries))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         for r in results:
             report.write_jobs_csv(r, out / f"jobs_{r.policy}.csv")
         report.write_summary(summaries, out / "summary.csv")
@@ -124,6 +124,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         report.plot_allocation_timeline(focus, out / f"timeline_{focus.policy}.png")
         console.print(f"per-job CSVs, summary.csv and plots written to {out}", markup=False, highlight=False)
     return 0
+
+
+def _output_directory(path: str) -> Path:
+    """``simulate --out``, made (with its parents) before the simulation runs.
+
+    :raises ValueError: it cannot be made (a file in its way, no permission) or written into.
+    """
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {path}: cannot create the directory ({exc.strerror or exc})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: the directory is not writable")
+    return out
 
 
 def _policy_names(args: argparse.Namespace) -> list[str]:

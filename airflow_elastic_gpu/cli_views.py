@@ -38,15 +38,16 @@ def _fmt_s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:,.1f}"
 
 
-def metric_text(value: object) -> str:
+def metric_text(value: object) -> Text:
     """A metric for a table cell: a number to 3 decimals, anything else (a trainer may print a
-    string, a list) as its text, at most 20 characters; ``-`` for none."""
+    string, a list) as its text, at most 20 characters; ``-`` for none. A :class:`~rich.text.Text`,
+    never read as markup: a trainer's ``"[/x]"`` made rich raise ``MarkupError`` at every ``jobs``."""
     if value is None:
-        return "-"
+        return Text("-")
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return f"{value:.3f}"
+        return Text(f"{value:.3f}")
     text = str(value)
-    return text if len(text) <= 20 else text[:19] + "…"
+    return _plain(text if len(text) <= 20 else text[:19] + "…")
 
 
 def jobs_table(jobs: list[JobView] | tuple[JobView, ...], title: str = "jobs") -> Table:

@@ -159,9 +159,17 @@ def _from_config_file(name: str, environ: Mapping[str, str]) -> str | None:
     try:
         parser.read(path, encoding="utf-8")
         return parser.get(SECTION, name, fallback=None)
-    except (OSError, configparser.Error) as exc:
-        raise ValueError(f"cannot read [{SECTION}] {name} from {path}: {exc} (a literal % is written %% "
-                         "in airflow.cfg)") from None
+    except configparser.InterpolationError:
+        # its message quotes the rest of the value: a URL-encoded password (p%40ss) in broker_url
+        raise ValueError(f"cannot read [{SECTION}] {name} from {path}: its value has a % that is not "
+                         "written %% (in airflow.cfg write % as %%)") from None
+    except configparser.ParsingError as exc:  # its message quotes the lines, which may hold a secret
+        numbers = [lineno for lineno, _line in getattr(exc, "errors", ())] or [getattr(exc, "lineno", "?")]
+        lines = ", ".join(map(str, numbers))
+        raise ValueError(f"cannot read [{SECTION}] {name}: {path} cannot be parsed (line {lines}: "
+                         "expected [section] or key = value)") from None
+    except (OSError, configparser.Error) as exc:  # a duplicate section or key: no value in the message
+        raise ValueError(f"cannot read [{SECTION}] {name} from {path}: {exc}") from None
 
 
 def lookup_option(name: str, environ: Mapping[str, str] = os.environ,
@@ -267,14 +275,31 @@ def default_broker_api_url(environ: Mapping[str, str] = os.environ, conf: ConfLi
     return get_option("broker_api_url", environ, conf) or None
 
 
+#: query parameters of a database URL that hold a secret (libpq's, which psycopg passes on)
+_SECRET_QUERY = re.compile(r"([?&](?:password|sslpassword|sslkey)=)[^&#]*", re.IGNORECASE)
+
+
 def mask_url(url: str) -> str:
-    """``url`` fit to print or log: its password replaced by ``***`` (SQLAlchemy's
-    ``render_as_string(hide_password=True)``; a URL SQLAlchemy cannot parse loses everything between
-    ``://`` and the last ``@``)."""
+    """``url`` fit to print or log: its password, and the query's ``password``, ``sslpassword`` and
+    ``sslkey`` values, replaced by ``***``.
+
+    A URL SQLAlchemy parses is rendered by it (``render_as_string(hide_password=True)``). One it cannot
+    parse (a typo such as ``postgresql//u:pw@h``), or whose host holds an ``@`` (a password with an
+    unencoded ``@``, which SQLAlchemy splits at the first one), loses everything up to its last ``@``
+    (after ``scheme://`` where there is one).
+    """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
+    text = str(url)
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(text)
     except (ArgumentError, ValueError, TypeError):
-        return re.sub(r"(?<=://).*@", "***@", str(url), flags=re.DOTALL)
+        parsed = None
+    if parsed is not None and "@" not in (parsed.host or ""):
+        text = parsed.render_as_string(hide_password=True)
+    elif "@" in text:
+        head, _, tail = text.rpartition("@")
+        scheme = head[:head.index("://") + 3] if "://" in head else ""
+        text = f"{scheme}***@{tail}"
+    return _SECRET_QUERY.sub(r"\1***", text)

@@ -205,3 +205,19 @@ def test_http_transport_errors_are_clear():
         HttpBrokerTransport("http://127.0.0.1:1", "")
     with pytest.raises(BrokerUnavailable, match="unreachable"):
         HttpBrokerTransport("http://127.0.0.1:1", "t", timeout_s=2).heartbeat("job")
+
+
+def test_broker_serve_reads_the_ui_token_through_airflows_conf(tmp_path, monkeypatch):
+    """``AIRFLOW__ELASTIC_GPU__UI_TOKEN_CMD`` (and ``_SECRET``) are forms only Airflow's conf knows: the
+    stand-alone server read the environment only, and refused --host 0.0.0.0 for want of a token."""
+    from airflow_elastic_gpu.cli import main
+
+    for name in ("AIRFLOW_ELASTIC_GPU_UI_TOKEN", "AIRFLOW__ELASTIC_GPU__UI_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__UI_TOKEN_CMD", "echo t0ken-from-cmd")
+    served = []
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: served.append(app))
+    assert main(["--broker-url", f"sqlite:///{tmp_path / 'b.db'}", "broker", "serve", "--host", "0.0.0.0"]) == 0
+    c = TestClient(served[0])
+    assert c.get("/api/v1/pools").status_code == 401
+    assert c.get("/api/v1/pools", headers=auth("t0ken-from-cmd")).status_code == 200

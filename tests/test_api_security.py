@@ -407,3 +407,24 @@ def test_a_cancelled_jobs_token_cannot_report_progress(broker, client):  # noqa:
     r = client.post(f"/api/v1/jobs/{job.id}/progress", headers=auth(job.token), json={"step": 5})
     assert r.status_code == 403 and "has ended (cancelled)" in r.json()["detail"]
     assert client.get(f"/api/v1/jobs/{job.id}/target", headers=auth(job.token)).json()["status"] == "cancelled"
+
+
+@pytest.mark.parametrize(("method", "path", "code"), [
+    ("post", "/api/v1/jobs/{id}%00/heartbeat", 403),
+    ("get", "/api/v1/jobs/{id}%00/target", 403),
+    ("post", "/api/v1/jobs/{id}%00/finish", 403),
+    ("get", "/api/v1/jobs/{id}%00", 404),
+    ("get", "/api/v1/pools/default%00/snapshot", 404),
+    ("get", "/api/v1/jobs?pool=default%00", 422),
+    ("get", "/api/v1/events?job_id={id}%00", 422),
+    ("get", "/api/v1/events?pool=default%00", 422),
+])
+def test_a_nul_in_a_job_id_or_pool_is_refused_before_the_database_on_both_databases(db_broker, method, path, code):
+    """PostgreSQL refuses NUL in text: ``%00`` in a job id or a pool was a 500, without any token."""
+    job = running_job(db_broker)
+    c = TestClient(create_app(db_broker), raise_server_exceptions=False)
+    r = c.request(method, path.format(id=job.id), headers=auth(job.token), content=b"{}")
+    assert r.status_code == code, r.text
+    if code == 403:  # without a token it is still the token that is missing
+        assert c.request(method, path.format(id=job.id), content=b"{}").status_code == 401
+    assert db_broker.job(job.id).status.value == "running"

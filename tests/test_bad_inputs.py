@@ -83,7 +83,7 @@ def test_hostile_text_is_stored_verbatim_and_harms_nothing(broker):
     (lambda b: b.register_node("n1", 2, pool=""), InvalidRequest, "GPU pool name must not be empty"),
     (lambda b: b.set_node_schedulable("ghost", False), NotFound, "unknown node 'ghost'"),
     (lambda b: b.configure_pool(policy="tiresias"), InvalidRequest, "preempts running jobs"),
-    (lambda b: b.configure_pool(policy_params={"hysteresis": -1}), InvalidRequest, "hysteresis must be >= 0"),
+    (lambda b: b.configure_pool(policy_params={"hysteresis": -1}), InvalidRequest, "hysteresis must be a number >= 0"),
     (lambda b: b.configure_pool(policy_params={"warp": 9}), InvalidRequest,
      "bad parameters for policy 'adaptive': unknown 'warp'; its parameters: hysteresis, min_resize_interval_s"),
     (lambda b: b.pool_settings("nope"), NotFound, "unknown GPU pool 'nope'; known pools: default"),
@@ -146,6 +146,9 @@ def test_progress_rejects_impossible_steps(broker, step):
     (["pool", "--policy", "fifo"], "unknown scheduling policy 'fifo'"),
     (["pool", "--param", "name=1"], "bad parameters for policy 'adaptive': unknown 'name'"),
     (["pool", "--param", "hysteresis=abc"], "the value of hysteresis must be a finite number, true or false, got 'abc'"),
+    (["pool", "--param", "hysteresis=true"], "hysteresis must be a number >= 0, got True"),  # was stored as True
+    (["pool", "--param", "elastic=2"], "elastic must be true or false, got 2"),  # was stored as 2
+    (["pool", "--param", "type_aware=0"], "type_aware must be true or false, got 0"),
     (["status", "--pool", "nosuch"], "unknown GPU pool 'nosuch'; known pools: default"),
     (["jobs", "--pool", "nosuch"], "unknown GPU pool 'nosuch'"),
     (["run-local", "--total-steps", "10"], "command"),
@@ -188,6 +191,39 @@ def test_cli_names_an_unreachable_database_in_one_line_with_the_password_masked(
     assert "$AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url" in " ".join(text.split())
     # while it retries, it says so once (it sat silent for the whole deadline)
     assert out.err.count("the broker database does not answer; retrying for up to 1 s") == 1
+
+
+def test_cli_names_a_file_that_is_not_a_database_in_one_line(tmp_path, capsys):
+    """SQLite's "file is not a database" is a DatabaseError, not the OperationalError the CLI caught:
+    it ended in a traceback."""
+    (tmp_path / "notadb.db").write_text("some other file\n")
+    assert cli(["--broker-url", f"sqlite:///{tmp_path / 'notadb.db'}", "jobs"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"cannot use the broker database sqlite:///{tmp_path / 'notadb.db'}: file is not a database" in err
+    assert "Traceback" not in err
+
+
+def test_simulate_refuses_an_out_it_cannot_create_before_it_simulates(tmp_path, capsys, monkeypatch):
+    from airflow_elastic_gpu.simulator.trace import TraceJob, write_trace
+
+    trace = write_trace(tmp_path / "t.csv", [TraceJob("a", 0, 1, 60, "ncf")])
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr("airflow_elastic_gpu.simulator.engine.simulate",
+                        lambda *a, **k: pytest.fail("simulated before --out was made"))
+    assert cli(["simulate", "--trace", str(trace), "--policy", "static", "--out", str(tmp_path / "file" / "x")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"--out {tmp_path / 'file' / 'x'}: cannot create the directory (Not a directory)" in err
+
+
+def test_a_file_the_cli_cannot_write_is_one_line_not_a_traceback(tmp_path, capsys):
+    from airflow_elastic_gpu.simulator.trace import TraceJob, write_trace
+
+    trace = write_trace(tmp_path / "t.csv", [TraceJob(str(i), 60.0 * i, 1, 60, "ncf") for i in range(50)])
+    (tmp_path / "file").write_text("")
+    assert cli(["workload", "--trace", str(trace), "--gpus", "2", "--hours", "1",
+                "--out", str(tmp_path / "file" / "w.csv")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error:" in err and str(tmp_path / "file") in err and "Traceback" not in err
 
 
 def test_broker_serve_rejects_a_port_out_of_range(capsys):

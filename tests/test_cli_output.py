@@ -363,3 +363,23 @@ def test_an_empty_pool_says_how_to_register_nodes_under_a_title_on_one_line():
     lines = [line.strip() for line in console.export_text().splitlines()]
     assert lines[0] == "GPU pool 'a100'"
     assert any("none: `airflow-elastic-gpu nodes add NAME --gpus N --pool a100`" in line for line in lines)
+
+
+def test_jobs_and_status_show_a_trainers_metric_and_a_jobs_name_as_text_not_markup(tmp_path, monkeypatch, capsys):
+    """A trainer that reported ``{"accuracy": "[/x]"}`` made rich raise ``MarkupError`` in ``jobs`` and
+    ``status`` for as long as the job was listed."""
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    broker = GpuBroker(url)
+    broker.register_node("n0", 2)
+    job = broker.submit(JobSpec("[/bold] run", "train", 1, 1, total_steps=10))
+    broker.ack(job.id, 1)
+    broker.finish(job.id, 0, {"accuracy": "[/x]"})
+    capsys.readouterr()
+    for argv in (["jobs"], ["status"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "[/x]" in out and "[/bold] run" in out, argv
+    broker.engine.dispose()

@@ -148,5 +148,41 @@ def test_airflow_cfg_is_read_with_airflows_escapes(tmp_path):
     env = {"AIRFLOW_HOME": str(tmp_path)}
     assert config.default_broker_url(env) == "postgresql+psycopg://u:p%40ss@h/db"
     (tmp_path / "airflow.cfg").write_text("[elastic_gpu]\nbroker_url = postgresql+psycopg://u:p%40ss@h/db\n")
-    with pytest.raises(ValueError, match=r"cannot read \[elastic_gpu\] broker_url .*a literal % is written %%"):
+    with pytest.raises(ValueError, match=r"cannot read \[elastic_gpu\] broker_url .*write % as %%"):
         config.default_broker_url(env)
+
+
+def test_a_percent_in_airflow_cfg_is_refused_without_echoing_the_value(tmp_path):
+    """configparser's message quotes the rest of the value after the ``%``: the password of a
+    percent-encoded broker URL ended up in the error."""
+    (tmp_path / "airflow.cfg").write_text("[elastic_gpu]\nbroker_url = postgresql+psycopg://u:s3cr%40et@h/db\n")
+    with pytest.raises(ValueError) as err:
+        config.default_broker_url({"AIRFLOW_HOME": str(tmp_path)})
+    message = str(err.value)
+    assert "broker_url" in message and "write % as %%" in message
+    assert "s3cr" not in message and "40et" not in message and "postgresql" not in message
+
+
+def test_a_line_airflow_cfg_cannot_parse_is_named_by_its_number_not_its_text(tmp_path):
+    (tmp_path / "airflow.cfg").write_text("broker_url = postgresql://u:s3cret@h/db\n[elastic_gpu]\n")
+    with pytest.raises(ValueError) as err:
+        config.default_broker_url({"AIRFLOW_HOME": str(tmp_path)})
+    assert "cannot be parsed (line 1" in str(err.value) and "s3cret" not in str(err.value)
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql+psycopg://u:s3cret@db:5432/broker", "postgresql+psycopg://u:***@db:5432/broker"),
+    ("postgresql//u:s3cret@host/db", "***@host/db"),  # no "://": SQLAlchemy cannot parse it
+    ("postgresql:/u:s3cret@host/db", "***@host/db"),
+    ("u:s3cret@host/db", "***@host/db"),
+    ("postgresql://u:s3c@ret@h/db", "postgresql://***@h/db"),  # an unencoded @ in the password
+    ("postgresql//u:s3c@ret@h/db", "***@h/db"),
+    ("postgresql://u@h/db?password=s3cret&sslmode=require", "postgresql://u@h/db?password=***&sslmode=require"),
+    ("postgresql://h/db?sslpassword=s3cret&sslkey=/k/s3cret.key",
+     "postgresql://h/db?sslkey=***&sslpassword=***"),
+    ("postgresql//h/db?PASSWORD=s3cret#x", "postgresql//h/db?PASSWORD=***#x"),
+    ("sqlite:////tmp/broker.db", "sqlite:////tmp/broker.db"),
+])
+def test_mask_url_hides_every_form_of_password(url, shown):
+    assert config.mask_url(url) == shown
+    assert "s3c" not in config.mask_url(url) and "ret@" not in config.mask_url(url)

@@ -333,7 +333,7 @@ def test_a_long_job_held_back_past_its_patience_is_started_before_any_growth():
         assert early.allocations["long"] == () and len(early.allocations["short"]) == 4
         late = policy.decide(ClusterState((node(),), (long, short), patience_s + 1_000.0))
         assert len(late.allocations["long"]) == 1 and len(late.allocations["short"]) == 3
-    with pytest.raises(ValueError, match="admission_patience must be > 0"):
+    with pytest.raises(ValueError, match="admission_patience must be a number > 0"):
         AdaptivePolicy(admission_patience=0)
 
 
@@ -372,3 +372,22 @@ def test_a_decision_runs_without_the_cyclic_garbage_collector_and_leaves_it_as_i
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("flag", ["explore", "suspend", "elastic", "type_aware", "admission_by_gain"])
+@pytest.mark.parametrize("bad", [2, 0, "false", None])
+def test_a_switch_of_the_adaptive_policy_is_true_or_false_not_a_number_or_text(flag, bad):
+    """``pool --param elastic=2`` was stored as 2, and read as true."""
+    with pytest.raises(ValueError, match=f"^{flag} must be true or false, got {bad!r}$"):
+        AdaptivePolicy(**{flag: bad})
+
+
+@pytest.mark.parametrize(("field", "bad"), [
+    ("hysteresis", True), ("hysteresis", "2"), ("hysteresis", float("nan")), ("min_resize_interval_s", False),
+    ("max_restart_hold_s", True), ("min_runtime_s", True), ("min_runtime_s", -1), ("admission_patience", True),
+    ("max_suspensions_per_hour", True), ("admission_min_waiting", True),
+])
+def test_a_number_of_the_adaptive_policy_is_never_a_bool(field, bad):
+    """``pool --param hysteresis=true`` was stored as True, which Python reads as 1."""
+    with pytest.raises(ValueError, match=f"^{field} must be (a number|an integer)"):
+        AdaptivePolicy(**{field: bad})

@@ -44,6 +44,7 @@ from airflow_elastic_gpu.broker.api_guards import (
     ApiLimits,
     BodySizeLimit,
     SecurityHeaders,
+    no_nul_parameters,
     parse_body,
 )
 from airflow_elastic_gpu.broker.api_models import (
@@ -146,7 +147,8 @@ def create_app(
         if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token: send the job's API token",
                                 headers={"WWW-Authenticate": "Bearer"})
-        if not b.verify_token(job_id, credentials.credentials):
+        # no job has a NUL in its id, and PostgreSQL refuses one in text (a 500 before any token check)
+        if "\x00" in job_id or not b.verify_token(job_id, credentials.credentials):
             raise HTTPException(status.HTTP_403_FORBIDDEN, f"the token is not valid for job {job_id!r}")
         return job_id
 
@@ -238,7 +240,8 @@ def create_app(
              b: BrokerDep) -> JobOut:
         return job_out(b.fail(job_id, body.reason, body.exit_code, body.metrics, node=body.node))
 
-    ui = APIRouter(prefix=API_PREFIX, tags=["ui"], dependencies=guards)
+    # the guards first: a request without the UI token learns nothing, not even of a NUL
+    ui = APIRouter(prefix=API_PREFIX, tags=["ui"], dependencies=[*guards, Depends(no_nul_parameters)])
 
     @ui.get("/pools", response_model=list[str])
     def pools(b: BrokerDep) -> list[str]:

@@ -8,6 +8,8 @@ JSON bodies, and the security headers of every answer.
   a 422 (never a 500).
 * :class:`SecurityHeaders`: ``X-Content-Type-Options: nosniff`` on every answer, and the page's
   Content-Security-Policy on the page and its assets.
+* :func:`no_nul_parameters`: a path or query parameter with a NUL character never reaches the
+  database (PostgreSQL refuses NUL in text: a 500).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -100,6 +103,21 @@ class ApiLimits:
                              f"{sources['max_body_bytes']} ({values['max_body_bytes']}): the metrics travel in "
                              "the body")
         return cls(**values)
+
+
+def no_nul_parameters(request: Request) -> None:
+    """A dependency of the read-only views: a parameter holding a NUL character (``%00``) is answered
+    before any database is asked, as PostgreSQL refuses NUL in text (psycopg's ``DataError`` was a 500).
+
+    :raises HTTPException: 404 for a path parameter (no pool or job has such a name), 422 for a
+        query parameter.
+    """
+    for name, value in request.path_params.items():
+        if isinstance(value, str) and "\x00" in value:
+            raise HTTPException(404, f"no such {name}: the name holds a NUL character")
+    for name, value in request.query_params.multi_items():
+        if "\x00" in name or "\x00" in value:
+            raise HTTPException(422, f"query parameter {name!r} holds a NUL character")
 
 
 class BodyTooLarge(Exception):

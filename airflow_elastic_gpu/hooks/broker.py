@@ -8,7 +8,8 @@ Its SQLAlchemy URL is read, in order, from:
    connections made before that field existed, its host field holding the URL;
 2. :func:`airflow_elastic_gpu.config.default_broker_url`: ``[elastic_gpu] broker_url``
    (``$AIRFLOW_ELASTIC_GPU_BROKER_URL``), else a SQLite file ``elastic_gpu_broker.db`` in
-   ``$AIRFLOW_HOME``.
+   ``$AIRFLOW_HOME``. A connection that is defined but gives no URL (a malformed extra, a misspelt
+   key) takes ``[elastic_gpu] broker_url`` only where that is set, and is an error otherwise.
 
 The connection form (fields declared in :func:`airflow_elastic_gpu.get_provider_info`, as
 ``conn-fields``) also holds the *default GPU pool* (extra ``pool``) and the *broker API URL* that
@@ -31,6 +32,7 @@ from airflow_elastic_gpu.config import (
     default_broker_api_url,
     default_broker_url,
     default_pool,
+    get_option,
 )
 from airflow_elastic_gpu.get_provider_info import CONN_FIELDS, CONN_TYPE, HIDDEN_FIELDS
 
@@ -99,18 +101,44 @@ class GpuBrokerHook(BaseHook):
     def _field(self, name: str) -> str | None:
         """The connection's extra field ``name`` (also in its pre-Airflow-3 ``extra__elastic_gpu__``
         form), or ``None``."""
-        if self.connection is None:
-            return None
-        extra = self.connection.extra_dejson or {}
+        extra = self._extra
         return extra.get(name) or extra.get(f"extra__{CONN_TYPE}__{name}") or None
+
+    @cached_property
+    def _extra(self) -> dict[str, Any]:
+        """The connection's extra as a dict (read once: a malformed one is logged by Airflow at each
+        read); ``{}`` without a connection or for an extra that is not a JSON object."""
+        extra = self.connection.extra_dejson if self.connection is not None else {}
+        return extra if isinstance(extra, dict) else {}
 
     def get_url(self) -> str:
         """The broker DB URL (see the module docstring for the order of sources).
 
-        :raises ValueError: an ``airflow.cfg`` that cannot be parsed.
+        A connection that is defined but gives no URL (an extra that is not JSON, which Airflow only
+        logs and reads as ``{}``; a misspelt key such as ``broker_url``) falls back to
+        ``[elastic_gpu] broker_url`` only where that is set: the computed default, a SQLite file on
+        this host, would give each worker a broker of its own (the same GPUs handed out twice).
+
+        :raises ValueError: an ``airflow.cfg`` that cannot be parsed; a connection that is defined,
+            gives no URL, while ``[elastic_gpu] broker_url`` is not set either.
         """
-        url = self._field("url") or (self.connection.host if self.connection is not None else None)
-        return url or default_broker_url(conf=airflow_conf())
+        conf = airflow_conf()
+        if self.connection is None:
+            return default_broker_url(conf=conf)
+        url = self._field("url") or self.connection.host
+        if url:
+            return url
+        configured = get_option("broker_url", conf=conf)  # "" unless set: its default is computed
+        if configured:
+            self.log.warning("connection %r gives no broker URL (its extra has no \"url\"): using "
+                             "[elastic_gpu] broker_url", self.broker_conn_id)
+            return configured
+        has = (f"its extra has only the keys {', '.join(map(repr, sorted(self._extra)))}" if self._extra else
+               "its extra is empty, or not a JSON object: Airflow logs why it could not read it")
+        raise ValueError(
+            f"Airflow connection {self.broker_conn_id!r} gives no broker database URL ({has}): set its "
+            'Broker database URL field (extra {"url": "postgresql+psycopg://..."}), or set '
+            "[elastic_gpu] broker_url ($AIRFLOW_ELASTIC_GPU_BROKER_URL) for every worker")
 
     def default_pool(self) -> str:
         """The GPU pool of a training that names none: the connection's ``pool`` field, else

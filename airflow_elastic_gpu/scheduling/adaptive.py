@@ -152,26 +152,20 @@ class AdaptivePolicy:
     resize_mechanism: ClassVar[str] = "inplace"
 
     def __post_init__(self) -> None:
-        if self.hysteresis < 0:
-            raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
-        if self.min_resize_interval_s < 0:
-            raise ValueError(
-                f"min_resize_interval_s must be >= 0, got {self.min_resize_interval_s}"
-            )
-        if isinstance(self.max_restart_hold_s, bool) or not self.max_restart_hold_s >= 0:
-            raise ValueError(
-                f"max_restart_hold_s must be a number of seconds >= 0, got {self.max_restart_hold_s!r}")
-        if not isinstance(self.admission_by_gain, bool):
-            raise ValueError(  # noqa: TRY004 - reported like every other bad policy parameter
-                f"admission_by_gain must be true or false, got {self.admission_by_gain!r}")
-        if not self.admission_patience > 0:
-            raise ValueError(f"admission_patience must be > 0, got {self.admission_patience!r}")
-        if (isinstance(self.admission_min_waiting, bool) or not isinstance(self.admission_min_waiting, int)
-                or self.admission_min_waiting < 1):
-            raise ValueError(
-                f"admission_min_waiting must be an integer >= 1, got {self.admission_min_waiting!r}")
-        if not isinstance(self.suspend, bool):
-            raise ValueError(f"suspend must be true or false, got {self.suspend!r}")
+        for flag in ("explore", "suspend", "elastic", "type_aware", "admission_by_gain"):
+            if not isinstance(getattr(self, flag), bool):  # not 2, not "false": a typo stored as is
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")  # noqa: TRY004
+        for key, kind in (("hysteresis", "a number >= 0"), ("min_resize_interval_s", "a number of seconds >= 0"),
+                          ("max_restart_hold_s", "a number of seconds >= 0"),
+                          ("min_runtime_s", "a number of seconds >= 0"), ("admission_patience", "a number > 0")):
+            value = getattr(self, key)  # a bool is an int to Python, never a number here
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not (value > 0 if kind.endswith("> 0") else value >= 0)):  # NaN fails both
+                raise ValueError(f"{key} must be {kind}, got {value!r}")
+        for key in ("max_suspensions_per_hour", "admission_min_waiting"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
         rule = SuspensionRule(self.min_runtime_s, self.max_suspensions_per_hour, self.hysteresis)
         object.__setattr__(self, "_suspension", rule if self.suspend else None)
 
