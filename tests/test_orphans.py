@@ -74,7 +74,7 @@ def test_a_job_whose_task_ended_is_cancelled_at_the_second_check(pool, state):
     assert f"etl.train (run manual__1) is {state}" in pool.job(job.id).reason
     assert pool.job(followed.id).status is JobStatus.RUNNING
     wait_for(lambda: backend.stopped == [job.id], 10, "the orphan's processes to be stopped")
-    assert airflow.asked[-1] == ("etl", ["train"], ["manual__1", "manual__2"])  # one question per DAG
+    assert airflow.asked[-1] == ("etl", ["train"], ["manual__1", "manual__2"])  # one question per task
 
 
 @pytest.mark.parametrize("answer", [
@@ -109,6 +109,43 @@ def test_an_end_seen_once_or_not_answered_cancels_nothing(pool):
     airflow.down = False
     assert check.run(pool, None, "default", airflow, now_s=4.0) == []  # the check before had no answer
     assert [j.id for j in check.run(pool, None, "default", airflow, now_s=5.0)] == [job.id]
+
+
+def test_a_mapped_tasks_state_is_never_taken_for_another_tasks():
+    """Airflow's answer keys a mapped task's instances ``<task>_<index>``: a task named ``train_1``
+    and index 1 of a mapped ``train``, asked together, share a key (the later row wins), so a
+    live ``train_1`` could read as its neighbour's success. One question per task."""
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    broker = GpuBroker("sqlite://")
+    broker.register_node("n0", 4)
+    live = operator_job(broker, task_id="train_1")
+    ended = operator_job(broker, task_id="train", map_index=1)
+    rows = {"train": [(1, "success")], "train_1": [(-1, "running")]}
+
+    def answer(dag_id, task_ids, run_ids):  # as Airflow's route builds it: one dict per run, later rows win
+        states = {}
+        for task_id in sorted(rows, reverse=True):  # train_1's row first, then train's overwrites the key
+            for index, state in rows[task_id] if task_id in task_ids else ():
+                states[task_id if index < 0 else f"{task_id}_{index}"] = state
+        return {"manual__1": states}
+
+    check = OrphanCheck(interval_s=1)
+    for now_s in (0.0, 1.0):
+        cancelled = check.run(broker, None, "default", answer, now_s=now_s)
+    assert [j.id for j in cancelled] == [ended.id] and broker.job(live.id).status is JobStatus.RUNNING
+
+
+def test_a_job_a_new_try_reattached_to_between_checks_is_left_alone(pool):
+    """The task was marked failed, then cleared; its new try reattached to the job (the job is that
+    try's now) while Airflow still answered with the old state: not cancelled."""
+    job = operator_job(pool)
+    airflow, check = Airflow({"manual__1": {"train": "failed"}}), OrphanCheck(interval_s=1)
+    check.run(pool, None, "default", airflow, now_s=0.0)
+    pool.submit(JobSpec("etl.train", "python train.py", 1, 1, total_steps=100, key="etl/train/manual__1/-1",
+                        family="etl.train", attempt="try-2"))  # the new try reattaches
+    assert check.run(pool, None, "default", airflow, now_s=1.0) == []
+    assert pool.job(job.id).status is JobStatus.RUNNING
 
 
 def test_the_question_is_the_task_sdks_own(monkeypatch):
@@ -146,9 +183,11 @@ def test_a_triggers_poll_cancels_and_stops_an_orphan_of_its_pool(worker_env, mon
     monkeypatch.setattr(orphans, "ORPHAN_CHECK_S", 0.0)
     monkeypatch.setattr(orphans, "_CHECKS", {})
     trigger = ElasticTrainingTrigger(followed.id, "elastic_gpu_missing_conn", 0.2, "local", str(backend.work_dir))
-    for _ in range(2):
-        assert trigger._poll().status is JobStatus.RUNNING
-    assert broker.job(orphan.id).status is JobStatus.CANCELLED
+    assert trigger._poll().status is JobStatus.RUNNING  # the first check: a suspect
+    wait_for(lambda: orphans._CHECKS and not next(iter(orphans._CHECKS.values())).lock.locked()
+             and next(iter(orphans._CHECKS.values())).suspects, 30, "the first check")
+    assert trigger._poll().status is JobStatus.RUNNING  # the second, in a thread of its own
+    wait_for(lambda: broker.job(orphan.id).status is JobStatus.CANCELLED, 30, "the orphan to be cancelled")
     wait_for(lambda: not backend.is_running(orphan.id) and broker.job(orphan.id).in_use_gpus == (), 60,
              "the orphan's trainer to stop and its GPU to be freed")
     assert broker.job(followed.id).status is JobStatus.RUNNING and backend.is_running(followed.id)

@@ -140,7 +140,7 @@ class Queries(Rebalancing):
                 end_s=job.end_s, last_heartbeat_s=job.last_heartbeat_s, exit_code=job.exit_code,
                 reason=job.reason, metrics=job.metrics, progress_pattern=job.progress_pattern,
                 checkpoint_dir=job.checkpoint_dir, backend=job.backend, backend_ref=job.backend_ref,
-                preemptible=bool(job.preemptible), family=job.family,
+                preemptible=bool(job.preemptible), family=job.family, attempt=job.attempt,
             )
             for job in jobs
         ]

@@ -12,8 +12,11 @@ The job then trains on, for hours, on GPUs that nobody's result will use. Every 
 therefore looks, every :data:`ORPHAN_CHECK_S` (once per pool and triggerer process), at the pool's
 unfinished jobs that the operator submitted (their key is ``dag_id/task_id/run_id/map_index`` and
 their family ``dag_id.task_id``: :func:`task_of`) and asks Airflow for their task instances' states
-(``RuntimeTaskInstance.get_task_states``, one question per DAG). A job whose task instance is in an
-ended state (:data:`ENDED_STATES`) at two checks in a row is cancelled. A task instance Airflow does not
+(``RuntimeTaskInstance.get_task_states``, one question per task: the answer's keys of one question
+never collide, as ``<task>_1`` of a mapped task and a task named ``<task>_1`` would). A job whose
+task instance is in an ended state (:data:`ENDED_STATES`) at two checks in a row is cancelled, if
+the task try it belonged to at the check is still the one (a cleared task's new try that reattached
+meanwhile keeps it). A task instance Airflow does not
 know (another Airflow on the same broker, a DAG run deleted) is left alone, and so is every state
 from which the task may still follow its job (running, deferred, queued, up for retry, cleared).
 """
@@ -24,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,11 +104,11 @@ def airflow_task_states(dag_id: str, task_ids: list[str], run_ids: list[str]) ->
 @dataclass
 class OrphanCheck:
     """The checks of one pool's jobs (see the module): when the last ran, and the jobs whose task
-    instance it found ended (job id -> state)."""
+    instance it found ended (job id -> the task try the job belonged to then)."""
 
     interval_s: float | None = None  # None: ORPHAN_CHECK_S
     last_s: float | None = None
-    suspects: dict[str, str] = field(default_factory=dict)
+    suspects: dict[str, str | None] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def due(self, now_s: float) -> bool:
@@ -131,18 +135,18 @@ class OrphanCheck:
             cancelled = []
             for job, task in jobs:
                 state = ended.get(job.id)
-                if state is None or self.suspects.get(job.id) is None:
-                    continue
+                if state is None or job.id not in self.suspects or self.suspects[job.id] != job.attempt:
+                    continue  # ended at this check only, or a try reattached since the last
                 reason = (f"its Airflow task {task} is {state} and no task follows the job (it ended while no "
                           "triggerer ran, or its worker was lost): cancelled to free its GPUs")
-                job = broker.cancel(job.id, reason)
-                if job.status is JobStatus.CANCELLED and job.reason == reason:  # not one that ended meanwhile
+                ended_job = broker.cancel(job.id, reason, attempt=job.attempt)
+                if ended_job.status is JobStatus.CANCELLED and ended_job.reason == reason:  # not one that ended meanwhile
                     log.warning("job %s: %s", job.id, reason)
-                    cancelled.append(job)
-                    if backend is not None and job.backend == backend.name:
+                    cancelled.append(ended_job)
+                    if backend is not None and job.backend == backend.name:  # a stop elsewhere finds nothing
                         in_daemon_thread(lambda job_id=job.id: _stop(backend, job_id), "elastic-gpu-orphan-stop")
-            self.suspects = {job_id: state for job_id, state in ended.items()
-                             if all(job_id != j.id for j in cancelled)}
+            done = {j.id for j in cancelled}
+            self.suspects = {job.id: job.attempt for job, _task in jobs if job.id in ended and job.id not in done}
             return cancelled
         finally:
             self.lock.release()
@@ -150,17 +154,16 @@ class OrphanCheck:
     @staticmethod
     def _ended(jobs: Iterable[tuple[JobView, TaskId]], task_states: TaskStates) -> dict[str, str]:
         """Job id -> its task instance's state, for the jobs whose task instance has ended."""
-        by_dag: dict[str, list[tuple[JobView, TaskId]]] = {}
+        by_task: dict[tuple[str, str], list[tuple[JobView, TaskId]]] = {}
         for job, task in jobs:
-            by_dag.setdefault(task.dag_id, []).append((job, task))
+            by_task.setdefault((task.dag_id, task.task_id), []).append((job, task))
         ended: dict[str, str] = {}
-        for dag_id, members in by_dag.items():
+        for (dag_id, task_id), members in by_task.items():
             try:
-                states = task_states(dag_id, sorted({t.task_id for _, t in members}),
-                                     sorted({t.run_id for _, t in members}))
+                states = task_states(dag_id, [task_id], sorted({t.run_id for _, t in members}))
             except Exception as exc:  # noqa: BLE001 - no answer: nobody is cancelled on a guess
-                log.info("could not read the task states of DAG %s (%s): its jobs are checked again later",
-                         dag_id, exc)
+                log.info("could not read the task states of %s.%s (%s): its jobs are checked again later",
+                         dag_id, task_id, exc)
                 continue
             for job, task in members:
                 state = (states.get(task.run_id) or {}).get(task.state_key)
@@ -181,19 +184,26 @@ _CHECKS_LOCK = threading.Lock()
 
 
 def check_orphans(broker: Any, backend: Backend | None, pool: str,
-                  task_states: TaskStates | None = None) -> list[JobView]:
+                  task_states: TaskStates | None = None) -> Future[list[JobView]] | None:
     """The trigger's call at each poll: :meth:`OrphanCheck.run` for ``pool`` of ``broker``'s
-    engine, when one is due in this process (blocking: call it in a thread), with Airflow's answer
-    (``task_states``, default :func:`airflow_task_states`). A check that fails
-    (the broker away) is logged and done again at the next poll that is due.
+    engine, in a thread of its own when one is due in this process (Airflow's answers may take
+    seconds: the trigger's own poll does not wait for them), with Airflow's answer (``task_states``,
+    default :func:`airflow_task_states`). A check that fails (the broker away) is logged and done
+    again when the next is due.
 
-    :returns: the jobs cancelled.
+    :returns: the check's future (the jobs it cancelled), or ``None`` when none is due.
     """
     key = (id(getattr(broker, "engine", broker)), pool)
     with _CHECKS_LOCK:
         check = _CHECKS.setdefault(key, OrphanCheck())
-    try:
-        return check.run(broker, backend, pool, task_states or airflow_task_states, time.monotonic())
-    except Exception as exc:  # noqa: BLE001 - the job's own poll goes on
-        log.warning("could not check GPU pool %s for jobs no task follows (%s)", pool, exc)
-        return []
+    if not check.due(time.monotonic()) or check.lock.locked():
+        return None
+
+    def run() -> list[JobView]:
+        try:
+            return check.run(broker, backend, pool, task_states or airflow_task_states, time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - logged; the next check that is due tries again
+            log.warning("could not check GPU pool %s for jobs no task follows (%s)", pool, exc)
+            return []
+
+    return in_daemon_thread(run, "elastic-gpu-orphans")
