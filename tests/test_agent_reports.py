@@ -270,3 +270,25 @@ def test_a_log_excerpt_cuts_each_line_and_the_whole():
     assert protocol.log_excerpt(["x" * 600], line_chars=500) == "x" * 500
     assert protocol.log_excerpt([str(i) * 100 for i in range(10)], total_chars=250) == \
         ("\n".join(str(i) * 100 for i in range(10)))[-250:]
+
+
+def test_an_exit_is_reported_with_the_final_metrics_past_one_reads_worth_of_log(tmp_path, monkeypatch):
+    """A trainer that printed more than one read's worth (READ_BYTES) before it exited: the exit
+    was reported after one more read, without the final metrics line at the log's end."""
+    from airflow_elastic_gpu.sidecar import logparse
+
+    monkeypatch.setattr(logparse, "READ_BYTES", 4096)
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    broker = FlakyBroker(outages=0)
+    agent = Agent(broker, "job", tmp_path, poll_s=0.05, lease_s=3.0)
+    done: list[int] = []
+    runner = threading.Thread(target=lambda: done.append(agent.run()), daemon=True)
+    runner.start()
+    time.sleep(0.5)  # the agent runs; then the trainer prints a lot and exits between two polls
+    (tmp_path / protocol.LOG).write_text(protocol.generation_line(1, "on GPUs [0]: x") + "".join(
+        f'{{"step": {i}}}\n' for i in range(5000)) + '{"final": true, "step": 5000, "accuracy": 0.9}\n')
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.EXITED, "exit_code": 0})
+    runner.join(30)
+    assert done == [0]
+    assert next(c for c in broker.calls if c[0] == "finish") == ("finish", {"final": True, "step": 5000, "accuracy": 0.9})
+    assert ("progress", 5000.0, 1) in broker.calls

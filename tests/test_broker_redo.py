@@ -326,3 +326,13 @@ def test_a_clear_that_left_max_tries_as_it_was_trains_again(pool):
     assert pool.submit(spec("old", attempt="try-2", max_tries=2, clear_number=3)).id == old.id
     with pytest.raises(InvalidRequest, match="clear_number must be an integer >= 0"):
         spec("k", clear_number=-1)
+
+
+def test_a_retry_of_a_try_that_reattached_after_a_clear_gets_the_success_back(pool):
+    """A task cleared while its job ran: the new try reattached (with the run's new clear_number);
+    the job succeeded, that try's worker was lost, and its retry trained again, because the job
+    still recorded the first try's clear_number."""
+    job = pool.submit(spec("k", attempt="try-1", max_tries=2, clear_number=0))
+    assert pool.submit(spec("k", attempt="try-2", max_tries=2, clear_number=1)).id == job.id  # reattached
+    pool.finish(job.id, 0)
+    assert pool.submit(spec("k", attempt="try-3", max_tries=2, clear_number=1)).id == job.id  # its retry

@@ -122,9 +122,11 @@ def _pids_running(script: Path) -> list[int]:
     return found
 
 
-def test_no_trainer_starts_on_a_lease_that_went_stale_during_the_stop(tmp_path):
+@pytest.mark.parametrize("newer_during_the_stop", [False, True])
+def test_no_trainer_starts_on_a_lease_that_went_stale_during_the_stop(tmp_path, newer_during_the_stop):
     """Contact is lost while the old trainer checkpoints (its grace period): the next generation
-    waits, fenced, until contact is back, instead of starting on GPUs the broker may reuse."""
+    waits, fenced, until contact is back, instead of starting on GPUs the broker may reuse; also
+    when a newer generation came during the stop (the launcher was left STOPPING, never fenced)."""
     shared = tmp_path / "job"
     shared.mkdir()
     trainer = tmp_path / "slow_stop.py"
@@ -145,14 +147,18 @@ def test_no_trainer_starts_on_a_lease_that_went_stale_during_the_stop(tmp_path):
         # the last contact: the new generation; the stop takes 1.5 s, past the fence at 1.2 s
         protocol.write_json(shared / protocol.LEASE, {**lease, "contact_s": time.time(), "generation": 2})
         protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [0, 1], "stop": False})
+        if newer_during_the_stop:
+            wait_for(lambda: status(shared).get("state") == protocol.STOPPING, 30, "the stop")
+            protocol.write_json(shared / protocol.DESIRED, {"generation": 3, "gpus": [0, 1], "stop": False})
         wait_for(lambda: status(shared).get("state") == protocol.FENCED, 30, "the launcher to fence")
         assert not protocol.pid_alive(first) and status(shared)["pid"] is None
         assert "not starting generation 2" in (shared / protocol.LOG).read_text()
-        protocol.write_json(shared / protocol.LEASE, {**lease, "contact_s": time.time(), "generation": 2})
-        wait_for(lambda: status(shared).get("state") == protocol.RUNNING and status(shared)["generation"] == 2,
-                 30, "generation 2 to start once contact is back")
+        gen = 3 if newer_during_the_stop else 2
+        protocol.write_json(shared / protocol.LEASE, {**lease, "contact_s": time.time(), "generation": gen})
+        wait_for(lambda: status(shared).get("state") == protocol.RUNNING and status(shared)["generation"] == gen,
+                 30, "the newest generation to start once contact is back")
     finally:
-        protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [0, 1], "stop": True})
+        protocol.write_json(shared / protocol.DESIRED, {"generation": 3, "gpus": [0, 1], "stop": True})
         runner.join(30)
 
 
@@ -249,10 +255,13 @@ def test_a_trainer_stopped_by_a_job_control_signal_still_gets_its_grace_period(t
     ("{script}", 126),  # executable, but no shebang: "Exec format error"
     ("python -c 'unbalanced", 126),  # quoting shlex cannot split
     ("/no/such/trainer", 127),
+    ("true", 126),  # in an ELASTIC_WORKDIR that does not exist
 ])
-def test_a_trainer_that_cannot_be_started_is_an_exit_with_the_reason(tmp_path, command, code):
+def test_a_trainer_that_cannot_be_started_is_an_exit_with_the_reason(tmp_path, command, code, monkeypatch):
     """A launcher that could not start its trainer for a reason other than "not found" died of a
     traceback, with ``status.json`` left at "starting": the agent then reported a dead launcher."""
+    if command == "true":
+        monkeypatch.setenv("ELASTIC_WORKDIR", str(tmp_path / "no-such-dir"))
     shared = tmp_path / "job"
     shared.mkdir()
     script = tmp_path / "train.sh"

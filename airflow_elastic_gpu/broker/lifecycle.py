@@ -186,9 +186,12 @@ class Lifecycle(Endings):
                 existing = conn.execute(_BY_KEY, {"key": key}).first()
                 if existing is not None:
                     if JobStatus(existing.status) not in TERMINAL:
-                        # reattached (a retry, a cleared task's new try): the job is that try's now
+                        # reattached (a retry, a cleared task's new try): the job is that try's now,
+                        # and what tells its later retries from clears is that try's
                         if spec.attempt is not None and existing.attempt != spec.attempt:
-                            update_job(conn, existing.id, attempt=spec.attempt)
+                            update_job(conn, existing.id, attempt=spec.attempt,
+                                       **{k: v for k, v in (("max_tries", spec.max_tries),
+                                                            ("clear_number", spec.clear_number)) if v is not None})
                         # our own job when this transaction is redone after its commit went
                         # through but the connection was lost before the reply: reply with its token
                         return existing.id, (True if existing.token_hash == token_hash(token) else None)

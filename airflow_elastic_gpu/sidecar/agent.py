@@ -120,6 +120,8 @@ class Agent(EndReports):
         self.stop_timeout_s = stop_timeout_s
         pids = [launcher_pid] if isinstance(launcher_pid, int) else list(launcher_pid or [])
         self.launcher_pids = pids
+        # their start times, so that a pid another process took since is never signalled
+        self.launcher_starts = {p: st[1] for p in pids if (st := protocol.proc_stat(p)) is not None}
         self.launcher_pid = pids[0] if pids else None
         self.fence_s = fence_s
         self.fence_margin_s = fence_margin_s
@@ -388,18 +390,17 @@ class Agent(EndReports):
                 log.warning("%s failed, will retry: %s: %s", what, type(exc).__name__, exc, exc_info=not known)
             return outcome, None
 
-    def _report_progress(self, contact: bool) -> Outcome | None:
-        """Parse new log lines; with ``contact``, report the latest step of each generation.
-        A rejected sample is dropped, a transient failure kept for the next poll; ``ENDED`` if the
-        broker no longer knows the job."""
-        if self.gang is None:
-            for gen, step in self.parser.read(self.dir / protocol.LOG):
+    def _report_progress(self, contact: bool, *, to_end: bool = False) -> Outcome | None:
+        """Parse new log lines (``to_end``: all of them, for a trainer that has exited; else at most
+        one read's worth); with ``contact``, report the latest step of each generation. A rejected
+        sample is dropped, a transient failure kept for the next poll; ``ENDED`` if the broker no
+        longer knows the job."""
+        # a gang: every node's log is read, as the trainer's global rank 0 prints the progress, and a
+        # rendezvous (torchrun's c10d) may put it on any node of the gang
+        logs = [(self.parser, self.dir)] if self.gang is None else [(self.parsers[n], d) for n, d in self.gang.dirs.items()]
+        for parser, d in logs:
+            for gen, step in (parser.read_all if to_end else parser.read)(d / protocol.LOG):
                 self.pending[gen] = step
-        else:  # every node's log is read: the trainer's global rank 0 prints the progress, and a
-            # rendezvous (torchrun's c10d) may put it on any node of the gang
-            for node, d in self.gang.dirs.items():
-                for gen, step in self.parsers[node].read(d / protocol.LOG):
-                    self.pending[gen] = step
         if not contact:
             return None
         for gen, step in sorted(self.pending.items()):

@@ -42,6 +42,7 @@ class EndReports:
     stop_timeout_s: float
     end_report_timeout_s: float
     launcher_pids: list[int]
+    launcher_starts: dict[int, int]
     terminating: threading.Event
     _call: Callable[..., tuple[Outcome, Any]]
     _status: Callable[[], dict[str, Any]]
@@ -126,7 +127,7 @@ class EndReports:
             # the pods that replace it, which report its end
             log.info("the trainer exited with %s after this pod was replaced: not the job's end", how)
             return 0
-        self._report_progress(contact=True)
+        self._report_progress(contact=True, to_end=True)
         if self.gang is not None and code != 0:  # half a job never runs on: stop the other nodes
             node = self._status().get("node")
             reason = self._with_tail(f"the trainer on node {node} exited with {how}; the gang was stopped")
@@ -215,12 +216,13 @@ class EndReports:
                     and self._orphans_killed()):
                 return True
             # a launcher stopped by SIGSTOP or a debugger neither stops its trainer nor fences it
-            frozen = [p for p in self.launcher_pids if (st := protocol.proc_stat(p)) is not None and st[0] in "Tt"]
+            frozen = [p for p in self.launcher_pids if (st := protocol.proc_stat(p)) is not None and st[0] in "Tt"
+                      and st[1] == self.launcher_starts.get(p)]  # the launcher, not a process that took its pid
             frozen_since = (frozen_since or time.monotonic()) if frozen else None
             if frozen_since is not None and time.monotonic() - frozen_since >= FROZEN_LAUNCHER_S:
                 log.warning("launcher(s) %s stopped (SIGSTOP, a debugger) for %.0fs: killing them and their "
                             "trainers", frozen, FROZEN_LAUNCHER_S)
-                protocol.signal_processes(frozen, signal.SIGKILL)
+                protocol.signal_processes(frozen, signal.SIGKILL, self.launcher_starts)
                 frozen_since = None
             time.sleep(0.2)
         log.warning("the trainer did not stop within %.0fs: the broker keeps its GPUs until the lease ends",

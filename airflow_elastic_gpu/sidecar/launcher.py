@@ -322,14 +322,14 @@ class Launcher:
                 if (self.proc is not None and self._stop() is not None) or self.fenced:
                     self.restarts += 1
                 self.proc = None  # stopped: not an exit to report
-                fresh = protocol.read_json(self.dir / protocol.DESIRED) or {}
-                if (self._terminated.is_set() or protocol.stop_requested(self.dir, fresh)
-                        or int(fresh.get("generation", 0)) > gen):
-                    continue  # a stop or a newer generation came during the grace period: that first
                 if (late := self._check_lease()) is not None:
                     # contact was lost during the stop (a grace period): no new trainer without a lease
                     self._mark_fenced(f"not starting generation {gen}: {late}")
                     continue
+                fresh = protocol.read_json(self.dir / protocol.DESIRED) or {}
+                if (self._terminated.is_set() or protocol.stop_requested(self.dir, fresh)
+                        or int(fresh.get("generation", 0)) > gen):
+                    continue  # a stop or a newer generation came during the grace period: that first
                 if self.fenced:
                     self._note(f"contact with the broker is back: restarting the fenced trainer "
                                f"on generation {gen}")
@@ -339,7 +339,8 @@ class Launcher:
                 try:
                     self._start(desired)
                 except (OSError, ValueError) as exc:  # also: no shebang, unbalanced quotes, a bad ELASTIC_WORKDIR
-                    code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_RUN
+                    not_found = isinstance(exc, FileNotFoundError) and exc.filename != os.environ.get("ELASTIC_WORKDIR")
+                    code = EXIT_NOT_FOUND if not_found else EXIT_CANNOT_RUN  # a missing work dir: 126
                     why = "command not found" if code == EXIT_NOT_FOUND else type(exc).__name__
                     self._note(f"the trainer could not be started ({why}): {exc}")
                     self.proc = None

@@ -46,6 +46,7 @@ class LogParser:
     _pos: int = 0
     _partial: str = ""
     _redrawn: str = ""  # the last drawing of a line redrawn with \r, until the line ends
+    behind: bool = False  # the last read stopped at READ_BYTES: more of the log is waiting
 
     def read(self, path: Path) -> list[tuple[int, float]]:
         """New ``(generation, step)`` samples appended to ``path`` since the last call (at most
@@ -58,7 +59,16 @@ class LogParser:
                 self._pos = f.tell()
         except FileNotFoundError:
             return []
+        self.behind = len(chunk) == READ_BYTES
         return self._lines(chunk.decode("utf-8", "replace"))
+
+    def read_all(self, path: Path) -> list[tuple[int, float]]:
+        """:meth:`read` until the end of ``path`` (a trainer that has exited: its last lines and
+        final metrics may lie past one read's :data:`READ_BYTES`)."""
+        out = self.read(path)
+        while self.behind:
+            out += self.read(path)
+        return out
 
     def skip(self, path: Path) -> None:
         """Take ``path`` as read (a restarted agent: its progress was reported before), learning
