@@ -5,12 +5,14 @@ during a stop; the launcher's lines never glue onto a trainer's unfinished one."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,33 @@ from airflow_elastic_gpu.sidecar.logparse import LogParser
 
 def status(shared: Path) -> dict:
     return protocol.read_json(shared / protocol.STATUS) or {}
+
+
+def checkpointing_trainer(tmp_path: Path, stop_s: float = 0.0) -> Path:
+    """A trainer that, on SIGTERM, takes ``stop_s`` to checkpoint, then appends its generation to
+    ``checkpointed`` and exits."""
+    trainer = tmp_path / "ckpt_trainer.py"
+    trainer.write_text("import os, signal, sys, time\n"
+                       "gen = os.environ['ELASTIC_GENERATION']\n"
+                       f"signal.signal(signal.SIGTERM, lambda *_: (time.sleep({stop_s}), open("
+                       f"{str(tmp_path / 'checkpointed')!r}, 'a').write(gen), sys.exit(0)))\n"
+                       "while True:\n    time.sleep(0.05)\n")
+    return trainer
+
+
+@contextlib.contextmanager
+def launcher_running(launcher: Launcher) -> Iterator[tuple[threading.Thread, list[int]]]:
+    """``launcher._run()`` in a daemon thread: the thread, and the list its exit code goes to; a
+    launcher still running at the end is stopped (SIGTERM's flag) and waited for."""
+    done: list[int] = []
+    runner = threading.Thread(target=lambda: done.append(launcher._run()), daemon=True)
+    runner.start()
+    try:
+        yield runner, done
+    finally:
+        if runner.is_alive():
+            launcher._terminated.set()
+            runner.join(30)
 
 
 @pytest.mark.parametrize("next_desired", [
@@ -169,18 +198,9 @@ def test_a_stop_survives_a_generation_the_agent_writes_after_it(tmp_path):
     its timeout, without the SIGTERM that lets it checkpoint. The stop is kept in ``stop.json``."""
     shared = tmp_path / "job"
     shared.mkdir()
-    trainer = tmp_path / "t.py"
-    trainer.write_text("import os, signal, sys, time\n"
-                       "gen = os.environ['ELASTIC_GENERATION']\n"
-                       f"signal.signal(signal.SIGTERM, lambda *_: (open({str(tmp_path / 'checkpointed')!r}, 'a')"
-                       ".write(gen), sys.exit(0)))\n"
-                       "while True:\n    time.sleep(0.05)\n")
-    launcher = Launcher(shared, f"{sys.executable} {trainer}", grace_s=5.0, poll_s=0.05)
+    launcher = Launcher(shared, f"{sys.executable} {checkpointing_trainer(tmp_path)}", grace_s=5.0, poll_s=0.05)
     protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
-    done: list[int] = []
-    runner = threading.Thread(target=lambda: done.append(launcher._run()), daemon=True)
-    runner.start()
-    try:
+    with launcher_running(launcher) as (runner, done):
         wait_for(lambda: status(shared).get("state") == protocol.RUNNING, 30, "generation 1 to run")
         stops.request_stop(shared, "the task was killed")  # the backend's stop...
         protocol.write_json(shared / protocol.DESIRED,  # ...and the agent's generation, written after it
@@ -189,24 +209,8 @@ def test_a_stop_survives_a_generation_the_agent_writes_after_it(tmp_path):
         assert done == [0] and status(shared)["state"] == protocol.STOPPED
         assert status(shared)["generation"] == 1 and launcher.restarts == 0
         assert (tmp_path / "checkpointed").read_text() == "1"  # SIGTERM'd once, on generation 1
-    finally:
-        if runner.is_alive():
-            launcher._terminated.set()
-            runner.join(30)
     stops.withdraw_stop(shared)  # a new launcher of the job (the next try) is not stopped by it
     assert not protocol.stop_requested(shared, protocol.read_json(shared / protocol.DESIRED))
-
-
-def checkpointing_trainer(tmp_path: Path, stop_s: float = 0.0) -> Path:
-    """A trainer that, on SIGTERM, takes ``stop_s`` to checkpoint, then appends its generation to
-    ``checkpointed`` and exits."""
-    trainer = tmp_path / "ckpt_trainer.py"
-    trainer.write_text("import os, signal, sys, time\n"
-                       "gen = os.environ['ELASTIC_GENERATION']\n"
-                       f"signal.signal(signal.SIGTERM, lambda *_: (time.sleep({stop_s}), open("
-                       f"{str(tmp_path / 'checkpointed')!r}, 'a').write(gen), sys.exit(0)))\n"
-                       "while True:\n    time.sleep(0.05)\n")
-    return trainer
 
 
 def test_a_stop_during_a_resize_is_not_followed_by_the_new_generations_trainer(tmp_path):
@@ -218,10 +222,7 @@ def test_a_stop_during_a_resize_is_not_followed_by_the_new_generations_trainer(t
     launcher = Launcher(shared, f"{sys.executable} {checkpointing_trainer(tmp_path, stop_s=1.0)}", grace_s=10.0,
                         poll_s=0.05)
     protocol.write_json(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
-    done: list[int] = []
-    runner = threading.Thread(target=lambda: done.append(launcher._run()), daemon=True)
-    runner.start()
-    try:
+    with launcher_running(launcher) as (runner, done):
         wait_for(lambda: status(shared).get("state") == protocol.RUNNING, 30, "generation 1 to run")
         protocol.write_json(shared / protocol.DESIRED, {"generation": 2, "gpus": [0, 1], "stop": False})
         wait_for(lambda: status(shared).get("state") == protocol.STOPPING, 30, "the resize's stop")
@@ -230,10 +231,6 @@ def test_a_stop_during_a_resize_is_not_followed_by_the_new_generations_trainer(t
         assert done == [0] and status(shared)["state"] == protocol.STOPPED
         assert (tmp_path / "checkpointed").read_text() == "1"
         assert "generation 2: starting" not in (shared / protocol.LOG).read_text()
-    finally:
-        if runner.is_alive():
-            launcher._terminated.set()
-            runner.join(30)
 
 
 def test_a_trainer_stopped_by_a_job_control_signal_still_gets_its_grace_period(tmp_path):
