@@ -175,3 +175,23 @@ def test_kube_sync_into_a_second_pool_registers_nothing_when_a_node_is_in_the_fi
         register_nodes_from_cluster(broker, api, pool="second")
     assert [n.name for n in broker.nodes()] == ["a100-1"]  # a100-0 was not registered either
     broker.engine.dispose()
+
+
+def test_a_pod_made_again_and_again_keeps_the_lease_only_for_the_start_grace_of_its_generation(lease_cluster):
+    """A pod bound to a node that no longer exists is deleted by the pod garbage collector within a
+    minute, and the next sync makes it again (its generation is not acked): each new pod was
+    "starting" for its own startup_grace_s, so the backend kept the job's lease for ever. The
+    lease is kept for the start grace of the generation, from its publication."""
+    broker, backend, api, clock = lease_cluster
+    job = submit(broker, "pinned", 4)
+    backend.start(job)
+    published_s = broker.job(job.id).published_s
+    for i in range(80):  # 800 s, past startup_grace_s (600) and the old pod's stop (120)
+        clock.advance(10)
+        if i % 4 == 3:
+            for name in list(api.pods):  # PodGC, every 40 s: the node is gone
+                del api.pods[name]
+        backend.sync(broker.job(job.id))  # Pending (kept the lease), or made again
+        broker.rebalance()
+    assert clock() - published_s > 720
+    assert broker.job(job.id).status is JobStatus.LOST  # its lease ran out: the GPUs go back

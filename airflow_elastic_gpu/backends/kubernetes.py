@@ -38,6 +38,7 @@ fake with the same methods.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 
 from airflow_elastic_gpu.backends.base import BackendError, Problem, check_env
-from airflow_elastic_gpu.backends.kubernetes_builder import PodBuilder
+from airflow_elastic_gpu.backends.kubernetes_builder import TERMINATION_GRACE_S, PodBuilder
 from airflow_elastic_gpu.backends.kubernetes_config import (  # noqa: F401 - re-exported: the backend's public names
     JOB_DIR,
     LABEL_GENERATION,
@@ -245,7 +246,7 @@ class KubernetesBackend:
             raise BackendError(f"job {job_id} spans nodes {sorted(nodes)} but is not larger than a node")
         (node,) = nodes
         current = self.state(job_id, pods)
-        if current is not None and current.starting(self.config.startup_grace_s):
+        if current is not None and current.starting(self.config.startup_grace_s) and self.may_keep_lease(job):
             # its containers have not started (scheduling, an image pull of minutes): no trainer runs
             # and no agent heartbeats yet, so the backend keeps the job's lease for the pod meanwhile
             # (for startup_grace_s at most; then problem() fails the job)
@@ -279,6 +280,18 @@ class KubernetesBackend:
             raise BackendError(f"cannot make job {job_id}'s pod {pod.metadata.name} again now (the API server is "
                                "busy or a quota is exceeded); the task's next try reattaches to the job")
         return "wait"
+
+    def may_keep_lease(self, job: JobView) -> bool:
+        """Whether the backend may still keep ``job``'s lease for a pod that has not started: for
+        ``startup_grace_s`` since its generation was published, plus the trainer's stop grace (a
+        resized job's new pod waits for the old one to be gone). A pod made again and again (one
+        bound to a node that no longer exists, deleted by the pod garbage collector within a minute)
+        is new each time: counted from its own creation, its start never ran out, and the job's
+        lease was kept for ever."""
+        if job.published_s is None:
+            return True
+        now = getattr(self.broker, "clock", time.time)()  # the broker's clock, as published_s is
+        return now - job.published_s <= self.config.startup_grace_s + TERMINATION_GRACE_S
 
     def create_pod(self, job: JobView, pod: k8s.V1Pod, *, others_run: bool = False) -> bool:
         """Create ``pod`` of ``job`` (409, it exists already: a retried call, fine); False when it

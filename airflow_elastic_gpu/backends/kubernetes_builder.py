@@ -31,6 +31,8 @@ _COPY_LAUNCHER = (
     f"[shutil.copy(os.path.join(d, f), '{SHARED}') for f in ('launcher.py', 'protocol.py')]; "
     f"os.makedirs('{JOB_DIR}', exist_ok=True)"
 )
+TERMINATION_GRACE_S = 120
+"""A pod's ``terminationGracePeriodSeconds``: the trainer's time to checkpoint when it is deleted."""
 _SIDECAR_REQUESTS = {"cpu": "50m", "memory": "128Mi"}
 _SIDECAR_LIMITS = {"cpu": "1", "memory": "256Mi"}
 """The requests and limits of the backend's own containers (the agent, the launcher's copy): a
@@ -135,7 +137,7 @@ class PodBuilder:
                     run_as_user=c.run_as_user, run_as_group=c.run_as_group, fs_group=c.run_as_group,
                     fs_group_change_policy="OnRootMismatch" if c.run_as_group is not None else None,
                     seccomp_profile=k8s.V1SeccompProfile(type="RuntimeDefault")),
-                termination_grace_period_seconds=120,
+                termination_grace_period_seconds=TERMINATION_GRACE_S,
             ),
         )
         if c.pod_template_file or c.full_pod_spec:  # Airflow's pod generator, only when it is needed

@@ -154,7 +154,8 @@ class KubernetesJobConfig:
         Kubernetes does not know is refused (the API server would drop it).
     :param startup_grace_s: seconds a pod may stay Pending (scheduling, pulling its images,
         mounting its volumes) before that fails the job (>= 0; default 600); meanwhile the backend
-        keeps the job's heartbeat lease, since its agent has not started.
+        keeps the job's heartbeat lease, since its agent has not started (counted from the
+        generation's publication, plus the old pod's termination grace).
     :param rendezvous_port: a job on several nodes (one pod per node): the TCP port of the
         rendezvous at the pod of node rank 0 (``{master_port}`` in the command; 1-65535).
     :raises BackendError: a bad setting; the message names it.

@@ -165,7 +165,7 @@ class GangPods:
         if pods is None:
             pods = b.pods(job.id)
         live = _live(pods)
-        if any(pod_state(p).starting(b.config.startup_grace_s) for p in live):
+        if any(pod_state(p).starting(b.config.startup_grace_s) for p in live) and b.may_keep_lease(job):
             b.broker.heartbeat(job.id)  # a node's pod has not started its agent yet (see KubernetesBackend._sync)
         done: list[str] = []
         deleted: list[Any] = []

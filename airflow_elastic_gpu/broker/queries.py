@@ -141,6 +141,7 @@ class Queries(Rebalancing):
                 reason=job.reason, metrics=job.metrics, progress_pattern=job.progress_pattern,
                 checkpoint_dir=job.checkpoint_dir, backend=job.backend, backend_ref=job.backend_ref,
                 preemptible=bool(job.preemptible), family=job.family, attempt=job.attempt,
+                published_s=job.published_s,
             )
             for job in jobs
         ]

@@ -243,6 +243,7 @@ class JobView:
     preemptible: bool = False
     family: str | None = None  # the training it repeats (see JobSpec.family)
     attempt: str | None = None  # the task try it belongs to (see JobSpec.attempt and GpuBroker.cancel)
+    published_s: float | None = None  # when its current target generation was published
     token: str | None = None  # the job's API bearer token: only in the reply that created it
 
     def acked(self, generation: int | None = None) -> bool:
