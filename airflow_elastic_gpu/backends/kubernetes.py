@@ -20,8 +20,8 @@ Pod layout (see ``docs/kubernetes.md``):
   launcher share files), without privilege escalation or capabilities, under the runtime's seccomp
   profile; the agent and the init container with a read-only root filesystem; no service-account
   token is mounted. The trainer's ``securityContext`` can be replaced (``trainer_security_context``);
-* the agent and the init container have small requests and equal limits (a namespace with a
-  compute ResourceQuota refuses containers without them); the trainer's are ``container_resources``.
+* the agent and the init container have small requests and limits (a namespace with a compute
+  ResourceQuota refuses containers without them); the trainer's are ``container_resources``.
 
 ``resize_mechanism="recreate"`` is the termination-based baseline: a new generation deletes the pod
 and creates a new one with the new GPU set (the pod's agent runs its own generation only, never a

@@ -26,8 +26,7 @@ before it SIGKILLs it: its trainer is then killed as a dead launcher's is."""
 
 class EndReports:
     """The end-of-job half of :class:`~airflow_elastic_gpu.sidecar.agent.Agent` (a mixin: the
-    attributes below are the agent's, and so are ``_call``, ``_status``, ``_desired`` and
-    ``_report_progress``)."""
+    attributes below are the agent's, and so are ``_call``, ``_status`` and ``_report_progress``)."""
 
     broker: BrokerTransport
     job_id: str
@@ -46,7 +45,6 @@ class EndReports:
     terminating: threading.Event
     _call: Callable[..., tuple[Outcome, Any]]
     _status: Callable[[], dict[str, Any]]
-    _desired: Callable[[], dict[str, Any]]
     _report_progress: Callable[..., Outcome | None]
     _replaced: Callable[[], bool]
 

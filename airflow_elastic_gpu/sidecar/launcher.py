@@ -326,13 +326,10 @@ class Launcher:
                     # contact was lost during the stop (a grace period): no new trainer without a lease
                     self._mark_fenced(f"not starting generation {gen}: {late}")
                     continue
-                fresh = protocol.read_json(self.dir / protocol.DESIRED) or {}
-                if (self._terminated.is_set() or protocol.stop_requested(self.dir, fresh)
-                        or int(fresh.get("generation", 0)) > gen):
+                if self._moved_on(gen):
                     continue  # a stop or a newer generation came during the grace period: that first
                 if self.fenced:
-                    self._note(f"contact with the broker is back: restarting the fenced trainer "
-                               f"on generation {gen}")
+                    self._note(f"contact with the broker is back: restarting the fenced trainer on generation {gen}")
                 self.generation = gen
                 self.fenced = False
                 self.suspended = False
@@ -343,7 +340,6 @@ class Launcher:
                     code = EXIT_NOT_FOUND if not_found else EXIT_CANNOT_RUN  # a missing work dir: 126
                     why = "command not found" if code == EXIT_NOT_FOUND else type(exc).__name__
                     self._note(f"the trainer could not be started ({why}): {exc}")
-                    self.proc = None
                     self._status(protocol.EXITED, code)
                     return code
                 self._status(protocol.RUNNING)
@@ -398,8 +394,7 @@ class Launcher:
         self._check_lease()  # the agent's latest word on the wait
         deadline = time.monotonic() + max(self.peer_wait_s, self.lease.peer_wait_s)
         while True:
-            desired = protocol.read_json(self.dir / protocol.DESIRED) or {}
-            if self._terminated.is_set() or protocol.stop_requested(self.dir, desired) or int(desired.get("generation", 0)) > self.generation:
+            if self._moved_on(self.generation):
                 if self._check_lease() is not None:
                     return False
                 self._note(f"trainer exited with code {self.proc.returncode} as the gang left generation "
@@ -408,6 +403,11 @@ class Launcher:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(self.poll_s)
+
+    def _moved_on(self, generation: int) -> bool:
+        """Told to stop (SIGTERM, ``stop.json``), or given a generation newer than ``generation``."""
+        desired = protocol.read_json(self.dir / protocol.DESIRED) or {}
+        return self._terminated.is_set() or protocol.stop_requested(self.dir, desired) or int(desired.get("generation", 0)) > generation
 
     def _suspend(self, generation: int) -> None:
         """The broker suspended the job (``generation`` has no GPUs): stop the trainer as for a
