@@ -195,3 +195,36 @@ def test_a_pod_made_again_and_again_keeps_the_lease_only_for_the_start_grace_of_
         broker.rebalance()
     assert clock() - published_s > 720
     assert broker.job(job.id).status is JobStatus.LOST  # its lease ran out: the GPUs go back
+
+
+def test_a_single_pod_job_suspended_after_its_pod_was_deleted_frees_its_gpus_and_resumes(lease_cluster):
+    """A preemptible job's pod is gone (deleted from outside, its node drained) when a short job
+    suspends it: no agent is left to ack the generation without GPUs, so the backend acks it. It
+    was never acked: the job held its four GPUs, the short job waited, and the lease ended the job
+    LOST instead of suspending it."""
+    broker, backend, api, clock = lease_cluster
+    broker.configure_pool(policy_params={**RESIZE_AT_ONCE, "suspend": True, "min_runtime_s": 0.0})
+    long = broker.submit(JobSpec("long", "python train.py", 1, 4, total_steps=100_000, backend="kubernetes",
+                                 preemptible=True))
+    backend.start(long)
+    (pod,) = api.pods
+    api.set_phase(pod, "Running")
+    broker.ack(long.id, 1)
+    api.delete_namespaced_pod(pod, "ml")
+    short = submit(broker, "short", 4)
+    suspended = broker.job(long.id)
+    assert suspended.status is JobStatus.SUSPENDED and suspended.target_gpus == ()
+    assert backend.sync(suspended) == "wait"
+    assert broker.job(long.id).in_use_gpus == () and broker.job(long.id).acked_generation == 2
+    assert len(broker.job(short.id).target_gpus) == 4
+    for _ in range(12):  # two minutes, twice the lease: a suspended job has no agent to heartbeat
+        clock.advance(10)
+        broker.heartbeat(short.id)
+        backend.sync(broker.job(long.id))
+        broker.rebalance()
+    assert broker.job(long.id).status is JobStatus.SUSPENDED
+    broker.ack(short.id, 1)
+    broker.finish(short.id)
+    resumed = broker.job(long.id)
+    assert resumed.status is JobStatus.RUNNING and len(resumed.target_gpus) == 4
+    assert backend.sync(resumed) == "create" and len(api.pods) == 1  # the new pod resumes from the checkpoint

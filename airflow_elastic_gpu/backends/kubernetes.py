@@ -239,7 +239,14 @@ class KubernetesBackend:
             return self.gang.sync(job, env=env, context=context, pods=pods)
         job_id = job.id
         target = self.broker.target(job_id)
-        if target.status.terminal or not target.gpus:
+        if target.status.terminal:
+            return "wait"
+        if not target.gpus:  # waiting for GPUs, or suspended: the pod's agent stops its trainer and acks
+            if job.acked_generation < target.generation and not (self.pods(job_id) if pods is None else pods):
+                # suspended with no pod left (deleted from outside, its node drained): no agent is
+                # left to ack, and nothing of the job runs; unacked, the job held its GPUs until its
+                # lease ended it (LOST) instead of resuming later
+                self.broker.ack(job_id, target.generation)
             return "wait"
         nodes = {g.node for g in target.gpus}
         if len(nodes) > 1:
