@@ -191,3 +191,51 @@ def test_a_triggers_poll_cancels_and_stops_an_orphan_of_its_pool(worker_env, mon
     wait_for(lambda: not backend.is_running(orphan.id) and broker.job(orphan.id).in_use_gpus == (), 60,
              "the orphan's trainer to stop and its GPU to be freed")
     assert broker.job(followed.id).status is JobStatus.RUNNING and backend.is_running(followed.id)
+
+
+def test_an_orphan_started_in_another_namespace_is_stopped_there(tmp_path):
+    """A job another task started in namespace ``team-b`` is found orphaned by a trigger whose
+    backend is set for ``ml``: its pod and token Secret are deleted in ``team-b``. They were
+    looked for in ``ml`` and left behind."""
+    import dataclasses
+
+    from test_kubernetes import FakeCoreV1, Listing, config
+
+    from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    class Namespaced(FakeCoreV1):
+        def __init__(self) -> None:
+            super().__init__()
+            self.where: list[tuple[str, str]] = []
+
+        def delete_namespaced_pod(self, name, namespace):
+            assert namespace == "team-b", namespace
+            self.where.append(("pod", namespace))
+            super().delete_namespaced_pod(name, namespace)
+
+        def delete_namespaced_secret(self, name, namespace):
+            assert namespace == "team-b", namespace
+            self.where.append(("secret", namespace))
+            super().delete_namespaced_secret(name, namespace)
+
+        def list_namespaced_pod(self, namespace, label_selector):
+            return super().list_namespaced_pod(namespace, label_selector) if namespace == "team-b" else Listing([])
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    broker.register_node("gpu-node-0", 4)
+    api = Namespaced()
+    team_b = KubernetesBackend(dataclasses.replace(config(), namespace="team-b"), broker, api)
+    job = broker.submit(JobSpec("etl.train", "python train.py", 1, 1, total_steps=100, backend="kubernetes",
+                                key="etl/train/manual__1/-1", family="etl.train", attempt="try-1"))
+    job = broker.start(job.id, team_b.start(job))
+    assert job.backend_ref.startswith("kubernetes:team-b/") and len(api.pods) == 1 and len(api.secrets) == 1
+    ml = KubernetesBackend(config(), broker, api)
+    assert ml.config.namespace == "ml"
+    check, airflow = OrphanCheck(interval_s=1), Airflow({"manual__1": {"train": "failed"}})
+    check.run(broker, ml, "default", airflow, now_s=0.0)
+    (cancelled,) = check.run(broker, ml, "default", airflow, now_s=1.0)
+    assert cancelled.id == job.id
+    wait_for(lambda: not api.pods and not api.secrets, 10, "the orphan's pod and Secret to be deleted in team-b")
+    assert ("pod", "team-b") in api.where and ("secret", "team-b") in api.where
+    broker.engine.dispose()

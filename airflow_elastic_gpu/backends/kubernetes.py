@@ -37,6 +37,7 @@ fake with the same methods.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -125,6 +126,15 @@ class KubernetesBackend:
                 self._gang_jobs[job.id] = spans or job.max_gpus > largest
         return self._gang_jobs[job.id]
 
+    def for_job(self, job: JobView) -> KubernetesBackend:
+        """This backend, or one like it in the namespace ``job`` was started in (its backend
+        reference says which) when that is another: the orphan check stops a job of another
+        task, whose pods, Service and token Secret a stop in this namespace would not find."""
+        started_in = (job.backend_ref or "").removeprefix(f"{self.name}:").partition("/")[0]
+        if not (job.backend_ref or "").startswith(f"{self.name}:") or started_in in ("", self.config.namespace):
+            return self
+        return KubernetesBackend(dataclasses.replace(self.config, namespace=started_in), self.broker, self._core_v1)
+
     @property
     def core_v1(self) -> Any:
         if self._core_v1 is None:
@@ -165,8 +175,8 @@ class KubernetesBackend:
         """
         check_env(env)
         self.check(job.command, job.checkpoint_dir)
-        started_in = (job.backend_ref or "").removeprefix(f"{self.name}:").partition("/")[0]
-        if job.backend_ref and job.backend_ref.startswith(f"{self.name}:") and started_in != self.config.namespace:
+        started_in = self.for_job(job).config.namespace
+        if started_in != self.config.namespace:
             raise BackendError(
                 f"job {job.id} was started in namespace {started_in!r} ({job.backend_ref}), not in the configured "
                 f"namespace {self.config.namespace!r}: its pods there may still run on its GPUs; set namespace "

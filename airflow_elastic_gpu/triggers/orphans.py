@@ -144,7 +144,9 @@ class OrphanCheck:
                     log.warning("job %s: %s", job.id, reason)
                     cancelled.append(ended_job)
                     if backend is not None and job.backend == backend.name:  # a stop elsewhere finds nothing
-                        in_daemon_thread(lambda job_id=job.id: _stop(backend, job_id), "elastic-gpu-orphan-stop")
+                        # where the job was started (another namespace of the cluster, for one)
+                        stopper = getattr(backend, "for_job", lambda _job: backend)(job)
+                        in_daemon_thread(lambda job_id=job.id, b=stopper: _stop(b, job_id), "elastic-gpu-orphan-stop")
             done = {j.id for j in cancelled}
             self.suspects = {job.id: job.attempt for job, _task in jobs if job.id in ended and job.id not in done}
             return cancelled
