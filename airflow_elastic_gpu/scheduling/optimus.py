@@ -39,7 +39,11 @@ class OptimusPolicy:
 
     def decide(self, cluster: ClusterState) -> Decision:
         order = sorted(cluster.jobs, key=lambda j: (-j.priority, j.submit_time_s, j.job_id))
-        frozen = {j.job_id for j in order if j.resized_within(cluster.now_s, self.min_resize_interval_s)}
+        # a job keeps an allocation the interval long, its first one too (re-planned at once, a job
+        # just started was re-created a minute later)
+        frozen = {j.job_id for j in order if j.resized_within(cluster.now_s, self.min_resize_interval_s) or (
+            j.allocation and j.last_resize_s is None and j.last_start_s is not None
+            and cluster.now_s - j.last_start_s < self.min_resize_interval_s)}
         counts: dict[str, int] = {}
         free = cluster.capacity
         for j in order:

@@ -56,15 +56,25 @@ class TiresiasPolicy:
                 j.job_id,
             ),
         )
-        free = cluster.capacity
-        counts: dict[str, int] = {}
-        for j in order:
-            counts[j.job_id] = j.request if free >= j.request else 0
-            free -= counts[j.job_id]
-        allocations = place(
-            cluster.nodes,
-            [PlacementRequest(j.job_id, counts[j.job_id], j.request, j.allocation) for j in order],
-        )
+        # In queue order, each job on its request while the GPUs last. A job counted in that cannot
+        # be placed (the free GPUs are scattered over nodes) is left out and the count made again:
+        # counted, it held GPUs that stayed idle, kept later jobs that fit from starting, and had
+        # lower-queue jobs preempted for nothing.
+        unplaceable: set[str] = set()
+        while True:
+            free = cluster.capacity
+            counts: dict[str, int] = {}
+            for j in order:
+                counts[j.job_id] = j.request if free >= j.request and j.job_id not in unplaceable else 0
+                free -= counts[j.job_id]
+            allocations = place(
+                cluster.nodes,
+                [PlacementRequest(j.job_id, counts[j.job_id], j.request, j.allocation) for j in order],
+            )
+            failed = {j.job_id for j in order if counts[j.job_id] and not allocations[j.job_id]}
+            if not failed:
+                break
+            unplaceable |= failed
         reasons: dict[str, str] = {}
         for j in order:
             new = allocations[j.job_id]

@@ -84,6 +84,7 @@ class _SimJob:
     terminating_until: float | None = None  # its pod is being deleted (re-creation) until then
     acking_until: float | None = None  # its trainer stops for an in-place restart until then, then it acks
     requeued_s: float | None = None  # its pod is gone and it waits for GPUs since then
+    pod_nodes: frozenset[str] = frozenset()  # the nodes its pods are on (kept while it is suspended)
 
     @property
     def work(self) -> float:
@@ -211,6 +212,20 @@ def simulate(
     def sample(j: _SimJob) -> None:
         sched.progress(j.sid, j.done, j.generation, now)
 
+    largest_node = max(len(n.gpu_indices) for n in nodes)
+
+    def inplace_cost(j: _SimJob, gpus: Sequence[GpuId]) -> float:
+        """Seconds an in-place resize of ``j`` to ``gpus`` costs, its stop included. A pod is not
+        moved: a job on one node whose GPUs move to another has its pod re-created there (the old
+        pod deleted first: the re-creation's whole cost), and a gang's pod on a node it had none on
+        starts there while the others restart in place (the longer of the two)."""
+        new = {g.node for g in gpus}
+        if mech != "inplace" or not j.pod_nodes or new <= j.pod_nodes:
+            return overhead
+        if j.max_gpus > largest_node:  # a gang (the backend's rule: larger than every node)
+            return max(overhead, overheads.recreate.start_s)
+        return overheads.recreate.cost_s
+
     def apply_targets() -> None:
         changed = True
         while changed:
@@ -234,19 +249,21 @@ def simulate(
                 if j.alloc and ack_s > 0:  # in place: its trainer stops on its GPUs, then it acks
                     j.generation = gen
                     j.acking_until = now + ack_s
-                    j.restart_until = max(j.restart_until, now + overhead)
+                    j.restart_until = max(j.restart_until, now + inplace_cost(j, gpus))
                     j.awaiting_first_sample = False
                     continue
                 changed = True
                 j.generation = gen
                 # a resume from zero GPUs pays the restart less the stop, paid at the suspension
-                take(j, gen, gpus, now + overhead - (0.0 if j.alloc else ack_s))
+                take(j, gen, gpus, now + max(inplace_cost(j, gpus) - (0.0 if j.alloc else ack_s), 0.0))
 
     def take(j: _SimJob, gen: int, gpus: Sequence[GpuId], restart_until: float) -> None:
         """Job ``j``'s trainer runs on generation ``gen``'s ``gpus`` from now: the ack."""
         nonlocal held
         old = j.alloc
         j.alloc = tuple(gpus)
+        if j.alloc:
+            j.pod_nodes = frozenset(g.node for g in j.alloc)
         j.speed = j.profile.speed_on(j.alloc) if j.alloc else 0.0
         held += len(j.alloc) - len(old)
         if len(j.alloc) != len(old):

@@ -1,0 +1,92 @@
+"""The simulator charges each policy what the real system would: a pod is never moved in place,
+and the peers do what their papers describe (no GPU idle behind a job that cannot be placed, no
+re-plan right after a first start)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from airflow_elastic_gpu.scheduling.optimus import OptimusPolicy
+from airflow_elastic_gpu.scheduling.state import ClusterState, Decision, GpuId, JobState, NodeState
+from airflow_elastic_gpu.scheduling.tiresias import TiresiasPolicy
+from airflow_elastic_gpu.simulator.engine import ClusterShape, RestartOverheads, simulate
+from airflow_elastic_gpu.simulator.profiles import Profile, ProfileSet
+from airflow_elastic_gpu.simulator.trace import TraceJob
+
+
+def gpus(node: str, *indices: int) -> tuple[GpuId, ...]:
+    return tuple(GpuId(node, i) for i in indices)
+
+
+@dataclass(frozen=True)
+class Scripted:
+    """A policy that puts the one job on ``before`` until ``at_s``, then on ``after``."""
+
+    before: tuple[GpuId, ...]
+    after: tuple[GpuId, ...]
+    at_s: float = 1000.0
+    name: str = "scripted"
+    elastic: bool = True
+    preemptive: bool = False
+    resize_mechanism: str = "inplace"
+
+    def decide(self, cluster: ClusterState) -> Decision:
+        (job,) = cluster.jobs
+        return Decision({job.job_id: self.before if cluster.now_s < self.at_s else self.after})
+
+
+OVERHEADS = RestartOverheads(inplace_s=5.0, recreate_s=100.0, inplace_stop_s=1.0)
+
+
+def lost_s(policy: Scripted, max_gpus: int) -> float:
+    profile = Profile("m", "test", "virtual", tuple((n, 100.0 * n) for n in range(1, max_gpus + 1)))
+    (job,) = simulate([TraceJob("j", 0, 1, 50_000, "m")], ClusterShape(2, 4), policy, overheads=OVERHEADS,
+                      profiles=ProfileSet("test", "virtual", {"m": profile})).jobs
+    assert job.resizes == 1
+    return job.restart_lost_s
+
+
+def test_an_in_place_resize_on_the_jobs_node_costs_the_in_place_restart():
+    assert lost_s(Scripted(gpus("node-0", 0, 1), gpus("node-0", 0)), max_gpus=4) == pytest.approx(5.0)
+
+
+def test_a_single_pod_job_moved_to_another_node_pays_its_pods_re_creation():
+    """Its pod is deleted and made on the new node (the Kubernetes backend, in either mode): the
+    re-creation's whole cost, not the in-place restart's (charged before: 5 s for 100 s)."""
+    assert lost_s(Scripted(gpus("node-0", 0, 1), gpus("node-1", 0, 1)), max_gpus=4) == pytest.approx(100.0)
+
+
+def test_a_gang_growing_onto_a_new_node_waits_for_the_new_pods_start():
+    """A gang (larger than a node) keeps its pod in place and starts one on the new node: the
+    longer of the in-place restart and the new pod's start (the re-creation less the old pod's stop)."""
+    start_s = OVERHEADS.recreate.start_s
+    assert start_s > 5.0
+    grown = Scripted(gpus("node-0", 0, 1, 2, 3), gpus("node-0", 0, 1, 2, 3) + gpus("node-1", 0, 1, 2, 3))
+    assert lost_s(grown, max_gpus=8) == pytest.approx(start_s)
+    shrunk = Scripted(gpus("node-0", 0, 1, 2, 3) + gpus("node-1", 0), gpus("node-0", 0, 1, 2, 3))
+    assert lost_s(shrunk, max_gpus=8) == pytest.approx(5.0)  # no new pod
+
+
+def test_tiresias_leaves_no_gpu_idle_behind_a_job_that_cannot_be_placed():
+    """Two jobs of 3 GPUs hold one node each; a waiting 2-GPU job fits in the free count (2) but on
+    no one node, a 1-GPU job after it fits: it starts. The 2-GPU job's count was kept for it, and
+    both free GPUs stayed idle."""
+    nodes = (NodeState("n0", (0, 1, 2, 3)), NodeState("n1", (0, 1, 2, 3)))
+    jobs = (JobState("a", 3, 3, 100, requested_gpus=3, allocation=gpus("n0", 0, 1, 2), first_start_s=0.0),
+            JobState("b", 3, 3, 100, requested_gpus=3, allocation=gpus("n1", 0, 1, 2), first_start_s=1.0,
+                     submit_time_s=1.0),
+            JobState("c", 2, 2, 100, requested_gpus=2, submit_time_s=2.0),
+            JobState("d", 1, 1, 100, requested_gpus=1, submit_time_s=3.0))
+    decision = TiresiasPolicy().decide(ClusterState(nodes, jobs, 10.0))
+    assert decision.counts() == {"a": 3, "b": 3, "c": 0, "d": 1}
+
+
+def test_optimus_keeps_a_jobs_first_allocation_its_re_plan_interval():
+    """A job started 60 s ago is not re-planned before the interval (600 s) has passed, as a resized
+    one is not: it was re-created a minute after its start when a GPU came free."""
+    nodes = (NodeState("n0", (0, 1, 2, 3)),)
+    started = JobState("a", 1, 4, 10_000, allocation=gpus("n0", 0), first_start_s=0.0, last_start_s=0.0)
+    assert OptimusPolicy().decide(ClusterState(nodes, (started,), 60.0)).counts() == {"a": 1}
+    assert OptimusPolicy().decide(ClusterState(nodes, (started,), 600.0)).counts() == {"a": 4}
