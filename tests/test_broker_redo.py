@@ -95,6 +95,48 @@ def test_a_step_reported_again_later_is_not_a_sample(pool, clock):
     assert pool.job(job.id).throughput == ((4, pytest.approx(10.0)),)
 
 
+
+def test_progress_of_a_generation_replaced_before_its_ack_is_no_throughput_sample(pool, clock):
+    """A runs on 4 GPUs; a priority job shrinks it to 2 (generation 2, run but not acked) and is
+    cancelled before it ran, so A grows back (generation 3). Generation 2's last log lines, sent
+    in the poll that saw generation 3, ran on 2 GPUs: they were counted on the in-use set's 4, and
+    the model learnt that 4 GPUs give no speed-up over 2."""
+    a = pool.submit(spec("a", min_gpus=1, max_gpus=4))
+    pool.ack(a.id, 1)
+    clock.advance(10)
+    c = pool.submit(spec("c", min_gpus=2, max_gpus=2, priority=10))
+    assert (pool.target(a.id).generation, len(pool.target(a.id).gpus)) == (2, 2)
+    clock.advance(1)
+    pool.progress(a.id, 100, generation=2)
+    clock.advance(1)
+    pool.progress(a.id, 200, generation=2)
+    assert pool.job(a.id).throughput == ((2, pytest.approx(100.0)),)
+    pool.cancel(c.id)
+    pool.fail(c.id, "its trainer never started")
+    pool.rebalance()
+    job = pool.job(a.id)
+    assert (job.target_generation, len(job.target_gpus), job.acked_generation, len(job.in_use_gpus)) == (3, 4, 1, 4)
+    clock.advance(1)
+    pool.progress(a.id, 300, generation=2)  # generation 2's last lines, on 2 GPUs
+    assert pool.job(a.id).throughput == ((2, pytest.approx(100.0)),)  # no 4-GPU sample of 100 steps/s
+    assert pool.job(a.id).steps_done == 300
+    assert pool.samples(a.id)[-1][2:] == (0, 2)  # stored without a GPU count
+
+
+def test_an_ended_jobs_gpu_time_stops_at_its_end_while_it_holds_its_gpus(pool, clock):
+    """A cancelled job holds its GPUs until its trainer has stopped; the GPU time it reports (the
+    operator's XCom) stops at its end, as the count made at its release does. It grew by 4 GPU-s
+    a second until the release, then fell back."""
+    job = pool.submit(spec("a", min_gpus=4, max_gpus=4))
+    pool.ack(job.id, 1)
+    clock.advance(10)
+    assert pool.cancel(job.id, "a user's").gpu_seconds == pytest.approx(40.0)
+    clock.advance(50)
+    held = pool.job(job.id)
+    assert len(held.in_use_gpus) == 4 and held.gpu_seconds == pytest.approx(40.0)
+    pool.fail(job.id, "its trainer stopped")
+    assert pool.job(job.id).gpu_seconds == pytest.approx(40.0)
+
 @pytest.mark.postgres
 def test_a_pool_created_by_two_processes_at_once_is_created_once_and_both_calls_succeed(postgres_url, clock):
     """Two hosts register their nodes in a pool that does not exist yet, at the same moment: the

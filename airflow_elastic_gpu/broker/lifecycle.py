@@ -386,10 +386,11 @@ class Lifecycle(Endings):
                 if (job.prev_time_s, job.prev_step) == (now, step):
                     return  # redone after its commit went through (the connection lost at COMMIT)
                 latest = gen == job.target_generation
-                num_gpus = job.num_target if latest else job.num_in_use
+                # a generation replaced before its ack ran on neither set: no GPU count, no sample
+                num_gpus = job.num_target if latest else job.num_in_use if gen == job.acked_generation else 0
                 book = book_of(job)
                 if not record_progress(book, generation=gen, step=step, now_s=now, num_gpus=num_gpus,
-                                       gpu_type=job.target_type if latest else job.in_use_type,
+                                       gpu_type=None if not num_gpus else job.target_type if latest else job.in_use_type,
                                        previous=None if job.prev_time_s is None else (job.prev_time_s, job.prev_step)):
                     return
                 update_job(conn, job_id, **book_changes(job, book), last_heartbeat_s=self.clock())

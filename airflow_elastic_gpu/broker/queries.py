@@ -134,7 +134,10 @@ class Queries(Rebalancing):
                 steps_done=job.steps_done, target_generation=job.target_generation,
                 acked_generation=job.acked_generation, target_gpus=targets.get(job.id, ()),
                 in_use_gpus=in_use.get(job.id, ()), num_resizes=job.num_resizes,
-                gpu_seconds=attained_gpu_s(job.gpu_seconds, len(in_use.get(job.id, ())), job.in_use_since_s, now),
+                # an ended job's GPU time stops at its end (the count of its release), though it may
+                # hold its GPUs until its trainer has stopped
+                gpu_seconds=attained_gpu_s(job.gpu_seconds, len(in_use.get(job.id, ())), job.in_use_since_s,
+                                           now if job.end_s is None else min(now, job.end_s)),
                 restart_overhead_s=job.restart_overhead_s,
                 throughput=throughput_of(job).observed, submit_s=job.submit_s, start_s=job.start_s,
                 end_s=job.end_s, last_heartbeat_s=job.last_heartbeat_s, exit_code=job.exit_code,

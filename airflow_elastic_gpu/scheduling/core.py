@@ -121,13 +121,16 @@ class JobBook:
         return attained_gpu_s(self.gpu_seconds, len(self.in_use), self.in_use_since_s, now_s)
 
     def num_gpus_of(self, generation: int) -> int:
-        """GPUs the trainer of ``generation`` runs on: the target's if it is the latest, else the
-        acked in-use set (a sample of an older generation arriving late)."""
+        """GPUs the trainer of ``generation`` runs on: the target's if it is the latest, the acked
+        in-use set's if it is the acked one (a sample arriving late), else 0: a generation
+        published and run, then replaced before its ack, ran on neither set (its count is not kept)."""
         return len(self.gpus_of(generation))
 
     def gpus_of(self, generation: int) -> tuple[GpuId, ...]:
-        """The GPUs of :meth:`num_gpus_of`: the target's for the latest generation, else the in-use set."""
-        return self.target if generation == self.target_generation else self.in_use
+        """The GPUs of :meth:`num_gpus_of` (empty when not known)."""
+        if generation == self.target_generation:
+            return self.target
+        return self.in_use if generation == self.acked_generation else ()
 
     def job_state(self, now_s: float, default_restart_overhead_s: float,
                   throughput: ThroughputModel | None = None,
