@@ -186,3 +186,81 @@ def test_two_old_runs_of_one_name_known_only_from_the_timeline_are_told_apart(
     wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
     timeline = chrome.execute_script("return document.getElementById('timeline').textContent")
     assert all(f"nightly · {job_id[:8]}" in timeline for job_id in old), timeline[:500]
+
+
+@pytest.fixture
+def serve():
+    """``serve(broker, **create_app_kwargs)``: the broker's API on a free port, stopped at the end."""
+    import threading
+
+    import uvicorn
+    from test_api import free_port
+
+    from airflow_elastic_gpu.broker.api import create_app
+
+    servers = []
+
+    def start(b, **kw) -> str:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(b, **kw), host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        wait_for(lambda: server.started, 20, "API server to start")
+        servers.append(server)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.should_exit = True
+
+
+def test_the_ui_token_goes_to_the_api_as_a_header_not_in_its_urls(broker, serve, chrome):  # noqa: F811
+    """A page opened with ``?token=``: each API call (every 2 s) sends the token as a header, never
+    in a URL that a proxy in front of the server would log."""
+    url = serve(broker, ui_token="s3cret-token")
+    assert httpx.get(f"{url}/api/v1/pools").status_code == 401
+    chrome.get(f"{url}/ui?pool=default&token=s3cret-token")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    requested = chrome.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    calls = [r for r in requested if "/api/v1/" in r]
+    assert any("/snapshot" in r for r in calls) and not any("s3cret" in r for r in calls), calls
+    assert not chrome.execute_script("return document.getElementById('updated').textContent").startswith("could not")
+    assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]
+
+
+def test_a_broker_without_pools_says_how_to_add_gpus(tmp_path, serve, chrome):
+    """A new broker has no pool: the page says what to do, not "could not load: ... HTTP 404"."""
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    empty = GpuBroker(f"sqlite:///{tmp_path / 'empty.db'}")
+    try:
+        chrome.get(f"{serve(empty)}/ui")
+        wait_for(lambda: "no GPU pool yet" in chrome.execute_script(
+            "return document.getElementById('updated').textContent"), 30, "the page's message")
+        assert "nodes add" in chrome.execute_script("return document.getElementById('updated').textContent")
+    finally:
+        empty.engine.dispose()
+
+
+def test_jobs_named_like_a_date_or_a_number_each_keep_their_timeline_row(broker, api_server, chrome):  # noqa: F811
+    """Plotly guesses an axis' type from its first values: a job named ``2026-11-28`` (a ``{{ ds }}``
+    name) made the rows a date axis, and every other job's row vanished."""
+    for name in ("2026-11-28", "42", "train"):
+        broker.ack(broker.submit(JobSpec(name, "train", 1, 1, total_steps=100)).id, 1)
+    chrome.get(f"{api_server}/ui?pool=default")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    assert chrome.execute_script("return document.getElementById('timeline').layout.yaxis.type") == "category"
+    rows = chrome.execute_script("return [...document.querySelectorAll('#timeline .ytick')].map(t => t.textContent)")
+    assert {"2026-11-28", "42", "train"} <= set(rows), rows
+
+
+def test_a_broker_out_of_reach_is_said_with_the_time_of_the_data_shown(broker, api_server, chrome):  # noqa: F811
+    """The API stops answering after the page has shown data: the page says it could not load and
+    since when its data is, instead of showing old data as current."""
+    chrome.get(f"{api_server}/ui?pool=default")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    chrome.execute_cdp_cmd("Network.enable", {})
+    chrome.execute_cdp_cmd("Network.emulateNetworkConditions", {
+        "offline": True, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1})
+    status = lambda: chrome.execute_script("return document.getElementById('updated').textContent")  # noqa: E731
+    wait_for(lambda: status().startswith("could not load"), 30, "the page to notice")
+    assert "the data shown is from " in status(), status()

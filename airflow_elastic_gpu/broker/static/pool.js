@@ -1,5 +1,5 @@
-// The GPU pool page: polls the broker's read-only API every 2 s and draws the GPU grid, the jobs, the
-// events and the allocation timeline (plotly.js).
+// The GPU pool page: polls the broker's read-only API (2 s after the last answer, each request cut
+// after 10 s) and draws the GPU grid, the jobs, the events and the allocation timeline (plotly.js).
 //
 // Every value from the API is untrusted: job names, reasons, metrics and event messages come from
 // DAG authors, trainers and agents. Values go into the page as text only (textContent and Text
@@ -10,7 +10,11 @@
 
 const params = new URLSearchParams(location.search);
 const focusJob = params.get("job");
+// the read-only views' token, if the page was opened with ?token= (the page itself needs it): sent
+// with each API call as a header, never in the URL of a call a proxy would log every 2 s
 const token = params.get("token");
+const POLL_MS = 2000;
+const TIMEOUT_MS = 10000;
 const palette = ["#3e7bfa", "#f0b429", "#3ebd93", "#e12d39", "#9446ed", "#f7c948", "#2bb0ed", "#ef4e7b",
                  "#8eedc7", "#fa8b3e"];
 const colourOf = new Map();
@@ -46,8 +50,14 @@ function el(tag, className, ...children) {
 
 async function get(path) {
   const url = new URL(path, location.href);  // relative to the page: works under Airflow's /elastic-gpu
-  if (token) url.searchParams.set("token", token);
-  const r = await fetch(url, { credentials: "same-origin" });
+  const headers = token ? { Authorization: `Bearer ${token}` } : {};
+  let r;
+  try {
+    r = await fetch(url, { credentials: "same-origin", headers, signal: AbortSignal.timeout(TIMEOUT_MS) });
+  } catch (err) {
+    throw new Error(err && err.name === "TimeoutError"
+      ? `${url.pathname}: no answer in ${TIMEOUT_MS / 1000} s` : `${url.pathname}: ${text(err && err.message)}`);
+  }
   if (!r.ok) throw new Error(`${url.pathname}: HTTP ${r.status}`);
   return r.json();
 }
@@ -157,7 +167,8 @@ function renderTimeline(tl, names) {
   });
   Plotly.react("timeline", traces, {
     barmode: "overlay", showlegend: false, margin: { l: 120, r: 20, t: 10, b: 40 },
-    xaxis: { type: "date" }, yaxis: { automargin: true },
+    // rows are job names: a category axis, whatever they look like ("2026-11-28", "42")
+    xaxis: { type: "date" }, yaxis: { type: "category", automargin: true },
   }, { displayModeBar: false, responsive: true });
 }
 
@@ -173,14 +184,26 @@ function renderPools(pools) {
   }));
 }
 
+let latest = 0;  // the newest refresh: an older one's answer (another pool's, slower) is dropped
+let lastData = null;  // when the page last showed data
+
 async function refresh() {
   const status = document.getElementById("updated");
+  const seq = ++latest;
   try {
     const pools = list(await get("api/v1/pools")).map(text);
-    if (!pools.includes(pool) && pools.length) pool = pools[0];
+    if (seq !== latest) return;
+    if (!pools.length) {
+      status.textContent = "no GPU pool yet: register this host's GPUs with `airflow-elastic-gpu nodes add` "
+        + "(or submit a training task); this page shows them as soon as there are some";
+      return;
+    }
+    if (!pools.includes(pool)) pool = pools[0];
     renderPools(pools);
-    const where = `api/v1/pools/${encodeURIComponent(pool)}`;
+    const shown = pool;
+    const where = `api/v1/pools/${encodeURIComponent(shown)}`;
     const [snap, tl] = await Promise.all([get(`${where}/snapshot?events=100`), get(`${where}/timeline`)]);
+    if (seq !== latest) return;
     const jobs = list(snap.jobs);
     // a job's label: its name, with the start of its id where jobs share a name (two runs of one
     // task), so that the grid, the events and the timeline's rows tell them apart; a timeline bar
@@ -195,15 +218,25 @@ async function refresh() {
     renderJobs(snap);
     renderEvents(snap, names);
     renderTimeline(tl, names);
-    status.textContent = `pool ${pool}: ${jobs.filter(j => j.status === "running").length} running, `
+    lastData = new Date();
+    status.textContent = `pool ${shown}: ${jobs.filter(j => j.status === "running").length} running, `
       + `${jobs.filter(j => j.status === "suspended").length} suspended, `
-      + `${jobs.filter(j => j.status === "queued").length} queued; updated ${new Date().toLocaleTimeString()}`;
+      + `${jobs.filter(j => j.status === "queued").length} queued; updated ${lastData.toLocaleTimeString()}`;
     document.body.dataset.ready = "1";
   } catch (err) {
-    status.textContent = "could not load: " + text(err && err.message);
+    if (seq !== latest) return;
+    // what is shown is old: say so, and since when
+    status.textContent = "could not load: " + text(err && err.message)
+      + (lastData ? `; the data shown is from ${lastData.toLocaleTimeString()}` : "");
   }
 }
 
+// one refresh at a time: the next starts 2 s after the last one ended (a slow broker is not sent a
+// new request every 2 s while the old ones wait)
+async function poll() {
+  await refresh();
+  setTimeout(poll, POLL_MS);
+}
+
 document.getElementById("pool").addEventListener("change", e => { pool = e.target.value; refresh(); });
-refresh();
-setInterval(refresh, 2000);
+poll();
