@@ -5,8 +5,13 @@
   part the job's own token. The same limits (``$AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES``, ...) and
   page headers (Content-Security-Policy, framed by Airflow's own origin only) as stand-alone; no
   Swagger page of its own (``/elastic-gpu/openapi.json`` is served).
-* ``external_views``: "GPU pool" in the navigation (Browse menu), the live page at ``/elastic-gpu/ui``.
+* ``external_views``: "GPU pool" in the navigation (Browse menu), the live page at ``/elastic-gpu/ui``;
+  and "GPU job", a tab of every task instance: the page, finding the job the task instance submitted
+  (while it trains too: a ``start_from_trigger`` task pushes its "GPU job" link only when it
+  resumes in a worker, after the training). A task that submitted none says so.
 * ``operator_extra_links``: "GPU job" on each training task instance.
+
+The hrefs are relative to Airflow's base URL (an Airflow served under a sub-path finds them).
 
 Registered through the ``airflow.plugins`` entry point, so installing the package is enough.
 """
@@ -49,9 +54,17 @@ class ElasticGpuPlugin(AirflowPlugin):
     fastapi_apps = [{"app": _app(), "url_prefix": UI_PREFIX, "name": "Elastic GPU broker"}]
     external_views = [{
         "name": "GPU pool",
-        "href": f"{UI_PREFIX}/ui",
+        "href": f"{UI_PREFIX.lstrip('/')}/ui",
         "destination": "nav",
         "category": "browse",
         "url_route": "elastic-gpu",
+    }, {
+        "name": "GPU job",
+        # Airflow's UI fills the placeholders in (an unmapped task's map index may stay a placeholder:
+        # the page reads it as -1)
+        "href": f"{UI_PREFIX.lstrip('/')}/ui?dag_id={{DAG_ID}}&run_id={{RUN_ID}}&task_id={{TASK_ID}}"
+                "&map_index={MAP_INDEX}",
+        "destination": "task_instance",
+        "url_route": "elastic-gpu-job",
     }]
     operator_extra_links = [ElasticJobLink()]

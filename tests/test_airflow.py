@@ -176,7 +176,7 @@ def test_dag_with_a_training_and_a_mapped_training_over_three_configs_succeeds(a
                                 "WHERE dag_id = 'elastic_test' AND key = '_link_ElasticJobLink'").fetchall())
     by_name = {"single:-1": "single", **{f"mapped:{i}": f"mapped[{i}]" for i in range(3)}}
     assert {k: json.loads(v) for k, v in links.items()} == {
-        k: f"/elastic-gpu/ui?pool=default&job={next(j.id for j in jobs if j.name == name)}"
+        k: f"elastic-gpu/ui?pool=default&job={next(j.id for j in jobs if j.name == name)}"
         for k, name in by_name.items()}
 
 
@@ -257,13 +257,28 @@ def test_plugin_serves_the_api_and_the_page_inside_airflow(airflow_env):
     assert "ElasticJobLink" in json.dumps(ours)
 
 
+def test_plugin_views_are_airflows_own_and_a_task_instance_tab_finds_its_job():
+    """Both views pass Airflow's own model of an external view; "GPU job" is a tab of a task
+    instance whose placeholders the UI fills in, and every href is relative to Airflow's base URL
+    (an absolute ``/elastic-gpu`` missed an Airflow served under a sub-path)."""
+    from airflow.api_fastapi.core_api.datamodels.plugins import ExternalViewResponse
+
+    from airflow_elastic_gpu.plugins import ElasticGpuPlugin
+
+    views = {v["name"]: ExternalViewResponse.model_validate(v) for v in ElasticGpuPlugin.external_views}
+    assert views["GPU pool"].destination == "nav" and views["GPU pool"].href == "elastic-gpu/ui"
+    tab = views["GPU job"]
+    assert tab.destination == "task_instance"
+    assert tab.href == ("elastic-gpu/ui?dag_id={DAG_ID}&run_id={RUN_ID}&task_id={TASK_ID}&map_index={MAP_INDEX}")
+
+
 def test_extra_link_points_at_the_job_on_the_pool_page(monkeypatch):
     from airflow_elastic_gpu.links import job as link_module
 
     xcom = {"job_id": "job-123", "gpu_pool": "a100"}
     monkeypatch.setattr(link_module.XCom, "get_value", staticmethod(lambda ti_key, key: xcom.get(key)))
     op = ElasticTrainingOperator(task_id="t", command="python train.py", total_steps=10)
-    assert link_module.ElasticJobLink().get_link(op, ti_key=None) == "/elastic-gpu/ui?pool=a100&job=job-123"
+    assert link_module.ElasticJobLink().get_link(op, ti_key=None) == "elastic-gpu/ui?pool=a100&job=job-123"
     assert any(isinstance(l, link_module.ElasticJobLink) for l in op.operator_extra_links)
 
 

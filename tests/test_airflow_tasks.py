@@ -254,7 +254,7 @@ def test_a_non_deferrable_task_fails_with_the_reason_when_the_jobs_processes_are
     job_id = wait_for(lambda: ti.xcom.get("job_id"), 30, "the job to be submitted")
     wait_for(lambda: broker.job(job_id).steps_done >= 3, 60, "the job to make progress")
     # the "GPU job" button works while the task waits (Airflow pushes a link itself only at a run's end)
-    assert ti.xcom["_link_ElasticJobLink"] == f"/elastic-gpu/ui?pool=default&job={job_id}"
+    assert ti.xcom["_link_ElasticJobLink"] == f"elastic-gpu/ui?pool=default&job={job_id}"
     handle = backend.handle(job_id)
     trainer_pid = protocol.read_json(handle.job_dir / protocol.STATUS)["pid"]
     for pid in (handle.agent_pid, handle.launcher_pid, trainer_pid):  # what a host's OOM killer might do
@@ -327,7 +327,7 @@ def test_started_from_the_triggerer_the_trigger_submits_the_job_and_a_restarted_
     ti = _FakeTI()
     result = op.execute_complete({"ti": ti}, event.payload)
     assert result["final_step"] == 30 and ti.xcom == {"job_id": job_id, "gpu_pool": "default",
-                                                 "_link_ElasticJobLink": f"/elastic-gpu/ui?pool=default&job={job_id}"}
+                                                 "_link_ElasticJobLink": f"elastic-gpu/ui?pool=default&job={job_id}"}
 
 
 def test_a_trigger_made_again_after_its_job_ended_fires_that_end_and_a_retry_trains_anew(worker_env):

@@ -221,3 +221,26 @@ def test_broker_serve_reads_the_ui_token_through_airflows_conf(tmp_path, monkeyp
     c = TestClient(served[0])
     assert c.get("/api/v1/pools").status_code == 401
     assert c.get("/api/v1/pools", headers=auth("t0ken-from-cmd")).status_code == 200
+
+
+def test_the_job_of_a_task_instance_is_found_by_its_ids(client, broker):
+    """``/jobs/by-task``: the job an Airflow task instance submitted (the operator's key), its retry's
+    when a try replaced it; a task that submitted none is a 404 that names it; ids are checked."""
+    from airflow_elastic_gpu.broker.types import task_key
+
+    mapped = broker.submit(JobSpec("train", "train", 1, 1, total_steps=10, key=task_key("etl", "train", "r1", 3)))
+    plain = broker.submit(JobSpec("eval", "eval", 1, 1, total_steps=10, key=task_key("etl", "eval", "r1", -1)))
+    r = client.get("/api/v1/jobs/by-task", params={"dag_id": "etl", "task_id": "train", "run_id": "r1", "map_index": 3})
+    assert r.status_code == 200 and r.json()["id"] == mapped.id
+    r = client.get("/api/v1/jobs/by-task", params={"dag_id": "etl", "task_id": "eval", "run_id": "r1"})
+    assert r.status_code == 200 and r.json()["id"] == plain.id
+    r = client.get("/api/v1/jobs/by-task", params={"dag_id": "etl", "task_id": "train", "run_id": "r1"})
+    assert r.status_code == 404 and "etl.train (run r1) has submitted no GPU job" in r.text
+    long_id = "x" * 250  # Airflow's longest ids: the key is cut and hashed as the operator cuts it
+    cut = broker.submit(JobSpec("long", "t", 1, 1, total_steps=10, key=task_key(long_id, long_id, long_id, 0)))
+    r = client.get("/api/v1/jobs/by-task", params={"dag_id": long_id, "task_id": long_id, "run_id": long_id,
+                                                   "map_index": 0})
+    assert r.status_code == 200 and r.json()["id"] == cut.id
+    for bad in ({"dag_id": "", "task_id": "t", "run_id": "r"}, {"dag_id": "d", "task_id": "t", "run_id": "r" * 251},
+                {"dag_id": "d", "task_id": "t", "run_id": "r", "map_index": -2}, {"dag_id": "d", "task_id": "t"}):
+        assert client.get("/api/v1/jobs/by-task", params=bad).status_code == 422, bad

@@ -261,6 +261,40 @@ def test_a_broker_out_of_reach_is_said_with_the_time_of_the_data_shown(broker, a
     chrome.execute_cdp_cmd("Network.enable", {})
     chrome.execute_cdp_cmd("Network.emulateNetworkConditions", {
         "offline": True, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1})
-    status = lambda: chrome.execute_script("return document.getElementById('updated').textContent")  # noqa: E731
+    def status() -> str:
+        return chrome.execute_script("return document.getElementById('updated').textContent")
+
     wait_for(lambda: status().startswith("could not load"), 30, "the page to notice")
     assert "the data shown is from " in status(), status()
+
+
+def test_a_task_instances_tab_shows_the_job_it_submitted_or_says_it_has_none(broker, clock, api_server,  # noqa: F811
+                                                                              chrome):
+    """Airflow's "GPU job" tab opens the page with the task instance's ids (an unmapped task's map
+    index as the UI's placeholder): the task's job is highlighted, in its own pool, while it trains
+    (the extra link of a ``start_from_trigger`` task comes only after); a task without a job, and a
+    linked job older than the jobs listed, are said so."""
+    from airflow_elastic_gpu.broker.types import task_key
+
+    job = broker.submit(JobSpec("train", "train", 1, 1, total_steps=100, key=task_key("etl", "train", "r1", -1)))
+    broker.ack(job.id, 1)
+    other = broker.submit(JobSpec("other", "train", 1, 1, total_steps=100))
+    broker.ack(other.id, 1)
+    chrome.get(f"{api_server}/ui?dag_id=etl&run_id=r1&task_id=train&map_index=%7BMAP_INDEX%7D")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    wait_for(lambda: chrome.execute_script("return [...document.querySelectorAll('#jobs tr.focus')]"
+                                           ".map(r => r.dataset.job)") == [job.id], 30, "the task's job highlighted")
+    chrome.get(f"{api_server}/ui?dag_id=etl&run_id=r1&task_id=report")
+    def status() -> str:
+        return chrome.execute_script("return document.getElementById('updated').textContent")
+
+    wait_for(lambda: status().startswith("this task has submitted no GPU job"), 30, "the page to say so")
+    assert chrome.execute_script("return document.querySelectorAll('#jobs tr.focus').length") == 0
+    broker.finish(other.id)
+    clock.advance(10)
+    for i in range(101):  # the snapshot lists the latest 100 ended jobs
+        broker.finish(broker.submit(JobSpec(f"later-{i}", "t", 1, 1, total_steps=1)).id)
+    chrome.get(f"{api_server}/ui?job={other.id}")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    assert status().startswith(f"job other ({other.id[:8]}) ended succeeded"), status()
+    assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]

@@ -66,7 +66,7 @@ from airflow_elastic_gpu.broker.api_models import (
     timeline,
 )
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.broker.types import DEFAULT_POOL, InvalidRequest, NotFound
+from airflow_elastic_gpu.broker.types import DEFAULT_POOL, InvalidRequest, NotFound, task_key
 from airflow_elastic_gpu.config import ENV_UI_TOKEN, get_option
 
 API_PREFIX = "/api/v1"
@@ -263,6 +263,19 @@ def create_app(
     @ui.get("/jobs", response_model=list[JobOut])
     def jobs(b: BrokerDep, pool: str | None = None, active: bool = False) -> list[JobOut]:
         return [job_out(j) for j in b.jobs(pool, active_only=active)]
+
+    airflow_id = Annotated[str, Query(min_length=1, max_length=250)]
+
+    @ui.get("/jobs/by-task", response_model=JobOut)
+    def job_of_task(b: BrokerDep, dag_id: airflow_id, task_id: airflow_id, run_id: airflow_id,
+                    map_index: Annotated[int, Query(ge=-1, le=MAX_ID)] = -1) -> JobOut:
+        """The job an Airflow task instance submitted (its latest: a retry's job when a try
+        replaced the one before); 404 when it has submitted none."""
+        job = b.job_by_key(task_key(dag_id, task_id, run_id, map_index))
+        if job is None:
+            where = f"{dag_id}.{task_id} (run {run_id}" + ("" if map_index < 0 else f", map index {map_index}") + ")"
+            raise NotFound(f"task {where} has submitted no GPU job (yet)")
+        return job_out(job)
 
     @ui.get("/jobs/{job_id}", response_model=JobOut)
     def job(job_id: str, b: BrokerDep) -> JobOut:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Mapping
@@ -42,6 +43,18 @@ def task_family(dag_id: str, task_id: str) -> str:
     """The family of an Airflow task's jobs: ``dag_id.task_id`` (every run and every map index of the
     task trains the same model), cut to the 256 characters a family may have."""
     return f"{dag_id}.{task_id}"[:MAX_NAME_CHARS]
+
+
+def task_key(dag_id: str, task_id: str, run_id: str, map_index: int) -> str:
+    """The job key of an Airflow task instance (``JobSpec.key``, one job per task instance):
+    ``dag_id/task_id/run_id/map_index``. Ids of Airflow's longest (250 characters each) would pass
+    :data:`MAX_KEY_CHARS`, or leave no room for the ``@<job id>`` of a replaced job's record: such a
+    key is cut and ends with a hash of the whole (``#`` and 16 hex digits)."""
+    key = f"{dag_id}/{task_id}/{run_id}/{int(map_index)}"
+    room = MAX_KEY_CHARS - 37  # "@" and a job id (a uuid, 36 characters)
+    if len(key) <= room:
+        return key
+    return f"{key[:room - 17]}#{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def check_text(name: str, value: Any, max_chars: int, *, empty_ok: bool = False) -> None:

@@ -11,7 +11,9 @@ UI_PREFIX = "/elastic-gpu"
 
 
 class ElasticJobLink(BaseOperatorLink):
-    """"GPU job": opens ``/elastic-gpu/ui?pool=POOL&job=JOB_ID`` (the job is highlighted there).
+    """"GPU job": opens ``elastic-gpu/ui?pool=POOL&job=JOB_ID`` (the job is highlighted there),
+    relative to Airflow's base URL (the UI's ``<base href>``: an Airflow served under a sub-path
+    finds it as well).
 
     Airflow 3's API server does not call :meth:`get_link`: it reads the whole link from the task's
     XCom :attr:`xcom_key` (``_link_ElasticJobLink``), which :meth:`persist` pushes when the job is
@@ -24,7 +26,7 @@ class ElasticJobLink(BaseOperatorLink):
     @staticmethod
     def url(pool: str, job_id: str) -> str:
         """The page's address for ``job_id`` of ``pool`` (relative to the Airflow base URL)."""
-        return f"{UI_PREFIX}/ui?{urlencode({'pool': pool, 'job': job_id})}"
+        return f"{UI_PREFIX.lstrip('/')}/ui?{urlencode({'pool': pool, 'job': job_id})}"
 
     @classmethod
     def persist(cls, ti: Any, *, pool: str, job_id: str) -> None:

@@ -27,13 +27,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from airflow_elastic_gpu.broker import types
 from airflow_elastic_gpu.broker.types import (
-    MAX_KEY_CHARS,
     BrokerError,
     JobSpec,
     JobView,
@@ -81,15 +80,8 @@ still deferred (a triggerer shutting down has stopped reading the answers)."""
 
 
 def task_key(ti: Any) -> str:
-    """The job key of task instance ``ti`` (``JobSpec.key``, one job per task instance):
-    ``dag_id/task_id/run_id/map_index``. Ids of Airflow's longest (250 characters each) would pass
-    the broker's key limit, or leave no room for the ``@<job id>`` of a replaced job's record:
-    such a key is cut and ends with a hash of the whole (``#`` and 16 hex digits)."""
-    key = f"{ti.dag_id}/{ti.task_id}/{ti.run_id}/{int(ti.map_index)}"
-    room = MAX_KEY_CHARS - 37  # "@" and a job id (a uuid, 36 characters)
-    if len(key) <= room:
-        return key
-    return f"{key[:room - 17]}#{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    """The job key of task instance ``ti`` (:func:`~airflow_elastic_gpu.broker.types.task_key`)."""
+    return types.task_key(ti.dag_id, ti.task_id, ti.run_id, ti.map_index)
 
 
 def attempt_of(ti: Any) -> str | None:

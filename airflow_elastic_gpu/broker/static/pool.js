@@ -9,7 +9,14 @@
 "use strict";
 
 const params = new URLSearchParams(location.search);
-const focusJob = params.get("job");
+let focusJob = params.get("job");
+// opened from a task instance (Airflow's "GPU job" tab): the job it submitted, looked up at each
+// refresh (a retry's job replaces its try's); an unmapped task's map index may come as a placeholder
+const task = ["dag_id", "run_id", "task_id"].every(k => params.get(k)) ? {
+  dag_id: params.get("dag_id"), run_id: params.get("run_id"), task_id: params.get("task_id"),
+  map_index: /^-?[0-9]+$/.test(params.get("map_index") || "") ? params.get("map_index") : "-1",
+} : null;
+let poolChosen = params.has("pool");  // else the task's job's pool
 // the read-only views' token, if the page was opened with ?token= (the page itself needs it): sent
 // with each API call as a header, never in the URL of a call a proxy would log every 2 s
 const token = params.get("token");
@@ -191,6 +198,18 @@ async function refresh() {
   const status = document.getElementById("updated");
   const seq = ++latest;
   try {
+    let note = "";  // what the status line says of the task's or the linked job
+    if (task) {
+      try {
+        const job = await get(`api/v1/jobs/by-task?${new URLSearchParams(task)}`);
+        focusJob = text(job.id);
+        if (!poolChosen) pool = text(job.pool);
+      } catch (err) {
+        if (!/HTTP 404$/.test(text(err && err.message))) throw err;
+        focusJob = null;
+        note = "this task has submitted no GPU job (yet): it is not a training task, or it waits to start; ";
+      }
+    }
     const pools = list(await get("api/v1/pools")).map(text);
     if (seq !== latest) return;
     if (!pools.length) {
@@ -205,6 +224,18 @@ async function refresh() {
     const [snap, tl] = await Promise.all([get(`${where}/snapshot?events=100`), get(`${where}/timeline`)]);
     if (seq !== latest) return;
     const jobs = list(snap.jobs);
+    if (focusJob && !jobs.some(j => j.id === focusJob)) {  // ended before the jobs the snapshot lists
+      try {
+        const job = await get(`api/v1/jobs/${encodeURIComponent(focusJob)}`);
+        const which = `job ${text(job.name)} (${text(job.id).slice(0, 8)})`;
+        note = text(job.pool) !== shown ? `${which} is in pool ${text(job.pool)}; `
+          : `${which} ended ${text(job.status)}` + (text(job.reason) ? `: ${text(job.reason)}` : "")
+            + " (older than the jobs listed); ";
+      } catch (err) {
+        note = `job ${text(focusJob).slice(0, 8)} is not known to this broker; `;
+      }
+      if (seq !== latest) return;
+    }
     // a job's label: its name, with the start of its id where jobs share a name (two runs of one
     // task), so that the grid, the events and the timeline's rows tell them apart; a timeline bar
     // of an ended job older than the snapshot's has the name the timeline gives it
@@ -219,7 +250,7 @@ async function refresh() {
     renderEvents(snap, names);
     renderTimeline(tl, names);
     lastData = new Date();
-    status.textContent = `pool ${shown}: ${jobs.filter(j => j.status === "running").length} running, `
+    status.textContent = note + `pool ${shown}: ${jobs.filter(j => j.status === "running").length} running, `
       + `${jobs.filter(j => j.status === "suspended").length} suspended, `
       + `${jobs.filter(j => j.status === "queued").length} queued; updated ${lastData.toLocaleTimeString()}`;
     document.body.dataset.ready = "1";
@@ -238,5 +269,9 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 
-document.getElementById("pool").addEventListener("change", e => { pool = e.target.value; refresh(); });
+document.getElementById("pool").addEventListener("change", e => {
+  pool = e.target.value;
+  poolChosen = true;
+  refresh();
+});
 poll();
