@@ -378,3 +378,36 @@ def test_a_retry_of_a_try_that_reattached_after_a_clear_gets_the_success_back(po
     assert pool.submit(spec("k", attempt="try-2", max_tries=2, clear_number=1)).id == job.id  # reattached
     pool.finish(job.id, 0)
     assert pool.submit(spec("k", attempt="try-3", max_tries=2, clear_number=1)).id == job.id  # its retry
+
+
+def test_a_failing_policy_still_ends_silent_jobs_and_frees_an_ended_jobs_gpus(pool, clock, caplog):
+    """The rebalance reaps jobs whose agent went silent and frees the GPUs of ended jobs before the
+    policy decides: a policy that raises keeps both. They were rolled back with its decision, so
+    while it failed no lease ended and no cancelled job's GPUs came back."""
+
+    class BrokenPolicy:
+        preemptive = False
+
+        def decide(self, state):
+            raise RuntimeError("policy bug")
+
+    pool.configure_pool(lease_s=30)
+    silent = pool.submit(spec("silent", min_gpus=2, max_gpus=2))
+    pool.ack(silent.id, 1)
+    cancelled = pool.submit(spec("cancelled", min_gpus=2, max_gpus=2))
+    pool.ack(cancelled.id, 1)
+    pool.cancel(cancelled.id)
+    live = pool.submit(spec("live", min_gpus=1, max_gpus=4))  # waits: the policy decides nothing
+    pool.policy_override = BrokenPolicy()
+    for _ in range(4):  # 40 s, past the lease, with a rebalance every 10 s (no outage of the broker)
+        clock.advance(10)
+        assert pool.rebalance() == {}
+    assert pool.failed_rebalances >= 1 and "policy bug" in caplog.text
+    assert pool.job(silent.id).status is JobStatus.LOST and pool.job(silent.id).in_use_gpus == ()
+    assert pool.job(cancelled.id).in_use_gpus == () and pool.job(cancelled.id).target_gpus == ()
+    from airflow_elastic_gpu.broker.rows import read_pool
+
+    with pool.engine.connect() as conn:
+        assert read_pool(conn, "default").pending > 0  # the requests it served are asked for again
+    pool.policy_override = None
+    assert pool.rebalance()[live.id]

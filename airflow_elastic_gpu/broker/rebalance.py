@@ -347,8 +347,18 @@ class Rebalancing(Releases):
             # lease again, again and again while GPUs keep coming free
             heard_s = max(job.last_heartbeat_s, book.last_start_s or 0.0)
             book.unreachable = bool(book.target) and now - heard_s > row.lease_s / 2
-        publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
-            nodes, books, now, *family_history(s, pool, books))
+        history = family_history(s, pool, books)
+        try:
+            publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
+                nodes, books, now, *history)
+        except Exception:  # noqa: BLE001 - logged; what was done above stands
+            # a policy that fails (a bug, parameters it cannot use) decides nothing, but the silent
+            # jobs reaped and the ended jobs' GPUs freed above are kept: rolled back with the
+            # decision, no lease ended and no cancelled job's GPUs came back while it failed
+            request_rebalance(s, pool, now)  # the requests it served stay asked for
+            self.failed_rebalances += 1
+            log.exception("rebalance of pool %r failed in its policy; its requests stay pending", pool)
+            return {}
         locked = self._locked_active(s, [p.job_id for p in publications])
         # A job that acked while we decided now runs on GPUs the decision may have given away (a
         # GPU only in its old target is free to go in the same round), and a gang one of whose
