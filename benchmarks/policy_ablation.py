@@ -46,7 +46,7 @@ from airflow_elastic_gpu.scheduling.adaptive import AdaptivePolicy
 from airflow_elastic_gpu.simulator.engine import ClusterShape, RestartOverheads, simulate
 
 console = Console(width=130)
-FREE = RestartOverheads(inplace_s=0.0)
+FREE = RestartOverheads(inplace_s=0.0, recreate_s=0.0)  # no restart, in place or of a pod made on another node
 # name -> (policy, simulate keywords)
 VARIANTS: dict[str, tuple[AdaptivePolicy | str, dict]] = {
     "static": ("static", {}),

@@ -90,3 +90,43 @@ def test_optimus_keeps_a_jobs_first_allocation_its_re_plan_interval():
     started = JobState("a", 1, 4, 10_000, allocation=gpus("n0", 0), first_start_s=0.0, last_start_s=0.0)
     assert OptimusPolicy().decide(ClusterState(nodes, (started,), 60.0)).counts() == {"a": 1}
     assert OptimusPolicy().decide(ClusterState(nodes, (started,), 600.0)).counts() == {"a": 4}
+
+
+def test_a_gang_growing_onto_a_new_node_acks_once_the_new_pods_agent_runs():
+    """Until the ack the job keeps its old GPUs and may only grow (as in the broker): the new
+    node's pod must be scheduled, pulled and started before its agent acks, not only the old
+    trainer's stop (1 s here)."""
+    grown = Scripted(gpus("node-0", 0, 1, 2, 3), gpus("node-0", 0, 1, 2, 3) + gpus("node-1", 0, 1, 2, 3))
+    profile = Profile("m", "test", "virtual", tuple((n, 100.0 * n) for n in range(1, 9)))
+    result = simulate([TraceJob("j", 0, 1, 50_000, "m")], ClusterShape(2, 4), grown, overheads=OVERHEADS,
+                      profiles=ProfileSet("test", "virtual", {"m": profile}))
+    (acked_s,) = [t for t, _job, n in result.allocations if n == 8]
+    agent_s = OVERHEADS.recreate.start_s - OVERHEADS.recreate.init_s
+    assert grown.at_s + agent_s <= acked_s < grown.at_s + 60 + agent_s  # published at the rebalance after at_s
+
+
+def test_slow_pod_starts_do_not_make_two_adaptive_jobs_take_gpus_from_each_other_for_ever():
+    """With re-creations of 300 s, moving a gang onto a new node took its new pod 298 s to start,
+    but the job acked after its old trainer's 1.9 s stop: two jobs of the adaptive policy then took
+    GPUs from each other every minute, 44,262 times each, neither trained, and the simulation did
+    not end. The ack now waits for the new pod's agent, and a job not acked may only grow."""
+    import signal
+
+    from conftest import REPO
+
+    from airflow_elastic_gpu.simulator.trace import load_trace
+
+    jobs = load_trace(REPO / "benchmarks" / "results" / "workloads" / "itp-16gpu-load1-seed1.csv")
+
+    def livelock(*_):
+        raise TimeoutError(f"the simulation of {len(jobs)} jobs did not end in 60 s of wall time")
+
+    previous = signal.signal(signal.SIGALRM, livelock)
+    signal.alarm(60)  # it takes under a second
+    try:
+        result = simulate(jobs, ClusterShape(4, 4), "adaptive", seed=1, overheads=RestartOverheads(recreate_s=300.0))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert all(r.end_s is not None for r in result.jobs)
+    assert max(r.resizes + r.preemptions for r in result.jobs) < 100

@@ -214,17 +214,36 @@ def simulate(
 
     largest_node = max(len(n.gpu_indices) for n in nodes)
 
+    def moved(j: _SimJob, gpus: Sequence[GpuId]) -> str | None:
+        """How an in-place resize of ``j`` to ``gpus`` reaches a node it has no pod on: ``"pod"``
+        (a job on one node: its pod is deleted and made on the new node, as the Kubernetes backend
+        does in either mode), ``"gang"`` (a job larger than every node, one pod per node: a pod is
+        made on the new node while the others restart in place), or None (no new node)."""
+        if mech != "inplace" or not j.pod_nodes or {g.node for g in gpus} <= j.pod_nodes:
+            return None
+        return "gang" if j.max_gpus > largest_node else "pod"
+
     def inplace_cost(j: _SimJob, gpus: Sequence[GpuId]) -> float:
-        """Seconds an in-place resize of ``j`` to ``gpus`` costs, its stop included. A pod is not
-        moved: a job on one node whose GPUs move to another has its pod re-created there (the old
-        pod deleted first: the re-creation's whole cost), and a gang's pod on a node it had none on
-        starts there while the others restart in place (the longer of the two)."""
-        new = {g.node for g in gpus}
-        if mech != "inplace" or not j.pod_nodes or new <= j.pod_nodes:
-            return overhead
-        if j.max_gpus > largest_node:  # a gang (the backend's rule: larger than every node)
+        """Seconds an in-place resize of ``j`` to ``gpus`` costs, its stop included: the in-place
+        restart; a pod made on another node: the re-creation's whole cost (its old pod is deleted
+        first); a gang's new node: the longer of the in-place restart and the new pod's start."""
+        how = moved(j, gpus)
+        if how == "gang":
             return max(overhead, overheads.recreate.start_s)
-        return overheads.recreate.cost_s
+        return overheads.recreate.cost_s if how == "pod" else overhead
+
+    def ack_delay(j: _SimJob, gpus: Sequence[GpuId]) -> float:
+        """Seconds from the publication to the job's ack: its trainer's stop on the old GPUs (none
+        for a suspended job), and for a pod made on a new node, until that pod's agent runs
+        (scheduling, image pull, container start: the new pod's start less the trainer's
+        initialisation); a single pod's new one is made once the old one is gone. Until the ack the
+        job holds its old GPUs and may only grow (``scheduling/publish.py``), as in the broker."""
+        stop = ack_s if j.alloc else 0.0
+        agent = max(overheads.recreate.start_s - overheads.recreate.init_s, 0.0)
+        how = moved(j, gpus)
+        if how == "pod":
+            return (overheads.recreate.stop_s if j.alloc else 0.0) + agent
+        return max(stop, agent) if how == "gang" else stop
 
     def apply_targets() -> None:
         changed = True
@@ -246,16 +265,18 @@ def simulate(
                     else:
                         j.record.preemptions += 1
                     continue
-                if j.alloc and ack_s > 0:  # in place: its trainer stops on its GPUs, then it acks
+                # a resume from zero GPUs pays the restart less the stop, paid at the suspension
+                restart_until = now + max(inplace_cost(j, gpus) - (0.0 if j.alloc else ack_s), 0.0)
+                delay = ack_delay(j, gpus)
+                if delay > 0:  # in place: its trainer stops on its GPUs (a new pod starts), then it acks
                     j.generation = gen
-                    j.acking_until = now + ack_s
-                    j.restart_until = max(j.restart_until, now + inplace_cost(j, gpus))
+                    j.acking_until = now + delay
+                    j.restart_until = max(j.restart_until, restart_until)
                     j.awaiting_first_sample = False
                     continue
                 changed = True
                 j.generation = gen
-                # a resume from zero GPUs pays the restart less the stop, paid at the suspension
-                take(j, gen, gpus, now + max(inplace_cost(j, gpus) - (0.0 if j.alloc else ack_s), 0.0))
+                take(j, gen, gpus, restart_until)
 
     def take(j: _SimJob, gen: int, gpus: Sequence[GpuId], restart_until: float) -> None:
         """Job ``j``'s trainer runs on generation ``gen``'s ``gpus`` from now: the ack."""
