@@ -104,6 +104,26 @@ def test_the_timeline_shows_the_newest_jobs_of_a_long_history(broker, client, mo
     assert [e.id for e in events] == [e.id for e in broker.events()][-2:]  # oldest first, as always
 
 
+def test_a_job_running_since_before_the_events_read_keeps_its_timeline_bar(broker, client, clock, monkeypatch):
+    """A long job among many short ones: its ack fell out of the newest events the timeline reads,
+    and its bar vanished while it ran."""
+    from airflow_elastic_gpu.broker import api_models
+
+    long = broker.submit(JobSpec("long", "train", 2, 2, total_steps=10))
+    broker.ack(long.id, 1)
+    started_s = clock()
+    for i in range(3):
+        clock.advance(20)
+        broker.heartbeat(long.id)
+        short = broker.submit(JobSpec(f"short-{i}", "train", 1, 1, total_steps=10))
+        broker.ack(short.id, 1)
+        broker.finish(short.id)
+    monkeypatch.setattr(api_models, "TIMELINE_EVENTS", 4)
+    segments = {s["name"]: s for s in client.get("/api/v1/pools/default/timeline").json()["segments"]}
+    assert segments["long"]["start_s"] == started_s and segments["long"]["end_s"] is None
+    assert segments["long"]["num_gpus"] == 2
+
+
 def test_read_only_views_show_holders_progress_timeline_and_reasons(broker, client):
     a = broker.submit(JobSpec("alpha", "train", 1, 4, total_steps=100))
     broker.ack(a.id, 1)

@@ -239,7 +239,8 @@ TIMELINE_EVENTS = 20_000
 def timeline(broker: GpuBroker, pool: str) -> TimelineOut:
     """Each job's GPU count over time, from the broker's ack (running) and end events, and the resizes
     applied (:func:`~airflow_elastic_gpu.broker.history.applied_resizes`), each at the moment its
-    trainer ran on the new GPUs."""
+    trainer ran on the new GPUs. From the pool's newest :data:`TIMELINE_EVENTS` events; a job that
+    runs since before them has its current bar all the same."""
     open_: dict[str, Segment] = {}
     segments: list[Segment] = []
     resizes: list[EventOut] = []
@@ -260,5 +261,16 @@ def timeline(broker: GpuBroker, pool: str) -> TimelineOut:
         if e.kind == "ack" and e.data and e.data.get("num_gpus"):
             open_[e.job_id] = Segment(job_id=e.job_id, name=names[e.job_id], start_s=e.time_s, end_s=None,
                                       num_gpus=int(e.data["num_gpus"]), generation=int(e.data.get("generation", 0)))
+    for job in broker.jobs(pool, active_only=True):
+        if job.id in open_ or not job.in_use_gpus:
+            continue
+        # running since before the events read (a long job among many short ones): its bar from its
+        # own latest ack (it had none, and vanished from the timeline while it ran)
+        acks = [e for e in broker.events(pool, job_id=job.id, limit=200, latest=True)
+                if e.kind == "ack" and e.data and e.data.get("num_gpus")]
+        if acks:
+            open_[job.id] = Segment(job_id=job.id, name=job.name, start_s=acks[-1].time_s, end_s=None,
+                                    num_gpus=int(acks[-1].data["num_gpus"]),
+                                    generation=int(acks[-1].data.get("generation", 0)))
     segments.extend(open_.values())
     return TimelineOut(pool=pool, time_s=broker.clock(), segments=segments, resizes=resizes)
