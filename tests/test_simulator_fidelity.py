@@ -130,3 +130,33 @@ def test_slow_pod_starts_do_not_make_two_adaptive_jobs_take_gpus_from_each_other
         signal.signal(signal.SIGALRM, previous)
     assert all(r.end_s is not None for r in result.jobs)
     assert max(r.resizes + r.preemptions for r in result.jobs) < 100
+
+
+@dataclass(frozen=True)
+class SuspendThenResume:
+    """Suspends the one job at 1000 s and resumes it on ``after`` at 2000 s."""
+
+    after: tuple[GpuId, ...]
+    name: str = "scripted"
+    elastic: bool = True
+    preemptive: bool = True
+    resize_mechanism: str = "inplace"
+
+    def decide(self, cluster: ClusterState) -> Decision:
+        (job,) = cluster.jobs
+        now = cluster.now_s
+        return Decision({job.job_id: gpus("node-0", 0, 1) if now < 1000 else () if now < 2000 else self.after})
+
+
+def test_a_job_resumed_on_a_node_it_has_no_pod_on_acks_when_the_new_pods_agent_runs():
+    """A suspended job keeps its pod; resumed elsewhere it has one made there and takes its GPUs
+    up when that pod's agent runs (1.1 s with the defaults), not at whatever event came next (the
+    next rebalance, a minute later, while the GPUs sat reserved and idle)."""
+    profile = Profile("m", "test", "virtual", tuple((n, 100.0 * n) for n in range(1, 5)))
+    agent_s = RestartOverheads().recreate.start_s - RestartOverheads().recreate.init_s
+    resumed_s = {}
+    for where, after in (("same node", gpus("node-0", 0, 1)), ("new node", gpus("node-1", 0, 1))):
+        result = simulate([TraceJob("j", 0, 2, 50_000, "m")], ClusterShape(2, 4), SuspendThenResume(after),
+                          preemptible=True, profiles=ProfileSet("test", "virtual", {"m": profile}))
+        resumed_s[where] = [t for t, _job, n in result.allocations if n == 2][-1]
+    assert resumed_s["new node"] == pytest.approx(resumed_s["same node"] + agent_s)

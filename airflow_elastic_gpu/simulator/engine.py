@@ -345,6 +345,8 @@ def simulate(
             candidates.append(next_tick)
         for j in active.values():
             if not j.alloc:
+                if j.acking_until is not None:  # resumed onto a node it has no pod on: the new pod starts
+                    candidates.append(j.acking_until)
                 continue
             if j.terminating_until is not None:
                 candidates.append(j.terminating_until)
