@@ -67,11 +67,11 @@ demo: $(STAMP)
 demo-distributed: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m airflow_elastic_gpu.demo_distributed $(DEMO_ARGS)
 
-demo-stop: $(STAMP)
-	$(BIN)/python -m airflow_elastic_gpu.demo --stop
+demo-stop:  # never installs first: there is nothing to stop without the environment
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -m airflow_elastic_gpu.demo --stop; fi
 
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff==0.17.6 && $(BIN)/ruff check airflow_elastic_gpu tests examples benchmarks
 
-clean:
+clean: demo-stop
 	rm -rf $(VENV) .demo .demo-distributed .pytest_cache .hypothesis

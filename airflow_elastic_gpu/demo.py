@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from airflow_elastic_gpu.broker.history import applied_resizes
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.cli_views import UNWRAPPED_WIDTH, metric_text, snapshot_view
 from airflow_elastic_gpu.config import default_broker_url, mask_url
+from airflow_elastic_gpu.demo_processes import MARKER, kill_marked
 from airflow_elastic_gpu.states import EventKind
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +40,8 @@ PID_FILE = DEMO / "standalone.pid"
 DAG_ID = "elastic_gpu_demo"
 PORT = int(os.environ.get("ELASTIC_GPU_DEMO_PORT", "8080"))
 VIRTUAL_GPUS = 4
+RUN_MARK = f"make-demo:{DEMO.resolve()}"
+"""The demo's :data:`~airflow_elastic_gpu.demo_processes.MARKER` value (one per checkout)."""
 TIMEOUT_S = 900
 # at least 120 columns on a terminal (the summary table), full width in a file or a pipe
 console = Console(width=max(Console().width, 120) if Console().is_terminal else UNWRAPPED_WIDTH)
@@ -58,6 +62,12 @@ def demo_env() -> dict[str, str]:
         "AIRFLOW__CORE__PARALLELISM": "16",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
         "AIRFLOW__API__PORT": str(PORT),
+        # the tasks call the execution API at the base URL (default port 8080, whatever the port)
+        "AIRFLOW__API__BASE_URL": f"http://localhost:{PORT}",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://localhost:{PORT}/execution/",
+        # carried by every process of the demo, the jobs' agents, launchers and trainers too (in
+        # sessions of their own): make demo-stop finds them by it
+        MARKER: RUN_MARK,
         "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__TRIGGERER__CAPACITY": "100",
@@ -151,7 +161,16 @@ def _cmdline(pid: int) -> str:
 def stop() -> None:
     """Stop the demo's ``airflow standalone`` and everything it started: it runs in a session of its
     own, and some of its children (the scheduler's log server and executor workers) move to process
-    groups of their own, so every process of the session is signalled, not only its group."""
+    groups of their own, so every process of the session is signalled, not only its group. The
+    jobs' agents, launchers and trainers run in sessions of their own: every process that carries
+    the demo's marker goes too (they trained on, and wrote to the broker database the next run
+    deleted)."""
+    _stop_airflow()
+    if killed := kill_marked(RUN_MARK):
+        console.print(f"stopped {killed} process(es) of the demo's trainings")
+
+
+def _stop_airflow() -> None:
     if PID_FILE.exists():
         pid = int(PID_FILE.read_text())
         if not any("airflow" in _cmdline(p) for p in session_members(pid)):
@@ -171,10 +190,19 @@ def stop() -> None:
         console.print("stopped the demo's Airflow")
 
 
-def wait_healthy(timeout_s: float = 300) -> None:
+def port_taken(port: int) -> bool:
+    """Whether something listens on ``port`` of localhost."""
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     url = f"http://localhost:{PORT}/api/v2/monitor/health"
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"airflow standalone exited ({proc.returncode}); see {DEMO / 'standalone.log'}")
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:
                 if resp.status == 200:
@@ -193,13 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop:
         return 0
     env = demo_env()
+    if port_taken(PORT):  # another Airflow there would pass the health check and get the tasks' calls
+        raise SystemExit(f"port {PORT} is in use (another Airflow?): stop it, or choose another port with "
+                         "ELASTIC_GPU_DEMO_PORT=8090 make demo")
     DEMO.mkdir(exist_ok=True)
     Path(env["AIRFLOW_HOME"]).mkdir(exist_ok=True)  # the broker's SQLite file goes there, before Airflow makes it
     url = default_broker_url(env)
     database = Path(make_url(url).database or "").resolve()
     if not database.is_relative_to(DEMO.resolve()):  # the demo starts afresh: never on another broker
         raise SystemExit(f"the demo's broker would be {mask_url(url)}, outside {DEMO}; not touching it")
-    database.unlink(missing_ok=True)
+    # afresh: the broker's database and Airflow's (an interrupted run's DAG run would go on there,
+    # its tasks submitting to the new broker), each with its SQLite journal files
+    for db in (database, Path(env["AIRFLOW_HOME"]) / "airflow.db"):
+        for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm"), db.with_name(db.name + "-journal")):
+            path.unlink(missing_ok=True)
     broker = GpuBroker(url)
     broker.register_node("localhost", VIRTUAL_GPUS, gpu_type="virtual")
     broker.configure_pool(policy_params={"hysteresis": 1.0, "min_resize_interval_s": 10.0},
@@ -210,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen([str(Path(sys.executable).with_name("airflow")), "standalone"], env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     PID_FILE.write_text(str(proc.pid))
-    wait_healthy()
+    wait_healthy(proc)
     console.print("[bold]2/4[/bold] waiting for the demo DAG to be parsed")
     deadline = time.monotonic() + 180
     while airflow("dags", "unpause", DAG_ID, env=env).returncode != 0:

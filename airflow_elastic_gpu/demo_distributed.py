@@ -136,7 +136,9 @@ def airflow_env(s: Settings, api_port: int, queue: str) -> dict[str, str]:
     home = s.home / "airflow"
     airflow_db = s.db_url("airflow")
     return {
-        **{k: v for k, v in os.environ.items() if k not in (ENV_BROKER_URL, ENV_WORK_DIR)},
+        # none of the caller's Airflow settings (its connection elastic_gpu_default, config file,
+        # secrets backend, retries): the demo's trainings would go to the caller's broker
+        **{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW") and k not in (ENV_BROKER_URL, ENV_WORK_DIR)},
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",

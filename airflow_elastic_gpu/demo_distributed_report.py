@@ -106,6 +106,8 @@ def training_figures(broker: GpuBroker, obs: Observer) -> list[TrainingFigures]:
     """Per broker job of the run, its figures joined with what Airflow showed of its task."""
     out = []
     for j in broker.jobs(POOL):
+        if "@" in j.key or j.key.count("/") < 3:  # a try's job a retry replaced (key@job id), or no task's
+            continue
         dag_id, task_id, rest = j.key.split("/", 2)
         run_id, map_index = rest.rsplit("/", 1)
         if dag_id != DAG_ID or task_id != TASK_ID or run_id != obs.run_id:

@@ -96,14 +96,7 @@ class ProcessGroups:
 
     def marked(self) -> list[psutil.Process]:
         """Live processes that carry this run's marker (ours and every descendant), but not this one."""
-        out = []
-        for p in psutil.process_iter():
-            try:
-                if p.pid != os.getpid() and p.environ().get(MARKER) == self.run_id:
-                    out.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return out
+        return marked(self.run_id)
 
     def close(self, grace_s: float = 10.0) -> None:
         """SIGTERM every group, SIGKILL what is left after ``grace_s`` seconds, then SIGKILL every
@@ -125,13 +118,36 @@ class ProcessGroups:
             except ProcessLookupError:
                 pass
             proc.wait()
-        for _ in range(3):  # a process may fork while we kill
-            left = self.marked()
-            if not left:
-                break
-            for p in left:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            psutil.wait_procs(left, timeout=5)
+        kill_marked(self.run_id)
+
+
+def marked(run_id: str) -> list[psutil.Process]:
+    """Live processes whose environment carries :data:`MARKER` = ``run_id`` (a demo's processes and
+    every descendant: the job agents, launchers and trainers, in sessions of their own), but not
+    this one."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(MARKER) == run_id:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def kill_marked(run_id: str) -> int:
+    """SIGKILL every process :func:`marked` finds (again while some are left: a process may fork
+    while we kill); returns how many were killed."""
+    killed = 0
+    for _ in range(3):
+        left = marked(run_id)
+        if not left:
+            break
+        for p in left:
+            try:
+                p.kill()
+                killed += 1
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=5)
+    return killed
