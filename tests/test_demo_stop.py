@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from test_sidecar import wait_for
 
@@ -23,8 +24,8 @@ def test_stop_ends_the_demos_job_processes_in_sessions_of_their_own(tmp_path, mo
     other = subprocess.Popen(sleeper, env={**os.environ, MARKER: "make-demo:/another/checkout"},
                              start_new_session=True)
     try:
-        wait_for(lambda: demo.RUN_MARK in open(f"/proc/{ours.pid}/environ", "rb").read().decode(errors="replace"),
-                 10, "the process to start")
+        environ = Path(f"/proc/{ours.pid}/environ")
+        wait_for(lambda: demo.RUN_MARK in environ.read_bytes().decode(errors="replace"), 10, "the process to start")
         demo.stop()
         assert ours.wait(10) is not None
         assert other.poll() is None
@@ -54,7 +55,12 @@ def test_the_distributed_demos_figures_skip_a_try_a_retry_replaced(tmp_path):
     index from it crashed the distributed demo's summary."""
     from airflow_elastic_gpu.broker.service import GpuBroker
     from airflow_elastic_gpu.broker.types import JobSpec
-    from airflow_elastic_gpu.demo_distributed_report import DAG_ID, TASK_ID, Observer, training_figures
+    from airflow_elastic_gpu.demo_distributed_report import (
+        DAG_ID,
+        TASK_ID,
+        Observer,
+        training_figures,
+    )
 
     broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
     try:

@@ -351,7 +351,7 @@ class Rebalancing(Releases):
         try:
             publications = SchedulingCore(self._policy_of(row), self.default_restart_overhead_s).rebalance(
                 nodes, books, now, *history)
-        except Exception:  # noqa: BLE001 - logged; what was done above stands
+        except Exception:  # logged; what was done above stands
             # a policy that fails (a bug, parameters it cannot use) decides nothing, but the silent
             # jobs reaped and the ended jobs' GPUs freed above are kept: rolled back with the
             # decision, no lease ended and no cancelled job's GPUs came back while it failed
