@@ -378,3 +378,30 @@ def test_a_stop_without_the_jobs_directory_frees_no_gpus_of_a_job_started_elsewh
     broker.cancel(job.id)
     LocalBackend(tmp_path / "other-jobs", broker).stop(job.id)
     assert len(broker.job(job.id).target_gpus) == 2  # held until its trainer is known stopped
+
+
+def test_a_recorded_process_of_another_user_is_the_jobs_and_an_unknown_one_is_not(monkeypatch):
+    """With ``run_as_user`` the job's processes are another user's, whose environment the triggerer
+    cannot read: the recorded process (its start time matches) is still the job's, so the job is
+    not taken for gone and its GPUs freed while its trainer runs. A pid of unknown start time whose
+    environment cannot be read is not (it may be a reused pid)."""
+    from airflow_elastic_gpu.backends import local_processes
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ticks = local_processes.start_ticks(proc.pid)
+        assert ticks is not None
+        real = Path.read_bytes
+
+        def unreadable(path):
+            if str(path) == f"/proc/{proc.pid}/environ":
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path)
+
+        monkeypatch.setattr(Path, "read_bytes", unreadable)
+        assert local_processes.job_process(proc.pid, "job-1", started=ticks)
+        assert not local_processes.job_process(proc.pid, "job-1", started=ticks + 1)  # another process has the pid
+        assert not local_processes.job_process(proc.pid, "job-1")  # start time not recorded
+    finally:
+        proc.kill()
+        proc.wait()

@@ -51,8 +51,10 @@ def job_process(pid: int | None, job_id: str, *, boot: str | None = None, starte
     """True if ``pid`` is alive and may be a process of job ``job_id``: its environment has
     :data:`JOB_MARK` with that id, or none at all (a trainer that cleared its environment, a job
     started by an older version: never taken for gone while it may hold the job's GPUs). Where
-    there is no ``/proc`` to tell, alive is enough; a process whose environment cannot be read
-    (another user's) is not the job's.
+    there is no ``/proc`` to tell, alive is enough. A process whose environment cannot be read
+    (another user's: ``run_as_user``) is the job's only if it is the recorded one (``started``
+    matches): else a reused pid could be taken for it. Taken for gone, a job of another user had
+    its GPUs freed while its trainer still ran.
 
     :param boot: the :func:`boot_id` the pid was recorded in: another boot's pid is no process of
         the job (every one of them ended with that boot), whatever now has it.
@@ -63,14 +65,15 @@ def job_process(pid: int | None, job_id: str, *, boot: str | None = None, starte
         return False
     if boot is not None and (now := boot_id()) is not None and now != boot:
         return False
-    if started is not None and (ticks := start_ticks(pid)) is not None and ticks != started:
+    ticks = start_ticks(pid) if started is not None else None
+    if ticks is not None and ticks != started:
         return False
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
     except FileNotFoundError:
         return not os.path.isdir("/proc/self")  # no /proc here (else: it has just exited)
     except OSError:
-        return False
+        return ticks is not None  # another user's: the job's if it is the recorded process itself
     marks = [v for v in environ.split(b"\0") if v.startswith(f"{JOB_MARK}=".encode())]
     # no mark at all (started by an older version, or a command that cleared its environment):
     # possibly the job's, as a live pid always counted before; another job's mark: not this job's
