@@ -149,3 +149,24 @@ def test_a_claim_lock_held_too_long_is_a_backend_error(tmp_path, two_real_gpus, 
             LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")).ensure_pool("default")
     finally:
         done.set()
+
+
+def test_nodes_detect_refuses_a_hosts_real_gpus_another_broker_has(tmp_path, two_real_gpus, monkeypatch, capsys):
+    """``airflow-elastic-gpu nodes detect`` registered the host's real GPUs in whatever broker it was
+    pointed at, without the check a job's start makes: two brokers then handed them out."""
+    from airflow_elastic_gpu.cli import main
+
+    work_dir = tmp_path / "jobs"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_WORK_DIR", str(work_dir))
+    first, second = (tmp_path / name for name in ("real.db", "fallback.db"))
+    assert main(["--broker-url", f"sqlite:///{first}", "nodes", "detect"]) == 0
+    capsys.readouterr()
+    assert main(["--broker-url", f"sqlite:///{second}", "nodes", "detect"]) != 0
+    assert "real.db" in " ".join(capsys.readouterr().err.split())
+    other = GpuBroker(f"sqlite:///{second}")
+    try:
+        assert other.nodes() == []
+    finally:
+        other.engine.dispose()
+    with pytest.raises(BackendError, match="real.db"):  # and a job's start agrees
+        LocalBackend(work_dir, GpuBroker(f"sqlite:///{second}")).ensure_pool("default")
