@@ -70,22 +70,13 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             broker.set_node_schedulable(args.name, args.action == "uncordon", pool=args.pool)
     elif args.action == "detect":
         from airflow_elastic_gpu.backends.local import check_host_not_in_another_pool, detect_gpus
-        from airflow_elastic_gpu.backends.local_host import claim_host_gpus, claim_lock
+        from airflow_elastic_gpu.backends.local_host import register_host_gpus
         from airflow_elastic_gpu.config import default_work_dir
 
         check_host_not_in_another_pool(broker, args.pool)
         found = detect_gpus(args.virtual_gpus)
-        work_dir = default_work_dir()
-        # the host's real GPUs in one broker, as a job's start checks (LocalBackend.ensure_pool): the
-        # command registered them in a second broker, which handed them out too
-        with claim_lock(work_dir, real=not found.virtual):
-            if not found.virtual:
-                claim_host_gpus(work_dir, broker, args.pool, registering=True)
-            view = broker.register_node(LOCAL_NODE, pool=args.pool, gpu_type=found.gpu_type,
-                                        gpu_indices=found.indices)
-            if not found.virtual:
-                claim_host_gpus(work_dir, broker, args.pool, registering=False)
-        _kept(view, len(found.indices))
+        # under the host's claim, as a job's start registers them (LocalBackend.ensure_pool)
+        _kept(register_host_gpus(default_work_dir(), broker, args.pool, found), len(found.indices))
     table = Table(title="nodes")
     for col in ("pool", "node", "schedulable", "GPUs", "type", "in use", "out of service"):
         table.add_column(col)

@@ -46,8 +46,8 @@ from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backen
     LOCAL_NODE,
     check_host_not_in_another_pool,
     claim_host_gpus,
-    claim_lock,
     detect_gpus,
+    register_host_gpus,
 )
 from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-exported
     AGENT_MODULE,
@@ -194,11 +194,7 @@ class LocalBackend:
         if not found.virtual and self.virtual_nodes > 1:
             raise BackendError("virtual_nodes > 1 splits virtual GPUs; this host has real ones")
         if self.virtual_nodes == 1:
-            with claim_lock(self.work_dir, real=not found.virtual):  # one broker's check and claim at a time
-                if not found.virtual:  # no other broker has them (checked), then this one's claim (recorded)
-                    claim_host_gpus(self.work_dir, self.broker, pool, registering=True)
-                self.broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
-                claim_host_gpus(self.work_dir, self.broker, pool, registering=False)
+            register_host_gpus(self.work_dir, self.broker, pool, found)
             return (f"registered {len(found.indices)} {'virtual ' if found.virtual else ''}GPU(s) of this host "
                     f"in pool {pool!r}")
         size = len(found.indices)

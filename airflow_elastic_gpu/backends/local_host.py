@@ -21,6 +21,7 @@ from airflow_elastic_gpu.sidecar import protocol
 
 if TYPE_CHECKING:
     from airflow_elastic_gpu.broker.service import GpuBroker
+    from airflow_elastic_gpu.broker.types import NodeView
 
 LOCAL_NODE = "localhost"
 """The node name under which this host's GPUs are registered (``localhost-<i>`` for virtual nodes)."""
@@ -159,6 +160,21 @@ def claim_lock(work_dir: Path, real: bool = True) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def register_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, found: HostGpus) -> NodeView:
+    """Register ``found`` (this host's GPUs) as node :data:`LOCAL_NODE` of ``pool`` under the host's
+    claim (:func:`claim_host_gpus`): the real ones only when no other broker has them, then claimed
+    for ``broker``; one broker's check, registration and claim at a time (:func:`claim_lock`).
+
+    :raises BackendError: another broker has them (naming both), or the claim file's lock cannot
+        be taken."""
+    with claim_lock(work_dir, real=not found.virtual):
+        if not found.virtual:  # no other broker has them (checked), then this one's claim (recorded)
+            claim_host_gpus(work_dir, broker, pool, registering=True)
+        view = broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
+        claim_host_gpus(work_dir, broker, pool, registering=False)
+    return view
 
 
 def broker_identity(url: str) -> str:
