@@ -22,28 +22,41 @@ def gpus(node: str, *indices: int) -> tuple[GpuId, ...]:
 
 @dataclass(frozen=True)
 class Scripted:
-    """A policy that puts the one job on ``before`` until ``at_s``, then on ``after``."""
+    """A policy that puts the one job on ``before`` until ``at_s``, then on ``after``; with
+    ``resume_s``, on no GPUs from ``at_s`` (suspended) and on ``after`` from ``resume_s``."""
 
     before: tuple[GpuId, ...]
     after: tuple[GpuId, ...]
     at_s: float = 1000.0
+    resume_s: float | None = None
     name: str = "scripted"
     elastic: bool = True
-    preemptive: bool = False
     resize_mechanism: str = "inplace"
+
+    @property
+    def preemptive(self) -> bool:
+        """It takes the job to zero GPUs (suspends it) only when it resumes it."""
+        return self.resume_s is not None
 
     def decide(self, cluster: ClusterState) -> Decision:
         (job,) = cluster.jobs
-        return Decision({job.job_id: self.before if cluster.now_s < self.at_s else self.after})
+        now = cluster.now_s
+        suspended = self.resume_s is not None and now < self.resume_s
+        return Decision({job.job_id: self.before if now < self.at_s else () if suspended else self.after})
 
 
 OVERHEADS = RestartOverheads(inplace_s=5.0, recreate_s=100.0, inplace_stop_s=1.0)
 
 
-def lost_s(policy: Scripted, max_gpus: int) -> float:
+def linear(max_gpus: int) -> ProfileSet:
+    """Model ``m``: 100 samples/s per GPU, measured up to ``max_gpus``."""
     profile = Profile("m", "test", "virtual", tuple((n, 100.0 * n) for n in range(1, max_gpus + 1)))
+    return ProfileSet("test", "virtual", {"m": profile})
+
+
+def lost_s(policy: Scripted, max_gpus: int) -> float:
     (job,) = simulate([TraceJob("j", 0, 1, 50_000, "m")], ClusterShape(2, 4), policy, overheads=OVERHEADS,
-                      profiles=ProfileSet("test", "virtual", {"m": profile})).jobs
+                      profiles=linear(max_gpus)).jobs
     assert job.resizes == 1
     return job.restart_lost_s
 
@@ -97,9 +110,8 @@ def test_a_gang_growing_onto_a_new_node_acks_once_the_new_pods_agent_runs():
     node's pod must be scheduled, pulled and started before its agent acks, not only the old
     trainer's stop (1 s here)."""
     grown = Scripted(gpus("node-0", 0, 1, 2, 3), gpus("node-0", 0, 1, 2, 3) + gpus("node-1", 0, 1, 2, 3))
-    profile = Profile("m", "test", "virtual", tuple((n, 100.0 * n) for n in range(1, 9)))
     result = simulate([TraceJob("j", 0, 1, 50_000, "m")], ClusterShape(2, 4), grown, overheads=OVERHEADS,
-                      profiles=ProfileSet("test", "virtual", {"m": profile}))
+                      profiles=linear(8))
     (acked_s,) = [t for t, _job, n in result.allocations if n == 8]
     agent_s = OVERHEADS.recreate.start_s - OVERHEADS.recreate.init_s
     assert grown.at_s + agent_s <= acked_s < grown.at_s + 60 + agent_s  # published at the rebalance after at_s
@@ -132,31 +144,15 @@ def test_slow_pod_starts_do_not_make_two_adaptive_jobs_take_gpus_from_each_other
     assert max(r.resizes + r.preemptions for r in result.jobs) < 100
 
 
-@dataclass(frozen=True)
-class SuspendThenResume:
-    """Suspends the one job at 1000 s and resumes it on ``after`` at 2000 s."""
-
-    after: tuple[GpuId, ...]
-    name: str = "scripted"
-    elastic: bool = True
-    preemptive: bool = True
-    resize_mechanism: str = "inplace"
-
-    def decide(self, cluster: ClusterState) -> Decision:
-        (job,) = cluster.jobs
-        now = cluster.now_s
-        return Decision({job.job_id: gpus("node-0", 0, 1) if now < 1000 else () if now < 2000 else self.after})
-
-
 def test_a_job_resumed_on_a_node_it_has_no_pod_on_acks_when_the_new_pods_agent_runs():
     """A suspended job keeps its pod; resumed elsewhere it has one made there and takes its GPUs
     up when that pod's agent runs (1.1 s with the defaults), not at whatever event came next (the
     next rebalance, a minute later, while the GPUs sat reserved and idle)."""
-    profile = Profile("m", "test", "virtual", tuple((n, 100.0 * n) for n in range(1, 5)))
     agent_s = RestartOverheads().recreate.start_s - RestartOverheads().recreate.init_s
     resumed_s = {}
     for where, after in (("same node", gpus("node-0", 0, 1)), ("new node", gpus("node-1", 0, 1))):
-        result = simulate([TraceJob("j", 0, 2, 50_000, "m")], ClusterShape(2, 4), SuspendThenResume(after),
-                          preemptible=True, profiles=ProfileSet("test", "virtual", {"m": profile}))
+        policy = Scripted(gpus("node-0", 0, 1), after, at_s=1000.0, resume_s=2000.0)
+        result = simulate([TraceJob("j", 0, 2, 50_000, "m")], ClusterShape(2, 4), policy, preemptible=True,
+                          profiles=linear(4))
         resumed_s[where] = [t for t, _job, n in result.allocations if n == 2][-1]
     assert resumed_s["new node"] == pytest.approx(resumed_s["same node"] + agent_s)
