@@ -33,6 +33,7 @@ SECTION = "elastic_gpu"
 ENV_BROKER_URL = "AIRFLOW_ELASTIC_GPU_BROKER_URL"
 ENV_WORK_DIR = "AIRFLOW_ELASTIC_GPU_WORK_DIR"
 ENV_VIRTUAL_GPUS = "AIRFLOW_ELASTIC_GPU_VIRTUAL_GPUS"
+ENV_HOST_CLAIM_DIR = "AIRFLOW_ELASTIC_GPU_HOST_CLAIM_DIR"
 ENV_UI_TOKEN = "AIRFLOW_ELASTIC_GPU_UI_TOKEN"
 ENV_MAX_BODY_BYTES = "AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES"
 ENV_MAX_METRICS_BYTES = "AIRFLOW_ELASTIC_GPU_API_MAX_METRICS_BYTES"
@@ -87,6 +88,11 @@ OPTIONS: tuple[Option, ...] = (
            "Parent directory of the local backend's job directories (logs, shared files, "
            "checkpoints by default). Empty: ``elastic_gpu_jobs`` in ``$AIRFLOW_HOME``.",
            env=ENV_WORK_DIR, example="/data/elastic_gpu_jobs"),
+    Option("host_claim_dir", "string", "",
+           "Directory, one per host, where the local backend records which broker hands out this "
+           "host's real GPUs (``host-gpus.json``); every Airflow installation and user on the host "
+           "must see the same one. Empty: ``/var/tmp/airflow-elastic-gpu``.",
+           env=ENV_HOST_CLAIM_DIR, example="/var/lib/airflow-elastic-gpu"),
     Option("default_pool", "string", "default",
            "GPU pool of a training whose operator names none and whose broker connection has no "
            "``pool`` field; also the pool of the CLI's ``pool``, ``status``, ``run-local`` and "
@@ -238,6 +244,17 @@ def default_work_dir(environ: Mapping[str, str] = os.environ, conf: ConfLike | N
     """Parent of the local backend's job directories: ``[elastic_gpu] work_dir``
     (``$AIRFLOW_ELASTIC_GPU_WORK_DIR``), else ``elastic_gpu_jobs`` in :func:`airflow_home`."""
     return Path(get_option("work_dir", environ, conf) or airflow_home(environ) / "elastic_gpu_jobs").expanduser()
+
+
+DEFAULT_HOST_CLAIM_DIR = Path("/var/tmp/airflow-elastic-gpu")
+"""Where a host's GPU claim lives when ``[elastic_gpu] host_claim_dir`` is empty: outside every
+``$AIRFLOW_HOME``, so that two installations on one host see one claim, and kept across reboots."""
+
+
+def default_host_claim_dir(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> Path:
+    """Directory of this host's GPU claim: ``[elastic_gpu] host_claim_dir``
+    (``$AIRFLOW_ELASTIC_GPU_HOST_CLAIM_DIR``), else :data:`DEFAULT_HOST_CLAIM_DIR`."""
+    return Path(get_option("host_claim_dir", environ, conf) or DEFAULT_HOST_CLAIM_DIR).expanduser()
 
 
 def default_pool(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str:

@@ -114,6 +114,13 @@ def python() -> str:
 
 
 @pytest.fixture(autouse=True)
+def _host_claim_of_the_test(tmp_path, monkeypatch):
+    """Each test's own host claim directory (``[elastic_gpu] host_claim_dir``): a test that fakes
+    a host's real GPUs never records a claim on the machine running the tests, nor sees another's."""
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_HOST_CLAIM_DIR", str(tmp_path / "host-claim"))
+
+
+@pytest.fixture(autouse=True)
 def _no_log_handler_on_a_closed_capture():
     """A command that imports Airflow (``nodes kube-sync``) lets Airflow configure logging, whose
     handlers keep the ``sys.stderr`` of that moment: a test's capture, closed after it. Such a

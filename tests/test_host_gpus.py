@@ -57,6 +57,38 @@ def test_a_broker_that_had_a_hosts_real_gpus_before_the_claim_is_recorded_as_the
         LocalBackend(work_dir, other).ensure_pool("default")
 
 
+def test_two_airflow_installations_on_one_host_cannot_both_have_its_real_gpus(tmp_path, two_real_gpus):
+    """The claim was kept in each installation's work directory (``$AIRFLOW_HOME/elastic_gpu_jobs``):
+    a second ``$AIRFLOW_HOME`` on the host, with its own broker, registered the same GPUs."""
+    from airflow_elastic_gpu.backends.local_host import CLAIM_FILE
+
+    first, second = (GpuBroker(f"sqlite:///{tmp_path / name}") for name in ("team-a.db", "team-b.db"))
+    assert LocalBackend(tmp_path / "home-a" / "jobs", first).ensure_pool("default").startswith("registered 2")
+    with pytest.raises(BackendError, match=r"team-a\.db.*team-b\.db"):
+        LocalBackend(tmp_path / "home-b" / "jobs", second).ensure_pool("default")
+    assert second.nodes() == []
+    claim = tmp_path / "host-claim" / CLAIM_FILE  # the host's (the test's [elastic_gpu] host_claim_dir)
+    assert claim.stat().st_mode & 0o777 == 0o644 and (claim.parent.stat().st_mode & 0o1777) == 0o1777
+
+
+def test_a_claim_recorded_in_a_work_directory_is_honoured_and_becomes_the_hosts(tmp_path, two_real_gpus):
+    """An installation upgraded from the per-work-directory claim keeps it: its broker is the host's."""
+    from airflow_elastic_gpu.backends.local_host import CLAIM_FILE, broker_identity
+    from airflow_elastic_gpu.sidecar import protocol
+
+    work_dir = tmp_path / "jobs"
+    old, other = (GpuBroker(f"sqlite:///{tmp_path / name}") for name in ("old.db", "other.db"))
+    work_dir.mkdir()
+    protocol.write_json(work_dir / CLAIM_FILE, {"broker": broker_identity(old.url), "pool": "default"})
+    with pytest.raises(BackendError, match="old.db"):
+        LocalBackend(work_dir, other).ensure_pool("default")
+    assert LocalBackend(work_dir, old).ensure_pool("default").startswith("registered 2")
+    host_claim = protocol.read_json(tmp_path / "host-claim" / CLAIM_FILE)
+    assert host_claim == {"broker": broker_identity(old.url), "pool": "default"}
+    with pytest.raises(BackendError, match="old.db"):  # from another work directory as well
+        LocalBackend(tmp_path / "elsewhere", other).ensure_pool("default")
+
+
 def test_brokers_of_virtual_gpus_claim_nothing(tmp_path):
     """Virtual GPUs are CPU processes: a test or a second demo on one host may have brokers of its own."""
     work_dir = tmp_path / "jobs"
@@ -99,7 +131,7 @@ def test_one_broker_spelled_two_ways_is_one_and_a_failed_registration_claims_not
     monkeypatch.setattr(failing, "register_node", lambda *a, **k: (_ for _ in ()).throw(InvalidRequest("refused")))
     with pytest.raises(InvalidRequest):
         LocalBackend(work_dir, failing).ensure_pool("default")
-    assert not (work_dir / CLAIM_FILE).exists()
+    assert not (work_dir / CLAIM_FILE).exists() and not (tmp_path / "host-claim" / CLAIM_FILE).exists()
     assert LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'real.db'}")).ensure_pool("default")
     with pytest.raises(BackendError, match="real.db"):
         LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'other.db'}")).ensure_pool("default")
@@ -138,7 +170,7 @@ def test_a_claim_lock_held_too_long_is_a_backend_error(tmp_path, two_real_gpus, 
     work_dir, held, done = tmp_path / "jobs", threading.Event(), threading.Event()
 
     def another_broker_registering():
-        with local_host.claim_lock(work_dir):
+        with local_host.claim_lock():
             held.set()
             done.wait(10)
 

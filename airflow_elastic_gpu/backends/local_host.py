@@ -16,7 +16,7 @@ from filelock import FileLock
 from sqlalchemy.engine import make_url
 
 from airflow_elastic_gpu.backends.base import BackendError
-from airflow_elastic_gpu.config import default_virtual_gpus
+from airflow_elastic_gpu.config import default_host_claim_dir, default_virtual_gpus
 from airflow_elastic_gpu.sidecar import protocol
 
 if TYPE_CHECKING:
@@ -28,8 +28,8 @@ LOCAL_NODE = "localhost"
 CLAIM_LOCK_TIMEOUT_S = 60.0
 """How long a broker waits for another's check, registration and claim of the host's GPUs (seconds)."""
 CLAIM_FILE = "host-gpus.json"
-"""The file in the local backend's work directory that names the broker handing out this host's
-real GPUs (:func:`claim_host_gpus`)."""
+"""The file in the host's claim directory (:func:`.config.default_host_claim_dir`) that names the
+broker handing out this host's real GPUs (:func:`claim_host_gpus`)."""
 
 @dataclass(frozen=True)
 class HostGpus:
@@ -100,33 +100,38 @@ def check_host_not_in_another_pool(broker: GpuBroker, pool: str) -> None:
 
 def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering: bool) -> None:
     """Keep this host's real GPUs in one broker: the first broker found with them in ``pool`` is
-    recorded in ``work_dir``/:data:`CLAIM_FILE`, and another broker that would register them, or
+    recorded in the host's claim, :data:`CLAIM_FILE` in :func:`.config.default_host_claim_dir`
+    (one per host, whatever the ``$AIRFLOW_HOME``), and another broker that would register them, or
     has them, is refused.
 
     Two brokers would hand the same GPUs to a job each. That happens when a process reads another
     broker than the rest of the deployment: Airflow 3 reports a connection it could not read (a
     secrets backend or its API server away for a moment) as not defined, and the broker then falls
-    back to the ``[elastic_gpu]`` section, whose default is a SQLite file in ``$AIRFLOW_HOME``.
-    Virtual GPUs (CPU processes) are not claimed. Brokers are told apart by :func:`broker_identity`.
+    back to the ``[elastic_gpu]`` section, whose default is a SQLite file in ``$AIRFLOW_HOME``; or
+    when two Airflow installations share a host. A claim recorded in ``work_dir`` (where releases
+    before the host-wide claim kept it) is honoured and copied to the host's. Virtual GPUs (CPU
+    processes) are not claimed. Brokers are told apart by :func:`broker_identity`.
 
     :param registering: the caller registers the host's GPUs in ``pool`` next: only checked (the
         claim is recorded by the call after the registration, when the broker has them).
     :raises BackendError: another broker has them, naming both and the file; a malformed file.
     """
-    path = Path(work_dir) / CLAIM_FILE
+    path = default_host_claim_dir() / CLAIM_FILE
+    legacy = Path(work_dir) / CLAIM_FILE
     name = broker_identity(broker.url)
     try:
-        claim = protocol.read_json(path)
+        claim = protocol.read_json(path) or protocol.read_json(legacy)
         if (claim is not None and claim.get("broker") == name) or (claim is None and registering):
             return
         if not registering and not any(_HOST_NODE.fullmatch(n.name) and any(g.gpu_type != "virtual" for g in n.gpus)
                                        for n in broker.nodes(pool)):
             return  # not this host's real GPUs
-        with claim_lock(path.parent):
+        with claim_lock():
             claim = protocol.read_json(path)
-            if claim is None:
-                protocol.write_json(path, {"broker": name, "pool": pool})
-                return
+            if claim is None:  # the first claim on this host, or one from the work directory
+                claim = protocol.read_json(legacy) or {"broker": name, "pool": pool}
+                protocol.write_json(path, claim)
+                path.chmod(0o644)  # read by every user's processes on the host
     except (OSError, ValueError) as exc:
         raise BackendError(f"cannot read or record which broker has this host's GPUs ({path}): {exc}") from None
     if claim.get("broker") == name:
@@ -134,28 +139,34 @@ def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering
     raise BackendError(
         f"this host's GPUs are handed out by the broker {claim.get('broker')!r} (recorded in {path}), not by this "
         f"process's broker {name!r}: two brokers would hand the same GPUs to two jobs. Every Airflow component "
-        "must read the same broker (the connection elastic_gpu_default, or [elastic_gpu] broker_url; Airflow "
-        "reports a connection it cannot read for a moment as not defined, and the [elastic_gpu] section's "
-        f"broker is used then). If the broker moved for good, delete {path} once no job of the old one runs")
+        "and every Airflow installation on this host must read the same broker (the connection "
+        "elastic_gpu_default, or [elastic_gpu] broker_url; Airflow reports a connection it cannot read for a "
+        "moment as not defined, and the [elastic_gpu] section's broker is used then). If the broker moved for "
+        f"good, delete {path} once no job of the old one runs")
 
 
 @contextlib.contextmanager
-def claim_lock(work_dir: Path, real: bool = True) -> Iterator[None]:
-    """Hold the lock of ``work_dir``'s :data:`CLAIM_FILE` (re-entrant in its thread) across a
-    broker's check, registration and claim of the host's GPUs; none for virtual GPUs (``real``
-    false). Makes ``work_dir``.
+def claim_lock(real: bool = True) -> Iterator[None]:
+    """Hold the lock of the host's :data:`CLAIM_FILE` (re-entrant in its thread) across a broker's
+    check, registration and claim of the host's GPUs; none for virtual GPUs (``real`` false).
+    Makes the claim's directory (sticky and writable by all, as ``/tmp``: the host's users share it).
 
     :raises BackendError: the lock cannot be taken (held for a minute, a directory not writable)."""
     if not real:
         yield
         return
-    path = Path(work_dir) / f".{CLAIM_FILE}.lock"
+    directory = default_host_claim_dir()
+    path = directory / f".{CLAIM_FILE}.lock"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(path, timeout=CLAIM_LOCK_TIMEOUT_S, is_singleton=True)
+        if not directory.is_dir():
+            directory.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # another user made it first
+                directory.chmod(0o1777)
+        lock = FileLock(path, timeout=CLAIM_LOCK_TIMEOUT_S, mode=0o666, is_singleton=True)
         lock.acquire()
     except OSError as exc:  # a Timeout too
-        raise BackendError(f"cannot take {path}, which guards this host's GPUs: {exc}") from None
+        raise BackendError(f"cannot take {path}, which guards this host's GPUs: {exc} (set [elastic_gpu] "
+                           "host_claim_dir to a directory every Airflow process on the host can write)") from None
     try:
         yield
     finally:
@@ -169,7 +180,7 @@ def register_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, found: Host
 
     :raises BackendError: another broker has them (naming both), or the claim file's lock cannot
         be taken."""
-    with claim_lock(work_dir, real=not found.virtual):
+    with claim_lock(real=not found.virtual):
         if not found.virtual:  # no other broker has them (checked), then this one's claim (recorded)
             claim_host_gpus(work_dir, broker, pool, registering=True)
         view = broker.register_node(LOCAL_NODE, pool=pool, gpu_type=found.gpu_type, gpu_indices=found.indices)
