@@ -73,6 +73,26 @@ def test_a_dropped_node_must_ack_before_its_gpus_go_to_another_job(pool):
     assert nodes_of(broker.job(other.id).target_gpus) == [dropped]
 
 
+def test_a_failure_reported_by_a_node_the_gang_no_longer_runs_on_does_not_end_it(pool):
+    """The dropped node's pod is deleted once every node has acked the smaller gang; its trainer (or
+    a restarted agent that took the deletion for a stop from outside) reports a failure then: the
+    whole job failed, though nothing of it ran on that node any more."""
+    broker = pool
+    job = gang(broker, lo=4, hi=6)
+    for node in NODES:
+        broker.ack(job.id, 1, node=node)
+    broker.submit(JobSpec("other", "python train.py", 2, 2, total_steps=100, backend="kubernetes"))
+    target = broker.target(job.id)
+    (dropped,) = set(NODES) - set(nodes_of(target.gpus))
+    for node in NODES:
+        broker.ack(job.id, 2, node=node)
+    assert broker.job(job.id).in_use_gpus == target.gpus
+    after = broker.fail(job.id, "the launcher was stopped from outside the broker", node=dropped)
+    assert after.status is JobStatus.RUNNING and after.in_use_gpus == target.gpus
+    kept = nodes_of(target.gpus)[0]  # a node it runs on: the job's end, as before
+    assert broker.fail(job.id, "trainer exited with code 1", node=kept).status is JobStatus.FAILED
+
+
 def test_an_ack_of_a_node_without_the_jobs_gpus_is_rejected(pool):
     broker = pool
     job = gang(broker, lo=4, hi=4)

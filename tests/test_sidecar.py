@@ -385,6 +385,38 @@ def test_a_pod_of_one_generation_still_applies_a_suspension(tmp_path):
     assert protocol.read_json(tmp_path / protocol.DESIRED) == {"generation": 2, "gpus": [], "stop": False}
 
 
+class BlippingBroker(MovedOnBroker):
+    """:class:`MovedOnBroker` whose first ``failures`` heartbeats fail (the broker's API away a moment)."""
+
+    def __init__(self, generation: int, failures: int = 1, **kw) -> None:
+        super().__init__(generation, **kw)
+        self.failures = failures
+
+    def heartbeat(self, job_id):
+        if self.failures > 0:
+            self.failures -= 1
+            raise OSError("connection refused")
+        return super().heartbeat(job_id)
+
+
+@pytest.mark.parametrize("status", [{"state": protocol.STOPPED}, {"state": protocol.EXITED, "exit_code": 1}])
+def test_a_pod_being_replaced_is_not_taken_for_stopped_from_outside_on_a_failed_heartbeat(tmp_path, status):
+    """Re-creation mode: the old pod's launcher stopped (or its trainer died with the gang's
+    rendezvous) in a poll whose heartbeat failed; the agent judged it on the generation it had seen
+    before, took it for a stop from outside and failed a job that had only moved to a new pod."""
+    running(tmp_path, 1)
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, **status})
+    broker = BlippingBroker(2, failures=2)
+    assert Agent(broker, "job", tmp_path, poll_s=0.01, pod_generation=1).run() == 0
+    assert not [c for c in broker.calls if c.startswith("fail")]
+    # the pod's deletion (SIGTERM) comes first: the agent asks the broker before it reports
+    broker = MovedOnBroker(2)
+    agent = Agent(broker, "job", tmp_path, poll_s=0.01, pod_generation=1)
+    agent.terminate()
+    assert agent.run() == 0
+    assert not [c for c in broker.calls if c.startswith("fail")]
+
+
 def test_a_stopped_launcher_of_the_current_generation_still_fails_the_job(tmp_path):
     running(tmp_path, 1)
     protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.STOPPED})

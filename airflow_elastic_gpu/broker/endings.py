@@ -68,6 +68,14 @@ class Endings(Queries):
                     if not hold and self._release_held(conn, job, f"{where} ({reason})", node):
                         self._ask_rebalance(conn, job.pool, self._due(job, added=1))
                     return
+                if node is not None and status is JobStatus.FAILED and not hold:
+                    target, in_use = job_gpus(conn, job.id)
+                    if (target or in_use) and node not in {g.node for g in (*target, *in_use)}:
+                        # a node the job no longer runs on (a gang's dropped node, acked: its trainer
+                        # died with its generation, or its pod's deletion stopped it): not the job's end
+                        log.info("job %s: %s on node %s, which the job no longer runs on; it runs on", job.id,
+                                 reason, node)
+                        return
                 exited = list(job.finished_nodes or ())
                 if node is not None and status is JobStatus.SUCCEEDED and not metrics:
                     # a gang of pods: this node's trainer exited cleanly without the final metrics

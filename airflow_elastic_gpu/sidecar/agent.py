@@ -177,10 +177,13 @@ class Agent(EndReports):
             if status is not None:
                 parser.generation = int(status.get("generation", 0))
                 parser.skip(d / protocol.LOG)
+        unsure_since: float | None = None  # since when a stop or a failed exit awaits the broker's word
         while True:
             if self.terminating.is_set():
                 status = self._status()
                 if status.get("state") == protocol.EXITED:
+                    if self._ends_the_job(status):  # not seen replaced: ask the broker once more
+                        self._refresh()
                     return self._report_exit(protocol.exit_code(status))
                 if self.node is not None:  # a gang's pod deleted after the job ended: report its node's stop
                     outcome, target = self._call("heartbeat", self.broker.heartbeat, self.job_id)
@@ -210,6 +213,15 @@ class Agent(EndReports):
                     return self._stop_ended("the broker no longer knows the job as running")
                 if ack is not Outcome.TRANSIENT:  # a rejected ack is not retried
                     acked = gen
+            if not contact and self._ends_the_job(status):
+                # judged on a poll whose heartbeat got through only: what _replaced() reads is the
+                # broker's word of an earlier poll, and a pod being replaced (re-creation, a move, a
+                # gang's dropped node) then read as stopped from outside, failing a job that moved on
+                unsure_since = unsure_since if unsure_since is not None else time.monotonic()
+                if time.monotonic() - unsure_since < self.end_report_timeout_s:
+                    self.terminating.wait(self.poll_s)
+                    continue
+            unsure_since = None
             if status.get("state") == protocol.EXITED:
                 return self._report_exit(protocol.exit_code(status))
             if self.gang is not None and contact and status.get("state") != protocol.STOPPED:
@@ -245,6 +257,21 @@ class Agent(EndReports):
                 self._report_failure(f"the launcher (pid {gone}) died without reporting an exit; its trainer was killed")
                 return 1
             self.terminating.wait(self.poll_s)
+
+    def _ends_the_job(self, status: dict[str, Any]) -> bool:
+        """Whether the launcher's ``status`` would end the job (a stop from outside, a failed exit)
+        unless this pod was replaced (:meth:`_replaced`)."""
+        state = status.get("state")
+        return (state == protocol.STOPPED or (state == protocol.EXITED and protocol.exit_code(status) != 0)) and (
+            not self._replaced())
+
+    def _refresh(self) -> None:
+        """One heartbeat, whose target updates what :meth:`_replaced` reads (a pod being deleted:
+        the last poll's heartbeat may have failed)."""
+        outcome, target = self._call("heartbeat", self.broker.heartbeat, self.job_id)
+        if outcome is Outcome.OK and not target.status.terminal:
+            self.newest_generation = max(self.newest_generation, target.generation)
+            self.written = self._apply(target, self.written)
 
     def _apply(self, target: Target, written: int) -> int:
         """Hand a running job's target to the launcher: a newer generation, or the permission to
