@@ -239,3 +239,32 @@ def test_an_orphan_started_in_another_namespace_is_stopped_there(tmp_path):
     wait_for(lambda: not api.pods and not api.secrets, 10, "the orphan's pod and Secret to be deleted in team-b")
     assert ("pod", "team-b") in api.where and ("secret", "team-b") in api.where
     broker.engine.dispose()
+
+
+def test_a_workers_wait_cancels_an_orphan_of_its_pool(worker_env, monkeypatch):
+    """``deferrable=False``: the task waits in its worker, and no trigger may poll the pool at all.
+    A job whose worker died (its task then failed without a retry) trained on unseen: only a
+    trigger's poll looked for it."""
+    from test_airflow_tasks import _FakeTI
+
+    from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
+
+    broker, backend, trainer = worker_env
+    broker.register_node("localhost", 2)
+    orphan = broker.submit(JobSpec("etl.train", f"{sys.executable} {trainer} x 100000", 1, 1, total_steps=100000,
+                                   key="etl/train/manual__1/-1", family="etl.train", attempt="try-1"))
+    orphan = broker.start(orphan.id, backend.start(orphan))
+    wait_for(lambda: broker.job(orphan.id).steps_done > 0, 60, "the orphan to train")
+    airflow = Airflow({"manual__1": {"train": "failed"}})
+    monkeypatch.setattr(orphans, "airflow_task_states", airflow)
+    monkeypatch.setattr(orphans, "ORPHAN_CHECK_S", 0.0)
+    monkeypatch.setattr(orphans, "_CHECKS", {})
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 60", total_steps=60,
+                                 min_gpus=1, max_gpus=1, poll_interval=0.2, deferrable=False)
+    ti = _FakeTI()  # retry_dag.train of another run: a task of the pool that waits in its worker
+    ti.run_id = "manual__2"
+    op.execute({"ti": ti})
+    assert broker.job(ti.xcom["job_id"]).status is JobStatus.SUCCEEDED
+    wait_for(lambda: broker.job(orphan.id).status is JobStatus.CANCELLED, 30, "the orphan to be cancelled")
+    assert "etl" in [dag for dag, _tasks, _runs in airflow.asked]
+    wait_for(lambda: not backend.is_running(orphan.id), 60, "the orphan's trainer to stop")

@@ -53,6 +53,7 @@ from airflow_elastic_gpu.config import (
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 from airflow_elastic_gpu.links.job import ElasticJobLink
 from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
+from airflow_elastic_gpu.triggers.orphans import check_orphans
 from airflow_elastic_gpu.triggers.submit import submit_and_start
 from airflow_elastic_gpu.triggers.training import (
     KILLED_REASON,
@@ -356,7 +357,9 @@ class ElasticTrainingOperator(BaseOperator):
     def _wait_in_worker(self, watcher: JobWatcher, context: Any) -> dict[str, Any]:
         """``deferrable=False``: poll ``watcher`` every ``poll_interval`` seconds until the job ends.
 
-        A poll that fails (the cluster API or the broker's database briefly away) is retried, as the
+        A poll also checks the pool for jobs no task follows (:func:`.orphans.check_orphans`, as a
+        trigger's does: a worker's wait may be the pool's only one). A poll that fails (the cluster
+        API or the broker's database briefly away) is retried, as the
         trigger retries it; ``execution_timeout``, which Airflow enforces in the worker, bounds the
         wait.
 
@@ -381,6 +384,7 @@ class ElasticTrainingOperator(BaseOperator):
                 continue
             if job.status.terminal:
                 return self._result(job, context)
+            check_orphans(watcher.broker, watcher.backend, job.pool)  # as a trigger's poll does
             time.sleep(self.poll_interval)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:

@@ -8,8 +8,9 @@ operator when its last try fails in the worker. Two ends reach no code of the ta
   again, the task is no longer deferred and its trigger is never run;
 - a task whose worker died (a SIGKILL, a lost host) that Airflow then fails without a retry.
 
-The job then trains on, for hours, on GPUs that nobody's result will use. Every trigger of a pool
-therefore looks, every :data:`ORPHAN_CHECK_S` (once per pool and triggerer process), at the pool's
+The job then trains on, for hours, on GPUs that nobody's result will use. Every trigger of a pool,
+and every task of it that waits in its worker (``deferrable=False``), therefore looks, every
+:data:`ORPHAN_CHECK_S` (once per pool and process), at the pool's
 unfinished jobs that the operator submitted (their key is ``dag_id/task_id/run_id/map_index`` and
 their family ``dag_id.task_id``: :func:`task_of`) and asks Airflow for their task instances' states
 (``RuntimeTaskInstance.get_task_states``, one question per task: the answer's keys of one question
