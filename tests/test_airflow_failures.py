@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from unittest import mock
 
 import pytest
 from airflow.exceptions import AirflowException
@@ -146,19 +147,24 @@ def test_a_request_the_broker_refuses_is_retried(worker_env, deferrable):
     assert broker.jobs() == []
 
 
-def test_a_job_the_triggerer_cannot_see_is_cancelled_by_the_worker_and_fails_its_task(worker_env):
-    """The triggerer's broker is not the worker's: the job ran on in the worker's, watched by
-    nobody, holding its GPUs until it ended by itself."""
-    broker, _, _ = worker_env
-    broker.register_node("localhost", 2)
-    job = broker.submit(JobSpec("unseen", "python train.py", 1, 2, total_steps=10**6))
-    broker.ack(job.id, 1)
-    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6)
-    event = {"job_id": job.id, "status": "error", "reason": f"unknown job {job.id!r} in the triggerer's broker"}
+def test_a_job_the_triggerer_cannot_see_is_followed_by_the_worker(worker_env):
+    """The triggerer's broker is not the worker's (its connection could not be read for minutes): the
+    job ran on in the worker's, watched by nobody; then it was cancelled, throwing a healthy
+    training away. The worker follows it now, as with ``deferrable=False``, and the task gets its result."""
+    broker, _, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 20", total_steps=20,
+                                 virtual_gpus=2, poll_interval=0.1, deferrable=False)
+    ti = _FakeTI()
+    with mock.patch.object(op, "_wait_in_worker", side_effect=lambda watcher, context: None):
+        op.execute({"ti": ti})  # submitted and started, as before a deferral
+    job_id = ti.xcom["job_id"]
+    event = {"job_id": job_id, "status": "error", "reason": f"unknown job {job_id!r} in the triggerer's broker"}
+    result = op.execute_complete({"ti": ti}, event)
+    assert result["job_id"] == job_id and result["final_step"] == 20
+    assert broker.job(job_id).status is JobStatus.SUCCEEDED
+    # a job the worker's broker does not have either: the task fails, as before
     with pytest.raises(AirflowFailException, match="the triggerer could not follow training job"):
-        op.execute_complete({"ti": _FakeTI()}, event)
-    ended = broker.job(job.id)
-    assert ended.status is JobStatus.CANCELLED and "the triggerer could not follow the job" in ended.reason
+        op.execute_complete({"ti": _FakeTI()}, {**event, "job_id": "no-such-job"})
 
 
 def test_a_task_killed_while_its_job_starts_cancels_that_job(worker_env, monkeypatch):

@@ -52,6 +52,7 @@ from airflow_elastic_gpu.config import (
 )
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 from airflow_elastic_gpu.links.job import ElasticJobLink
+from airflow_elastic_gpu.operators import results
 from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
 from airflow_elastic_gpu.triggers.orphans import check_orphans
 from airflow_elastic_gpu.triggers.submit import submit_and_start
@@ -390,9 +391,13 @@ class ElasticTrainingOperator(BaseOperator):
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         """Resume after the trigger fired: log the job's resizes, return its metrics.
 
-        :raises AirflowFailException: the triggerer cannot follow the job (its broker is not the
-            worker's, or it cannot make its broker or backend client: the job is cancelled here and
-            its processes stopped, so it holds no GPU that nobody watches), or :meth:`_result`'s.
+        The triggerer cannot follow the job (its broker is not the worker's, or it cannot make its
+        broker or backend client): the worker follows it as with ``deferrable=False``, where its
+        broker has the job.
+
+        :raises AirflowFailException: the triggerer cannot follow the job and the worker's broker
+            cannot be read either (the job is cancelled where it can be and its processes stopped,
+            so it holds no GPU that nobody watches), or :meth:`_result`'s.
         :raises AirflowException: the trigger could not start the job (``start_from_trigger``), the
             triggerer could not cancel the job past the task's deadline (the job is cancelled here;
             retried, as a time-out), or the job did not succeed.
@@ -405,6 +410,13 @@ class ElasticTrainingOperator(BaseOperator):
                        f"{event.get('reason')}")
             self._job_id, self._attempt = event["job_id"], attempt_of(context["ti"])
             timed_out = bool(event.get("timed_out"))
+            if not timed_out and (job := self._job_in_worker(event["job_id"])) is not None:
+                # the worker's broker has the job: it follows the job itself (a worker slot for
+                # the rest of the run), rather than throw a healthy training away
+                self.log.warning("%s; the worker follows the job until it ends instead. Give the triggerer the "
+                                 "worker's broker (connection and [elastic_gpu] settings)", message)
+                return self._wait_in_worker(JobWatcher(self.hook.broker, self._make_backend(), job.id, env=self.env,
+                                                       context=self.task_labels(context), log=self.log), context)
             try:  # the worker's broker has the job: no one would watch it, or end it
                 self._stop_job(TIMEOUT_CANCEL if timed_out
                                else f"the triggerer could not follow the job: {event.get('reason')}")
@@ -421,6 +433,14 @@ class ElasticTrainingOperator(BaseOperator):
             if e.kind in PUBLISH_KINDS:
                 self.log.info("[%s] %s", e.kind, e.message)
         return self._result(job, context)
+
+    def _job_in_worker(self, job_id: str) -> JobView | None:
+        """``job_id`` as the worker's broker has it, or None when it cannot be read there."""
+        try:
+            return self.hook.broker.job(job_id)
+        except Exception as exc:  # noqa: BLE001 - not the worker's either: the job is ended as before
+            self.log.warning("job %s cannot be read in the worker's broker either (%s)", job_id, exc)
+            return None
 
     def _result(self, job: JobView, context: Any) -> dict[str, Any]:
         """:raises AirflowFailException: ``job`` was cancelled, but not by the task's time-out nor
@@ -449,32 +469,13 @@ class ElasticTrainingOperator(BaseOperator):
         when the task succeeds)."""
         assets = [o for o in (self.outlets or []) if isinstance(o, Asset)]
         events = context.get("outlet_events") if hasattr(context, "get") else None
-        if not assets or events is None:
-            return
-        extra = self.asset_metadata(job)
-        for asset in assets:
+        extra = self.asset_metadata(job) if assets and events is not None else {}
+        for asset in assets if extra else ():
             events[asset].extra.update(extra)
             self.log.info("asset %s: %s", asset.uri, extra)
 
-    @staticmethod
-    def metrics(job: JobView) -> dict[str, Any]:
-        """The XCom result: the trainer's metrics, then JCT, queueing delay and GPU-seconds (s), resizes,
-        final step and exit code (these replace trainer metrics of the same name)."""
-        extra = {k: v for k, v in (job.metrics or {}).items() if k not in ("final", "step")}
-        # the broker's figures win: a trainer's metric named like one (e.g. job_id) does not replace it
-        return {**extra, "job_id": job.id, "jct_s": job.jct_s, "queueing_delay_s": job.queueing_delay_s,
-                "gpu_seconds": job.gpu_seconds, "num_resizes": job.num_resizes, "final_step": job.steps_done,
-                "exit_code": job.exit_code}
-
-    @staticmethod
-    def asset_metadata(job: JobView) -> dict[str, Any]:
-        """The ``extra`` of the outlet assets' events: :meth:`metrics` (the trainer's own, e.g.
-        ``accuracy``, included) plus ``gpu_hours`` (GPU-seconds / 3600), the job's ``name``,
-        ``pool`` and ``checkpoint_dir``; JSON values only."""
-        out = {k: v for k, v in ElasticTrainingOperator.metrics(job).items()
-               if isinstance(v, (str, int, float, bool)) or v is None}
-        return {**out, "gpu_hours": job.gpu_seconds / 3600.0, "name": job.name, "pool": job.pool,
-                "checkpoint_dir": job.checkpoint_dir}
+    metrics = staticmethod(results.metrics)
+    asset_metadata = staticmethod(results.asset_metadata)
 
     def on_kill(self) -> None:
         """Cancel the job and stop its processes (the job is known from its submission on, while its
