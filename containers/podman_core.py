@@ -17,7 +17,7 @@ import re
 import subprocess
 import tempfile
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,7 @@ class PodmanCoreV1:
             podman("pod", "rm", "--force", name, check=False)  # a half-played pod
             raise ApiException(status=500, reason=f"podman kube play failed: {done.stderr.strip()[-600:]}")
         self.pods[name] = copy.deepcopy(body)
+        self.pods[name].metadata.creation_timestamp = datetime.fromtimestamp(self.created_at[name], UTC)
 
     def delete_namespaced_pod(self, name: str, namespace: str) -> None:
         """Terminate the pod in the kubelet's order: its main containers, then its native sidecars in
@@ -192,20 +193,14 @@ class PodmanCoreV1:
 
     def status(self, name: str) -> k8s.V1PodStatus:
         """The pod's phase from its trainer container's state (podman's pod states differ from
-        Kubernetes' phases)."""
+        Kubernetes' phases): a container still stopping is Running (its exit code, 0 until it has
+        exited, is not yet its end), and one that cannot be inspected (removed under the pod) Failed."""
         done = podman("container", "inspect", f"{name}-trainer", check=False)
         if done.returncode != 0:
-            return k8s.V1PodStatus(phase="Pending")
+            return k8s.V1PodStatus(phase="Failed", reason="ContainerGone",
+                                   message=f"the trainer container cannot be inspected: {done.stderr.strip()[-300:]}")
         state = json.loads(done.stdout)[0]["State"]
-        if state["Status"] in ("created", "configured", "initialized"):
-            return k8s.V1PodStatus(phase="Pending")
-        if state["Status"] in ("running", "paused"):
-            return k8s.V1PodStatus(phase="Running")
-        code = int(state.get("ExitCode") or 0)
-        terminated = k8s.V1ContainerStateTerminated(exit_code=code, reason="Completed" if code == 0 else "Error")
-        return k8s.V1PodStatus(phase="Succeeded" if code == 0 else "Failed", container_statuses=[
-            k8s.V1ContainerStatus(name="trainer", image="", image_id="", ready=False, restart_count=0,
-                                  state=k8s.V1ContainerState(terminated=terminated))])
+        return pod_status_of(state)
 
     def trainer_log(self, name: str) -> list[tuple[float, str]]:
         """The trainer container's log lines of pod ``name`` (deleted or not) with their times."""
@@ -213,3 +208,16 @@ class PodmanCoreV1:
         if text is None:
             text = podman("logs", "--timestamps", f"{name}-trainer", check=False).stdout
         return log_lines(text)
+
+
+def pod_status_of(state: dict[str, Any]) -> k8s.V1PodStatus:
+    """A pod's status from its trainer container's ``podman container inspect`` ``State``."""
+    if state["Status"] in ("created", "configured", "initialized"):
+        return k8s.V1PodStatus(phase="Pending")
+    if state["Status"] in ("running", "paused", "stopping", "removing"):
+        return k8s.V1PodStatus(phase="Running")
+    code = int(state.get("ExitCode") or 0)
+    terminated = k8s.V1ContainerStateTerminated(exit_code=code, reason="Completed" if code == 0 else "Error")
+    return k8s.V1PodStatus(phase="Succeeded" if code == 0 else "Failed", container_statuses=[
+        k8s.V1ContainerStatus(name="trainer", image="", image_id="", ready=False, restart_count=0,
+                              state=k8s.V1ContainerState(terminated=terminated))])
