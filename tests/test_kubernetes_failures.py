@@ -30,6 +30,14 @@ def test_a_pod_deleted_from_outside_is_not_made_again_and_its_job_is_failed(clus
     assert api.pods == {}
     failed = broker.job(job.id)
     assert failed.status is JobStatus.FAILED and "deleted from outside" in failed.reason
+    # its GPU stays held: a force-deleted pod's containers may run on (its agent, if it does, hears the
+    # job ended and reports the trainer stopped); without a report, the lease frees it
+    assert held_gpus(broker, job.id)
+
+
+def held_gpus(broker, job_id: str) -> list:
+    """The GPUs of the pool still held for ``job_id`` after its end."""
+    return [g for n in broker.nodes() for g in n.gpus if g.in_use_by == job_id]
 
 
 def _agent_cannot_start_while_the_trainer_runs(api, name) -> None:

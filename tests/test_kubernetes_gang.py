@@ -239,13 +239,15 @@ def test_a_pod_of_a_running_gang_deleted_from_outside_fails_the_job(cluster):
     assert f"the pod of node {NODES[0]} was deleted" in backend.problem(broker.job(job.id)).reason
 
 
-def test_pods_of_two_nodes_deleted_from_outside_free_both_nodes_at_once(cluster):
-    """Two pods of a three-node gang deleted by someone else: the job fails naming both nodes, and
-    both nodes' GPUs are free at once (no agent of theirs is left to report); the third node's are
-    held until its trainer has stopped."""
+def test_pods_of_two_nodes_deleted_from_outside_fail_the_job_with_every_gpu_held(cluster, clock):
+    """Two pods of a three-node gang deleted by someone else: the job fails naming both nodes. Their
+    GPUs were freed at once, taken for stopped; a pod force-deleted (grace 0, or by the pod garbage
+    collector after its node went away) leaves the API while its containers may run on. Every GPU
+    stays held until each node's agent reports its trainer stopped, or the lease passes."""
     from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
-    broker, api = cluster
+    _, api = cluster
+    broker = GpuBroker(cluster[0].url, clock=clock)
     backend = KubernetesBackend(config(), broker, api)
     job = submit_gang(broker)
     backend.start(job)
@@ -253,17 +255,23 @@ def test_pods_of_two_nodes_deleted_from_outside_free_both_nodes_at_once(cluster)
     for node in (NODES[0], NODES[2]):
         api.delete_namespaced_pod(pods_by_node(api)[node], "ml")
     problem = backend.problem(broker.job(job.id))
-    assert (problem.node, problem.stopped_nodes) == (NODES[0], (NODES[2],))
+    assert (problem.node, problem.running) == (NODES[0], True)
     assert f"the pods of nodes {NODES[0]}, {NODES[2]} were deleted" in problem.reason
     JobWatcher(broker, backend, job.id).poll()
     failed = broker.job(job.id)
     assert failed.status is JobStatus.FAILED and NODES[2] in failed.reason
-    assert {g.node for g in failed.in_use_gpus} == {NODES[1]}
+    held = {n.name for n in broker.nodes() for g in n.gpus if g.in_use_by == job.id}
+    assert held == set(NODES)
+    broker.fail(job.id, "the trainer stopped", node=NODES[1])  # the pod left: its agent reports
+    clock.advance(broker.pool_config().lease_s + 1)
+    broker.rebalance()  # the deleted pods' agents never report: the lease frees their GPUs
+    assert not any(g.in_use_by == job.id for n in broker.nodes() for g in n.gpus)
 
 
-def test_an_evicted_pod_and_a_deleted_one_free_both_nodes(cluster):
-    """One pod evicted (still listed) and another deleted: both nodes' trainers no longer run, so
-    both nodes' GPUs are free when the job fails; the third node's wait for its agent."""
+def test_an_evicted_pod_and_a_deleted_one_fail_the_job(cluster):
+    """One pod evicted (still listed: its trainer no longer runs) and another deleted (its containers
+    may run on after a force deletion): the evicted node's GPUs are free when the job fails, the
+    others' wait for their agents or the lease."""
     from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
     broker, api = cluster
@@ -274,9 +282,9 @@ def test_an_evicted_pod_and_a_deleted_one_free_both_nodes(cluster):
     api.set_phase(pods_by_node(api)[NODES[1]], "Failed", reason="Evicted", message="The node was low on memory.")
     api.delete_namespaced_pod(pods_by_node(api)[NODES[2]], "ml")
     problem = backend.problem(broker.job(job.id))
-    assert (problem.node, problem.stopped_nodes) == (NODES[1], (NODES[2],))
+    assert problem.node == NODES[1] and not problem.running
     JobWatcher(broker, backend, job.id).poll()
-    assert {g.node for g in broker.job(job.id).in_use_gpus} == {NODES[0]}
+    assert {g.node for g in broker.job(job.id).in_use_gpus} == {NODES[0], NODES[2]}
 
 
 @pytest.mark.parametrize("mechanism", ["inplace", "recreate"])

@@ -41,8 +41,6 @@ class Problem:
     :param node: a gang of pods: the node whose pod is broken (its trainer no longer runs); the
         broker then frees that node's GPUs only, and the other nodes' once their trainers have
         stopped (their agents report it, or the lease passes). None: the job's only pod or process.
-    :param stopped_nodes: a gang: other nodes whose trainers are known to be stopped as well (their
-        pods are gone from the API, so no agent of theirs will report): released like ``node``.
     :param running: the trainer may still run (the problem is its agent's: a sidecar whose image
         cannot be pulled): the job is failed with its GPUs held, as after a cancel, until its
         trainer has stopped (the lease passes: the launcher fences it without its agent).
@@ -54,7 +52,6 @@ class Problem:
     reason: str
     gone: bool = False
     node: str | None = None
-    stopped_nodes: tuple[str, ...] = ()
     running: bool = False
     finished: dict[str, Any] | None = None
 

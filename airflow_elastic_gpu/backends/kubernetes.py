@@ -362,7 +362,10 @@ class KubernetesBackend:
         if state is None:
             # (a resize or move under way, whose new pod is not made yet: no pod is expected)
             expected = bool(job.target_gpus) and job.acked()
-            return Problem("the job's pod was deleted from outside the broker") if expected else None
+            # its GPUs held (running): a pod force-deleted (grace 0, or by the pod garbage collector
+            # after its node went away) leaves the API at once while its containers may run on; its
+            # agent, if it runs, is told the job ended and reports the trainer stopped, else the lease
+            return Problem("the job's pod was deleted from outside the broker", running=True) if expected else None
         reason = state.why_stopped(self.config.startup_grace_s)
         return None if reason is None else Problem(reason, running=state.trainer_running)
 

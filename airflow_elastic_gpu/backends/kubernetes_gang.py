@@ -235,7 +235,9 @@ class GangPods:
         image not pulled, Pending past ``startup_grace_s``), or the pod of a node that runs the acked generation gone from the API
         while no resize is under way. Either fails the whole job."""
         listed = self.backend.pods(job.id)
-        missing: list[str] = []  # nodes running the acked generation whose pod is gone (no resize under way)
+        # nodes running the acked generation whose pod is gone (no resize under way): their GPUs stay
+        # held until their agents report or the lease passes (a force deletion leaves containers running)
+        missing: list[str] = []
         if job.acked():
             missing = sorted({g.node for g in job.in_use_gpus} - {p.spec.node_name for p in listed})
         for pod in _live(listed):
@@ -243,13 +245,14 @@ class GangPods:
             # a pod Pending too long too: its peers' agents heartbeat the job, so the lease would never end it
             if (reason := state.why_stopped(self.backend.config.startup_grace_s)) is not None:
                 return Problem(f"{reason} (node {pod.spec.node_name} of the gang; every pod of the job is stopped)",
-                               node=pod.spec.node_name, stopped_nodes=tuple(missing),
-                               running=state.trainer_running)
+                               node=pod.spec.node_name, running=state.trainer_running)
         if missing:
             pods_of = "the pod of node" if len(missing) == 1 else "the pods of nodes"
+            # every GPU held (running) as for a single pod deleted from outside (a force deletion
+            # leaves containers running); each node's agent that runs reports its trainer stopped
             return Problem(f"{pods_of} {', '.join(missing)} {'was' if len(missing) == 1 else 'were'} deleted "
                            "from outside the broker (every pod of the job is stopped)",
-                           node=missing[0], stopped_nodes=tuple(missing[1:]))
+                           node=missing[0], running=True)
         return None
 
     def log_pod(self, job_id: str) -> Any | None:

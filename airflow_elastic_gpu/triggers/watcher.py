@@ -138,5 +138,3 @@ class JobWatcher:
         # a gang: the broken pod's node only, the other nodes' GPUs stay held until their trainers stop
         reason = f"{problem.reason}. Last log lines:\n{tail}" if tail else problem.reason
         self.broker.fail(job.id, reason, node=problem.node, hold=problem.running)
-        for node in problem.stopped_nodes:  # pods gone too: no agent of theirs will report
-            self.broker.fail(job.id, reason, node=node)
