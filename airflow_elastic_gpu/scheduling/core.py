@@ -116,6 +116,14 @@ class JobBook:
     finishing: bool = False
     unreachable: bool = False
 
+    @property
+    def at_last_step(self) -> bool:
+        """True once the trainer has reported its last step (``total_steps``, or ``total_steps - 1``
+        for a trainer that counts from 0) on GPUs: it evaluates or saves now, and a resize would stop
+        it there to restart for nothing (a gang's node that ends first would never rejoin). Not past
+        ``total_steps``: a trainer that trains on past it was given too few, and is resized as any."""
+        return bool(self.target) and self.total_steps - 1 <= self.steps_done <= self.total_steps
+
     def attained_gpu_s(self, now_s: float) -> float:
         """GPU-seconds the job has held up to ``now_s`` (Tiresias' attained service)."""
         return attained_gpu_s(self.gpu_seconds, len(self.in_use), self.in_use_since_s, now_s)
@@ -317,7 +325,8 @@ class SchedulingCore:
         resize, ``last_resize_s`` set to ``now_s``). A growth that needs GPUs another job has not
         given back yet waits for a later rebalance, and so does any change but a growth of a job
         that has not acked its latest generation (its trainer may run on those GPUs already: they
-        go to nobody else before it acks); a finishing or unreachable job's is not changed at all; a running job is taken to zero GPUs (suspended)
+        go to nobody else before it acks); a finishing or unreachable job's, or one at its last step
+        (:attr:`JobBook.at_last_step`), is not changed at all; a running job is taken to zero GPUs (suspended)
         only by a preemptive policy, or, when the policy suspends (``suspend=True``), if it is
         preemptible. A suspension appends ``now_s`` to ``suspensions_s``; a start or resume sets
         ``last_start_s``.
@@ -345,7 +354,7 @@ class SchedulingCore:
             suspendable={b.job_id for b in books if b.preemptible} if getattr(self.policy, "suspend", False)
             else (),
             unacked={b.job_id for b in books if b.target_generation > b.acked_generation},
-            fixed={b.job_id for b in books if b.finishing or b.unreachable},
+            fixed={b.job_id for b in books if b.finishing or b.unreachable or b.at_last_step},
         ):
             book = by_id[job_id]
             previous = len(book.target)
