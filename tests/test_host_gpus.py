@@ -72,21 +72,26 @@ def test_two_airflow_installations_on_one_host_cannot_both_have_its_real_gpus(tm
 
 
 def test_a_claim_recorded_in_a_work_directory_is_honoured_and_becomes_the_hosts(tmp_path, two_real_gpus):
-    """An installation upgraded from the per-work-directory claim keeps it: its broker is the host's."""
+    """An installation upgraded from the per-work-directory claim, its pool and jobs in place: its
+    next start copies the claim to the host's, so a second installation on the host is refused (it
+    was not: the work directory's claim named the broker, and nothing was copied)."""
     from airflow_elastic_gpu.backends.local_host import CLAIM_FILE, broker_identity
     from airflow_elastic_gpu.sidecar import protocol
 
     work_dir = tmp_path / "jobs"
     old, other = (GpuBroker(f"sqlite:///{tmp_path / name}") for name in ("old.db", "other.db"))
+    old.register_node("localhost", pool="default", gpu_type="NVIDIA A100-SXM4-80GB", gpu_indices=(0, 1))
     work_dir.mkdir()
-    protocol.write_json(work_dir / CLAIM_FILE, {"broker": broker_identity(old.url), "pool": "default"})
-    with pytest.raises(BackendError, match="old.db"):
-        LocalBackend(work_dir, other).ensure_pool("default")
-    assert LocalBackend(work_dir, old).ensure_pool("default").startswith("registered 2")
-    host_claim = protocol.read_json(tmp_path / "host-claim" / CLAIM_FILE)
-    assert host_claim == {"broker": broker_identity(old.url), "pool": "default"}
-    with pytest.raises(BackendError, match="old.db"):  # from another work directory as well
+    recorded = {"broker": broker_identity(old.url), "pool": "default"}
+    protocol.write_json(work_dir / CLAIM_FILE, recorded)
+    assert LocalBackend(work_dir, old).ensure_pool("default") is None  # a job's start after the upgrade
+    assert protocol.read_json(tmp_path / "host-claim" / CLAIM_FILE) == recorded
+    with pytest.raises(BackendError, match="old.db"):  # another installation: refused
         LocalBackend(tmp_path / "elsewhere", other).ensure_pool("default")
+    assert other.nodes() == []
+    with pytest.raises(BackendError, match="old.db"):  # and from the work directory's claim alone
+        (tmp_path / "host-claim" / CLAIM_FILE).unlink()  # (a container whose /var/tmp is its own)
+        LocalBackend(work_dir, other).ensure_pool("default")
 
 
 def test_brokers_of_virtual_gpus_claim_nothing(tmp_path):

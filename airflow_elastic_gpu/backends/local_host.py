@@ -101,48 +101,55 @@ def check_host_not_in_another_pool(broker: GpuBroker, pool: str) -> None:
 def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering: bool) -> None:
     """Keep this host's real GPUs in one broker: the first broker found with them in ``pool`` is
     recorded in the host's claim, :data:`CLAIM_FILE` in :func:`.config.default_host_claim_dir`
-    (one per host, whatever the ``$AIRFLOW_HOME``), and another broker that would register them, or
-    has them, is refused.
+    (one per host, whatever the ``$AIRFLOW_HOME``), and in ``work_dir`` (which containers on one
+    host may share where each has a ``/var/tmp`` of its own); another broker that would register
+    them, or has them, is refused.
 
     Two brokers would hand the same GPUs to a job each. That happens when a process reads another
     broker than the rest of the deployment: Airflow 3 reports a connection it could not read (a
     secrets backend or its API server away for a moment) as not defined, and the broker then falls
     back to the ``[elastic_gpu]`` section, whose default is a SQLite file in ``$AIRFLOW_HOME``; or
-    when two Airflow installations share a host. A claim recorded in ``work_dir`` (where releases
-    before the host-wide claim kept it) is honoured and copied to the host's. Virtual GPUs (CPU
+    when two Airflow installations share a host. A claim found in one place only (one recorded by a
+    release that kept it in the work directory alone) is copied to the other. Virtual GPUs (CPU
     processes) are not claimed. Brokers are told apart by :func:`broker_identity`.
 
     :param registering: the caller registers the host's GPUs in ``pool`` next: only checked (the
         claim is recorded by the call after the registration, when the broker has them).
-    :raises BackendError: another broker has them, naming both and the file; a malformed file.
+    :raises BackendError: another broker has them, naming both and the file; a malformed file, or
+        a claim that cannot be recorded (:func:`claim_lock`).
     """
-    path = default_host_claim_dir() / CLAIM_FILE
-    legacy = Path(work_dir) / CLAIM_FILE
+    paths = (default_host_claim_dir() / CLAIM_FILE, Path(work_dir) / CLAIM_FILE)
     name = broker_identity(broker.url)
     try:
-        claim = protocol.read_json(path) or protocol.read_json(legacy)
-        if (claim is not None and claim.get("broker") == name) or (claim is None and registering):
+        claims = [protocol.read_json(p) for p in paths]
+        if all(c is not None and c.get("broker") == name for c in claims):
             return
-        if not registering and not any(_HOST_NODE.fullmatch(n.name) and any(g.gpu_type != "virtual" for g in n.gpus)
-                                       for n in broker.nodes(pool)):
-            return  # not this host's real GPUs
+        if all(c is None for c in claims) and (registering or not any(
+                _HOST_NODE.fullmatch(n.name) and any(g.gpu_type != "virtual" for g in n.gpus)
+                for n in broker.nodes(pool))):
+            return  # nothing recorded, and not this host's real GPUs (yet)
         with claim_lock():
-            claim = protocol.read_json(path)
-            if claim is None:  # the first claim on this host, or one from the work directory
-                claim = protocol.read_json(legacy) or {"broker": name, "pool": pool}
-                protocol.write_json(path, claim)
-                path.chmod(0o644)  # read by every user's processes on the host
+            claims = [protocol.read_json(p) for p in paths]
+            first = next((c for c in claims if c is not None), None) or {"broker": name, "pool": pool}
+            for path, claim in zip(paths, claims, strict=True):
+                if claim is None and path.parent.is_dir():  # a work directory not made yet: later
+                    protocol.write_json(path, first)
+                    path.chmod(0o644)  # read by every user's processes on the host
     except (OSError, ValueError) as exc:
-        raise BackendError(f"cannot read or record which broker has this host's GPUs ({path}): {exc}") from None
-    if claim.get("broker") == name:
+        raise BackendError(f"cannot read or record which broker has this host's GPUs ({paths[0]}, {paths[1]}): "
+                           f"{exc}") from None
+    other = next(((p, c) for p, c in zip(paths, claims, strict=True)
+                  if c is not None and c.get("broker") != name), None)
+    if other is None and first.get("broker") == name:
         return
+    path, claim = other if other is not None else (paths[0], first)
     raise BackendError(
         f"this host's GPUs are handed out by the broker {claim.get('broker')!r} (recorded in {path}), not by this "
         f"process's broker {name!r}: two brokers would hand the same GPUs to two jobs. Every Airflow component "
         "and every Airflow installation on this host must read the same broker (the connection "
         "elastic_gpu_default, or [elastic_gpu] broker_url; Airflow reports a connection it cannot read for a "
         "moment as not defined, and the [elastic_gpu] section's broker is used then). If the broker moved for "
-        f"good, delete {path} once no job of the old one runs")
+        f"good, delete {paths[0]} and {paths[1]} once no job of the old one runs")
 
 
 @contextlib.contextmanager
