@@ -121,8 +121,11 @@ class JobBook:
         """True once the trainer has reported its last step (``total_steps``, or ``total_steps - 1``
         for a trainer that counts from 0) on GPUs: it evaluates or saves now, and a resize would stop
         it there to restart for nothing (a gang's node that ends first would never rejoin). Not past
-        ``total_steps``: a trainer that trains on past it was given too few, and is resized as any."""
-        return bool(self.target) and self.total_steps - 1 <= self.steps_done <= self.total_steps
+        ``total_steps``: a trainer that trains on past it was given too few, and is resized as any;
+        nor a job of one step (it would be fixed from its start). The core still moves such a job
+        off GPUs that may no longer be handed out (a drain)."""
+        return (bool(self.target) and self.total_steps > 1 and self.steps_done > 0
+                and self.total_steps - 1 <= self.steps_done <= self.total_steps)
 
     def attained_gpu_s(self, now_s: float) -> float:
         """GPU-seconds the job has held up to ``now_s`` (Tiresias' attained service)."""
@@ -342,6 +345,7 @@ class SchedulingCore:
             return []
         decision = self.policy.decide(self.cluster_state(nodes, books, now_s, history, history_by_type))
         by_id = {b.job_id: b for b in books}
+        usable = {GpuId(n.name, i) for n in nodes for i in n.gpu_indices}
         out = []
         for job_id, new in publishable(
             [b.job_id for b in books],
@@ -354,7 +358,8 @@ class SchedulingCore:
             suspendable={b.job_id for b in books if b.preemptible} if getattr(self.policy, "suspend", False)
             else (),
             unacked={b.job_id for b in books if b.target_generation > b.acked_generation},
-            fixed={b.job_id for b in books if b.finishing or b.unreachable or b.at_last_step},
+            fixed={b.job_id for b in books if b.finishing or b.unreachable
+                   or (b.at_last_step and usable.issuperset(b.target))},
         ):
             book = by_id[job_id]
             previous = len(book.target)
