@@ -182,7 +182,7 @@ class Agent(EndReports):
             if self.terminating.is_set():
                 status = self._status()
                 if status.get("state") == protocol.EXITED:
-                    if self._ends_the_job(status):  # not seen replaced: ask the broker once more
+                    if self._may_be_replaced() and self._ends_the_job(status):  # ask the broker once more
                         self._refresh()
                     return self._report_exit(protocol.exit_code(status))
                 if self.node is not None:  # a gang's pod deleted after the job ended: report its node's stop
@@ -213,14 +213,18 @@ class Agent(EndReports):
                     return self._stop_ended("the broker no longer knows the job as running")
                 if ack is not Outcome.TRANSIENT:  # a rejected ack is not retried
                     acked = gen
-            if not contact and self._ends_the_job(status):
+            if not contact and self._may_be_replaced() and self._ends_the_job(status):
                 # judged on a poll whose heartbeat got through only: what _replaced() reads is the
                 # broker's word of an earlier poll, and a pod being replaced (re-creation, a move, a
-                # gang's dropped node) then read as stopped from outside, failing a job that moved on
+                # gang's dropped node) then read as stopped from outside, failing a job that moved on.
+                # The report needs the broker too: past its time-out the lease ends the job
                 unsure_since = unsure_since if unsure_since is not None else time.monotonic()
-                if time.monotonic() - unsure_since < self.end_report_timeout_s:
-                    self.terminating.wait(self.poll_s)
-                    continue
+                if time.monotonic() - unsure_since >= self.end_report_timeout_s:
+                    log.error("the launcher is %s and the broker stayed unreachable for %gs: the job's lease "
+                              "will end it", status.get("state"), self.end_report_timeout_s)
+                    return 1
+                self.terminating.wait(self.poll_s)
+                continue
             unsure_since = None
             if status.get("state") == protocol.EXITED:
                 return self._report_exit(protocol.exit_code(status))
@@ -257,6 +261,11 @@ class Agent(EndReports):
                 self._report_failure(f"the launcher (pid {gone}) died without reporting an exit; its trainer was killed")
                 return 1
             self.terminating.wait(self.poll_s)
+
+    def _may_be_replaced(self) -> bool:
+        """Whether the broker may replace this agent's pod (one of a generation, on a node, or a
+        gang's node): else no heartbeat can tell it a stop or a failed exit is not the job's end."""
+        return self.pod_generation is not None or self.host_node is not None or self.node is not None
 
     def _ends_the_job(self, status: dict[str, Any]) -> bool:
         """Whether the launcher's ``status`` would end the job (a stop from outside, a failed exit)
