@@ -22,4 +22,12 @@ except ImportError:  # pragma: no cover - older task SDK
 from airflow.triggers.base import BaseTrigger, StartTriggerArgs, TriggerEvent
 
 __all__ = ["AirflowException", "AirflowFailException", "Asset", "BaseHook", "BaseOperator", "BaseOperatorLink", "BaseTrigger",
-           "Metadata", "StartTriggerArgs", "TaskDeferred", "TriggerEvent", "XCom", "XComArg"]
+           "Metadata", "StartTriggerArgs", "TaskDeferred", "TriggerEvent", "XCom", "XComArg",
+           "resolved_later"]
+
+
+def resolved_later(value: object) -> bool:
+    """Whether a template field's value is resolved only when the task runs (an upstream task's
+    output, ``XComArg``, or a mapped task group's argument: what Airflow resolves, by its
+    ``resolve``/``iter_references`` protocol), so checked then rather than when the DAG is parsed."""
+    return isinstance(value, XComArg) or (hasattr(value, "resolve") and hasattr(value, "iter_references"))

@@ -167,6 +167,26 @@ def test_a_job_the_triggerer_cannot_see_is_followed_by_the_worker(worker_env):
         op.execute_complete({"ti": _FakeTI()}, {**event, "job_id": "no-such-job"})
 
 
+def test_a_job_the_worker_took_back_is_cancelled_at_the_tries_deadline(worker_env):
+    """Airflow restarts ``execution_timeout`` when a deferred task resumes: a job the worker took
+    back from the triggerer five hours into a six-hour try ran up to six more. It is cancelled at
+    the try's deadline (the trigger's), and the task retried as on a time-out."""
+    broker, _, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 100000", total_steps=100000,
+                                 virtual_gpus=2, poll_interval=0.1, deferrable=False)
+    ti = _FakeTI()
+    with mock.patch.object(op, "_wait_in_worker", side_effect=lambda watcher, context: None):
+        op.execute({"ti": ti})
+    job_id = ti.xcom["job_id"]
+    event = {"job_id": job_id, "status": "error", "reason": "unknown job in the triggerer's broker",
+             "deadline_s": time.time() + 1.0}
+    with pytest.raises(AirflowException, match="execution_timeout") as raised:
+        op.execute_complete({"ti": ti}, event)
+    assert not isinstance(raised.value, AirflowFailException)
+    ended = broker.job(job_id)
+    assert ended.status is JobStatus.CANCELLED and ended.reason.startswith("execution_timeout")
+
+
 def test_a_task_killed_while_its_job_starts_cancels_that_job(worker_env, monkeypatch):
     """The job's id was known to ``on_kill`` only once its processes had started: a task killed
     meanwhile (a start that waits for the previous try's trainer to stop) left the job behind."""

@@ -152,7 +152,7 @@ def test_a_triggerer_that_cannot_make_its_broker_client_hands_the_job_to_the_wor
     assert "nosuchdriver" in event.payload["reason"]
     monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", broker.url)  # the worker's broker
     followed = []
-    monkeypatch.setattr(op, "_wait_in_worker", lambda watcher, context: followed.append(watcher.job_id) or {})
+    monkeypatch.setattr(op, "_wait_in_worker", lambda watcher, context, deadline_s=None: followed.append(watcher.job_id) or {})
     assert op.execute_complete({"ti": _FakeTI()}, event.payload) == {} and followed == [job.id]
     assert broker.job(job.id).status is JobStatus.RUNNING
 

@@ -42,7 +42,7 @@ from airflow_elastic_gpu.compat import (
     BaseOperator,
     StartTriggerArgs,
     TaskDeferred,
-    XComArg,
+    resolved_later,
 )
 from airflow_elastic_gpu.config import (
     airflow_conf,
@@ -69,13 +69,6 @@ from airflow_elastic_gpu.triggers.training import (
     will_retry,
 )
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
-
-
-def _later(value: object) -> bool:
-    """Whether a template field's value is resolved only when the task runs (an upstream task's
-    output, ``XComArg``, or a mapped task group's argument: what Airflow resolves, by its
-    ``resolve``/``iter_references`` protocol), so checked then rather than when the DAG is parsed."""
-    return isinstance(value, XComArg) or (hasattr(value, "resolve") and hasattr(value, "iter_references"))
 
 
 class ElasticTrainingOperator(BaseOperator):
@@ -190,8 +183,8 @@ class ElasticTrainingOperator(BaseOperator):
             raise AirflowException(f"{self.task_id}: start_from_trigger=True needs deferrable=True")
         if start_from_trigger:  # its trigger's arguments are fixed when the DAG is parsed
             upstream = [name for name, value in (("command", command), ("env", env), ("checkpoint_dir", checkpoint_dir),
-                                                 ("job_name", job_name)) if _later(value) or (
-                        isinstance(value, Mapping) and any(_later(v) for v in value.values()))]
+                                                 ("job_name", job_name)) if resolved_later(value) or (
+                        isinstance(value, Mapping) and any(resolved_later(v) for v in value.values()))]
             if upstream:
                 raise AirflowException(
                     f"{self.task_id}: start_from_trigger=True cannot take an upstream task's output "
@@ -200,27 +193,27 @@ class ElasticTrainingOperator(BaseOperator):
         try:
             if gpu_pool is not None:  # named as the argument the user wrote (JobSpec's field is pool)
                 check_pool_name("gpu_pool", gpu_pool)
-            if job_name is not None and not _later(job_name):  # named as the argument (JobSpec's is name)
+            if job_name is not None and not resolved_later(job_name):  # named as the argument (JobSpec's is name)
                 check_text("job_name", job_name, MAX_NAME_CHARS)
             # template fields given an upstream task's output (XComArg) are known only when the task
             # runs: checked then (execute, or the trigger's submit), here a stand-in of the right type
             spec = JobSpec(  # the one validation of a job's fields, also run by the broker at submit
-                name=self.task_id if job_name is None or _later(job_name) else job_name,
-                command="resolved when the task runs" if _later(command) else command,
+                name=self.task_id if job_name is None or resolved_later(job_name) else job_name,
+                command="resolved when the task runs" if resolved_later(command) else command,
                 min_gpus=min_gpus, max_gpus=max_gpus,
                 total_steps=total_steps, requested_gpus=requested_gpus,
                 pool=DEFAULT_POOL if gpu_pool is None else gpu_pool, priority=priority,
-                progress_pattern=progress_pattern, checkpoint_dir=None if _later(checkpoint_dir) else checkpoint_dir,
+                progress_pattern=progress_pattern, checkpoint_dir=None if resolved_later(checkpoint_dir) else checkpoint_dir,
                 backend=backend, preemptible=preemptible, relative_speed=relative_speed,
             )
             self.kubernetes = backend_settings(backend, image=image, kubernetes=kubernetes)
             if virtual_gpus is not None:
                 check_int("virtual_gpus", virtual_gpus, 1)
             check_int("virtual_nodes", virtual_nodes, 1)
-            if not _later(env):  # a value from an upstream task's output: checked when the task runs
-                checked = check_env({k: v for k, v in env.items() if not _later(v)}
+            if not resolved_later(env):  # a value from an upstream task's output: checked when the task runs
+                checked = check_env({k: v for k, v in env.items() if not resolved_later(v)}
                                     if isinstance(env, Mapping) else env)
-                env = {**checked, **{k: v for k, v in env.items() if _later(v)}} if env else checked
+                env = {**checked, **{k: v for k, v in env.items() if resolved_later(v)}} if env else checked
         except (BrokerError, BackendError) as exc:
             raise AirflowException(f"{self.task_id}: {exc}") from None
         max_gpus = spec.max_gpus
@@ -355,14 +348,13 @@ class ElasticTrainingOperator(BaseOperator):
         return self._wait_in_worker(JobWatcher(broker, backend, job.id, env=self.env, context=labels,
                                                log=self.log), context)
 
-    def _wait_in_worker(self, watcher: JobWatcher, context: Any) -> dict[str, Any]:
-        """``deferrable=False``: poll ``watcher`` every ``poll_interval`` seconds until the job ends.
-
-        A poll also checks the pool for jobs no task follows (:func:`.orphans.check_orphans`, as a
-        trigger's does: a worker's wait may be the pool's only one). A poll that fails (the cluster
-        API or the broker's database briefly away) is retried, as the
-        trigger retries it; ``execution_timeout``, which Airflow enforces in the worker, bounds the
-        wait.
+    def _wait_in_worker(self, watcher: JobWatcher, context: Any, deadline_s: float | None = None) -> dict[str, Any]:
+        """Poll ``watcher`` every ``poll_interval`` seconds until the job ends: ``deferrable=False``
+        (Airflow's ``execution_timeout`` bounds the wait), or a job the triggerer could not follow
+        (Airflow restarts the timeout on resume: the job is cancelled at ``deadline_s``, epoch
+        seconds, the try's end, as the trigger would). A poll also checks the pool for jobs no task
+        follows (:func:`.orphans.check_orphans`: a worker's wait may be the pool's only one); one
+        that fails (the cluster API or the broker's database briefly away) is retried.
 
         :raises AirflowException: the job did not succeed, or the broker no longer has it.
         """
@@ -385,6 +377,10 @@ class ElasticTrainingOperator(BaseOperator):
                 continue
             if job.status.terminal:
                 return self._result(job, context)
+            if deadline_s is not None and time.time() >= deadline_s:
+                self._stop_job(TIMEOUT_CANCEL)  # the next poll reads the job cancelled: retried, a time-out
+                deadline_s = None  # once (a later try that reattached follows the job on)
+                continue
             check_orphans(watcher.broker, watcher.backend, job.pool)  # as a trigger's poll does
             time.sleep(self.poll_interval)
 
@@ -416,7 +412,8 @@ class ElasticTrainingOperator(BaseOperator):
                 self.log.warning("%s; the worker follows the job until it ends instead. Give the triggerer the "
                                  "worker's broker (connection and [elastic_gpu] settings)", message)
                 return self._wait_in_worker(JobWatcher(self.hook.broker, self._make_backend(), job.id, env=self.env,
-                                                       context=self.task_labels(context), log=self.log), context)
+                                                       context=self.task_labels(context), log=self.log), context,
+                                            deadline_s=event.get("deadline_s"))
             try:  # the worker's broker has the job: no one would watch it, or end it
                 self._stop_job(TIMEOUT_CANCEL if timed_out
                                else f"the triggerer could not follow the job: {event.get('reason')}")

@@ -341,11 +341,13 @@ class ElasticTrainingTrigger(BaseTrigger):
                           f"the broker the task submitted to (connection {self.broker_conn_id!r} or "
                           "[elastic_gpu] broker_url)")
                 self.log.error("%s", reason)
-                yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": reason})
+                yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": reason,
+                                    "deadline_s": self.deadline_s})
                 return
             except ClientSetupError as exc:  # a triggerer's configuration: polling again changes nothing
                 self.log.error("job %s: %s", self.job_id, exc)
-                yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": str(exc)})
+                yield TriggerEvent({"job_id": self.job_id, "status": "error", "reason": str(exc),
+                                    "deadline_s": self.deadline_s})
                 return
             except CleanupFailed as exc:  # the job has ended: its end is fired after a few tries
                 if self._get_watcher().cleanup_failed(exc):
