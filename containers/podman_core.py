@@ -194,11 +194,12 @@ class PodmanCoreV1:
     def status(self, name: str) -> k8s.V1PodStatus:
         """The pod's phase from its trainer container's state (podman's pod states differ from
         Kubernetes' phases): a container still stopping is Running (its exit code, 0 until it has
-        exited, is not yet its end), and one that cannot be inspected (removed under the pod) Failed."""
+        exited, is not yet its end), and one that cannot be inspected now (podman's lock busy, or
+        removed under the pod) Unknown, as a pod whose node does not answer: its agent's lease
+        decides."""
         done = podman("container", "inspect", f"{name}-trainer", check=False)
         if done.returncode != 0:
-            return k8s.V1PodStatus(phase="Failed", reason="ContainerGone",
-                                   message=f"the trainer container cannot be inspected: {done.stderr.strip()[-300:]}")
+            return k8s.V1PodStatus(phase="Unknown")
         state = json.loads(done.stdout)[0]["State"]
         return pod_status_of(state)
 
