@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Mapping
 from functools import cached_property
@@ -76,11 +77,16 @@ from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the b
 )
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobView
+from airflow_elastic_gpu.sidecar.logparse import LogParser
 
 if TYPE_CHECKING:
     from airflow_elastic_gpu.backends.kubernetes_gang import GangPods
 
 log = logging.getLogger(__name__)
+
+CLEAN_EXIT_LOG_LINES = 200
+"""Lines of a pod's trainer log read for its clean exit and final metrics (the trainer prints the
+metrics just before it exits, and the launcher's exit note follows)."""
 
 
 class KubernetesBackend:
@@ -359,6 +365,10 @@ class KubernetesBackend:
         if self.is_gang(job):
             return self.gang.problem(job)
         state = self.state(job.id)
+        if state is not None and state.phase in ("Running", "Succeeded") and not state.trainer_running and (
+                (finished := self._clean_exit(job, state.name)) is not None):
+            return Problem("the trainer had exited cleanly, and its agent is gone without reporting it (the "
+                           "broker's API out of reach until the pod's grace period ended)", gone=True, finished=finished)
         if state is None:
             # (a resize or move under way, whose new pod is not made yet: no pod is expected)
             expected = bool(job.target_gpus) and job.acked()
@@ -368,6 +378,22 @@ class KubernetesBackend:
             return Problem("the job's pod was deleted from outside the broker", running=True) if expected else None
         reason = state.why_stopped(self.config.startup_grace_s)
         return None if reason is None else Problem(reason, running=state.trainer_running)
+
+    def _clean_exit(self, job: JobView, pod_name: str) -> dict[str, Any] | None:
+        """The final metrics (``{}`` when it printed none) of a trainer whose launcher's last word in
+        the pod's log (``--echo``) is its clean exit; None otherwise (still running, stopped on
+        request, which also exits 0, failed, or a log that cannot be read)."""
+        try:
+            text = str(self.core_v1.read_namespaced_pod_log(pod_name, self.config.namespace, container="trainer",
+                                                            tail_lines=CLEAN_EXIT_LOG_LINES))
+        except (ApiException, urllib3.exceptions.HTTPError, OSError):
+            return None
+        notes = [line for line in text.splitlines() if line.startswith("[launcher ")]
+        if not notes or not notes[-1].endswith("] trainer exited with code 0"):
+            return None
+        parser = LogParser(re.compile(job.progress_pattern) if job.progress_pattern else None)
+        parser.feed(text + "\n")
+        return parser.metrics or {}
 
     def is_running(self, job_id: str) -> bool:
         """True while a pod of the job (any node's, any generation's) is pending or running."""

@@ -84,6 +84,10 @@ class LogParser:
         text = chunk.decode("utf-8", "replace")
         self._lines(text if size <= SKIP_KEEP_BYTES else _LINE_END.split(text, 1)[-1])  # from a whole line
 
+    def feed(self, text: str) -> list[tuple[int, float]]:
+        """Parse ``text`` as the log's next part (a log read elsewhere: a pod's, through its API)."""
+        return self._lines(text)
+
     def _lines(self, text: str) -> list[tuple[int, float]]:
         """Parse the lines ``text`` completes. Each drawing of a line redrawn with ``\r`` is parsed;
         the tail keeps what a terminal would show of it (its last drawing)."""

@@ -97,6 +97,8 @@ class JobWatcher:
             finally:  # a broken pod is reported while its pods cannot be synced too
                 self._fail_if_broken(job)
         job = self.broker.job(self.job_id)
+        if job.status is JobStatus.LOST:
+            job = self._finished_unreported(job)
         events = self.broker.events(job_id=self.job_id, after_id=self.after_event_id)
         for event in events:
             if event.kind in LOGGED_KINDS:
@@ -124,6 +126,21 @@ class JobWatcher:
         self.log.error("%s (%d tries): its end is reported all the same; what the clean-up "
                        "left behind is to be removed by hand", exc, failures)
         return True
+
+    def _finished_unreported(self, job: JobView) -> JobView:
+        """A LOST job whose trainer had exited cleanly (its backend reads it: a local launcher's
+        ``status.json``, a pod's log) succeeds with the metrics found: its agent could not reach the
+        broker within the lease (the broker's API away as the job ended), and the try was retried,
+        the whole training redone from its last checkpoint. The broker takes the late report."""
+        try:
+            problem = self.backend.problem(job)
+        except Exception as exc:  # noqa: BLE001 - the job's end stands as LOST
+            self.log.warning("job %s: could not tell whether its trainer had finished (%s)", job.id, exc)
+            return job
+        if problem is None or problem.finished is None:
+            return job
+        self.log.warning("job %s was declared lost, but %s: it succeeded", job.id, problem.reason)
+        return self.broker.finish(job.id, 0, problem.finished or None)
 
     def _fail_if_broken(self, job: JobView) -> None:
         problem = self.backend.problem(job)

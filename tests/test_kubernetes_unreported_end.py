@@ -1,0 +1,86 @@
+"""A pod's trainer that finished while the broker's API was out of reach: its agent could not
+report the clean exit before the pod's grace period ended, and the job was failed as gone, or
+declared LOST and the task retried, its whole training redone from the last checkpoint. The pod's
+log (the launcher's ``--echo``) tells a clean exit from a stop on request, which also exits 0."""
+
+from __future__ import annotations
+
+import kubernetes.client as k8s
+import pytest
+from test_kubernetes import FakeCoreV1, config, submit
+
+from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
+from airflow_elastic_gpu.broker.models import JobStatus
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.triggers.watcher import GONE_POLLS, JobWatcher
+
+FINISHED = ('{"step": 1000}\n{"final": true, "accuracy": 0.97, "step": 1000}\n'
+            + protocol.launcher_line("trainer exited with code 0"))
+STOPPED = '{"step": 420}\n' + protocol.launcher_line("stopped on request")
+
+
+class LoggedCoreV1(FakeCoreV1):
+    """:class:`FakeCoreV1` whose pods' trainer logs are set by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logs: dict[str, str] = {}
+
+    def read_namespaced_pod_log(self, name, namespace, container, tail_lines):
+        return self.logs.get(name, "")
+
+    def trainer_exited(self, name: str, log: str) -> None:
+        """The trainer container exited 0 (the launcher's code, clean exit or stop) with ``log``;
+        its agent (a native sidecar) is gone too: the pod Succeeded."""
+        self.logs[name] = log
+        self.pods[name].status = k8s.V1PodStatus(phase="Succeeded", container_statuses=[k8s.V1ContainerStatus(
+            name="trainer", image="i", image_id="", ready=False, restart_count=0,
+            state=k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=0, reason="Completed")))])
+
+
+@pytest.fixture
+def cluster(tmp_path, clock):
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}", clock=clock)
+    broker.register_node("gpu-node-0", 4, gpu_type="NVIDIA A100")
+    api = LoggedCoreV1()
+    yield broker, api, KubernetesBackend(config(), broker, api)
+    broker.engine.dispose()
+
+
+def started(broker, backend, api):
+    job = submit(broker, "j", 1, 1)
+    backend.start(job)
+    broker.ack(job.id, 1)
+    (name,) = api.pods
+    return job, name
+
+
+@pytest.mark.parametrize(("log", "succeeded"), [(FINISHED, True), (STOPPED, False)], ids=["finished", "stopped"])
+def test_a_clean_exit_that_its_agent_did_not_report_is_the_jobs_success(cluster, log, succeeded):
+    broker, api, backend = cluster
+    job, name = started(broker, backend, api)
+    api.trainer_exited(name, log)
+    watcher = JobWatcher(broker, backend, job.id)
+    for _ in range(GONE_POLLS):
+        watcher.poll()
+    ended = broker.job(job.id)
+    if succeeded:
+        assert ended.status is JobStatus.SUCCEEDED and ended.metrics["accuracy"] == 0.97
+    else:  # stopped on request: not a finished training (the lease or the agent's report decides)
+        assert ended.status is JobStatus.RUNNING
+
+
+def test_a_job_declared_lost_whose_trainer_had_finished_succeeds(cluster, clock):
+    broker, api, backend = cluster
+    job, name = started(broker, backend, api)
+    lease_s = broker.pool_config().lease_s
+    clock.advance(lease_s * 0.6)
+    broker.rebalance()  # a call within the lease (else the silence of every caller reads as an outage)
+    clock.advance(lease_s * 0.6)
+    broker.rebalance()  # its agent silent for a lease: LOST
+    assert broker.job(job.id).status is JobStatus.LOST
+    api.trainer_exited(name, FINISHED)
+    polled, _ = JobWatcher(broker, backend, job.id).poll()
+    assert polled.status is JobStatus.SUCCEEDED and polled.metrics["accuracy"] == 0.97
+    assert api.pods == {}  # cleaned up as any ended job
