@@ -188,7 +188,7 @@ class PodmanCoreV1:
             pod.status = self.status(pod.metadata.name)
         return Listing(found)
 
-    def read_namespaced_pod_log(self, name: str, namespace: str, container: str, tail_lines: int) -> str:
+    def read_namespaced_pod_log(self, name: str, namespace: str, container: str, tail_lines: int, **_: Any) -> str:
         return podman("logs", "--tail", str(tail_lines), f"{name}-{container}", check=False).stdout
 
     def status(self, name: str) -> k8s.V1PodStatus:

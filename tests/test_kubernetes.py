@@ -108,7 +108,7 @@ class FakeCoreV1:
         key, value = label_selector.split("=", 1)
         return Listing([p for p in self.pods.values() if (p.metadata.labels or {}).get(key) == value])
 
-    def read_namespaced_pod_log(self, name, namespace, container, tail_lines):
+    def read_namespaced_pod_log(self, name, namespace, container, tail_lines, **_kw):
         return "step 10\nCUDA error: out of memory\n"
 
     def list_node(self, label_selector=None):

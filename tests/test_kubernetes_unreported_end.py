@@ -5,6 +5,8 @@ log (the launcher's ``--echo``) tells a clean exit from a stop on request, which
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import kubernetes.client as k8s
 import pytest
 from test_kubernetes import FakeCoreV1, config, submit
@@ -20,15 +22,33 @@ FINISHED = ('{"step": 1000}\n{"final": true, "accuracy": 0.97, "step": 1000}\n'
 STOPPED = '{"step": 420}\n' + protocol.launcher_line("stopped on request")
 
 
+@dataclass
+class RawResponse:
+    """What the client returns with ``_preload_content=False``: the body's bytes, unread."""
+
+    data: bytes
+    released: bool = False
+
+    def release_conn(self) -> None:
+        self.released = True
+
+
 class LoggedCoreV1(FakeCoreV1):
-    """:class:`FakeCoreV1` whose pods' trainer logs are set by the test."""
+    """:class:`FakeCoreV1` whose pods' trainer logs are set by the test, answered as the real client
+    (kubernetes 36) answers: decoded by itself, ``str(bytes)``, one escaped line; raw, the bytes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.logs: dict[str, str] = {}
+        self.responses: list[RawResponse] = []
 
-    def read_namespaced_pod_log(self, name, namespace, container, tail_lines):
-        return self.logs.get(name, "")
+    def read_namespaced_pod_log(self, name, namespace, container, tail_lines, limit_bytes=None,
+                                _preload_content=True):
+        body = "\n".join(self.logs.get(name, "").splitlines()[-tail_lines:]).encode()[-(limit_bytes or 0):]
+        if _preload_content:
+            return str(body)
+        self.responses.append(RawResponse(body))
+        return self.responses[-1]
 
     def trainer_exited(self, name: str, log: str) -> None:
         """The trainer container exited 0 (the launcher's code, clean exit or stop) with ``log``;
@@ -65,6 +85,7 @@ def test_a_clean_exit_that_its_agent_did_not_report_is_the_jobs_success(cluster,
     for _ in range(GONE_POLLS):
         watcher.poll()
     ended = broker.job(job.id)
+    assert api.responses and all(r.released for r in api.responses)
     if succeeded:
         assert ended.status is JobStatus.SUCCEEDED and ended.metrics["accuracy"] == 0.97
     else:  # stopped on request: not a finished training (the lease or the agent's report decides)
@@ -84,3 +105,12 @@ def test_a_job_declared_lost_whose_trainer_had_finished_succeeds(cluster, clock)
     polled, _ = JobWatcher(broker, backend, job.id).poll()
     assert polled.status is JobStatus.SUCCEEDED and polled.metrics["accuracy"] == 0.97
     assert api.pods == {}  # cleaned up as any ended job
+
+
+def test_the_trainers_last_log_lines_are_read_as_lines(cluster):
+    """The failure reason's "Last log lines" were one escaped line (``b'...\\n...'``): the client
+    gives ``str(bytes)`` for this call."""
+    broker, api, backend = cluster
+    job, name = started(broker, backend, api)
+    api.logs[name] = "step 10\nCUDA error: out of memory\n"
+    assert backend.log_tail(job.id) == ["step 10", "CUDA error: out of memory"]

@@ -72,6 +72,7 @@ from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the b
     PodState,
     _any_live,
     api_message,
+    pod_log,
     pod_problem,  # noqa: F401 - re-exported
     pod_state,
 )
@@ -365,8 +366,7 @@ class KubernetesBackend:
         if self.is_gang(job):
             return self.gang.problem(job)
         state = self.state(job.id)
-        if state is not None and state.phase in ("Running", "Succeeded") and not state.trainer_running and (
-                (finished := self._clean_exit(job, state.name)) is not None):
+        if state is not None and state.trainer_exit_code == 0 and (finished := self._clean_exit(job, state.name)) is not None:
             return Problem("the trainer had exited cleanly, and its agent is gone without reporting it (the "
                            "broker's API out of reach until the pod's grace period ended)", gone=True, finished=finished)
         if state is None:
@@ -384,8 +384,7 @@ class KubernetesBackend:
         the pod's log (``--echo``) is its clean exit; None otherwise (still running, stopped on
         request, which also exits 0, failed, or a log that cannot be read)."""
         try:
-            text = str(self.core_v1.read_namespaced_pod_log(pod_name, self.config.namespace, container="trainer",
-                                                            tail_lines=CLEAN_EXIT_LOG_LINES))
+            text = pod_log(self.core_v1, pod_name, self.config.namespace, CLEAN_EXIT_LOG_LINES)
         except (ApiException, urllib3.exceptions.HTTPError, OSError):
             return None
         notes = [line for line in text.splitlines() if line.startswith("[launcher ")]
@@ -459,11 +458,10 @@ class KubernetesBackend:
         if name is None:
             return []
         try:
-            text = self.core_v1.read_namespaced_pod_log(name, self.config.namespace, container="trainer",
-                                                        tail_lines=lines)
-        except ApiException:
+            text = pod_log(self.core_v1, name, self.config.namespace, lines)
+        except (ApiException, urllib3.exceptions.HTTPError, OSError):
             return []
-        return str(text).splitlines()[-lines:]
+        return text.splitlines()[-lines:]
 
 
 def _attempt(failed: list[str], what: str, delete: Any, *args: Any) -> None:

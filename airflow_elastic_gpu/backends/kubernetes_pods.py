@@ -28,6 +28,7 @@ class PodState:
     problem: str | None = None
     pending_s: float | None = None  # seconds since it was created, while Pending
     trainer_running: bool = False  # its trainer container runs (whatever its agent does)
+    trainer_exit_code: int | None = None  # its trainer container's, once terminated
     pulling: str | None = None  # Pending, an image not pulled yet (:func:`pull_error`): the kubelet retries
 
     def why_stopped(self, grace_s: float) -> str | None:
@@ -51,7 +52,37 @@ def pod_state(pod: Any) -> PodState:
     created = pod.metadata.creation_timestamp
     pending_s = (datetime.now(UTC) - created).total_seconds() if phase == "Pending" and created else None
     return PodState(pod.metadata.name, pod.spec.node_name, int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
-                    phase, pod_problem(pod), pending_s, trainer_running(pod), pull_error(pod))
+                    phase, pod_problem(pod), pending_s, trainer_running(pod), trainer_exit_code(pod),
+                    pull_error(pod))
+
+
+def trainer_exit_code(pod: Any) -> int | None:
+    """The exit code of ``pod``'s trainer container once it has terminated, else None."""
+    statuses = (pod.status.container_statuses or []) if pod.status else []
+    ended = [cs.state.terminated for cs in statuses if cs.name == "trainer" and cs.state is not None
+             and cs.state.terminated is not None]
+    return ended[0].exit_code if ended else None
+
+
+LOG_LIMIT_BYTES = 65536
+"""The most of a pod's log read at once (a progress bar redrawn with ``\r`` is one long line)."""
+
+
+def pod_log(core_v1: Any, name: str, namespace: str, lines: int) -> str:
+    """The last ``lines`` lines (at most :data:`LOG_LIMIT_BYTES`) of ``name``'s trainer container
+    log, decoded. The client's own decoding gives ``str(bytes)`` for this call (one line, escaped),
+    so the raw response is read.
+
+    :raises ApiException: the API server refused (the pod gone, RBAC); a connection error."""
+    resp = core_v1.read_namespaced_pod_log(name, namespace, container="trainer", tail_lines=lines,
+                                           limit_bytes=LOG_LIMIT_BYTES, _preload_content=False)
+    if isinstance(resp, str):  # a client (or a stand-in) that decoded it
+        return resp
+    try:
+        data = resp.data
+    finally:
+        getattr(resp, "release_conn", lambda: None)()
+    return data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
 
 
 def trainer_running(pod: Any) -> bool:
