@@ -102,6 +102,23 @@ def test_brokers_of_virtual_gpus_claim_nothing(tmp_path):
                                          virtual_gpus=2).ensure_pool("default")
 
 
+def test_an_installation_of_virtual_gpus_runs_beside_one_that_has_the_hosts_real_gpus(tmp_path, monkeypatch):
+    """Another broker's claim of the host's real GPUs refused an installation that hands out
+    virtual ones only (every start of its jobs), and was copied into its work directory."""
+    from airflow_elastic_gpu.backends.local_host import CLAIM_FILE, broker_identity
+    from airflow_elastic_gpu.sidecar import protocol
+
+    claim_dir = tmp_path / "host-claim"
+    claim_dir.mkdir()
+    protocol.write_json(claim_dir / CLAIM_FILE, {"broker": broker_identity(f"sqlite:///{tmp_path / 'a.db'}"),
+                                                 "pool": "default"})
+    work_dir = tmp_path / "b-jobs"
+    backend = LocalBackend(work_dir, GpuBroker(f"sqlite:///{tmp_path / 'b.db'}"), virtual_gpus=2)
+    assert "virtual" in backend.ensure_pool("default")
+    assert backend.ensure_pool("default") is None  # a later start of one of its jobs
+    assert not (work_dir / CLAIM_FILE).exists()
+
+
 @pytest.mark.parametrize(("script", "virtual"), [
     ("echo 'No devices were found'; exit 6", True),  # a host with the driver and no GPU
     ("echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2; exit 9", False),

@@ -124,15 +124,17 @@ def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering
         claims = [protocol.read_json(p) for p in paths]
         if all(c is not None and c.get("broker") == name for c in claims):
             return
-        if all(c is None for c in claims) and (registering or not any(
-                _HOST_NODE.fullmatch(n.name) and any(g.gpu_type != "virtual" for g in n.gpus)
-                for n in broker.nodes(pool))):
-            return  # nothing recorded, and not this host's real GPUs (yet)
+        if registering and all(c is None for c in claims):
+            return  # the first registration: recorded by the call after it
+        if not registering and not any(_HOST_NODE.fullmatch(n.name) and any(g.gpu_type != "virtual" for g in n.gpus)
+                                       for n in broker.nodes(pool)):
+            return  # not this host's real GPUs (virtual ones, or nodes registered by hand)
         with claim_lock():
             claims = [protocol.read_json(p) for p in paths]
             first = next((c for c in claims if c is not None), None) or {"broker": name, "pool": pool}
             for path, claim in zip(paths, claims, strict=True):
-                if claim is None and path.parent.is_dir():  # a work directory not made yet: later
+                # this broker's claim where it is missing (a work directory not made yet: later)
+                if claim is None and first.get("broker") == name and path.parent.is_dir():
                     protocol.write_json(path, first)
                     path.chmod(0o644)  # read by every user's processes on the host
     except (OSError, ValueError) as exc:
