@@ -350,11 +350,10 @@ class ElasticTrainingOperator(BaseOperator):
 
     def _wait_in_worker(self, watcher: JobWatcher, context: Any, deadline_s: float | None = None) -> dict[str, Any]:
         """Poll ``watcher`` every ``poll_interval`` seconds until the job ends: ``deferrable=False``
-        (Airflow's ``execution_timeout`` bounds the wait), or a job the triggerer could not follow
-        (Airflow restarts the timeout on resume: the job is cancelled at ``deadline_s``, epoch
-        seconds, the try's end, as the trigger would). A poll also checks the pool for jobs no task
-        follows (:func:`.orphans.check_orphans`: a worker's wait may be the pool's only one); one
-        that fails (the cluster API or the broker's database briefly away) is retried.
+        (``execution_timeout`` bounds the wait), or a job the triggerer could not follow (Airflow
+        restarts the timeout on resume: the job is cancelled at ``deadline_s``, epoch seconds, as the
+        trigger would). A poll also checks the pool for jobs no task follows (:func:`.orphans.check_orphans`:
+        a worker's wait may be the pool's only one); one that fails (the broker briefly away) is retried.
 
         :raises AirflowException: the job did not succeed, or the broker no longer has it.
         """
@@ -378,8 +377,12 @@ class ElasticTrainingOperator(BaseOperator):
             if job.status.terminal:
                 return self._result(job, context)
             if deadline_s is not None and time.time() >= deadline_s:
-                self._stop_job(TIMEOUT_CANCEL)  # the next poll reads the job cancelled: retried, a time-out
-                deadline_s = None  # once (a later try that reattached follows the job on)
+                try:  # the next poll reads the job cancelled: retried, as a time-out
+                    self._stop_job(TIMEOUT_CANCEL)
+                    deadline_s = None  # once (a later try that reattached follows the job on)
+                except Exception as exc:  # noqa: BLE001 - the broker briefly away: again at the next poll
+                    self.log.warning("could not cancel job %s at the try's deadline (%s)", watcher.job_id, exc)
+                    time.sleep(self.poll_interval)
                 continue
             check_orphans(watcher.broker, watcher.backend, job.pool)  # as a trigger's poll does
             time.sleep(self.poll_interval)
