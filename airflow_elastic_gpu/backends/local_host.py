@@ -142,9 +142,9 @@ def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering
                            f"{exc}") from None
     other = next(((p, c) for p, c in zip(paths, claims, strict=True)
                   if c is not None and c.get("broker") != name), None)
-    if other is None and first.get("broker") == name:
+    if other is None:  # every claim this broker's (the first one, if none was recorded)
         return
-    path, claim = other if other is not None else (paths[0], first)
+    path, claim = other
     raise BackendError(
         f"this host's GPUs are handed out by the broker {claim.get('broker')!r} (recorded in {path}), not by this "
         f"process's broker {name!r}: two brokers would hand the same GPUs to two jobs. Every Airflow component "
