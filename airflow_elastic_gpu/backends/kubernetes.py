@@ -78,6 +78,7 @@ from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the b
 )
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobView
+from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.sidecar.logparse import LogParser
 
 if TYPE_CHECKING:
@@ -387,8 +388,8 @@ class KubernetesBackend:
             text = pod_log(self.core_v1, pod_name, self.config.namespace, CLEAN_EXIT_LOG_LINES)
         except (ApiException, urllib3.exceptions.HTTPError, OSError):
             return None
-        notes = [line for line in text.splitlines() if line.startswith("[launcher ")]
-        if not notes or not notes[-1].endswith("] trainer exited with code 0"):
+        notes = protocol.launcher_notes(text)
+        if not notes or notes[-1] != protocol.EXIT_NOTE.format(0):
             return None
         parser = LogParser(re.compile(job.progress_pattern) if job.progress_pattern else None)
         parser.feed(text + "\n")

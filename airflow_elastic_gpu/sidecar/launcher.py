@@ -291,7 +291,7 @@ class Launcher:
                 # or a stop came meanwhile (restarting it would hide a success or a failure)
                 self._kill_workers()
                 code = self.proc.returncode
-                self._note(f"trainer exited with code {code}")
+                self._note(protocol.EXIT_NOTE.format(code))
                 self._status(protocol.EXITED, code)
                 return code if code >= 0 else 128 - code
             if self._terminated.is_set():

@@ -159,6 +159,7 @@ def fence_periods(lease_s: float, fence_s: float | None = None, margin_s: float 
     return FencePeriods(float(lease_s), fence, kill)
 
 _GENERATION_LINE = re.compile(r"^\[launcher [^\]]*\] generation (\d+): starting")
+_LAUNCHER_LINE = re.compile(r"^\[launcher [^\]]*\] (.*)$")
 
 
 def log_excerpt(lines: Iterable[str], *, line_chars: int = 500, total_chars: int = 8000) -> str:
@@ -195,6 +196,15 @@ def launcher_line(message: str, now: float | None = None) -> str:
 def generation_line(generation: int, detail: str, now: float | None = None) -> str:
     """The ``train.log`` line that marks the start of ``generation``'s trainer."""
     return launcher_line(f"generation {generation}: starting {detail}", now)
+
+
+EXIT_NOTE = "trainer exited with code {}"
+"""The launcher's note (:func:`launcher_line`) that its trainer exited by itself, with its code."""
+
+
+def launcher_notes(text: str) -> list[str]:
+    """The messages of the launcher's lines (:func:`launcher_line`) in ``text``, in order."""
+    return [m.group(1) for line in text.splitlines() if (m := _LAUNCHER_LINE.match(line))]
 
 
 def parse_generation_line(line: str) -> int | None:
