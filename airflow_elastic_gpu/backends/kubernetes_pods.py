@@ -56,12 +56,16 @@ def pod_state(pod: Any) -> PodState:
                     pull_error(pod))
 
 
+def _trainer_state(pod: Any) -> Any | None:
+    """``pod``'s trainer container state (``V1ContainerState``) as the kubelet reports it, or None."""
+    statuses = (pod.status.container_statuses or []) if pod.status else []
+    return next((cs.state for cs in statuses if cs.name == "trainer" and cs.state is not None), None)
+
+
 def trainer_exit_code(pod: Any) -> int | None:
     """The exit code of ``pod``'s trainer container once it has terminated, else None."""
-    statuses = (pod.status.container_statuses or []) if pod.status else []
-    ended = [cs.state.terminated for cs in statuses if cs.name == "trainer" and cs.state is not None
-             and cs.state.terminated is not None]
-    return ended[0].exit_code if ended else None
+    state = _trainer_state(pod)
+    return state.terminated.exit_code if state is not None and state.terminated is not None else None
 
 
 LOG_LIMIT_BYTES = 65536
@@ -87,8 +91,8 @@ def pod_log(core_v1: Any, name: str, namespace: str, lines: int) -> str:
 
 def trainer_running(pod: Any) -> bool:
     """Whether ``pod``'s trainer container runs (``V1Pod``; its status as the kubelet reports it)."""
-    statuses = (pod.status.container_statuses or []) if pod.status else []
-    return any(cs.name == "trainer" and cs.state is not None and cs.state.running is not None for cs in statuses)
+    state = _trainer_state(pod)
+    return state is not None and state.running is not None
 
 
 # a container waiting for one of these will not start without a change to the pod or its images
