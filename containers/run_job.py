@@ -49,7 +49,7 @@ from airflow_elastic_gpu.backends.kubernetes import (
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.sidecar import protocol
-from airflow_elastic_gpu.triggers.watcher import GONE_POLLS
+from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
 AGENT_IMAGE = "localhost/airflow-elastic-gpu-agent:dev"
 TRAINER_IMAGE = "localhost/airflow-elastic-gpu-trainer:dev"
@@ -256,7 +256,7 @@ def _train(broker: GpuBroker, backend: KubernetesBackend, job_id: str, total_ste
     resizes: dict[int, Resize] = {}
     filler = None
     shrunk_at_step: float | None = None
-    gone_polls = 0  # polls in a row that found the job's processes gone or ended unreported
+    watcher = JobWatcher(broker, backend, job_id)
     while time.monotonic() < deadline:
         view = broker.job(job_id)
         if view.status.terminal:
@@ -264,14 +264,7 @@ def _train(broker: GpuBroker, backend: KubernetesBackend, job_id: str, total_ste
         action = backend.sync(view)
         if action in ("create", "recreate"):
             say(f"{action}: pod for generation {broker.job(job_id).target_generation}")
-        problem = backend.problem(view)  # judged as the job watcher judges it (_fail_if_broken)
-        gone_polls = gone_polls + 1 if problem is not None and problem.gone else 0
-        if problem is not None and (not problem.gone or gone_polls >= GONE_POLLS):
-            if problem.finished is not None:  # a clean exit its agent did not report (yet)
-                broker.finish(job_id, 0, problem.finished or None)
-            else:  # a node's, its GPUs held where the trainer may run
-                broker.fail(job_id, problem.reason, node=problem.node, hold=problem.running)
-            return resizes
+        watcher.end_if_broken(view)  # as a task's watcher ends it: the next poll reads the end
         if filler is None and view.steps_done >= total_steps / 5:
             filler = broker.submit(JobSpec("filler", "sleep 1", 1, 1, total_steps=1))
             resizes.update(_published(broker, job_id, view, "a 1-GPU job arrives"))

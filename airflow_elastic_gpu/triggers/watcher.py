@@ -79,9 +79,8 @@ class JobWatcher:
 
     def poll(self) -> tuple[JobView, list[EventView]]:
         """One round: the leased periodic rebalance of the job's pool, ``backend.sync``, a check of
-        ``backend.problem`` (failing the job with the reason and the trainer's last log lines: at
-        once, or after :data:`GONE_POLLS` polls in a row for processes that are gone), the new
-        events logged, and ``backend.stop`` once the broker records the job's end.
+        ``backend.problem`` (:meth:`end_if_broken`), the new events logged, and ``backend.stop`` once
+        the broker records the job's end.
 
         :returns: the job as the broker now records it, and the events new since the last poll.
         :raises BrokerError: the job is unknown, or a broker call failed.
@@ -95,7 +94,7 @@ class JobWatcher:
             try:
                 self.backend.sync(job, env=self.env, context=self.context)
             finally:  # a broken pod is reported while its pods cannot be synced too
-                self._fail_if_broken(job)
+                self.end_if_broken(job)
         job = self.broker.job(self.job_id)
         if job.status is JobStatus.LOST:
             job = self._finished_unreported(job)
@@ -142,7 +141,10 @@ class JobWatcher:
         self.log.warning("job %s was declared lost, but %s: it succeeded", job.id, problem.reason)
         return self.broker.finish(job.id, 0, problem.finished or None)
 
-    def _fail_if_broken(self, job: JobView) -> None:
+    def end_if_broken(self, job: JobView) -> None:
+        """End ``job`` when its backend finds a problem (:meth:`.Backend.problem`): failed with the
+        reason and the trainer's last log lines, at once, or after :data:`GONE_POLLS` calls in a row
+        for processes that are gone; a clean exit its agent did not report succeeds."""
         problem = self.backend.problem(job)
         self.gone_polls = self.gone_polls + 1 if problem is not None and problem.gone else 0
         if problem is None or (problem.gone and self.gone_polls < GONE_POLLS):
