@@ -93,6 +93,15 @@ OPTIONS: tuple[Option, ...] = (
            "host's real GPUs (``host-gpus.json``); every Airflow installation and user on the host "
            "must see the same one. Empty: ``/var/tmp/airflow-elastic-gpu``.",
            env=ENV_HOST_CLAIM_DIR, example="/var/lib/airflow-elastic-gpu"),
+    Option("deployment", "string", "",
+           "Name of this Airflow deployment to the broker, for deployments that share one broker "
+           "(staging and production, two teams): it is part of every training job's key, so that a "
+           "task of one never reattaches to, or cancels as no longer followed, a job of another whose "
+           "DAG, task and run ids are the same (a scheduled run's id is). Letters, digits, ``.``, "
+           "``_`` and ``-``, at most 64 characters, and the same on every component of the deployment "
+           "(workers, triggerers, API server). Empty: one Airflow per broker. Change it only while no "
+           "training runs: a task does not find its job submitted under the old name.",
+           example="staging"),
     Option("default_pool", "string", "default",
            "GPU pool of a training whose operator names none and whose broker connection has no "
            "``pool`` field; also the pool of the CLI's ``pool``, ``status``, ``run-local`` and "
@@ -255,6 +264,23 @@ def default_host_claim_dir(environ: Mapping[str, str] = os.environ, conf: ConfLi
     """Directory of this host's GPU claim: ``[elastic_gpu] host_claim_dir``
     (``$AIRFLOW_ELASTIC_GPU_HOST_CLAIM_DIR``), else :data:`DEFAULT_HOST_CLAIM_DIR`."""
     return Path(get_option("host_claim_dir", environ, conf) or DEFAULT_HOST_CLAIM_DIR).expanduser()
+
+
+DEPLOYMENT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""What ``[elastic_gpu] deployment`` may be: no ``/`` (it is a segment of a job's key) and no space."""
+
+
+def default_deployment(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str:
+    """``[elastic_gpu] deployment``: this Airflow deployment's name to a shared broker, ``""`` for none.
+
+    :raises ValueError: not a name of :data:`DEPLOYMENT_PATTERN` (the message says where it was set).
+    """
+    raw, source = lookup_option("deployment", environ, conf)
+    name = raw.strip()
+    if name and not DEPLOYMENT_PATTERN.fullmatch(name):
+        raise ValueError(f"{source} must be a name of letters, digits, '.', '_' and '-' (at most 64 characters, "
+                         f"starting with a letter or digit), got {raw!r}")
+    return name
 
 
 def default_pool(environ: Mapping[str, str] = os.environ, conf: ConfLike | None = None) -> str:

@@ -67,7 +67,12 @@ from airflow_elastic_gpu.broker.api_models import (
 )
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import DEFAULT_POOL, InvalidRequest, NotFound, task_key
-from airflow_elastic_gpu.config import ENV_UI_TOKEN, get_option
+from airflow_elastic_gpu.config import (
+    DEPLOYMENT_PATTERN,
+    ENV_UI_TOKEN,
+    default_deployment,
+    get_option,
+)
 
 API_PREFIX = "/api/v1"
 STATIC = Path(__file__).with_name("static")
@@ -114,6 +119,7 @@ def create_app(
     limits: ApiLimits | None = None,
     api_docs: bool = False,
     root_path: str = "",
+    deployment: str | None = None,
 ) -> FastAPI:
     """The API as a FastAPI app.
 
@@ -128,11 +134,14 @@ def create_app(
     :param url_factory: gives the broker URL at the first request (the plugin: from the Airflow
         connection, which cannot be read when the plugin is imported).
     :param root_path: where the app is mounted (the page builds its URLs from it).
-    :raises ValueError: a bad limit in the environment.
+    :param deployment: the Airflow deployment whose task instances ``/jobs/by-task`` finds when the
+        request names none; default ``[elastic_gpu] deployment``.
+    :raises ValueError: a bad limit or deployment name in the environment.
     """
     made: list[GpuBroker] = [broker] if broker is not None else []
     limits = limits if limits is not None else ApiLimits.from_env()
     expected_ui_token = ui_token if ui_token is not None else get_option("ui_token") or None
+    own_deployment = deployment if deployment is not None else default_deployment()
     body_context = {"max_metrics_bytes": limits.max_metrics_bytes}
 
     def get_broker() -> GpuBroker:
@@ -268,10 +277,14 @@ def create_app(
 
     @ui.get("/jobs/by-task", response_model=JobOut)
     def job_of_task(b: BrokerDep, dag_id: airflow_id, task_id: airflow_id, run_id: airflow_id,
-                    map_index: Annotated[int, Query(ge=-1, le=MAX_ID)] = -1) -> JobOut:
+                    map_index: Annotated[int, Query(ge=-1, le=MAX_ID)] = -1,
+                    deployment: Annotated[str | None, Query(pattern=f"^(|{DEPLOYMENT_PATTERN.pattern})$")] = None,
+                    ) -> JobOut:
         """The job an Airflow task instance submitted (its latest: a retry's job when a try
-        replaced the one before); 404 when it has submitted none."""
-        job = b.job_by_key(task_key(dag_id, task_id, run_id, map_index))
+        replaced the one before), of Airflow deployment ``deployment`` (default the server's
+        ``[elastic_gpu] deployment``; ``""``: none); 404 when it has submitted none."""
+        name = own_deployment if deployment is None else deployment
+        job = b.job_by_key(task_key(dag_id, task_id, run_id, map_index, deployment=name))
         if job is None:
             where = f"{dag_id}.{task_id} (run {run_id}" + ("" if map_index < 0 else f", map index {map_index}") + ")"
             raise NotFound(f"task {where} has submitted no GPU job (yet)")

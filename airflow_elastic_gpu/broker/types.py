@@ -45,12 +45,14 @@ def task_family(dag_id: str, task_id: str) -> str:
     return f"{dag_id}.{task_id}"[:MAX_NAME_CHARS]
 
 
-def task_key(dag_id: str, task_id: str, run_id: str, map_index: int) -> str:
+def task_key(dag_id: str, task_id: str, run_id: str, map_index: int, deployment: str = "") -> str:
     """The job key of an Airflow task instance (``JobSpec.key``, one job per task instance):
-    ``dag_id/task_id/run_id/map_index``. Ids of Airflow's longest (250 characters each) would pass
-    :data:`MAX_KEY_CHARS`, or leave no room for the ``@<job id>`` of a replaced job's record: such a
-    key is cut and ends with a hash of the whole (``#`` and 16 hex digits)."""
-    key = f"{dag_id}/{task_id}/{run_id}/{int(map_index)}"
+    ``dag_id/task_id/run_id/map_index``, after ``deployment/`` where the Airflow deployment has a
+    name (``[elastic_gpu] deployment``: deployments sharing a broker). Ids of Airflow's longest (250
+    characters each) would pass :data:`MAX_KEY_CHARS`, or leave no room for the ``@<job id>`` of a
+    replaced job's record: such a key is cut and ends with a hash of the whole (``#`` and 16 hex
+    digits)."""
+    key = f"{deployment + '/' if deployment else ''}{dag_id}/{task_id}/{run_id}/{int(map_index)}"
     room = MAX_KEY_CHARS - 37  # "@" and a job id (a uuid, 36 characters)
     if len(key) <= room:
         return key

@@ -18,8 +18,11 @@ never collide, as ``<task>_1`` of a mapped task and a task named ``<task>_1`` wo
 task instance is in an ended state (:data:`ENDED_STATES`) at two checks in a row is cancelled, if
 the task try it belonged to at the check is still the one (a cleared task's new try that reattached
 meanwhile keeps it). A task instance Airflow does not
-know (another Airflow on the same broker, a DAG run deleted) is left alone, and so is every state
-from which the task may still follow its job (running, deferred, queued, up for retry, cleared).
+know (a DAG run deleted) is left alone, and so is every state from which the task may still follow
+its job (running, deferred, queued, up for retry, cleared). Only this Airflow deployment's jobs are
+checked: deployments that share a broker name themselves (``[elastic_gpu] deployment``, the first
+segment of their jobs' keys), and a job of another, whose DAG, task and run ids may well be the
+same as a task of this one that has ended (a scheduled run's are), is never asked about.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 from airflow_elastic_gpu.backends.base import Backend
 from airflow_elastic_gpu.broker.types import JobStatus, JobView, task_family
+from airflow_elastic_gpu.config import airflow_conf, default_deployment
 from airflow_elastic_gpu.triggers.threads import in_daemon_thread
 
 log = logging.getLogger(__name__)
@@ -72,12 +76,17 @@ class TaskId:
         return f"{self.dag_id}.{self.task_id} (run {self.run_id}{mapped})"
 
 
-def task_of(job: JobView) -> TaskId | None:
-    """The task instance the operator submitted ``job`` for, or ``None`` for a job submitted
-    otherwise (the CLI, the API) or whose key was cut (ids too long: the key ends in a hash).
-    Airflow's ids hold no ``/`` (DAG and task ids by their rule, run ids by the default
-    ``allowed_run_id_pattern``), so the key splits in four."""
+def task_of(job: JobView, deployment: str = "") -> TaskId | None:
+    """The task instance the operator of Airflow deployment ``deployment`` (``[elastic_gpu]
+    deployment``, ``""`` for none) submitted ``job`` for, or ``None`` for a job submitted otherwise
+    (the CLI, the API, another deployment) or whose key was cut (ids too long: the key ends in a
+    hash). Airflow's ids hold no ``/`` (DAG and task ids by their rule, run ids by the default
+    ``allowed_run_id_pattern``), so the key splits in four after the deployment's name."""
     parts = job.key.split("/")
+    if deployment:
+        if parts[0] != deployment:
+            return None
+        parts = parts[1:]
     if len(parts) != 4 or "#" in job.key:
         return None
     dag_id, task_id, run_id, map_index = parts
@@ -117,10 +126,10 @@ class OrphanCheck:
         return self.last_s is None or now_s - self.last_s >= interval_s
 
     def run(self, broker: Any, backend: Backend | None, pool: str, task_states: TaskStates,
-            now_s: float) -> list[JobView]:
-        """One check of ``pool`` (see the module): cancel the jobs found orphaned at this check and
-        the one before, and stop their processes with ``backend`` where it is theirs (in a thread
-        of its own: a stop may wait a grace period).
+            now_s: float, deployment: str = "") -> list[JobView]:
+        """One check of ``pool`` (see the module): cancel the jobs of Airflow deployment
+        ``deployment`` found orphaned at this check and the one before, and stop their processes
+        with ``backend`` where it is theirs (in a thread of its own: a stop may wait a grace period).
 
         :returns: the jobs cancelled.
         :raises Exception: the broker could not be read (the check is done again at the next poll).
@@ -131,7 +140,7 @@ class OrphanCheck:
             if not self.due(now_s):
                 return []
             self.last_s = now_s
-            jobs = [(job, task) for job in broker.jobs(pool, active_only=True) if (task := task_of(job)) is not None]
+            jobs = [(job, task) for job in broker.jobs(pool, active_only=True) if (task := task_of(job, deployment)) is not None]
             ended = self._ended(jobs, task_states)
             cancelled = []
             for job, task in jobs:
@@ -186,12 +195,13 @@ _CHECKS: dict[tuple[int, str], OrphanCheck] = {}
 _CHECKS_LOCK = threading.Lock()
 
 
-def check_orphans(broker: Any, backend: Backend | None, pool: str,
-                  task_states: TaskStates | None = None) -> Future[list[JobView]] | None:
+def check_orphans(broker: Any, backend: Backend | None, pool: str, task_states: TaskStates | None = None,
+                  deployment: str | None = None) -> Future[list[JobView]] | None:
     """The trigger's call at each poll: :meth:`OrphanCheck.run` for ``pool`` of ``broker``'s
     engine, in a thread of its own when one is due in this process (Airflow's answers may take
     seconds: the trigger's own poll does not wait for them), with Airflow's answer (``task_states``,
-    default :func:`airflow_task_states`). A check that fails (the broker away) is logged and done
+    default :func:`airflow_task_states`), for the jobs of Airflow deployment ``deployment`` (default
+    ``[elastic_gpu] deployment``). A check that fails (the broker away) is logged and done
     again when the next is due.
 
     :returns: the check's future (the jobs it cancelled), or ``None`` when none is due.
@@ -204,7 +214,8 @@ def check_orphans(broker: Any, backend: Backend | None, pool: str,
 
     def run() -> list[JobView]:
         try:
-            return check.run(broker, backend, pool, task_states or airflow_task_states, time.monotonic())
+            name = default_deployment(conf=airflow_conf()) if deployment is None else deployment
+            return check.run(broker, backend, pool, task_states or airflow_task_states, time.monotonic(), name)
         except Exception as exc:  # noqa: BLE001 - logged; the next check that is due tries again
             log.warning("could not check GPU pool %s for jobs no task follows (%s)", pool, exc)
             return []

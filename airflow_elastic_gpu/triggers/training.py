@@ -40,6 +40,7 @@ from airflow_elastic_gpu.broker.types import (
     task_family,
 )
 from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
+from airflow_elastic_gpu.config import airflow_conf, default_deployment
 from airflow_elastic_gpu.triggers.orphans import check_orphans
 from airflow_elastic_gpu.triggers.threads import in_daemon_thread
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
@@ -80,8 +81,12 @@ still deferred (a triggerer shutting down has stopped reading the answers)."""
 
 
 def task_key(ti: Any) -> str:
-    """The job key of task instance ``ti`` (:func:`~airflow_elastic_gpu.broker.types.task_key`)."""
-    return types.task_key(ti.dag_id, ti.task_id, ti.run_id, ti.map_index)
+    """The job key of task instance ``ti`` in this Airflow deployment
+    (:func:`~airflow_elastic_gpu.broker.types.task_key`, ``[elastic_gpu] deployment``).
+
+    :raises ValueError: ``[elastic_gpu] deployment`` is not a valid name."""
+    return types.task_key(ti.dag_id, ti.task_id, ti.run_id, ti.map_index,
+                          deployment=default_deployment(conf=airflow_conf()))
 
 
 def attempt_of(ti: Any) -> str | None:
@@ -210,7 +215,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         :raises ValueError: the trigger has no task instance or no job to submit.
         """
         from airflow_elastic_gpu.backends import make_backend
-        from airflow_elastic_gpu.config import airflow_conf, default_work_dir
+        from airflow_elastic_gpu.config import default_work_dir
         from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
         from airflow_elastic_gpu.triggers.submit import submit_and_start
 
