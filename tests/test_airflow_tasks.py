@@ -434,7 +434,7 @@ def test_a_cancelled_trigger_stops_its_job_only_once_the_task_is_no_longer_defer
     trigger = ElasticTrainingTrigger(**op.start_trigger_args.trigger_kwargs)
     trigger.task_instance = _trigger_ti()
     if still_deferred is not None:
-        trigger._still_deferred = lambda unsure=False: still_deferred
+        trigger._still_deferred = lambda unsure=False, timeout_s=None: still_deferred
 
     async def cancel_while_it_watches():
         running = asyncio.ensure_future(trigger.run().__anext__())

@@ -61,7 +61,7 @@ def test_a_user_action_or_a_trigger_timeout_stops_a_started_triggers_job_with_a_
                                  total_steps=100000, virtual_gpus=1, poll_interval=0.2, start_from_trigger=True)
     trigger = ElasticTrainingTrigger(**op.start_trigger_args.trigger_kwargs)
     trigger.task_instance = _trigger_ti()
-    trigger._still_deferred = lambda unsure=False: False  # the user marked it failed: its state is set
+    trigger._still_deferred = lambda unsure=False, timeout_s=None: False  # the user marked it failed: its state is set
 
     async def mark_failed_while_it_watches():
         running = asyncio.ensure_future(trigger.run().__anext__())
@@ -86,7 +86,7 @@ def test_a_user_action_on_a_deferred_task_cancels_its_job_with_on_kills_reason(w
     broker, _, _ = worker_env
     job, _, trigger = _deferred_on(broker, "followed")
     trigger.task_instance = _trigger_ti()
-    trigger._still_deferred = lambda unsure=False: False
+    trigger._still_deferred = lambda unsure=False, timeout_s=None: False
     asyncio.run(_mark_failed_while_it_watches(trigger))
     ended = broker.job(job.id)
     assert ended.status is JobStatus.CANCELLED and ended.reason == TRIGGER_KILLED
@@ -102,7 +102,7 @@ def test_a_job_whose_trigger_was_killed_without_a_known_task_state_fails_its_tas
     job = broker.submit(JobSpec("moved", "python train.py", 1, 2, total_steps=10))
     trigger = ElasticTrainingTrigger(job.id, "elastic_gpu_missing_conn", 0.2, "local", str(worker_env[1].work_dir))
     trigger.task_instance = _trigger_ti()
-    trigger._still_deferred = lambda unsure=False: unsure  # no answer
+    trigger._still_deferred = lambda unsure=False, timeout_s=None: unsure  # no answer
     asyncio.run(trigger.on_kill())
     cancelled = broker.job(job.id)
     assert cancelled.status is JobStatus.CANCELLED
@@ -110,6 +110,35 @@ def test_a_job_whose_trigger_was_killed_without_a_known_task_state_fails_its_tas
     with pytest.raises(AirflowException, match="task killed while deferred") as raised:
         op._result(cancelled, {"ti": _FakeTI()})
     assert not isinstance(raised.value, AirflowFailException)
+
+
+def test_a_moved_trigger_whose_supervisor_answers_late_leaves_its_job_running(worker_env, monkeypatch):
+    """A loaded triggerer's supervisor says after more than the ordinary question's time that the
+    task instance of a trigger given to another triggerer is still deferred: ``on_kill`` waits for
+    the answer (in a thread of its own, past Airflow's 30 s for it) and the job goes on. It took no
+    answer within 10 s for a user's action and cancelled the training. An answer that never comes
+    is still taken for one, after the longer wait."""
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    from airflow_elastic_gpu.triggers import training
+
+    broker, _, _ = worker_env
+    monkeypatch.setattr(training, "STATE_QUERY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(training, "ON_KILL_STATE_QUERY_TIMEOUT_S", 3.0)
+    late = lambda **kw: time.sleep(1.0) or 1  # one deferred task instance, after 1 s
+    monkeypatch.setattr(RuntimeTaskInstance, "get_ti_count", staticmethod(late))
+    job, _op, trigger = _deferred_on(broker, "moved")
+    trigger.task_instance = _trigger_ti()
+    asyncio.run(trigger.on_kill())
+    assert broker.job(job.id).status is JobStatus.RUNNING and not trigger._stopped
+
+    never = threading.Event()
+    monkeypatch.setattr(RuntimeTaskInstance, "get_ti_count", staticmethod(lambda **kw: never.wait()))
+    started = time.monotonic()
+    asyncio.run(trigger.on_kill())
+    assert broker.job(job.id).status is JobStatus.CANCELLED and broker.job(job.id).reason == TRIGGER_KILLED
+    assert 3.0 <= time.monotonic() - started < 20
+    never.set()
 
 
 def test_on_kill_stops_the_job_when_the_event_loops_executor_is_busy(worker_env):
@@ -121,7 +150,7 @@ def test_on_kill_stops_the_job_when_the_event_loops_executor_is_busy(worker_env)
     job = broker.submit(JobSpec("killed", "python train.py", 1, 2, total_steps=10))
     trigger = ElasticTrainingTrigger(job.id, "elastic_gpu_missing_conn", 0.2, "local", str(worker_env[1].work_dir))
     trigger.task_instance = _trigger_ti()
-    trigger._still_deferred = lambda unsure=False: False
+    trigger._still_deferred = lambda unsure=False, timeout_s=None: False
     busy = threading.Event()
 
     async def kill_while_the_executor_is_busy():
@@ -207,7 +236,7 @@ def test_a_stop_that_fails_when_the_trigger_is_cancelled_leaves_the_cancel_and_o
     broker, _, _ = worker_env
     job, _, trigger = _deferred_on(broker, "stopped-later")
     trigger.task_instance = _trigger_ti()
-    trigger._still_deferred = lambda unsure=False: False
+    trigger._still_deferred = lambda unsure=False, timeout_s=None: False
     kill = trigger._kill
 
     def broker_away(reason):

@@ -78,6 +78,11 @@ whose trigger timeout passed (a ``start_from_trigger`` task's execution_timeout)
 STATE_QUERY_TIMEOUT_S = 10.0
 """How long a trigger waits for the triggerer's supervisor to say whether its task instance is
 still deferred (a triggerer shutting down has stopped reading the answers)."""
+ON_KILL_STATE_QUERY_TIMEOUT_S = 120.0
+"""The same wait in ``on_kill``, whose answer "no answer" stops the job: a loaded triggerer's
+supervisor may take longer than :data:`STATE_QUERY_TIMEOUT_S` to say that a trigger given to
+another triggerer is still deferred. The wait goes on in a thread of its own after Airflow's
+``on_kill`` time (30 s) is over; a triggerer that exits meanwhile stops nothing."""
 
 
 def task_key(ti: Any) -> str:
@@ -427,12 +432,12 @@ class ElasticTrainingTrigger(BaseTrigger):
         watcher.backend.stop(self.job_id, timeout_s=30)
         return True
 
-    def _still_deferred(self, unsure: bool = False) -> bool:
+    def _still_deferred(self, unsure: bool = False, timeout_s: float | None = None) -> bool:
         """Whether this trigger's task instance is still deferred, asked through the triggerer's
         supervisor (blocking: call it in a thread).
 
         :param unsure: the answer when it cannot be told (no task instance, no supervisor to ask, or
-            no answer within :data:`STATE_QUERY_TIMEOUT_S`: a triggerer shutting down no longer
+            no answer within ``timeout_s``, default :data:`STATE_QUERY_TIMEOUT_S`: a triggerer shutting down no longer
             reads its supervisor's answers, and the question blocked for ever, holding up the
             shutdown until the supervisor's SIGKILL): ``False`` for ``on_kill`` (its documented
             meaning: a user acted), ``True`` for a cancelled :meth:`run` (a triggerer shutting
@@ -441,15 +446,16 @@ class ElasticTrainingTrigger(BaseTrigger):
         ti = self.task_instance
         if ti is None:
             return unsure
+        wait_s = STATE_QUERY_TIMEOUT_S if timeout_s is None else timeout_s
         try:
             from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
             return in_daemon_thread(lambda: RuntimeTaskInstance.get_ti_count(
                 dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id], map_index=ti.map_index,
-                states=["deferred"]), "elastic-gpu-ti-state").result(STATE_QUERY_TIMEOUT_S) > 0
+                states=["deferred"]), "elastic-gpu-ti-state").result(wait_s) > 0
         except TimeoutError:
             self.log.warning("the triggerer's supervisor did not say within %gs whether task instance %s is "
-                             "still deferred (the triggerer stops?); taking it as %s", STATE_QUERY_TIMEOUT_S, ti,
+                             "still deferred (the triggerer stops?); taking it as %s", wait_s, ti,
                              "deferred" if unsure else "ended by a user")
             return unsure
         except Exception as exc:  # noqa: BLE001 - no supervisor to ask (a test, an older Airflow)
@@ -457,7 +463,7 @@ class ElasticTrainingTrigger(BaseTrigger):
                              "deferred" if unsure else "ended by a user")
             return unsure
 
-    async def _stop_unless_deferred(self, reason: str, unsure: bool) -> None:
+    async def _stop_unless_deferred(self, reason: str, unsure: bool, timeout_s: float | None = None) -> None:
         """Cancel the job and stop its processes unless the task instance is still deferred (one
         thread for the check, the wait for a submission under way and the stop: it goes on if the
         caller is cancelled); nothing to do before a submission started."""
@@ -465,7 +471,7 @@ class ElasticTrainingTrigger(BaseTrigger):
             return
 
         def stop() -> None:
-            if self._still_deferred(unsure):
+            if self._still_deferred(unsure, timeout_s):
                 self.log.info("job %s goes on: its task instance is still deferred (the trigger moved to "
                               "another triggerer, or the triggerer stops)", self.job_id or "being submitted")
                 return
@@ -483,5 +489,8 @@ class ElasticTrainingTrigger(BaseTrigger):
 
         Airflow 3.3 also calls ``on_kill`` on a live triggerer whose trigger was given to another
         one (its heartbeat was late, e.g. on a loaded machine): the task instance is then still
-        deferred, the other triggerer watches the job, and the job goes on."""
-        await self._stop_unless_deferred(TRIGGER_KILLED, unsure=False)
+        deferred, the other triggerer watches the job, and the job goes on. The question may wait
+        :data:`ON_KILL_STATE_QUERY_TIMEOUT_S` for the answer (past Airflow's 30 s for ``on_kill``,
+        in a thread of its own) before it takes no answer for a user's action."""
+        await self._stop_unless_deferred(TRIGGER_KILLED, unsure=False,
+                                         timeout_s=ON_KILL_STATE_QUERY_TIMEOUT_S)
