@@ -43,11 +43,10 @@ def _refused() -> None:
 
 def _app():
     from airflow_elastic_gpu.broker.api import create_app
-    from airflow_elastic_gpu.config import airflow_conf, default_deployment
     from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 
     return create_app(broker_url=None, url_factory=lambda: GpuBrokerHook().get_url(),
-                      ui_dependencies=_ui_auth(), deployment=default_deployment(conf=airflow_conf()))
+                      ui_dependencies=_ui_auth())
 
 
 class ElasticGpuPlugin(AirflowPlugin):

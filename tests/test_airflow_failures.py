@@ -397,7 +397,7 @@ def test_a_task_started_from_the_triggerer_sends_no_max_tries(worker_env, monkey
     from types import SimpleNamespace
 
     from airflow_elastic_gpu.triggers import submit
-    from airflow_elastic_gpu.triggers.training import max_tries_of
+    from airflow_elastic_gpu.triggers.task_instance import max_tries_of
 
     sent = []
     monkeypatch.setattr(submit, "submit_and_start", lambda broker, backend, spec, **kw: sent.append(spec) or
@@ -443,7 +443,7 @@ def test_a_task_of_airflows_longest_ids_gets_a_job_and_the_same_key_from_the_tri
     task failed on every try with "key must be at most 512 characters"."""
     from airflow.sdk.exceptions import TaskDeferred
 
-    from airflow_elastic_gpu.triggers.training import task_key
+    from airflow_elastic_gpu.triggers.task_instance import task_key
 
     broker, _, _ = worker_env
     broker.register_node("localhost", 2)

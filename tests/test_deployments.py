@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 from fastapi.testclient import TestClient
 from test_airflow_tasks import _trigger_ti
 from test_orphans import Airflow, StopRecorder
@@ -78,8 +79,8 @@ def test_a_deployment_name_is_checked_where_it_is_read(monkeypatch):
             default_deployment({VARIABLE: bad})
     ti = _trigger_ti()
     monkeypatch.setenv(VARIABLE, "a/b")  # it would shift the key's segments: refused, not used
-    from airflow_elastic_gpu.triggers.training import task_key as ti_key
-    with pytest.raises(ValueError, match=f"{VARIABLE} must be a name"):
+    from airflow_elastic_gpu.triggers.task_instance import task_key as ti_key
+    with pytest.raises(AirflowFailException, match=f"{VARIABLE} must be a name"):  # no retry mends it
         ti_key(ti)
 
 
@@ -95,3 +96,18 @@ def test_the_page_finds_a_task_instances_job_of_its_own_deployment(pool):
     assert client.get("/api/v1/jobs/by-task", params={**ids, "deployment": ""}).status_code == 404
     assert client.get("/api/v1/jobs/by-task", params={**ids, "deployment": "a/b"}).status_code == 422
     assert TestClient(create_app(pool, deployment="")).get("/api/v1/jobs/by-task", params=ids).status_code == 404
+
+
+def test_the_page_reads_its_deployment_at_each_request_and_a_bad_name_fails_only_those(pool, monkeypatch):
+    """The plugin makes its app when Airflow's API server imports it: a bad name there failed the
+    import, and the page, the API and the "GPU job" tab were gone. It is read when a task instance's
+    job is looked up, and a bad one answers that request with an error that names it."""
+    job = pool.submit(JobSpec("t", "t", 1, 1, total_steps=10, key=task_key("etl", "train", "r1", -1, "production")))
+    ids = {"dag_id": "etl", "task_id": "train", "run_id": "r1"}
+    monkeypatch.setenv(VARIABLE, "not a name")
+    client = TestClient(create_app(pool), raise_server_exceptions=False)
+    r = client.get("/api/v1/jobs/by-task", params=ids)
+    assert r.status_code == 500 and f"${VARIABLE} must be a name" in r.text
+    assert client.get("/api/v1/pools").status_code == 200
+    monkeypatch.setenv(VARIABLE, "production")
+    assert client.get("/api/v1/jobs/by-task", params=ids).json()["id"] == job.id

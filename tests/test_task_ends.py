@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import sys
 import threading
 import time
@@ -139,6 +140,61 @@ def test_a_moved_trigger_whose_supervisor_answers_late_leaves_its_job_running(wo
     assert broker.job(job.id).status is JobStatus.CANCELLED and broker.job(job.id).reason == TRIGGER_KILLED
     assert 3.0 <= time.monotonic() - started < 20
     never.set()
+
+
+def test_a_question_the_stopping_triggerer_cancelled_leaves_the_job_running(worker_env, monkeypatch):
+    """A triggerer that shuts down cancels the questions still waiting for its supervisor's answers
+    (``concurrent.futures.CancelledError`` in the question's thread), or has lost its supervisor:
+    that is no user's action, and ``on_kill``'s stop, still waiting, cancelled the job."""
+    import concurrent.futures
+
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    broker, _, _ = worker_env
+    job, _op, trigger = _deferred_on(broker, "shutdown")
+    trigger.task_instance = _trigger_ti()
+    for error in (concurrent.futures.CancelledError(), EOFError(), BrokenPipeError()):
+        def cancelled(error=error, **kw):
+            raise error
+        monkeypatch.setattr(RuntimeTaskInstance, "get_ti_count", staticmethod(cancelled))
+        asyncio.run(trigger.on_kill())
+        assert broker.job(job.id).status is JobStatus.RUNNING, error
+
+
+def test_stops_of_run_and_on_kill_at_once_stop_the_job_once_and_a_failed_one_is_logged(worker_env, caplog):
+    """Airflow cancels a trigger again about every second: ``on_kill`` may start while the stop of
+    the cancelled ``run`` still waits for its answer, in its own thread. Both stopped the job (two
+    ``backend.stop`` at once); and a stop that failed after its caller stopped waiting said nothing."""
+    broker, _, _ = worker_env
+    _job, _op, trigger = _deferred_on(broker, "twice")
+    trigger.task_instance = _trigger_ti()
+    answer = threading.Event()
+    trigger._still_deferred = lambda unsure=False, timeout_s=None: answer.wait(5) and False
+    kills: list[str] = []
+    trigger._kill = lambda reason: kills.append(reason) or True
+
+    async def both() -> None:
+        first = asyncio.ensure_future(trigger._stop_unless_deferred("run's", unsure=True))
+        await asyncio.sleep(0.2)
+        second = asyncio.ensure_future(trigger.on_kill())
+        await asyncio.sleep(0.2)
+        answer.set()
+        await asyncio.gather(first, second)
+
+    asyncio.run(both())
+    assert kills == ["run's"] and trigger._stopped
+
+    _, _, failing = _deferred_on(broker, "failing")
+    failing.task_instance = _trigger_ti()
+    failing._still_deferred = lambda unsure=False, timeout_s=None: False
+
+    def broken(reason):
+        raise ConnectionError("the broker's database is away")
+    failing._kill = broken
+    failing._log = logging.getLogger("trigger")  # Airflow's structlog logger: not in caplog
+    with pytest.raises(ConnectionError):
+        asyncio.run(failing.on_kill())
+    assert "could not stop it (the broker's database is away)" in caplog.text and not failing._stopped
 
 
 def test_on_kill_stops_the_job_when_the_event_loops_executor_is_busy(worker_env):

@@ -70,6 +70,7 @@ from airflow_elastic_gpu.broker.types import DEFAULT_POOL, InvalidRequest, NotFo
 from airflow_elastic_gpu.config import (
     DEPLOYMENT_PATTERN,
     ENV_UI_TOKEN,
+    airflow_conf,
     default_deployment,
     get_option,
 )
@@ -135,14 +136,17 @@ def create_app(
         connection, which cannot be read when the plugin is imported).
     :param root_path: where the app is mounted (the page builds its URLs from it).
     :param deployment: the Airflow deployment whose task instances ``/jobs/by-task`` finds when the
-        request names none; default ``[elastic_gpu] deployment``.
-    :raises ValueError: a bad limit or deployment name in the environment.
+        request names none; default ``[elastic_gpu] deployment``, read at each such request (a bad
+        name fails those requests, not the app).
+    :raises ValueError: a bad limit in the environment.
     """
     made: list[GpuBroker] = [broker] if broker is not None else []
     limits = limits if limits is not None else ApiLimits.from_env()
     expected_ui_token = ui_token if ui_token is not None else get_option("ui_token") or None
-    own_deployment = deployment if deployment is not None else default_deployment()
     body_context = {"max_metrics_bytes": limits.max_metrics_bytes}
+
+    def own_deployment() -> str:  # through Airflow's conf where there is one (its _CMD forms too)
+        return deployment if deployment is not None else default_deployment(conf=airflow_conf())
 
     def get_broker() -> GpuBroker:
         if not made:  # created on first use: importing the app must not touch a database
@@ -283,7 +287,10 @@ def create_app(
         """The job an Airflow task instance submitted (its latest: a retry's job when a try
         replaced the one before), of Airflow deployment ``deployment`` (default the server's
         ``[elastic_gpu] deployment``; ``""``: none); 404 when it has submitted none."""
-        name = own_deployment if deployment is None else deployment
+        try:
+            name = deployment if deployment is not None else own_deployment()
+        except ValueError as exc:  # this server's configuration: no request mends it
+            raise HTTPException(500, f"this server's {exc}") from None
         job = b.job_by_key(task_key(dag_id, task_id, run_id, map_index, deployment=name))
         if job is None:
             where = f"{dag_id}.{task_id} (run {run_id}" + ("" if map_index < 0 else f", map index {map_index}") + ")"

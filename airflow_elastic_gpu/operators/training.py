@@ -1,17 +1,16 @@
 """ElasticTrainingOperator: run one DL training as an elastic job on the shared GPU pool.
 
-Like ``KubernetesPodOperator(deferrable=True)``, the operator only
-orchestrates: it submits the job to the broker (idempotent on dag_id, task_id,
-run_id and map_index, so a retry or a worker crash never creates a second job
-for the same try), starts its processes through the backend, and defers to
-:class:`ElasticTrainingTrigger`, freeing the worker slot while the broker
-resizes the job. ``execute_complete`` logs the job's resizes, attaches the job's figures to the
-events of the task's outlet assets, and returns its metrics to XCom, or raises with the broker's
-reason. With ``deferrable=False`` it waits in the worker, polling the same
+Like ``KubernetesPodOperator(deferrable=True)``, the operator only orchestrates: it submits the job
+to the broker (idempotent on the task instance's ids and deployment, so a retry or a worker crash
+never creates a second job for the same try), starts its processes through the backend, and defers
+to :class:`ElasticTrainingTrigger`, freeing the worker slot while the broker resizes the job.
+``execute_complete`` logs the job's resizes, attaches the job's figures to the events of the task's
+outlet assets, and returns its metrics to XCom, or raises with the broker's reason. With
+``deferrable=False`` it waits in the worker, polling the same
 :class:`~airflow_elastic_gpu.triggers.watcher.JobWatcher` as the trigger. With
-``start_from_trigger=True`` the task does not take a worker slot to start: the triggerer submits
-and starts the job (the same :func:`~airflow_elastic_gpu.triggers.submit.submit_and_start`), and a
-worker only runs ``execute_complete``.
+``start_from_trigger=True`` the task does not take a worker slot to start: the triggerer submits and
+starts the job (:func:`~airflow_elastic_gpu.triggers.submit.submit_and_start`), and a worker only
+runs ``execute_complete``.
 """
 
 from __future__ import annotations
@@ -56,17 +55,19 @@ from airflow_elastic_gpu.operators import results
 from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
 from airflow_elastic_gpu.triggers.orphans import check_orphans
 from airflow_elastic_gpu.triggers.submit import submit_and_start
+from airflow_elastic_gpu.triggers.task_instance import (
+    attempt_of,
+    clear_number_of,
+    max_tries_of,
+    task_key,
+    will_retry,
+)
 from airflow_elastic_gpu.triggers.training import (
     KILLED_REASON,
     TIMEOUT_CANCEL,
     TIMEOUT_REASON,
     TRIGGER_CLASSPATH,
     ElasticTrainingTrigger,
-    attempt_of,
-    clear_number_of,
-    max_tries_of,
-    task_key,
-    will_retry,
 )
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
@@ -410,8 +411,7 @@ class ElasticTrainingOperator(BaseOperator):
             self._job_id, self._attempt = event["job_id"], attempt_of(context["ti"])
             timed_out = bool(event.get("timed_out"))
             if not timed_out and (job := self._job_in_worker(event["job_id"])) is not None:
-                # the worker's broker has the job: it follows the job itself (a worker slot for
-                # the rest of the run), rather than throw a healthy training away
+                # the worker's broker has the job: the worker follows it, not throw a healthy training away
                 self.log.warning("%s; the worker follows the job until it ends instead. Give the triggerer the "
                                  "worker's broker (connection and [elastic_gpu] settings)", message)
                 return self._wait_in_worker(JobWatcher(self.hook.broker, self._make_backend(), job.id, env=self.env,

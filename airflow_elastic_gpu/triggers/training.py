@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from airflow_elastic_gpu.broker import types
 from airflow_elastic_gpu.broker.types import (
     BrokerError,
     JobSpec,
@@ -40,8 +39,9 @@ from airflow_elastic_gpu.broker.types import (
     task_family,
 )
 from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
-from airflow_elastic_gpu.config import airflow_conf, default_deployment
+from airflow_elastic_gpu.config import airflow_conf, default_work_dir
 from airflow_elastic_gpu.triggers.orphans import check_orphans
+from airflow_elastic_gpu.triggers.task_instance import attempt_of, task_key
 from airflow_elastic_gpu.triggers.threads import in_daemon_thread
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
@@ -83,60 +83,6 @@ ON_KILL_STATE_QUERY_TIMEOUT_S = 120.0
 supervisor may take longer than :data:`STATE_QUERY_TIMEOUT_S` to say that a trigger given to
 another triggerer is still deferred. The wait goes on in a thread of its own after Airflow's
 ``on_kill`` time (30 s) is over; a triggerer that exits meanwhile stops nothing."""
-
-
-def task_key(ti: Any) -> str:
-    """The job key of task instance ``ti`` in this Airflow deployment
-    (:func:`~airflow_elastic_gpu.broker.types.task_key`, ``[elastic_gpu] deployment``).
-
-    :raises ValueError: ``[elastic_gpu] deployment`` is not a valid name."""
-    return types.task_key(ti.dag_id, ti.task_id, ti.run_id, ti.map_index,
-                          deployment=default_deployment(conf=airflow_conf()))
-
-
-def attempt_of(ti: Any) -> str | None:
-    """The task try's identity (``JobSpec.attempt``): the task instance's id, which Airflow 3 makes
-    anew for every try; None when it has none."""
-    ti_id = getattr(ti, "id", None)
-    return None if ti_id is None else str(ti_id)
-
-
-def max_tries_of(ti: Any) -> int | None:
-    """The worker's task instance's ``max_tries`` (``JobSpec.max_tries``: Airflow raises it when the
-    task is cleared, never on a retry); None where it has none. Not for the triggerer's task
-    instance, built without it (its ``max_tries`` reads 0 for every try, a clear's too)."""
-    return _count(getattr(ti, "max_tries", None))
-
-
-def clear_number_of(context: Any) -> int | None:
-    """The ``clear_number`` of the worker's DAG run (``JobSpec.clear_number``: Airflow raises it on
-    every clear of the run, never on a retry) in the task's ``context``; None where it has none."""
-    return _count(getattr(context.get("dag_run"), "clear_number", None))
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def will_retry(ti: Any, task: Any, exc: BaseException, never: type[BaseException], context: Any = None) -> bool:
-    """Whether Airflow retries task instance ``ti`` (of ``task``) after ``exc``, decided as Airflow
-    3's task runner does: not on ``never`` (``AirflowFailException``), nor when the task's
-    ``retry_policy`` says FAIL; else as the API server said when the try started (``should_retry``),
-    or, where that is not known, while ``try_number <= max_tries``. Unknown: True (a job is then
-    left to a retry that may come). ``context``: the task's, for the policy."""
-    if isinstance(exc, never):
-        return False
-    policy, server = getattr(task, "retry_policy", None), getattr(ti, "_ti_context_from_server", None)
-    max_tries = max_tries_of(ti)
-    if policy is not None:
-        with contextlib.suppress(Exception):  # Airflow falls back to its default then too
-            action = policy.evaluate(exception=exc, try_number=ti.try_number, max_tries=max_tries or 0, context=context)
-            if str(getattr(action.action, "value", action.action)).lower() == "fail":
-                return False
-    if isinstance(getattr(server, "should_retry", None), bool):
-        return server.should_retry
-    try_number = getattr(ti, "try_number", None)
-    return not isinstance(try_number, int) or max_tries is None or try_number <= max_tries
 
 
 class ClientSetupError(Exception):
@@ -201,6 +147,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         self._dropped: JobWatcher | None = None  # the watcher before the last failed poll
         self._submit_future: concurrent.futures.Future[JobView] | None = None
         self._stopped = False  # the job was stopped when Airflow cancelled the trigger (on_kill skips)
+        self._stop_lock = threading.Lock()
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         kwargs: dict[str, Any] = {
@@ -220,7 +167,6 @@ class ElasticTrainingTrigger(BaseTrigger):
         :raises ValueError: the trigger has no task instance or no job to submit.
         """
         from airflow_elastic_gpu.backends import make_backend
-        from airflow_elastic_gpu.config import default_work_dir
         from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
         from airflow_elastic_gpu.triggers.submit import submit_and_start
 
@@ -458,6 +404,12 @@ class ElasticTrainingTrigger(BaseTrigger):
                              "still deferred (the triggerer stops?); taking it as %s", wait_s, ti,
                              "deferred" if unsure else "ended by a user")
             return unsure
+        except (concurrent.futures.CancelledError, EOFError, ConnectionError) as exc:
+            # the triggerer stops: it cancelled the questions waiting for the supervisor's answers,
+            # or lost the supervisor; a trigger of a triggerer that stops never stops its job
+            self.log.info("the question whether task instance %s is still deferred ended with the triggerer "
+                          "(%s); taking it as deferred", ti, type(exc).__name__)
+            return True
         except Exception as exc:  # noqa: BLE001 - no supervisor to ask (a test, an older Airflow)
             self.log.warning("could not read the state of task instance %s (%s); taking it as %s", ti, exc,
                              "deferred" if unsure else "ended by a user")
@@ -471,12 +423,21 @@ class ElasticTrainingTrigger(BaseTrigger):
             return
 
         def stop() -> None:
-            if self._still_deferred(unsure, timeout_s):
-                self.log.info("job %s goes on: its task instance is still deferred (the trigger moved to "
-                              "another triggerer, or the triggerer stops)", self.job_id or "being submitted")
-                return
-            self._kill(reason)
-            self._stopped = True  # on_kill, which may follow, has nothing left to do
+            # one stop at a time: Airflow cancels the trigger again about every second, so on_kill
+            # may come while run()'s stop still waits for its answer (in its own thread)
+            with self._stop_lock:
+                if self._stopped:
+                    return
+                try:
+                    if self._still_deferred(unsure, timeout_s):
+                        self.log.info("job %s goes on: its task instance is still deferred (the trigger moved "
+                                      "to another triggerer, or the triggerer stops)", self.job_id or "being submitted")
+                        return
+                    self._kill(reason)
+                except Exception as exc:  # nobody may wait for this thread any more: say so
+                    self.log.warning("job %s: could not stop it (%s)", self.job_id or "being submitted", exc)
+                    raise
+                self._stopped = True  # on_kill, which may follow, has nothing left to do
 
         # a thread of its own: the triggerer's default executor may be busy with other triggers'
         # polls, and a stop queued there is dropped when on_kill's time (30 s) runs out
