@@ -274,7 +274,10 @@ def cmd_run_local(args: argparse.Namespace) -> int:
         max_gpus=args.max_gpus, requested_gpus=args.requested_gpus, total_steps=args.total_steps, pool=args.pool,
         progress_pattern=args.progress_pattern, checkpoint_dir=args.checkpoint_dir, key=args.key,
     ))
-    start_job(broker, backend, job)  # a start that fails after all fails the job, freeing its GPUs
+    if not job.status.terminal:  # an ended job of the key is shown, not started: it trained
+        # a start that fails after all fails a new job, freeing its GPUs; one started before from
+        # another work directory is refused (a start here would run a second trainer of it)
+        start_job(broker, backend, job)
     if job.token is None:  # the key's job, submitted before (only the reply that creates a job has its token)
         console.print(f"job {job.id} of key {escape(repr(args.key))} was submitted before and is "
                       f"{job.status.value}: not started again; files in {escape(str(work_dir / job.id))}")

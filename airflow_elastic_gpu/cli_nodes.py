@@ -11,6 +11,7 @@ from rich.text import Text
 
 from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.backends.local import LOCAL_NODE
+from airflow_elastic_gpu.backends.local_host import is_host_node
 from airflow_elastic_gpu.broker.types import NodeView, NotFound
 
 
@@ -31,7 +32,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.action == "add":
         if args.gpus is None or args.gpus < 1:
             raise ValueError(f"`nodes add {args.name}` needs --gpus N, the node's GPU count (1 or more)")
-        if args.name == LOCAL_NODE:
+        if is_host_node(args.name):  # localhost-<i> too: the local backend runs it on this host's devices
             from airflow_elastic_gpu.backends.local import check_host_not_in_another_pool
 
             check_host_not_in_another_pool(broker, args.pool)

@@ -331,7 +331,9 @@ def test_a_new_pool_does_not_take_this_hosts_gpus_a_second_time(local):
 
 
 @pytest.mark.parametrize("argv", [["nodes", "detect", "--pool", "other"],
-                                  ["nodes", "add", "--gpus", "2", "--pool", "other"]])
+                                  ["nodes", "add", "--gpus", "2", "--pool", "other"],
+                                  # a virtual node's name: the local backend runs it on this host's devices
+                                  ["nodes", "add", "localhost-0", "--gpus", "2", "--pool", "other"]])
 def test_nodes_detect_and_add_do_not_put_this_host_in_a_second_pool(local, capsys, argv):
     broker, _ = local
     assert cli.main(["--broker-url", broker.url, *argv]) == 2

@@ -405,3 +405,30 @@ def test_a_recorded_process_of_another_user_is_the_jobs_and_an_unknown_one_is_no
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_job_started_from_another_work_directory_is_not_started_again(local, tmp_path):  # noqa: F811
+    """``run-local --key K`` (or a worker) whose work directory differs from the one the key's
+    running job was started from found no handle of it: it killed the job's processes as strays
+    and trained it again from an empty checkpoint directory, saying "not started again". The start
+    is refused, naming the job's directory, and the job runs on; so is one of another backend's job."""
+    from airflow_elastic_gpu.backends.base import start_job
+
+    broker, backend = local
+    job = broker.submit(JobSpec("elsewhere", SLEEPER, 1, 1, total_steps=10, key="k"))
+    job = start_job(broker, backend, job)
+    wait_for(lambda: backend.handle(job.id) is not None and len(marked(job.id)) >= 2, 60, "the job to start")
+    running = set(marked(job.id))
+    other = LocalBackend(tmp_path / "another-work-dir", broker)
+    again = broker.submit(JobSpec("elsewhere", SLEEPER, 1, 1, total_steps=10, key="k"))  # the key's job
+    assert again.id == job.id and again.token is None
+    with pytest.raises(BackendError, match=f"started in job directory {backend.job_dir(job.id)}, not "):
+        start_job(broker, other, again)
+    assert running <= set(marked(job.id)) and broker.job(job.id).status is JobStatus.RUNNING
+    assert not other.job_dir(job.id).exists()
+    assert backend.start(broker.job(job.id)) == broker.job(job.id).backend_ref  # its own: idempotent
+
+    pod = broker.submit(JobSpec("pod", SLEEPER, 1, 1, total_steps=10))
+    broker.start(pod.id, "elastic-gpu-0123-g1")  # a Kubernetes pod's name
+    with pytest.raises(BackendError, match="was started by another backend than this local one"):
+        backend.start(broker.job(pod.id))

@@ -56,6 +56,7 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
     STOPPED_WHILE_STARTING,
     LocalHandle,
     boot_id,
+    check_started_in,
     kill_group,
     kill_job_processes,
     kill_unrecorded,
@@ -269,6 +270,7 @@ class LocalBackend:
         except ValueError as exc:
             raise BackendError(f"fence_s: {exc}") from None
         job_dir = self.job_dir(job.id)
+        check_started_in(job.id, job.backend, job.backend_ref, job_dir)
         try:
             job_dir.mkdir(mode=JOB_DIR_MODE, exist_ok=True)
             job_dir.chmod(JOB_DIR_MODE)

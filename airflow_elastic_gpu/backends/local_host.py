@@ -79,6 +79,12 @@ def detect_gpus(virtual_gpus: int | None = None, nvidia_smi: str = "nvidia-smi")
 _HOST_NODE = re.compile(rf"{re.escape(LOCAL_NODE)}(-\d+)?")
 
 
+def is_host_node(name: str) -> bool:
+    """Whether node ``name`` is this host's, as the local backend names it (:data:`LOCAL_NODE`, or
+    ``LOCAL_NODE-<i>`` for its virtual nodes): its GPUs are this host's devices."""
+    return _HOST_NODE.fullmatch(name) is not None
+
+
 def check_host_not_in_another_pool(broker: GpuBroker, pool: str) -> None:
     """Refuse to register this host's GPUs (node :data:`LOCAL_NODE`, or ``LOCAL_NODE-<i>`` for
     virtual nodes) in ``pool`` when another pool has them: the same devices in two pools would be

@@ -176,6 +176,30 @@ class LocalHandle:
                    data.get("boot_id"), tuple((int(p), int(t)) for p, t in (data.get("starts") or {}).items()))
 
 
+def check_started_in(job_id: str, backend: str, backend_ref: str | None, job_dir: Path) -> None:
+    """Refuse a start of job ``job_id`` in ``job_dir`` when an earlier start ran it elsewhere: in
+    another work directory (a shell or worker whose ``[elastic_gpu] work_dir`` or
+    ``$AIRFLOW_HOME`` differs), whose processes a start here would not find by their handle; it
+    killed them as strays and trained again from an empty checkpoint directory. Or by another
+    backend (``backend``, its reference ``backend_ref`` not a local one).
+
+    :raises BackendError: naming where the job runs.
+    """
+    from airflow_elastic_gpu.backends.base import BackendError
+
+    if backend_ref is None:
+        return
+    try:
+        recorded = Path(json.loads(backend_ref)["job_dir"])
+    except (ValueError, KeyError, TypeError):
+        raise BackendError(f"job {job_id} was started by another backend than this local one ({backend!r} job, "
+                           f"reference {backend_ref[:80]!r}): it is not started again here") from None
+    if recorded.resolve() != job_dir.resolve():
+        raise BackendError(f"job {job_id} was started in job directory {recorded}, not {job_dir}: it runs from "
+                           f"work directory {recorded.parent} (--work-dir, [elastic_gpu] work_dir); a start in "
+                           "another would run a second trainer of it")
+
+
 def kill_unrecorded(job_id: str, command: str | None = None) -> list[int]:
     """SIGKILL job ``job_id``'s processes that no ``handle.json`` records (:func:`marked_processes`,
     ``command`` as there: a start killed mid-way, with the task's worker, after it spawned them; the
