@@ -116,9 +116,23 @@ def _param_value(item: str, key: str, value: str) -> bool | int | float:
     return number
 
 
+MIN_LEASE_S = 10.0
+MIN_REBALANCE_INTERVAL_S = 1.0
+_TOO_SHORT = {
+    "--lease-s": "a job's agent reports every second and its launcher stops the trainer after half the lease "
+                 "without contact, so a shorter lease stops healthy trainings",
+    "--rebalance-interval-s": "the broker would decide again and again with nothing changed",
+}
+
+
 def cmd_pool(args: argparse.Namespace) -> int:
+    for option, value, least in (("--lease-s", args.lease_s, MIN_LEASE_S),
+                                 ("--rebalance-interval-s", args.rebalance_interval_s, MIN_REBALANCE_INTERVAL_S)):
+        if value is not None and value < least:
+            raise BrokerError(f"{option} must be at least {least:g} s, got {value:g}: {_TOO_SHORT[option]}")
+    # the pool must exist (a change too): no empty SQLite file made where the broker is not
+    broker = _broker(args, existing=True)
     changes = bool(args.param) or any(v is not None for v in (args.policy, args.lease_s, args.rebalance_interval_s))
-    broker = _broker(args, existing=not changes)  # a bare `pool` only reads: no empty SQLite file made
     params: dict[str, Any] = {}
     for item in args.param or []:
         key, sep, value = item.partition("=")

@@ -13,14 +13,16 @@ from rich.text import Text
 from airflow_elastic_gpu.backends import local_cleanup
 from airflow_elastic_gpu.config import default_work_dir
 
+MAX_DAYS = 36500.0
+
 
 def _days(value: str) -> float:
     try:
         days = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a number of days, got {value!r}") from None
-    if not 0 <= days < float("inf"):
-        raise argparse.ArgumentTypeError(f"a number of days >= 0, got {value!r}")
+    if not 0 <= days <= MAX_DAYS:  # days in seconds stay finite
+        raise argparse.ArgumentTypeError(f"a number of days from 0 to {MAX_DAYS:g}, got {value!r}")
     return days
 
 

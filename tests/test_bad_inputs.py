@@ -147,7 +147,12 @@ def test_progress_rejects_impossible_steps(broker, step):
     (["pool", "--param", "name=1"], "bad parameters for policy 'adaptive': unknown 'name'"),
     (["pool", "--param", "hysteresis=abc"], "the value of hysteresis must be a finite number, true or false, got 'abc'"),
     (["pool", "--param", "hysteresis=true"], "hysteresis must be a number >= 0, got True"),  # was stored as True
-    (["pool", "--param", "elastic=2"], "elastic must be true or false, got 2"),  # was stored as 2
+    # what the policy is, not a setting: it was stored and shown, and changed nothing
+    (["pool", "--param", "elastic=false"], "bad parameters for policy 'adaptive': unknown 'elastic'"),
+    (["pool", "--policy", "optimus", "--param", "min_resize_interval_s=true"],
+     "min_resize_interval_s must be a number of seconds >= 0, got True"),  # was stored as True
+    (["pool", "--lease-s", "1"], "--lease-s must be at least 10 s, got 1"),  # fenced every trainer
+    (["pool", "--rebalance-interval-s", "1e-06"], "--rebalance-interval-s must be at least 1 s"),
     (["pool", "--param", "type_aware=0"], "type_aware must be true or false, got 0"),
     (["status", "--pool", "nosuch"], "unknown GPU pool 'nosuch'; known pools: default"),
     (["jobs", "--pool", "nosuch"], "unknown GPU pool 'nosuch'"),
@@ -320,3 +325,14 @@ def test_a_misspelt_command_is_named_with_the_nearest_one(capsys):
         with pytest.raises(SystemExit) as done:
             cli(argv)
         assert done.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_pool_change_where_there_is_no_broker_makes_no_empty_database(tmp_path, monkeypatch, capsys):
+    """``pool --lease-s 30`` with a mistyped ``$AIRFLOW_HOME`` failed on the unknown pool, but left an
+    empty SQLite broker there, which later commands then read as a broker with no jobs."""
+    for var in ("AIRFLOW_ELASTIC_GPU_BROKER_URL", "AIRFLOW__ELASTIC_GPU__BROKER_URL", "AIRFLOW_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "no-such-home"))
+    assert cli(["pool", "--lease-s", "30"]) == 2
+    assert "no broker database" in capsys.readouterr().err
+    assert not (tmp_path / "no-such-home" / "elastic_gpu_broker.db").exists()

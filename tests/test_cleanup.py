@@ -176,4 +176,7 @@ def test_the_cli_lists_with_dry_run_then_removes(tmp_path, monkeypatch, capsys):
     assert "freed 2.0 MiB in 1 directories" in capsys.readouterr().out and not (work / job.id).exists()
     with pytest.raises(SystemExit):
         main(["cleanup", "--older-than", "-2"])
-    assert "a number of days >= 0, got '-2'" in capsys.readouterr().err
+    assert "a number of days from 0 to 36500, got '-2'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # in seconds it overflowed, and the error read "got inf"
+        main(["cleanup", "--older-than", "1e308"])
+    assert "a number of days from 0 to 36500, got '1e308'" in capsys.readouterr().err

@@ -34,8 +34,9 @@ class OptimusPolicy:
     resize_mechanism: ClassVar[str] = "recreate"
 
     def __post_init__(self) -> None:
-        if self.min_resize_interval_s < 0:
-            raise ValueError(f"min_resize_interval_s must be >= 0, got {self.min_resize_interval_s}")
+        value = self.min_resize_interval_s  # a bool is an int to Python, never a number here
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:  # NaN fails
+            raise ValueError(f"min_resize_interval_s must be a number of seconds >= 0, got {value!r}")
 
     def decide(self, cluster: ClusterState) -> Decision:
         order = sorted(cluster.jobs, key=lambda j: (-j.priority, j.submit_time_s, j.job_id))

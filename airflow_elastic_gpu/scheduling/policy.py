@@ -85,6 +85,7 @@ def _policy_class(name: str) -> type:
 
 
 def _parameters(cls: type) -> list[str]:
-    """The keyword parameters a policy class takes (its name aside), in declaration order."""
+    """The keyword parameters a policy class takes (its name and ``elastic``, which says what the
+    policy is and sets nothing, aside), in declaration order."""
     return [p.name for p in inspect.signature(cls).parameters.values()
-            if p.name != "name" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+            if p.name not in ("name", "elastic") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
