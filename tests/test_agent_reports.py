@@ -135,19 +135,27 @@ def test_the_agent_stops_the_trainer_when_the_broker_no_longer_knows_the_job(tmp
     assert not (tmp_path / protocol.LEASE).exists()  # no confirmed contact, ever
 
 
-@pytest.mark.parametrize(("from_broker", "raised"), [(True, JobGone), (False, BrokerUnavailable)])
-def test_a_404_stops_the_trainer_only_when_the_broker_itself_answered(from_broker, raised):
+@pytest.mark.parametrize(("code", "headers", "raised"), [
+    (404, ("x-elastic-gpu-broker", "x-elastic-gpu-job-answer"), JobGone),
+    (404, (), BrokerUnavailable),  # a proxy's
+    # the broker's, for a path it does not serve (a broker API URL one level too deep)
+    (404, ("x-elastic-gpu-broker",), BrokerUnavailable),
+    (400, ("x-elastic-gpu-broker",), BrokerRejected),
+    (400, (), BrokerUnavailable),  # a proxy's: taken for rejected, an ack was never sent again
+])
+def test_a_404_stops_the_trainer_only_when_the_broker_itself_answered_about_the_job(code, headers, raised):
     """A proxy or ingress in front of the broker answers 404 while the API restarts: taken for "the
-    job ended", that would stop a live trainer. Only the broker's own answer (its header) counts."""
+    job ended", that would stop a live trainer. Only the broker's own answer about the job counts
+    (its headers); any other 4xx of a proxy is retried."""
     import http.server
 
     from airflow_elastic_gpu.sidecar.http_transport import HttpBrokerTransport
 
     class Proxy(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
-            self.send_response(404)
-            if from_broker:
-                self.send_header("x-elastic-gpu-broker", "1")
+            self.send_response(code)
+            for header in headers:
+                self.send_header(header, "1")
             self.end_headers()
             self.wfile.write(b"<html>404 Not Found</html>")
 
@@ -158,7 +166,7 @@ def test_a_404_stops_the_trainer_only_when_the_broker_itself_answered(from_broke
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         transport = HttpBrokerTransport(f"http://127.0.0.1:{server.server_address[1]}", "token", timeout_s=5)
-        with pytest.raises(raised, match="HTTP 404"):
+        with pytest.raises(raised, match=f"HTTP {code}"):
             transport.heartbeat("job")
     finally:
         server.shutdown()

@@ -73,7 +73,7 @@ def test_sidecar_calls_need_the_jobs_own_token(broker, client):
     ("progress", {"step": 1, "colour": "red"}, "colour", "Extra inputs are not permitted"),
     ("ack", {"generation": "two"}, "generation", "valid integer"),
     ("fail", {"reason": ""}, "reason", "at least 1 character"),
-    ("finish", {"exit_code": 300}, "exit_code", "less than or equal to 255"),
+    ("finish", {"exit_code": 300}, "exit_code", "less than or equal to 0"),  # a clean exit only
 ])
 def test_bad_bodies_get_422_naming_the_field(broker, client, clock, path, body, field, message):
     job = broker.submit(JobSpec("a", "train", 1, 2, total_steps=100))
@@ -216,6 +216,23 @@ def test_a_real_agent_runs_a_job_over_http_without_the_database(tmp_path, broker
     assert done.status is JobStatus.SUCCEEDED, done.reason + (handle.job_dir / "agent.log").read_text()[-2000:]
     assert done.steps_done == 30 and done.metrics["accuracy"] == 0.95
     assert protocol.read_json(handle.job_dir / protocol.STATUS)["generation"] == 1
+
+
+def test_the_real_brokers_answers_about_a_job_end_it_and_a_wrong_api_url_does_not(broker, api_server):
+    """An agent given the broker API URL one level too deep (``.../api/v1``) got the broker's 404 for
+    a path it does not serve, took it for "the job ended" and stopped a live trainer; the job was
+    then LOST with no word of the URL. Only the broker's answers about the job end it."""
+    from airflow_elastic_gpu.sidecar.http_transport import JobGone
+
+    job = broker.submit(JobSpec("url", "python train.py", 1, 1, total_steps=10))
+    with pytest.raises(BrokerUnavailable, match=r"the broker serves no such path: is the broker API URL .*/api/v1"):
+        HttpBrokerTransport(f"{api_server}/api/v1", job.token, timeout_s=5).heartbeat(job.id)
+    assert HttpBrokerTransport(api_server, job.token, timeout_s=5).heartbeat(job.id).status is JobStatus.RUNNING
+    with pytest.raises(JobGone, match="HTTP 403"):  # another job's token: about this job
+        HttpBrokerTransport(api_server, "not-the-token", timeout_s=5).heartbeat(job.id)
+    broker.cancel(job.id, "ended")
+    with pytest.raises(JobGone, match="has ended"):
+        HttpBrokerTransport(api_server, job.token, timeout_s=5).progress(job.id, 1)
 
 
 def test_http_transport_errors_are_clear():

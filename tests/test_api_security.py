@@ -30,6 +30,7 @@ from airflow_elastic_gpu.broker.api_guards import ApiLimits, parse_body
 from airflow_elastic_gpu.broker.api_models import AckIn, FailIn, FinishIn, ProgressIn
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
+from airflow_elastic_gpu.states import JobStatus
 
 MiB = 1024 * 1024
 HOSTILE = "<img src=x onerror=document.title='XSS-'+document.domain>"
@@ -399,6 +400,21 @@ def test_a_finished_jobs_token_changes_nothing(broker, client):  # noqa: F811
     beat = client.post(f"{url}/heartbeat", headers=auth(job.token))
     assert beat.status_code == 200 and beat.json()["status"] == "succeeded" and beat.json()["gpus"] == []
     assert broker.job(job.id).steps_done == done.json()["steps_done"]
+
+
+def test_a_finish_is_a_clean_exit_only(broker, client):  # noqa: F811
+    """``finish`` with exit code 137 recorded a SUCCEEDED job (a LOST one too): a trainer that
+    exited otherwise is a failure, which ``fail`` reports."""
+    from airflow_elastic_gpu.broker.types import InvalidRequest
+
+    job = running_job(broker)
+    r = client.post(f"/api/v1/jobs/{job.id}/finish", headers=auth(job.token), json={"exit_code": 137})
+    assert r.status_code == 422 and broker.job(job.id).status is JobStatus.RUNNING
+    with pytest.raises(InvalidRequest, match="finish is a clean exit .*got exit_code=1"):
+        broker.finish(job.id, 1)
+    assert broker.job(job.id).status is JobStatus.RUNNING
+    ok = client.post(f"/api/v1/jobs/{job.id}/finish", headers=auth(job.token), json={"exit_code": 0})
+    assert ok.status_code == 200 and ok.json()["status"] == "succeeded"
 
 
 def test_a_cancelled_jobs_token_cannot_report_progress(broker, client):  # noqa: F811

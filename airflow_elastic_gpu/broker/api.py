@@ -74,8 +74,10 @@ from airflow_elastic_gpu.config import (
     default_deployment,
     get_option,
 )
+from airflow_elastic_gpu.sidecar.protocol import JOB_ANSWER_HEADER
 
 API_PREFIX = "/api/v1"
+ABOUT_THE_JOB = {JOB_ANSWER_HEADER: "1"}  # an answer about the resource asked for, not an unknown path
 STATIC = Path(__file__).with_name("static")
 bearer = HTTPBearer(auto_error=False)
 
@@ -159,10 +161,11 @@ def create_app(
                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
         if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token: send the job's API token",
-                                headers={"WWW-Authenticate": "Bearer"})
+                                headers={"WWW-Authenticate": "Bearer", **ABOUT_THE_JOB})
         # no job has a NUL in its id, and PostgreSQL refuses one in text (a 500 before any token check)
         if "\x00" in job_id or not b.verify_token(job_id, credentials.credentials):
-            raise HTTPException(status.HTTP_403_FORBIDDEN, f"the token is not valid for job {job_id!r}")
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"the token is not valid for job {job_id!r}",
+                                headers=ABOUT_THE_JOB)
         return job_id
 
     JobAuth = Annotated[str, Depends(job_auth)]
@@ -171,7 +174,8 @@ def create_app(
         job_status = b.target(job_id).status
         if job_status.terminal:
             raise HTTPException(status.HTTP_403_FORBIDDEN,
-                                f"job {job_id!r} has ended ({job_status.value}): its token no longer changes it")
+                                f"job {job_id!r} has ended ({job_status.value}): its token no longer changes it",
+                                headers=ABOUT_THE_JOB)
         return job_id
 
     LiveJobAuth = Annotated[str, Depends(live_job_auth)]
@@ -213,7 +217,7 @@ def create_app(
 
     @app.exception_handler(NotFound)
     async def _not_found(_request: Request, exc: NotFound) -> JSONResponse:
-        return JSONResponse(status_code=404, content={"detail": str(exc)})
+        return JSONResponse(status_code=404, content={"detail": str(exc)}, headers=ABOUT_THE_JOB)
 
     sidecar = APIRouter(prefix=f"{API_PREFIX}/jobs/{{job_id}}", tags=["sidecar"], responses={
         401: {"description": "no bearer token"},

@@ -95,7 +95,8 @@ class _EndReport(_Report):
 
 
 class FinishIn(_EndReport):
-    exit_code: int = Field(default=0, ge=0, le=255)
+    exit_code: int = Field(default=0, ge=0, le=0, description=(
+        "0: a finish is a clean exit; a trainer that exited otherwise is reported with fail"))
 
 
 class FailIn(_EndReport):

@@ -126,8 +126,12 @@ class Endings(Queries):
             only once every node it runs on has reported so; until then the node is recorded
             (``finished_nodes``), the job runs on with its allocation fixed, and the view returned
             is still RUNNING.
-        :raises InvalidRequest: ``node`` is not a node of the job's pool.
+        :raises InvalidRequest: ``node`` is not a node of the job's pool, or ``exit_code`` is not 0
+            (a trainer that exited otherwise failed: :meth:`fail`).
         """
+        if exit_code != 0 or isinstance(exit_code, bool):
+            raise InvalidRequest(f"finish is a clean exit (exit_code 0), got exit_code={exit_code!r}: a trainer that "
+                                 "exited otherwise is reported with fail")
         return self._end(job_id, JobStatus.SUCCEEDED, "trainer finished", exit_code, metrics, node=node)
 
     def fail(self, job_id: str, reason: str, exit_code: int | None = None,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_elastic_gpu.scheduling.state import GpuId
-from airflow_elastic_gpu.sidecar.protocol import BROKER_HEADER
+from airflow_elastic_gpu.sidecar.protocol import BROKER_HEADER, JOB_ANSWER_HEADER
 from airflow_elastic_gpu.states import JobStatus, Target
 
 
@@ -113,9 +113,13 @@ class HttpBrokerTransport:
                                         "where it leads, e.g. https://") from None
             if exc.code >= 500 or exc.code in RETRY_STATUSES:
                 raise BrokerUnavailable(message) from None
+            headers = exc.headers if exc.headers is not None else {}
+            if headers.get(BROKER_HEADER) is None:  # a 4xx too: a report taken for rejected is never sent again
+                raise BrokerUnavailable(f"{message} (not from the broker: a proxy's answer, retried)") from None
             if exc.code in GONE_STATUSES:
-                if exc.headers is None or exc.headers.get(BROKER_HEADER) is None:
-                    raise BrokerUnavailable(f"{message} (not from the broker: a proxy's answer, retried)") from None
+                if headers.get(JOB_ANSWER_HEADER) is None:
+                    raise BrokerUnavailable(f"{message} (the broker serves no such path: is the broker API URL "
+                                            f"{self.base_url!r} right? Retried)") from None
                 raise JobGone(message, exc.code) from None
             raise BrokerRejected(message, exc.code) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as exc:

@@ -444,6 +444,11 @@ BROKER_HEADER = "x-elastic-gpu-broker"
 """A header on every answer of the broker's API: the agent takes a 401/403/404/410 for "the job
 ended" only from the broker itself, not from a proxy or ingress in front of it (a 404 while the API
 restarts), which would otherwise stop a live trainer."""
+JOB_ANSWER_HEADER = "x-elastic-gpu-job-answer"
+"""A header on the broker's 401/403/404 answers about the job itself (its token, its end, its
+absence), which the agent also needs to take one for "the job ended": the broker's 404 for a path it
+does not serve (a broker API URL set one level too deep, ``.../api/v1``) has none, and stopped a
+live trainer, the job then LOST with no word of the URL."""
 
 KILL_WAIT_S = 2.0
 """How long a SIGKILLed process is waited for (it vanishes within milliseconds unless stuck in the kernel)."""
