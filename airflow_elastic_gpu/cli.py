@@ -57,7 +57,7 @@ from airflow_elastic_gpu.config import (
     default_work_dir,
     mask_url,
 )
-from airflow_elastic_gpu.scheduling.policy import get_policy, policy_parameters
+from airflow_elastic_gpu.scheduling.policy import policy_parameters, stored_policy
 from airflow_elastic_gpu.states import JobStatus
 
 console = Console()
@@ -157,7 +157,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
                               lease_s=args.lease_s, rebalance_interval_s=args.rebalance_interval_s)
     # (a bare `pool` only shows the settings: it changes nothing and asks for no rebalance)
     config = broker.pool_config(args.pool)  # one read of the pool's row
-    made = get_policy(config.policy, **config.policy_params)  # with every default filled in
+    made = stored_policy(config.policy, config.policy_params)  # with every default filled in
     settings = ", ".join(f"{k}={getattr(made, k)!r}" for k in policy_parameters(config.policy))
     console.print(f"pool {escape(repr(args.pool))}: policy {escape(config.policy)} ({escape(settings)}); "
                   f"lease {config.lease_s:g} s; rebalance every {config.rebalance_interval_s:g} s")

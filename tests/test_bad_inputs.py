@@ -336,3 +336,27 @@ def test_a_pool_change_where_there_is_no_broker_makes_no_empty_database(tmp_path
     assert cli(["pool", "--lease-s", "30"]) == 2
     assert "no broker database" in capsys.readouterr().err
     assert not (tmp_path / "no-such-home" / "elastic_gpu_broker.db").exists()
+
+
+@pytest.mark.parametrize(("policy", "stored", "shown"), [
+    ("adaptive", {"elastic": False, "hysteresis": 3}, "hysteresis=3"),  # a parameter no longer taken
+    ("optimus", {"min_resize_interval_s": True}, "min_resize_interval_s=600.0"),  # a value no longer valid
+])
+def test_a_pool_whose_stored_settings_an_earlier_version_took_still_schedules(tmp_path, capsys, policy, stored,
+                                                                             shown):
+    """Settings stored before they were refused (``--param elastic=false`` was taken and changed
+    nothing) made every rebalance of the pool fail: its jobs stayed queued, and ``pool`` showed the
+    error. They are left out (or the policy's defaults serve), with a warning."""
+    from sqlalchemy import update
+
+    from airflow_elastic_gpu.broker.models import GpuPool
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    broker = GpuBroker(url)
+    broker.register_node("n0", 2)
+    with broker.engine.begin() as conn:
+        conn.execute(update(GpuPool).values(policy=policy, policy_params=stored))
+    job = broker.submit(JobSpec("queued", "python train.py", 1, 2, total_steps=10))
+    broker.rebalance()
+    assert broker.job(job.id).target_gpus
+    assert cli(["--broker-url", url, "pool"]) == 0 and shown in capsys.readouterr().out

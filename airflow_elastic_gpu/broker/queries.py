@@ -43,7 +43,7 @@ from airflow_elastic_gpu.broker.types import (
     PoolSnapshot,
 )
 from airflow_elastic_gpu.scheduling.core import attained_gpu_s
-from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
+from airflow_elastic_gpu.scheduling.policy import Policy, stored_policy
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.states import ACTIVE, JobStatus
 
@@ -183,7 +183,7 @@ class Queries(Rebalancing):
         if self.policy_override is not None:
             return self.policy_override
         name, params = self.pool_settings(pool)
-        return get_policy(name, **params)
+        return stored_policy(name, params)
 
     def pool_config(self, pool: str = DEFAULT_POOL) -> PoolConfig:
         """``pool``'s settings, read in one go.

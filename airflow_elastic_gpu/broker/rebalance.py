@@ -80,7 +80,7 @@ from airflow_elastic_gpu.broker.rows import (
 from airflow_elastic_gpu.broker.transactions import transient_kind
 from airflow_elastic_gpu.broker.types import DEFAULT_POOL, NotFound
 from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore
-from airflow_elastic_gpu.scheduling.policy import Policy, get_policy
+from airflow_elastic_gpu.scheduling.policy import Policy, stored_policy
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 from airflow_elastic_gpu.states import EventKind, JobStatus
@@ -297,7 +297,7 @@ class Rebalancing(Releases):
         return self._serve_rebalance(pool, True)
 
     def _policy_of(self, row: GpuPool | Row[Any]) -> Policy:
-        return self.policy_override or get_policy(row.policy, **(row.policy_params or {}))
+        return self.policy_override or stored_policy(row.policy, row.policy_params)
 
     # ------------------------------------------------------------------ the rebalance itself
 

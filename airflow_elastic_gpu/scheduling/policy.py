@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import logging
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from airflow_elastic_gpu.scheduling.state import ClusterState, Decision
+
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # stored settings already warned about (a pool rebalances every few seconds)
 
 
 @runtime_checkable
@@ -89,3 +94,28 @@ def _parameters(cls: type) -> list[str]:
     policy is and sets nothing, aside), in declaration order."""
     return [p.name for p in inspect.signature(cls).parameters.values()
             if p.name not in ("name", "elastic") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def stored_policy(name: str, params: Mapping[str, Any] | None) -> Policy:
+    """The policy a pool's stored settings name (:func:`get_policy`), never refused over a parameter
+    stored by an earlier version: one the policy no longer takes (``elastic``, which said what a
+    policy is and set nothing) is left out, and stored values no longer valid give way to the
+    policy's defaults; each is logged once. The pool's scheduling stopped instead, every rebalance
+    refused, until its settings were given again.
+
+    :raises ValueError: unknown policy name.
+    """
+    accepted = _parameters(_policy_class(name))
+    params = dict(params or {})
+    dropped = sorted(set(params) - set(accepted))
+    kept = {k: v for k, v in params.items() if k in accepted}
+    try:
+        policy = get_policy(name, **kept)
+        problem = f"parameters it no longer takes left out: {', '.join(dropped)}" if dropped else ""
+    except ValueError as exc:
+        policy, problem = get_policy(name), f"{exc}; its defaults serve"
+    if problem and (said := f"{name} {sorted(params.items())!r}") not in _WARNED:
+        _WARNED.add(said)
+        log.warning("the stored settings of policy %r: %s (set them again: airflow-elastic-gpu pool --param ...)",
+                    name, problem)
+    return policy
