@@ -111,3 +111,21 @@ def test_the_page_reads_its_deployment_at_each_request_and_a_bad_name_fails_only
     assert client.get("/api/v1/pools").status_code == 200
     monkeypatch.setenv(VARIABLE, "production")
     assert client.get("/api/v1/jobs/by-task", params=ids).json()["id"] == job.id
+
+
+def test_a_bad_name_on_the_triggerer_fails_a_task_started_from_it_without_a_retry(worker_env, monkeypatch):
+    """``start_from_trigger``: the triggerer's bad name crashed the trigger, and Airflow retried the
+    task, to no effect; it is the error event of a configuration, which fails the task for good."""
+    from test_airflow_tasks import _FakeTI
+
+    _broker, _backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 10", total_steps=10,
+                                 virtual_gpus=2, start_from_trigger=True)
+    monkeypatch.setenv(VARIABLE, "not/a name")
+    trigger = ElasticTrainingTrigger(**op.start_trigger_args.trigger_kwargs)
+    trigger.task_instance = _trigger_ti()
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 60))
+    assert event.payload["job_id"] is None and event.payload["retry"] is False
+    with pytest.raises(AirflowFailException, match=f"could not start the training: .*{VARIABLE} must be a name"):
+        op.execute_complete({"ti": _FakeTI()}, event.payload)
+    assert _broker.jobs() == []

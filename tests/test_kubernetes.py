@@ -323,6 +323,7 @@ def token_checking_api(cluster):
             ok = broker.verify_token(job_id, token)
             self.send_response(200 if ok else 403)
             self.send_header("x-elastic-gpu-broker", "1")  # as the broker's every answer
+            self.send_header("x-elastic-gpu-job-answer", "1")  # as its answers about the job's token
             self.end_headers()
             self.wfile.write(b"null" if ok else json.dumps({"detail": "bad token"}).encode())
 

@@ -19,7 +19,7 @@ from test_sidecar import wait_for
 
 from airflow_elastic_gpu.backends import BackendError
 from airflow_elastic_gpu.backends.local import LocalBackend
-from airflow_elastic_gpu.backends.local_processes import JOB_MARK, boot_id, start_ticks
+from airflow_elastic_gpu.backends.local_processes import JOB_MARK, LocalHandle, boot_id, start_ticks
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.sidecar import protocol
@@ -432,3 +432,22 @@ def test_a_job_started_from_another_work_directory_is_not_started_again(local, t
     broker.start(pod.id, "elastic-gpu-0123-g1")  # a Kubernetes pod's name
     with pytest.raises(BackendError, match="was started by another backend than this local one"):
         backend.start(broker.job(pod.id))
+
+
+def test_a_relative_work_directory_is_recorded_as_an_absolute_one(local, tmp_path, monkeypatch):  # noqa: F811
+    """``run-local --work-dir jobs`` recorded ``jobs/<id>`` in the job's reference, which then named
+    another directory from another working directory: the same relative path there passed the
+    check above (and killed the job's processes as strays), its absolute spelling was refused."""
+    broker, _ = local
+    monkeypatch.chdir(tmp_path)
+    backend = LocalBackend("jobs", broker)
+    assert backend.work_dir == tmp_path / "jobs"
+    job = broker.submit(JobSpec("relative", SLEEPER, 1, 1, total_steps=10))
+    job = broker.start(job.id, backend.start(job))
+    assert LocalHandle.from_ref(job.backend_ref).job_dir == tmp_path / "jobs" / job.id
+    (tmp_path / "elsewhere" / "jobs").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(BackendError, match="started in job directory"):
+        LocalBackend("jobs", broker).start(broker.job(job.id))
+    assert LocalBackend(tmp_path / "jobs", broker).start(broker.job(job.id)) == broker.job(job.id).backend_ref
+    backend.stop(job.id, timeout_s=10)

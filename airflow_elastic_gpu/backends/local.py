@@ -166,7 +166,7 @@ class LocalBackend:
         if isinstance(virtual_nodes, bool) or not isinstance(virtual_nodes, int) or virtual_nodes < 1:
             raise BackendError(f"virtual_nodes must be an integer >= 1, got {virtual_nodes!r}")
         self.virtual_nodes = virtual_nodes
-        self.work_dir = Path(work_dir)
+        self.work_dir = Path(work_dir).expanduser().absolute()  # recorded in job refs: the same from any cwd
         self.broker = broker
         self.broker_url = broker_url or broker.url
         self.virtual_gpus = virtual_gpus

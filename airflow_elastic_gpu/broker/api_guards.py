@@ -132,6 +132,10 @@ def _too_large(max_body_bytes: int, declared: int | None) -> list[Message]:
         {"type": "http.response.start", "status": 413, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"x-content-type-options", b"nosniff"),
+            # the broker's own answer (this middleware is outside SecurityHeaders): an agent takes a
+            # 4xx without it for a proxy's and retries, and a too large finish was never sent without
+            # its metrics, the job then LOST
+            (BROKER_HEADER.encode(), b"1"),
             (b"connection", b"close"),  # the server drops the connection instead of draining the body
         ]},
         {"type": "http.response.body", "body": body},

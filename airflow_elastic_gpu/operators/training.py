@@ -402,9 +402,9 @@ class ElasticTrainingOperator(BaseOperator):
             triggerer could not cancel the job past the task's deadline (the job is cancelled here;
             retried, as a time-out), or the job did not succeed.
         """
-        if event.get("job_id") is None:
-            raise AirflowException(f"{self.task_id}: the triggerer could not start the training: "
-                                   f"{event.get('reason')}")
+        if event.get("job_id") is None:  # a configuration error (retry false) is not retried
+            raise (AirflowException if event.get("retry", True) else AirflowFailException)(
+                f"{self.task_id}: the triggerer could not start the training: {event.get('reason')}")
         if event.get("status") == "error":
             message = (f"{self.task_id}: the triggerer could not follow training job {event['job_id']}: "
                        f"{event.get('reason')}")

@@ -38,7 +38,7 @@ from airflow_elastic_gpu.broker.types import (
     NotFound,
     task_family,
 )
-from airflow_elastic_gpu.compat import BaseTrigger, TriggerEvent
+from airflow_elastic_gpu.compat import AirflowFailException, BaseTrigger, TriggerEvent
 from airflow_elastic_gpu.config import airflow_conf, default_work_dir
 from airflow_elastic_gpu.triggers.orphans import check_orphans
 from airflow_elastic_gpu.triggers.task_instance import attempt_of, task_key
@@ -271,9 +271,10 @@ class ElasticTrainingTrigger(BaseTrigger):
 
             try:
                 self.job_id = (await asyncio.wrap_future(self._submitting())).id
-            except (BrokerError, BackendError, ValueError, OSError) as exc:
+            except (BrokerError, BackendError, ValueError, OSError, AirflowFailException) as exc:
                 self.log.error("could not submit the training: %s", exc)
-                yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc)})
+                yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc),
+                                    "retry": not isinstance(exc, AirflowFailException)})  # a bad setting: none
                 return
         timed_out, failures = False, 0  # failures: time-outs tried past the deadline that failed
         missing_since: float | None = None  # when the triggerer's broker first had no such job
