@@ -147,15 +147,12 @@ def fence_periods(lease_s: float, fence_s: float | None = None, margin_s: float 
     if margin >= lease_s:
         raise ValueError(f"margin_s={margin:g} must be shorter than the lease ({lease_s:g}s)")
     kill = lease_s - margin
-    if fence_s is None:
-        fence = min(lease_s / 2, kill)
-    elif fence_s > kill:
+    if fence_s is not None and fence_s > kill:
         raise ValueError(
             f"fence_s={fence_s:g} leaves no time to stop the trainer before the lease ({lease_s:g}s) "
             f"ends: it must be at most lease_s - margin_s = {kill:g}s"
         )
-    else:
-        fence = float(fence_s)
+    fence = min(lease_s / 2, kill) if fence_s is None else float(fence_s)
     return FencePeriods(float(lease_s), fence, kill)
 
 _GENERATION_LINE = re.compile(r"^\[launcher [^\]]*\] generation (\d+): starting")
@@ -441,14 +438,11 @@ def descendants(pid: int) -> list[int]:
 
 
 BROKER_HEADER = "x-elastic-gpu-broker"
-"""A header on every answer of the broker's API: the agent takes a 401/403/404/410 for "the job
-ended" only from the broker itself, not from a proxy or ingress in front of it (a 404 while the API
-restarts), which would otherwise stop a live trainer."""
+"""On every answer of the broker's API; :data:`JOB_ANSWER_HEADER` on its 401/403/404 about the job
+itself (its token, its end, its absence). The agent takes such an answer for "the job ended" only
+with both: not a proxy's 404 while the API restarts, nor the broker's for a path it does not serve
+(an API URL one level too deep, ``.../api/v1``), either of which stopped a live trainer."""
 JOB_ANSWER_HEADER = "x-elastic-gpu-job-answer"
-"""A header on the broker's 401/403/404 answers about the job itself (its token, its end, its
-absence), which the agent also needs to take one for "the job ended": the broker's 404 for a path it
-does not serve (a broker API URL set one level too deep, ``.../api/v1``) has none, and stopped a
-live trainer, the job then LOST with no word of the URL."""
 
 KILL_WAIT_S = 2.0
 """How long a SIGKILLed process is waited for (it vanishes within milliseconds unless stuck in the kernel)."""
