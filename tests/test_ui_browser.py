@@ -298,3 +298,24 @@ def test_a_task_instances_tab_shows_the_job_it_submitted_or_says_it_has_none(bro
     wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
     assert status().startswith(f"job other ({other.id[:8]}) ended succeeded"), status()
     assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]
+
+
+def test_the_pool_list_shows_the_pool_of_a_task_job_that_came_later_and_a_zoom_stays(broker, api_server,  # noqa: F811
+                                                                                     chrome):
+    """A "GPU job" tab opened before its task submitted: the page drew the job's pool once it came,
+    but the pool list still read ``default`` (and choosing it did nothing); and every refresh undid
+    the timeline's zoom."""
+    from airflow_elastic_gpu.broker.types import task_key
+
+    broker.register_node("a100-box", 2, pool="a100")
+    chrome.get(f"{api_server}/ui?dag_id=etl&run_id=r1&task_id=train")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    assert chrome.execute_script("return document.getElementById('pool').value") == "default"
+    job = broker.submit(JobSpec("train", "train", 1, 1, total_steps=100, key=task_key("etl", "train", "r1", -1),
+                                pool="a100"))
+    broker.ack(job.id, 1)
+    wait_for(lambda: chrome.execute_script("return [...document.querySelectorAll('#jobs tr.focus')]"
+                                           ".map(r => r.dataset.job)") == [job.id], 30, "the task's job shown")
+    assert chrome.execute_script("return document.getElementById('pool').value") == "a100"
+    assert chrome.execute_script("return document.getElementById('timeline').layout.uirevision") == "a100"
+    assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]

@@ -37,7 +37,13 @@ const list = x => (Array.isArray(x) ? x : []);
 const isNum = x => typeof x === "number" && Number.isFinite(x);
 const text = x => (x === null || x === undefined ? "" : String(x));
 const fixed = (x, digits, unit = "") => (isNum(x) ? x.toFixed(digits) + unit : "-");
-const fmtTime = t => (isNum(t) ? new Date(t * 1000).toLocaleTimeString() : "-");
+// the time of day, after the date when it is not today's (an event of a quiet pool days ago)
+const fmtTime = t => {
+  if (!isNum(t)) return "-";
+  const d = new Date(t * 1000);
+  const day = d.toDateString() === new Date().toDateString() ? "" : d.toLocaleDateString() + " ";
+  return day + d.toLocaleTimeString();
+};
 // plotly.js reads a little HTML in its labels (<b>, <br>, <a>): show the characters instead
 const plotlyText = s => text(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
@@ -138,7 +144,7 @@ function renderEvents(snap, names) {
   const rows = list(snap.events).slice().reverse().map(e => el(
     "tr", e.job_id && e.job_id === focusJob ? "focus" : null,
     el("td", null, fmtTime(e.time_s)),
-    el("td", null, e.job_id ? text(names.get(e.job_id)) : ""),
+    el("td", null, e.job_id ? label(e.job_id, names) : ""),  // a job listed nowhere else: its id
     el("td", null, text(e.kind)),
     el("td", null, text(e.message))));
   document.querySelector("#events tbody").replaceChildren(...rows);
@@ -176,19 +182,21 @@ function renderTimeline(tl, names) {
     barmode: "overlay", showlegend: false, margin: { l: 120, r: 20, t: 10, b: 40 },
     // rows are job names: a category axis, whatever they look like ("2026-11-28", "42")
     xaxis: { type: "date" }, yaxis: { type: "category", automargin: true },
+    uirevision: pool,  // a zoom or pan stays through the refreshes (another pool starts afresh)
   }, { displayModeBar: false, responsive: true });
 }
 
 function renderPools(pools) {
   const sel = document.getElementById("pool");
   const shown = [...sel.options].map(o => o.value);
-  if (shown.length === pools.length && shown.every((p, i) => p === pools[i])) return;
-  sel.replaceChildren(...pools.map(p => {
-    const option = el("option", null, p);
-    option.value = p;
-    option.selected = p === pool;
-    return option;
-  }));
+  if (shown.length !== pools.length || shown.some((p, i) => p !== pools[i])) {
+    sel.replaceChildren(...pools.map(p => {
+      const option = el("option", null, p);
+      option.value = p;
+      return option;
+    }));
+  }
+  sel.value = pool;  // the pool shown, also when the page chose it (the task's job's pool)
 }
 
 let latest = 0;  // the newest refresh: an older one's answer (another pool's, slower) is dropped
@@ -232,6 +240,7 @@ async function refresh() {
           : `${which} ended ${text(job.status)}` + (text(job.reason) ? `: ${text(job.reason)}` : "")
             + " (older than the jobs listed); ";
       } catch (err) {
+        if (!/HTTP 404$/.test(text(err && err.message))) throw err;  // said as any failed refresh is
         note = `job ${text(focusJob).slice(0, 8)} is not known to this broker; `;
       }
       if (seq !== latest) return;
