@@ -1,8 +1,9 @@
 """Airflow plugin: the broker API and the GPU pool page inside Airflow's api-server.
 
 * ``fastapi_apps``: the broker API (:mod:`airflow_elastic_gpu.broker.api`) at ``/elastic-gpu``; its
-  read-only part requires Airflow's authentication (the ``PLUGINS`` view permission), the sidecar
-  part the job's own token. The same limits (``$AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES``, ...) and
+  read-only part requires Airflow's authentication (the ``PLUGINS`` view permission) and shows a
+  job of a DAG the user may not read without its story (:mod:`~airflow_elastic_gpu.broker.api_access`),
+  the sidecar part the job's own token. The same limits (``$AIRFLOW_ELASTIC_GPU_API_MAX_BODY_BYTES``, ...) and
   page headers (Content-Security-Policy, framed by Airflow's own origin only) as stand-alone; no
   Swagger page of its own (``/elastic-gpu/openapi.json`` is served).
 * ``external_views``: "GPU pool" in the navigation (Browse menu), the live page at ``/elastic-gpu/ui``;
@@ -17,6 +18,9 @@ Registered through the ``airflow.plugins`` entry point, so installing the packag
 """
 
 from __future__ import annotations
+
+import time
+from typing import Any
 
 from airflow.plugins_manager import AirflowPlugin
 
@@ -34,6 +38,41 @@ def _ui_auth() -> list:
     return [requires_access_view(AccessView.PLUGINS)]
 
 
+READABLE_DAGS_TTL_S = 30.0
+"""How long the DAGs a user may read are kept before Airflow is asked again (the page refreshes
+every 2 s; a role changed takes effect within this time)."""
+_READABLE: dict[str, tuple[float, frozenset[str]]] = {}
+
+
+def readable_dags(auth_manager: Any, user: Any, now_s: float | None = None) -> frozenset[str]:
+    """The DAGs ``user`` may read (``auth_manager.get_authorized_dag_ids``), at most
+    :data:`READABLE_DAGS_TTL_S` old."""
+    now = time.monotonic() if now_s is None else now_s
+    key = str(user.get_id())
+    hit = _READABLE.get(key)
+    if hit is None or now - hit[0] >= READABLE_DAGS_TTL_S:
+        hit = _READABLE[key] = (now, frozenset(auth_manager.get_authorized_dag_ids(user=user, method="GET")))
+    return hit[1]
+
+
+def _ui_viewer() -> Any:
+    """The read-only views' :class:`~.api_access.Viewer`: a job of a DAG Airflow's user may not read
+    (per-DAG permissions) is shown without its name, reason, metrics and event messages. None where
+    this Airflow has no such helpers (its views are refused then: :func:`_ui_auth`)."""
+    try:
+        from airflow.api_fastapi.app import get_auth_manager
+        from airflow.api_fastapi.core_api.security import get_user
+        from fastapi import Depends
+    except ImportError:  # pragma: no cover - an Airflow that moved them
+        return None
+    from airflow_elastic_gpu.broker.api_access import Viewer
+
+    def viewer(user: Any = Depends(get_user)) -> Viewer:  # noqa: B008 - FastAPI's way
+        return Viewer(readable_dags(get_auth_manager(), user))
+
+    return viewer
+
+
 def _refused() -> None:
     from fastapi import HTTPException
 
@@ -46,7 +85,7 @@ def _app():
     from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 
     return create_app(broker_url=None, url_factory=lambda: GpuBrokerHook().get_url(),
-                      ui_dependencies=_ui_auth())
+                      ui_dependencies=_ui_auth(), ui_viewer=_ui_viewer())
 
 
 class ElasticGpuPlugin(AirflowPlugin):

@@ -31,7 +31,7 @@ load their assets from a CDN, are off unless asked for (``api_docs=True``).
 # from the live objects
 import hmac
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -40,6 +40,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Redirect
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
+from airflow_elastic_gpu.broker.api_access import Viewer, reads_all
 from airflow_elastic_gpu.broker.api_guards import (
     ApiLimits,
     BodySizeLimit,
@@ -123,6 +124,7 @@ def create_app(
     api_docs: bool = False,
     root_path: str = "",
     deployment: str | None = None,
+    ui_viewer: Callable[..., Viewer] | None = None,
 ) -> FastAPI:
     """The API as a FastAPI app.
 
@@ -140,6 +142,8 @@ def create_app(
     :param deployment: the Airflow deployment whose task instances ``/jobs/by-task`` finds when the
         request names none; default ``[elastic_gpu] deployment``, read at each such request (a bad
         name fails those requests, not the app).
+    :param ui_viewer: a FastAPI dependency giving the :class:`~.api_access.Viewer` of a request to
+        the read-only part (the plugin: the DAGs Airflow's user may read); default: every job in full.
     :raises ValueError: a bad limit in the environment.
     """
     made: list[GpuBroker] = [broker] if broker is not None else []
@@ -156,6 +160,16 @@ def create_app(
         return made[0]
 
     BrokerDep = Annotated[GpuBroker, Depends(get_broker)]
+    ViewerDep = Annotated[Viewer, Depends(ui_viewer or reads_all)]
+
+    def hidden_jobs(b: GpuBroker, viewer: Viewer, job_ids: Iterable[str | None],
+                    known: Iterable[JobOut] = ()) -> set[str]:
+        """The ids among ``job_ids`` of jobs ``viewer`` reads without their story (``known``: read already)."""
+        if viewer.dag_ids is None:
+            return set()
+        keys = {j.id: (j.key, j.family) for j in known}
+        keys.update(b.job_keys([i for i in set(job_ids) if i is not None and i not in keys]))
+        return {i for i, (key, family) in keys.items() if viewer.hides(key, family)}
 
     def job_auth(job_id: str, b: BrokerDep,
                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
@@ -265,26 +279,32 @@ def create_app(
         return b.pools()
 
     @ui.get("/pools/{pool}/snapshot", response_model=SnapshotOut)
-    def snapshot(pool: str, b: BrokerDep, events: Annotated[int, Query(ge=0, le=10_000)] = 50,
+    def snapshot(pool: str, b: BrokerDep, viewer: ViewerDep, events: Annotated[int, Query(ge=0, le=10_000)] = 50,
                  ended: Annotated[int, Query(ge=0, le=10_000)] = 100) -> SnapshotOut:
         if pool not in b.pools():
             raise NotFound(f"unknown GPU pool {pool!r}")
-        return snapshot_out(b.snapshot(pool, events=events, ended=ended))
+        snap = snapshot_out(b.snapshot(pool, events=events, ended=ended))
+        hidden = hidden_jobs(b, viewer, (e.job_id for e in snap.events), snap.jobs)
+        return snap.model_copy(update={"jobs": [viewer.job(j) for j in snap.jobs],
+                                       "events": [viewer.event(e, hidden) for e in snap.events]})
 
     @ui.get("/pools/{pool}/timeline", response_model=TimelineOut)
-    def pool_timeline(pool: str, b: BrokerDep) -> TimelineOut:
+    def pool_timeline(pool: str, b: BrokerDep, viewer: ViewerDep) -> TimelineOut:
         if pool not in b.pools():
             raise NotFound(f"unknown GPU pool {pool!r}")
-        return timeline(b, pool)
+        tl = timeline(b, pool)
+        hidden = hidden_jobs(b, viewer, [s.job_id for s in tl.segments] + [e.job_id for e in tl.resizes])
+        return tl.model_copy(update={"segments": [viewer.segment(s, hidden) for s in tl.segments],
+                                     "resizes": [viewer.event(e, hidden) for e in tl.resizes]})
 
     @ui.get("/jobs", response_model=list[JobOut])
-    def jobs(b: BrokerDep, pool: str | None = None, active: bool = False) -> list[JobOut]:
-        return [job_out(j) for j in b.jobs(pool, active_only=active)]
+    def jobs(b: BrokerDep, viewer: ViewerDep, pool: str | None = None, active: bool = False) -> list[JobOut]:
+        return [viewer.job(job_out(j)) for j in b.jobs(pool, active_only=active)]
 
     airflow_id = Annotated[str, Query(min_length=1, max_length=250)]
 
     @ui.get("/jobs/by-task", response_model=JobOut)
-    def job_of_task(b: BrokerDep, dag_id: airflow_id, task_id: airflow_id, run_id: airflow_id,
+    def job_of_task(b: BrokerDep, viewer: ViewerDep, dag_id: airflow_id, task_id: airflow_id, run_id: airflow_id,
                     map_index: Annotated[int, Query(ge=-1, le=MAX_ID)] = -1,
                     deployment: Annotated[str | None, Query(pattern=f"^(|{DEPLOYMENT_PATTERN.pattern})$")] = None,
                     ) -> JobOut:
@@ -296,20 +316,22 @@ def create_app(
         except ValueError as exc:  # this server's configuration: no request mends it
             raise HTTPException(500, f"this server's {exc}") from None
         job = b.job_by_key(task_key(dag_id, task_id, run_id, map_index, deployment=name))
-        if job is None:
+        if job is None or viewer.hides(job.key, job.family):  # a DAG it may not read: none to see
             where = f"{dag_id}.{task_id} (run {run_id}" + ("" if map_index < 0 else f", map index {map_index}") + ")"
             raise NotFound(f"task {where} has submitted no GPU job (yet)")
         return job_out(job)
 
     @ui.get("/jobs/{job_id}", response_model=JobOut)
-    def job(job_id: str, b: BrokerDep) -> JobOut:
-        return job_out(b.job(job_id))
+    def job(job_id: str, b: BrokerDep, viewer: ViewerDep) -> JobOut:
+        return viewer.job(job_out(b.job(job_id)))
 
     @ui.get("/events", response_model=list[EventOut])
-    def events(b: BrokerDep, pool: str | None = None, job_id: str | None = None,
+    def events(b: BrokerDep, viewer: ViewerDep, pool: str | None = None, job_id: str | None = None,
                after_id: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[EventOut]:
-        return [event_out(e) for e in b.events(pool, job_id=job_id, after_id=after_id, limit=limit)]
+        found = [event_out(e) for e in b.events(pool, job_id=job_id, after_id=after_id, limit=limit)]
+        hidden = hidden_jobs(b, viewer, (e.job_id for e in found))
+        return [viewer.event(e, hidden) for e in found]
 
     page = APIRouter(dependencies=guards, include_in_schema=False)
 

@@ -101,6 +101,20 @@ class Queries(Rebalancing):
 
         return self._read_conn(read)
 
+    def job_keys(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
+        """Job id -> (key, family) of those of ``job_ids`` the broker has (for what a viewer of the
+        read-only views may read of them: :mod:`.api_access`)."""
+        ids = sorted(set(job_ids))
+
+        def read(conn: Connection) -> dict[str, tuple[str, str | None]]:
+            found: dict[str, tuple[str, str | None]] = {}
+            for i in range(0, len(ids), 500):  # a bounded IN list per query
+                rows = conn.execute(select(Job.id, Job.key, Job.family).where(Job.id.in_(ids[i:i + 500])))
+                found.update((r.id, (r.key, r.family)) for r in rows)
+            return found
+
+        return self._read_conn(read)
+
     def _gpus_by_job(self, s: Executor, table: type[GpuTarget | GpuInUse],
                      job_ids: Sequence[str]) -> dict[str, tuple[GpuId, ...]]:
         found: dict[str, list[GpuId]] = defaultdict(list)
