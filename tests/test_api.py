@@ -124,6 +124,31 @@ def test_a_job_running_since_before_the_events_read_keeps_its_timeline_bar(broke
     assert segments["long"]["num_gpus"] == 2
 
 
+def test_the_timeline_is_made_again_only_after_a_new_event_of_its_pool(broker, client, clock, monkeypatch):
+    """Every open page asks for the timeline every 2 s, and each one read up to 20,000 events (and
+    more for long jobs); it is the same until an ack or an end, each an event, moves a bar."""
+    from airflow_elastic_gpu.broker import api
+
+    made = []
+    monkeypatch.setattr(api, "timeline", lambda b, pool: made.append(pool) or api_models_timeline(b, pool))
+    job = broker.submit(JobSpec("bar", "train", 1, 2, total_steps=10))
+    broker.ack(job.id, 1)
+    first = client.get("/api/v1/pools/default/timeline").json()
+    clock.advance(30)
+    again = client.get("/api/v1/pools/default/timeline").json()
+    assert made == ["default"] and again["segments"] == first["segments"]
+    assert again["time_s"] == first["time_s"] + 30  # an open bar is drawn up to now
+    broker.finish(job.id)
+    (segment,) = client.get("/api/v1/pools/default/timeline").json()["segments"]
+    assert made == ["default", "default"] and segment["end_s"] == clock()
+
+
+def api_models_timeline(b, pool):
+    from airflow_elastic_gpu.broker.api_models import timeline
+
+    return timeline(b, pool)
+
+
 def test_read_only_views_show_holders_progress_timeline_and_reasons(broker, client):
     a = broker.submit(JobSpec("alpha", "train", 1, 4, total_steps=100))
     broker.ack(a.id, 1)

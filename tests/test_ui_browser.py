@@ -319,3 +319,9 @@ def test_the_pool_list_shows_the_pool_of_a_task_job_that_came_later_and_a_zoom_s
     assert chrome.execute_script("return document.getElementById('pool').value") == "a100"
     assert chrome.execute_script("return document.getElementById('timeline').layout.uirevision") == "a100"
     assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]
+    # the colours kept are those of the jobs shown (a page open for weeks kept every job's)
+    chrome.execute_script("document.getElementById('pool').value = 'default';"
+                          "document.getElementById('pool').dispatchEvent(new Event('change'))")
+    wait_for(lambda: chrome.execute_script("return document.getElementById('timeline').layout.uirevision")
+             == "default", 30, "the default pool shown")
+    assert chrome.execute_script("return [...colourOf.keys()]") == []  # a100's job is not shown here

@@ -161,6 +161,7 @@ def create_app(
 
     BrokerDep = Annotated[GpuBroker, Depends(get_broker)]
     ViewerDep = Annotated[Viewer, Depends(ui_viewer or reads_all)]
+    timelines: dict[str, tuple[int, TimelineOut]] = {}  # pool -> (its newest event's id, its timeline then)
 
     def hidden_jobs(b: GpuBroker, viewer: Viewer, job_ids: Iterable[str | None],
                     known: Iterable[JobOut] = ()) -> set[str]:
@@ -292,7 +293,14 @@ def create_app(
     def pool_timeline(pool: str, b: BrokerDep, viewer: ViewerDep) -> TimelineOut:
         if pool not in b.pools():
             raise NotFound(f"unknown GPU pool {pool!r}")
-        tl = timeline(b, pool)
+        # made again only after a new event of the pool (an ack or an end moves a bar): every open
+        # page asks every 2 s, and a timeline reads up to TIMELINE_EVENTS events
+        newest = b.events(pool, limit=1, latest=True)
+        mark = newest[-1].id if newest else 0
+        made = timelines.get(pool)
+        if made is None or made[0] != mark:
+            made = timelines[pool] = (mark, timeline(b, pool))
+        tl = made[1].model_copy(update={"time_s": b.clock()})
         hidden = hidden_jobs(b, viewer, [s.job_id for s in tl.segments] + [e.job_id for e in tl.resizes])
         return tl.model_copy(update={"segments": [viewer.segment(s, hidden) for s in tl.segments],
                                      "resizes": [viewer.event(e, hidden) for e in tl.resizes]})

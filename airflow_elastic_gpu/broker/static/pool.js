@@ -254,6 +254,8 @@ async function refresh() {
     for (const name of byId.values()) seen.set(name, (seen.get(name) || 0) + 1);
     const names = new Map([...byId].map(([id, name]) => [id, seen.get(name) > 1
       ? `${name} · ${text(id).slice(0, 8)}` : name]));
+    // colours of the jobs shown only: a page left open for weeks kept one for every job it had seen
+    for (const id of [...colourOf.keys()]) if (!byId.has(id)) colourOf.delete(id);
     renderGrid(snap, names);
     renderJobs(snap);
     renderEvents(snap, names);
