@@ -297,10 +297,10 @@ def create_app(
         # page asks every 2 s, and a timeline reads up to TIMELINE_EVENTS events
         newest = b.events(pool, limit=1, latest=True)
         mark = newest[-1].id if newest else 0
-        made = timelines.get(pool)
-        if made is None or made[0] != mark:
-            made = timelines[pool] = (mark, timeline(b, pool))
-        tl = made[1].model_copy(update={"time_s": b.clock()})
+        cached = timelines.get(pool)
+        if cached is None or cached[0] != mark:
+            cached = timelines[pool] = (mark, timeline(b, pool))
+        tl = cached[1].model_copy(update={"time_s": b.clock()})
         hidden = hidden_jobs(b, viewer, [s.job_id for s in tl.segments] + [e.job_id for e in tl.resizes])
         return tl.model_copy(update={"segments": [viewer.segment(s, hidden) for s in tl.segments],
                                      "resizes": [viewer.event(e, hidden) for e in tl.resizes]})
