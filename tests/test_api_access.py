@@ -69,6 +69,7 @@ def test_a_job_of_a_dag_the_viewer_may_not_read_is_shown_without_its_story(pool)
     ("x" * 100 + "#0123456789abcdef", "x" * 100 + ".t", ""),  # cut for length: its DAG unknown
     ("4f0c3d2e-uuid", "train", None),  # the CLI's
     ("my/own/key/1", "other", None),  # a key of the user's that is no task's
+    ("/etl/train/r1/-1", "etl.train", None),  # no task_key makes it (an empty deployment adds no "/")
 ])
 def test_the_dag_of_a_job_is_read_from_its_key_and_family(key, family, dag):
     assert dag_of(key, family) == dag

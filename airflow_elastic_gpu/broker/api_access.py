@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from airflow_elastic_gpu.broker.api_models import EventOut, JobOut, Segment
-from airflow_elastic_gpu.broker.types import task_family
+from airflow_elastic_gpu.broker.types import task_key_parts
 
 HIDDEN = "(a job of a DAG you cannot read)"
 """The name, and the event message, a viewer reads for a job of a DAG it may not read."""
@@ -29,11 +29,8 @@ def dag_of(key: str, family: str | None) -> str | None:
     task's but cut for length (its DAG unknown); ``None`` for a job of no DAG."""
     if "#" in key and family is not None and "." in family:  # cut: any id may have lost its end
         return ""
-    parts = key.split("@", 1)[0].split("/")
-    if len(parts) not in (4, 5):
-        return None
-    dag_id, task_id = parts[-4], parts[-3]
-    return dag_id if family is not None and family == task_family(dag_id, task_id) else None
+    parts = task_key_parts(key.split("@", 1)[0], family)  # a replaced try's KEY@ID as KEY
+    return None if parts is None else parts[1]
 
 
 @dataclass(frozen=True)

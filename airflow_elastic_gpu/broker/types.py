@@ -59,6 +59,22 @@ def task_key(dag_id: str, task_id: str, run_id: str, map_index: int, deployment:
     return f"{key[:room - 17]}#{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+def task_key_parts(key: str, family: str | None) -> tuple[str, str, str, str, str] | None:
+    """The inverse of :func:`task_key`: ``(deployment, dag_id, task_id, run_id, map_index)`` of a
+    job's ``key`` and ``family`` as the operator submits them (the family ``dag_id.task_id``), the
+    deployment ``""`` for none and the map index as written; None for any other key (a job
+    submitted otherwise, or a key cut for length: it ends in a hash). Airflow's ids hold no ``/``
+    (DAG and task ids by their rule, run ids by the default ``allowed_run_id_pattern``)."""
+    parts = key.split("/")
+    if len(parts) not in (4, 5) or "#" in key or (len(parts) == 5 and not parts[0]):
+        return None
+    deployment = parts[0] if len(parts) == 5 else ""
+    dag_id, task_id, run_id, map_index = parts[-4:]
+    if family is None or family != task_family(dag_id, task_id):
+        return None
+    return deployment, dag_id, task_id, run_id, map_index
+
+
 def check_text(name: str, value: Any, max_chars: int, *, empty_ok: bool = False) -> None:
     """Raise :class:`InvalidRequest` unless ``value`` is a string of at most ``max_chars`` characters,
     without NUL characters, and (unless ``empty_ok``) not blank."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_elastic_gpu.backends.base import Backend
-from airflow_elastic_gpu.broker.types import JobStatus, JobView, task_family
+from airflow_elastic_gpu.broker.types import JobStatus, JobView, task_key_parts
 from airflow_elastic_gpu.config import airflow_conf, default_deployment
 from airflow_elastic_gpu.triggers.threads import in_daemon_thread
 
@@ -80,23 +80,16 @@ def task_of(job: JobView, deployment: str = "") -> TaskId | None:
     """The task instance the operator of Airflow deployment ``deployment`` (``[elastic_gpu]
     deployment``, ``""`` for none) submitted ``job`` for, or ``None`` for a job submitted otherwise
     (the CLI, the API, another deployment) or whose key was cut (ids too long: the key ends in a
-    hash). Airflow's ids hold no ``/`` (DAG and task ids by their rule, run ids by the default
-    ``allowed_run_id_pattern``), so the key splits in four after the deployment's name."""
-    parts = job.key.split("/")
-    if deployment:
-        if parts[0] != deployment:
-            return None
-        parts = parts[1:]
-    if len(parts) != 4 or "#" in job.key:
+    hash) (:func:`~airflow_elastic_gpu.broker.types.task_key_parts`)."""
+    parts = task_key_parts(job.key, job.family)
+    if parts is None or parts[0] != deployment:
         return None
-    dag_id, task_id, run_id, map_index = parts
+    _, dag_id, task_id, run_id, map_index = parts
     try:
         index = int(map_index)
     except ValueError:
         return None
-    if not (dag_id and task_id and run_id) or job.family != task_family(dag_id, task_id):
-        return None
-    return TaskId(dag_id, task_id, run_id, index)
+    return TaskId(dag_id, task_id, run_id, index) if dag_id and task_id and run_id else None
 
 
 def airflow_task_states(dag_id: str, task_ids: list[str], run_ids: list[str]) -> Mapping[str, Mapping[str, Any]]:
