@@ -306,3 +306,31 @@ def test_the_job_of_a_task_instance_is_found_by_its_ids(client, broker):
     for bad in ({"dag_id": "", "task_id": "t", "run_id": "r"}, {"dag_id": "d", "task_id": "t", "run_id": "r" * 251},
                 {"dag_id": "d", "task_id": "t", "run_id": "r", "map_index": -2}, {"dag_id": "d", "task_id": "t"}):
         assert client.get("/api/v1/jobs/by-task", params=bad).status_code == 422, bad
+
+
+def test_the_jobs_list_comes_in_pages_with_the_total_and_a_link_to_the_next(client, broker, clock):
+    """``/api/v1/jobs`` answers at most ``limit`` jobs (default 1,000) in submit order; the total and a
+    relative link to the next page (RFC 8288) come as headers, the filters kept in the link."""
+    from urllib.parse import urljoin
+
+    ids = []
+    for i in range(5):
+        ids.append(broker.submit(JobSpec(f"j{i}", "j", 1, 1, total_steps=10)).id)
+        clock.advance(1)
+    broker.cancel(ids[1])
+    seen, url = [], "/api/v1/jobs?limit=2"
+    while url:
+        r = client.get(url)
+        assert r.status_code == 200 and len(r.json()) <= 2 and r.headers["X-Total-Count"] == "5"
+        seen += [j["id"] for j in r.json()]
+        link = r.headers.get("Link")
+        url = urljoin(url, link[1:link.index(">")]) if link else None
+        assert link is None or link.endswith('; rel="next"')
+    assert seen == ids
+    r = client.get("/api/v1/jobs", params={"active": True, "limit": 3, "pool": "default"})
+    assert [j["id"] for j in r.json()] == [ids[0], *ids[2:4]] and r.headers["X-Total-Count"] == "4"
+    assert "active=true" in r.headers["Link"] and "pool=default" in r.headers["Link"]
+    r = client.get("/api/v1/jobs", params={"offset": 4})
+    assert [j["id"] for j in r.json()] == ids[4:] and "Link" not in r.headers
+    for bad in ({"limit": 0}, {"limit": 10_001}, {"offset": -1}):
+        assert client.get("/api/v1/jobs", params=bad).status_code == 422, bad

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, status
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response, status
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
@@ -80,6 +80,8 @@ from airflow_elastic_gpu.sidecar.protocol import JOB_ANSWER_HEADER
 API_PREFIX = "/api/v1"
 ABOUT_THE_JOB = {JOB_ANSWER_HEADER: "1"}  # an answer about the resource asked for, not an unknown path
 STATIC = Path(__file__).with_name("static")
+JOBS_PAGE = 1000  # jobs per answer of ``/api/v1/jobs`` unless ``limit`` asks for another page size
+MAX_JOBS_PAGE = 10_000  # at most (about 2 KiB of JSON each: a broker's whole history made answers of 100s of MB)
 bearer = HTTPBearer(auto_error=False)
 
 
@@ -306,8 +308,17 @@ def create_app(
                                      "resizes": [viewer.event(e, hidden) for e in tl.resizes]})
 
     @ui.get("/jobs", response_model=list[JobOut])
-    def jobs(b: BrokerDep, viewer: ViewerDep, pool: str | None = None, active: bool = False) -> list[JobOut]:
-        return [viewer.job(job_out(j)) for j in b.jobs(pool, active_only=active)]
+    def jobs(request: Request, response: Response, b: BrokerDep, viewer: ViewerDep, pool: str | None = None,
+             active: bool = False, limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = JOBS_PAGE,
+             offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0) -> list[JobOut]:
+        """One page of jobs in submit order; ``X-Total-Count`` says how many match, and a ``Link``
+        header with ``rel="next"`` gives the next page while there is one (a reference relative to
+        this URL, RFC 8288, so that it holds behind a proxy and under Airflow's plugin prefix)."""
+        total = b.count_jobs(pool, active_only=active)
+        response.headers["X-Total-Count"] = str(total)
+        if offset + limit < total:
+            response.headers["Link"] = f'<?{request.url.include_query_params(offset=offset + limit).query}>; rel="next"'
+        return [viewer.job(job_out(j)) for j in b.jobs(pool, active_only=active, limit=limit, offset=offset)]
 
     airflow_id = Annotated[str, Query(min_length=1, max_length=250)]
 

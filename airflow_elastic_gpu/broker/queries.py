@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, func, select
+from sqlalchemy import Connection, Row, Select, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from airflow_elastic_gpu.broker.models import (
@@ -54,6 +54,12 @@ def event_view(e: Event) -> EventView:
     return EventView(e.id, e.time_s, e.pool, e.job_id, e.kind, e.message, e.data)
 
 
+def _job_filter(q: Select[Any], pool: str | None, active_only: bool) -> Select[Any]:
+    if pool is not None:
+        q = q.where(Job.pool == pool)
+    return q.where(Job.status.in_(ACTIVE)) if active_only else q
+
+
 class Queries(Rebalancing):
     """Read-only calls of :class:`~airflow_elastic_gpu.broker.service.GpuBroker`."""
 
@@ -76,17 +82,20 @@ class Queries(Rebalancing):
 
         return self._read_conn(read)
 
-    def jobs(self, pool: str | None = None, *, active_only: bool = False) -> list[JobView]:
-        """Jobs (of ``pool``, or all), in submit order."""
+    def jobs(self, pool: str | None = None, *, active_only: bool = False, limit: int | None = None,
+             offset: int = 0) -> list[JobView]:
+        """Jobs (of ``pool``, or all), in submit order: the ``limit`` (all if ``None``) after the
+        first ``offset`` of them."""
         def read(conn: Connection) -> list[JobView]:
-            q = select(*JOB_COLUMNS).order_by(Job.submit_s, Job.id)
-            if pool is not None:
-                q = q.where(Job.pool == pool)
-            if active_only:
-                q = q.where(Job.status.in_(ACTIVE))
-            return self._views(conn, conn.execute(q).all())
+            q = _job_filter(select(*JOB_COLUMNS), pool, active_only).order_by(Job.submit_s, Job.id)
+            return self._views(conn, conn.execute(q.limit(limit).offset(offset or None)).all())
 
         return self._read_conn(read)
+
+    def count_jobs(self, pool: str | None = None, *, active_only: bool = False) -> int:
+        """How many jobs :meth:`jobs` lists with the same filters and no ``limit``."""
+        return self._read_conn(lambda conn: conn.execute(
+            _job_filter(select(func.count()).select_from(Job), pool, active_only)).scalar_one())
 
     def job_names(self, job_ids: Sequence[str]) -> dict[str, str]:
         """Job id -> name of those of ``job_ids`` the broker has (one light query, for labels)."""
