@@ -202,15 +202,18 @@ def lookup_option(name: str, environ: Mapping[str, str] = os.environ,
     :raises ValueError: ``airflow.cfg`` cannot be parsed.
     """
     option = _BY_NAME[name]
-    if option.env and environ.get(option.env):
-        return environ[option.env], f"${option.env}"
+    # stripped: a value from a command or a secret (``_CMD``, ``_SECRET``) keeps the newline that
+    # the command printed (Airflow does not strip it), and a URL or path never ends in one
+    if option.env and environ.get(option.env, "").strip():
+        return environ[option.env].strip(), f"${option.env}"
     var = f"AIRFLOW__{SECTION.upper()}__{name.upper()}"
-    if environ.get(var):
-        return environ[var], f"${var}"
+    if environ.get(var, "").strip():
+        return environ[var].strip(), f"${var}"
     if conf is not None:
         value, source = conf.get(SECTION, name, fallback=None), f"[{SECTION}] {name}"
     else:
         value, source = _from_config_file(name, environ), f"[{SECTION}] {name} ({_config_path(environ)})"
+    value = value.strip() if isinstance(value, str) else value
     return (value, source) if value else (option.default, f"the default of [{SECTION}] {name}")
 
 

@@ -79,3 +79,34 @@ def test_a_connection_that_is_not_defined_still_falls_back_to_the_default_broker
     there is deliberate (see ``GpuBrokerHook.connection``)."""
     hook = hook_with(monkeypatch, None)
     assert hook.get_url() == f"sqlite:///{no_broker_url_set / 'elastic_gpu_broker.db'}"
+
+
+@pytest.mark.parametrize("uri", [
+    "elastic-gpu://u:s3cret@db.example:6543/broker",  # the standard fields: PostgreSQL with psycopg
+    "elastic-gpu://postgresql+psycopg://u:s3cret@db.example:6543/broker",  # Airflow's form for a host with a scheme
+])
+def test_a_uri_connection_keeps_its_login_password_port_and_database(monkeypatch, no_broker_url_set, uri):
+    """A connection given as a URI (``AIRFLOW_CONN_...``, a secrets backend) comes as Airflow's
+    standard fields: the hook's URL has every one of them, not the host alone."""
+    from sqlalchemy.engine import make_url
+
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", uri)
+    url = make_url(GpuBrokerHook().get_url())
+    assert (url.drivername, url.username, url.password, url.host, url.port, url.database) == (
+        "postgresql+psycopg", "u", "s3cret", "db.example", 6543, "broker")
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
+        {"conn_type": "elastic_gpu", "host": "sqlite:////data/broker.db"}))  # a whole URL in the host
+    assert GpuBrokerHook().get_url() == "sqlite:////data/broker.db"
+
+
+def test_a_broker_url_from_a_command_has_no_trailing_newline(monkeypatch, no_broker_url_set):
+    """``[elastic_gpu] broker_url`` from ``_CMD`` (Airflow keeps the command's newline)."""
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__BROKER_URL_CMD", "echo postgresql+psycopg://u:pw@db/broker")
+    assert GpuBrokerHook("absent").get_url() == "postgresql+psycopg://u:pw@db/broker"
+
+
+def test_a_host_that_is_no_url_is_named_as_the_connections(monkeypatch, no_broker_url_set):
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
+        {"conn_type": "elastic_gpu", "host": "postgresql+psycopg://db:notaport/broker"}))
+    with pytest.raises(ValueError, match="connection 'elastic_gpu_default': its host is not a database URL"):
+        GpuBrokerHook().get_url()

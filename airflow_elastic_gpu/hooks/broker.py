@@ -4,8 +4,10 @@ Airflow 3 tasks may not use Airflow's metadata DB, so the broker has its own.
 Its SQLAlchemy URL is read, in order, from:
 
 1. the Airflow connection ``broker_conn_id`` (default ``elastic_gpu_default``,
-   type ``elastic_gpu``): its *Broker database URL* field (extra ``{"url": ...}``), or, for
-   connections made before that field existed, its host field holding the URL;
+   type ``elastic_gpu``): its *Broker database URL* field (extra ``{"url": ...}``), or its
+   standard fields (host, login, password, port, schema: a URI such as
+   ``elastic-gpu://user:pw@db:5432/broker``; a host holding a whole URL, as connections made before
+   that field did);
 2. :func:`airflow_elastic_gpu.config.default_broker_url`: ``[elastic_gpu] broker_url``
    (``$AIRFLOW_ELASTIC_GPU_BROKER_URL``), else a SQLite file ``elastic_gpu_broker.db`` in
    ``$AIRFLOW_HOME``. A connection that is defined but gives no URL (a malformed extra, a misspelt
@@ -119,13 +121,13 @@ class GpuBrokerHook(BaseHook):
         ``[elastic_gpu] broker_url`` only where that is set: the computed default, a SQLite file on
         this host, would give each worker a broker of its own (the same GPUs handed out twice).
 
-        :raises ValueError: an ``airflow.cfg`` that cannot be parsed; a connection that is defined,
-            gives no URL, while ``[elastic_gpu] broker_url`` is not set either.
+        :raises ValueError: an ``airflow.cfg`` that cannot be parsed; a connection whose host is not
+            a URL or a host name; a connection that is defined, gives no URL, while ``[elastic_gpu] broker_url`` is not set either.
         """
         conf = airflow_conf()
         if self.connection is None:
             return default_broker_url(conf=conf)
-        url = self._field("url") or self.connection.host
+        url = self._field("url") or self._url_of_fields()
         if url:
             return url
         configured = get_option("broker_url", conf=conf)  # "" unless set: its default is computed
@@ -139,6 +141,27 @@ class GpuBrokerHook(BaseHook):
             f"Airflow connection {self.broker_conn_id!r} gives no broker database URL ({has}): set its "
             'Broker database URL field (extra {"url": "postgresql+psycopg://..."}), or set '
             "[elastic_gpu] broker_url ($AIRFLOW_ELASTIC_GPU_BROKER_URL) for every worker")
+
+    def _url_of_fields(self) -> str | None:
+        """The URL in the connection's standard fields, for a connection without a *Broker database
+        URL* field: its host holding a whole URL (connections made before that field existed) or a
+        host name (``postgresql+psycopg`` then), with its login, password, port and schema (the
+        database) where set. A URI such as ``elastic-gpu://user:pw@db:5432/broker`` or
+        ``elastic-gpu://postgresql+psycopg://user:pw@db:5432/broker`` comes as such fields: Airflow
+        keeps only ``driver://host`` of it as the host."""
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        c = self.connection
+        if not c.host:
+            return None
+        try:
+            url = make_url(c.host if "://" in c.host else f"postgresql+psycopg://{c.host}")
+        except (ArgumentError, ValueError) as exc:
+            raise ValueError(f"Airflow connection {self.broker_conn_id!r}: its host is not a database URL "
+                             f"or a host name ({exc})") from None
+        fields = {"username": c.login, "password": c.password, "port": c.port, "database": c.schema}
+        return url.set(**{k: v for k, v in fields.items() if v}).render_as_string(hide_password=False)
 
     def default_pool(self) -> str:
         """The GPU pool of a training that names none: the connection's ``pool`` field, else
