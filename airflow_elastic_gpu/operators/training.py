@@ -133,7 +133,7 @@ class ElasticTrainingOperator(BaseOperator):
     :param outlets: as for any operator; each outlet :class:`~airflow.sdk.Asset` (e.g. the trained
         model or its checkpoint directory) gets an asset event whose ``extra`` holds the job's
         figures (:meth:`asset_metadata`), so a DAG scheduled on the asset can pick the best model.
-    :raises AirflowException: a bad argument (at DAG parse time), or a failed job.
+    :raises AirflowFailException: a bad argument (no retry: at DAG parse time, or as a mapped task unmaps).
     """
 
     template_fields: Sequence[str] = ("command", "env", "checkpoint_dir", "job_name")
@@ -175,19 +175,19 @@ class ElasticTrainingOperator(BaseOperator):
             if deferrable is None:
                 deferrable = default_deferrable(conf=conf)
         except ValueError as exc:
-            raise AirflowException(f"{self.task_id}: {exc}") from None
+            raise AirflowFailException(f"{self.task_id}: {exc}") from None
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or not (
                 0 < poll_interval < float("inf")):
-            raise AirflowException(f"{self.task_id}: poll_interval must be a number of seconds > 0, "
+            raise AirflowFailException(f"{self.task_id}: poll_interval must be a number of seconds > 0, "
                                    f"got {poll_interval!r}")
         if start_from_trigger and not deferrable:
-            raise AirflowException(f"{self.task_id}: start_from_trigger=True needs deferrable=True")
+            raise AirflowFailException(f"{self.task_id}: start_from_trigger=True needs deferrable=True")
         if start_from_trigger:  # its trigger's arguments are fixed when the DAG is parsed
             upstream = [name for name, value in (("command", command), ("env", env), ("checkpoint_dir", checkpoint_dir),
                                                  ("job_name", job_name)) if resolved_later(value) or (
                         isinstance(value, Mapping) and any(resolved_later(v) for v in value.values()))]
             if upstream:
-                raise AirflowException(
+                raise AirflowFailException(
                     f"{self.task_id}: start_from_trigger=True cannot take an upstream task's output "
                     f"({', '.join(upstream)}): the trigger's arguments are fixed when the DAG is parsed; "
                     "start the job from a worker (start_from_trigger=False)")
@@ -216,7 +216,7 @@ class ElasticTrainingOperator(BaseOperator):
                                     if isinstance(env, Mapping) else env)
                 env = {**checked, **{k: v for k, v in env.items() if resolved_later(v)}} if env else checked
         except (BrokerError, BackendError) as exc:
-            raise AirflowException(f"{self.task_id}: {exc}") from None
+            raise AirflowFailException(f"{self.task_id}: {exc}") from None
         max_gpus = spec.max_gpus
         self.command = command
         self.total_steps = total_steps
