@@ -44,7 +44,8 @@ class LoggedCoreV1(FakeCoreV1):
 
     def read_namespaced_pod_log(self, name, namespace, container, tail_lines, limit_bytes=None,
                                 _preload_content=True):
-        body = "\n".join(self.logs.get(name, "").splitlines()[-tail_lines:]).encode()[-(limit_bytes or 0):]
+        # the kubelet's ReadLogs: from the first of the last tail_lines lines, at most limit_bytes on
+        body = "\n".join(self.logs.get(name, "").splitlines()[-tail_lines:]).encode()[:limit_bytes]
         if _preload_content:
             return str(body)
         self.responses.append(RawResponse(body))
@@ -76,7 +77,9 @@ def started(broker, backend, api):
     return job, name
 
 
-@pytest.mark.parametrize(("log", "succeeded"), [(FINISHED, True), (STOPPED, False)], ids=["finished", "stopped"])
+@pytest.mark.parametrize(("log", "succeeded"), [(FINISHED, True), (STOPPED, False),
+                                                (("x" * 400 + "\n") * 300 + FINISHED, True)],
+                         ids=["finished", "stopped", "finished after long lines"])
 def test_a_clean_exit_that_its_agent_did_not_report_is_the_jobs_success(cluster, log, succeeded):
     broker, api, backend = cluster
     job, name = started(broker, backend, api)

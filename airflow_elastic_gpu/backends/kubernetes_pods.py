@@ -73,11 +73,22 @@ LOG_LIMIT_BYTES = 65536
 
 
 def pod_log(core_v1: Any, name: str, namespace: str, lines: int) -> str:
-    """The last ``lines`` lines (at most :data:`LOG_LIMIT_BYTES`) of ``name``'s trainer container
-    log, decoded. The client's own decoding gives ``str(bytes)`` for this call (one line, escaped),
-    so the raw response is read.
+    """The last ``lines`` lines of ``name``'s trainer container log, decoded: fewer where they are
+    more than :data:`LOG_LIMIT_BYTES`, always up to the log's end. The kubelet reads ``limit_bytes``
+    from the first of the last ``tail_lines`` lines on (``ReadLogs``), so a tail larger than the
+    limit lost its newest lines (a clean exit's last line among them): the tail is asked again, a
+    quarter as long, until it fits. The client's own decoding gives ``str(bytes)`` for this call (one
+    line, escaped), so the raw response is read.
 
     :raises ApiException: the API server refused (the pod gone, RBAC); a connection error."""
+    while True:
+        text = _read_log(core_v1, name, namespace, lines)
+        if lines <= 1 or len(text.encode("utf-8", "replace")) < LOG_LIMIT_BYTES:
+            return text
+        lines //= 4
+
+
+def _read_log(core_v1: Any, name: str, namespace: str, lines: int) -> str:
     resp = core_v1.read_namespaced_pod_log(name, namespace, container="trainer", tail_lines=lines,
                                            limit_bytes=LOG_LIMIT_BYTES, _preload_content=False)
     if isinstance(resp, str):  # a client (or a stand-in) that decoded it
