@@ -56,6 +56,8 @@ def podman_manifest(pod: dict[str, Any], secrets_dir: Path) -> dict[str, Any]:
     - A ``secret`` volume becomes a ``hostPath`` directory holding the same key file (podman 4.3
       maps secret volumes to its own secret store, not to Secret objects created through the API).
     - ``nodeName`` and ``runtimeClassName`` are dropped (one host, the default runtime).
+    - ``$$`` and ``$(NAME)`` in ``command``, ``args`` and env values are replaced as the kubelet
+      does (podman 4.3 passes them as written).
     """
     pod = copy.deepcopy(pod)
     spec = pod["spec"]
@@ -70,7 +72,22 @@ def podman_manifest(pod: dict[str, Any], secrets_dir: Path) -> dict[str, Any]:
             volume["hostPath"] = {"path": str(secrets_dir / name), "type": "Directory"}
     spec.pop("nodeName", None)
     spec.pop("runtimeClassName", None)
+    for container in [*spec["initContainers"], *spec["containers"]]:
+        environ: dict[str, str] = {}
+        for var in container.get("env", []):
+            if "value" in var:
+                var["value"] = environ[var["name"]] = kubelet_expand(var["value"], environ)
+        for field in ("command", "args"):
+            if field in container:
+                container[field] = [kubelet_expand(a, environ) for a in container[field]]
     return pod
+
+
+def kubelet_expand(value: str, environ: dict[str, str]) -> str:
+    """``value`` as the kubelet passes a container's ``command``/``args`` item or env value: ``$$`` is
+    one ``$``, ``$(NAME)`` the value of an env var defined before it, else left as written."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else environ.get(m.group(1), m.group(0)), value)
 
 
 class Listing:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -265,3 +266,23 @@ def test_bad_kubernetes_settings_are_rejected(kw, message):
 def test_config_round_trips_through_the_trigger_kwargs():
     c = config(tolerations=({"key": "gpu", "operator": "Exists"},), image_pull_secrets=("regcred",))
     assert KubernetesJobConfig.from_dict(c.to_dict()) == c
+
+
+def test_the_command_pattern_and_env_reach_the_container_as_written():
+    """No shell runs the command (the launcher splits it with shlex), so ``$`` is the user's own
+    character on every backend; Kubernetes would make ``run$$`` ``run$`` and expand ``$(NAME)``
+    (as the podman harness does, for podman 4.3 does not)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "containers"))
+    from podman_core import kubelet_expand as kubelet_expands
+    command = "python train.py --tag run$$ --devices $(NVIDIA_VISIBLE_DEVICES) --cost 5$"
+    env = {"GREETING": "a$(NVIDIA_VISIBLE_DEVICES)b$$c"}
+    pod = to_dict(PodBuilder(config()).pod("job-1", command, "n", 1, progress_pattern=r"step (\d+)$",
+                                           checkpoint_dir="/ckpt/$(USER)", env=env, context=CONTEXT))
+    _copy_init, agent = pod["spec"]["initContainers"]
+    (trainer,) = pod["spec"]["containers"]
+    environ = {e["name"]: kubelet_expands(e["value"], {}) for e in trainer["env"]}
+    assert environ["GREETING"] == env["GREETING"]
+    args = [kubelet_expands(a, environ) for a in trainer["args"]]
+    assert args[-1] == command and args[args.index("--checkpoint-dir") + 1] == "/ckpt/$(USER)"
+    agent_args = [kubelet_expands(a, {}) for a in agent["args"]]
+    assert agent_args[agent_args.index("--progress-pattern") + 1] == r"step (\d+)$"

@@ -41,6 +41,13 @@ about 25 MiB; its CPU limit is a whole core, so that a Python start and a burst 
 not throttled past a heartbeat (a fence)."""
 
 
+def literal(value: str) -> str:
+    """``value`` as a container's ``args`` or an env var's ``value`` that Kubernetes passes as it is:
+    it expands ``$(NAME)`` from the container's environment and makes ``$$`` one ``$`` there
+    (``V1Container.args``), which the local backend, with no shell, never does."""
+    return value.replace("$", "$$")
+
+
 def _sidecar_resources() -> k8s.V1ResourceRequirements:
     """A container of the backend's own: :data:`_SIDECAR_REQUESTS` and :data:`_SIDECAR_LIMITS`."""
     return k8s.V1ResourceRequirements(requests=dict(_SIDECAR_REQUESTS), limits=dict(_SIDECAR_LIMITS))
@@ -87,7 +94,7 @@ class PodBuilder:
         agent_args = ["--job-id", job_id, "--shared-dir", JOB_DIR, "--broker-api", c.broker_api_url,
                       "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}", "--poll-s", "2"]
         if progress_pattern:
-            agent_args += ["--progress-pattern", progress_pattern]
+            agent_args += ["--progress-pattern", literal(progress_pattern)]
         if c.resize_mechanism == "recreate":  # this pod runs this generation only; the next is a new pod
             agent_args += ["--pod-generation", str(generation)]
         agent_args += ["--host-node", node]  # a generation on another node is left to a new pod there
@@ -108,9 +115,9 @@ class PodBuilder:
             launcher_args += ["--checkpoint-dir", checkpoint_dir]
         trainer = k8s.V1Container(
             name="trainer", image=c.image, command=["python3", f"{SHARED}/launcher.py"],
-            args=[*launcher_args, "--", command],
+            args=[*map(literal, launcher_args), "--", literal(command)],
             env=[k8s.V1EnvVar(name="NVIDIA_VISIBLE_DEVICES", value="all"),
-                 *(k8s.V1EnvVar(name=k, value=v) for k, v in sorted((env or {}).items()))],
+                 *(k8s.V1EnvVar(name=k, value=literal(v)) for k, v in sorted((env or {}).items()))],
             volume_mounts=[shared_mount, *user_mounts],
             security_context=model("V1SecurityContext", trainer_context) if trainer_context else None,
             resources=model("V1ResourceRequirements", c.container_resources) if c.container_resources else None)
