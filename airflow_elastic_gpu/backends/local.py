@@ -57,11 +57,13 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
     LocalHandle,
     boot_id,
     check_started_in,
+    host_id,
     kill_group,
     kill_job_processes,
     kill_unrecorded,
     start_lock,
     start_ticks,
+    started_elsewhere,
 )
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
 from airflow_elastic_gpu.config import ENV_BROKER_URL
@@ -330,7 +332,7 @@ class LocalBackend:
             raise BackendError(f"job {job.id} was stopped while it started")
         # the boot and start times tell these processes from any that get their pids later
         handle = LocalHandle(job_dir, agent_pid, launcher_pid, node_pids, boot_id(),
-                             tuple((p, t) for p in (agent_pid, *pids) if (t := start_ticks(p)) is not None))
+                             tuple((p, t) for p in (agent_pid, *pids) if (t := start_ticks(p)) is not None), host_id())
         protocol.write_json(job_dir / "handle.json", json.loads(handle.to_ref()))
         return handle.to_ref()
 
@@ -392,8 +394,8 @@ class LocalBackend:
 
     def problem(self, job: JobView) -> Problem | None:
         """The job was started but neither its agent nor its launcher runs any more (a host
-        restart, or processes killed by hand)."""
-        if job.backend_ref is None or self.is_running(job.id):
+        restart, or processes killed by hand). None for a job of another host: the lease tells."""
+        if job.backend_ref is None or started_elsewhere(job.backend_ref) or self.is_running(job.id):
             return None
         h = self.handle(job.id)
         if h is not None and h.exited_cleanly():
@@ -447,6 +449,8 @@ class LocalBackend:
             return
         for d in {h.job_dir, *h.launcher_dirs()}:
             stops.request_stop(d, "the job was stopped by its backend")
+        if started_elsewhere(h.to_ref()):  # a work directory shared with its host: its launchers stop it
+            return
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and any(h.owns(p) for p in h.launcher_pids):
             time.sleep(0.2)

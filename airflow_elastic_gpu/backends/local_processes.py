@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,30 @@ reboot the pid may be any process's, and the backend must never kill that)."""
 
 
 @functools.cache  # a process does not outlive the boot it started in
+@functools.cache
+def host_id() -> str:
+    """This host, as a job reference records where the local backend started a job: its host name
+    and, where there is one, its ``/etc/machine-id`` (two containers may share a name)."""
+    try:
+        machine = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        machine = ""
+    return f"{socket.gethostname()}/{machine}" if machine else socket.gethostname()
+
+
+def started_elsewhere(backend_ref: str | None) -> str | None:
+    """The host that local job reference ``backend_ref`` records, where it is not this one (a
+    trigger or a retry on another machine of a distributed Airflow); else None (this host, or no
+    host recorded: a reference of an older version, or not a local one). Such a job's processes
+    cannot be seen, signalled or started again from here: its agent there reports to the broker,
+    whose lease ends the job if that host is lost."""
+    try:
+        host = json.loads(backend_ref or "{}").get("host")
+    except (ValueError, AttributeError):
+        return None
+    return host if isinstance(host, str) and host != host_id() else None
+
+
 def boot_id() -> str | None:
     """This boot of the host (Linux's ``/proc/sys/kernel/random/boot_id``), None where unknown."""
     try:
@@ -120,6 +145,7 @@ class LocalHandle:
     :param boot: the host's :func:`boot_id` when they were started (None: unknown, or recorded
         by an older version).
     :param starts: ``(pid, start ticks)`` of the agent and launchers when they were started.
+    :param host: the :func:`host_id` they were started on (None: recorded by an older version).
     """
 
     job_dir: Path
@@ -128,6 +154,7 @@ class LocalHandle:
     node_pids: tuple[tuple[str, int], ...] = ()
     boot: str | None = None
     starts: tuple[tuple[int, int], ...] = ()
+    host: str | None = None
 
     @property
     def launcher_pids(self) -> list[int]:
@@ -166,6 +193,8 @@ class LocalHandle:
             data["boot_id"] = self.boot
         if self.starts:
             data["starts"] = {str(pid): ticks for pid, ticks in self.starts}
+        if self.host is not None:
+            data["host"] = self.host
         return json.dumps(data)
 
     @classmethod
@@ -173,7 +202,8 @@ class LocalHandle:
         data = json.loads(ref)
         return cls(Path(data["job_dir"]), int(data["agent_pid"]), int(data["launcher_pid"]),
                    tuple((str(n), int(p)) for n, p in (data.get("node_pids") or {}).items()),
-                   data.get("boot_id"), tuple((int(p), int(t)) for p, t in (data.get("starts") or {}).items()))
+                   data.get("boot_id"), tuple((int(p), int(t)) for p, t in (data.get("starts") or {}).items()),
+                   data.get("host"))
 
 
 def check_started_in(job_id: str, backend: str, backend_ref: str | None, job_dir: Path) -> None:
@@ -189,6 +219,10 @@ def check_started_in(job_id: str, backend: str, backend_ref: str | None, job_dir
 
     if backend_ref is None:
         return
+    if (host := started_elsewhere(backend_ref)) is not None:
+        raise BackendError(f"job {job_id} was started on host {host}, not this one ({host_id()}): the local "
+                           "backend follows and starts a job again only on its own host; run the task's "
+                           "workers and triggerer there, or use a backend that reaches every host")
     try:
         recorded = Path(json.loads(backend_ref)["job_dir"])
     except (ValueError, KeyError, TypeError):
