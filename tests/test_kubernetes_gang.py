@@ -239,6 +239,22 @@ def test_a_pod_of_a_running_gang_deleted_from_outside_fails_the_job(cluster):
     assert f"the pod of node {NODES[0]} was deleted" in backend.problem(broker.job(job.id)).reason
 
 
+def test_a_pod_of_a_running_gang_left_terminating_on_a_lost_node_fails_the_job(cluster):
+    """A node lost (unreachable): its pod is deleted by the node lifecycle controller but stays
+    listed, terminating, until the node object goes. The other nodes' agents keep the job's lease,
+    so nothing else ends the gang: it hung, every GPU held, its trainers waiting for the lost one."""
+    broker, api = cluster
+    api.graceful = True
+    backend = KubernetesBackend(config(), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    assert backend.problem(broker.job(job.id)) is None
+    api.delete_namespaced_pod(pods_by_node(api)[NODES[1]], "ml")  # never terminated: its kubelet is gone
+    problem = backend.problem(broker.job(job.id))
+    assert f"the pod of node {NODES[1]} was deleted" in problem.reason and problem.running
+
+
 def test_pods_of_two_nodes_deleted_from_outside_fail_the_job_with_every_gpu_held(cluster, clock):
     """Two pods of a three-node gang deleted by someone else: the job fails naming both nodes. Their
     GPUs were freed at once, taken for stopped; a pod force-deleted (grace 0, or by the pod garbage

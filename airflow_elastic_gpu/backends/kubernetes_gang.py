@@ -232,14 +232,16 @@ class GangPods:
 
     def problem(self, job: JobView) -> Problem | None:
         """Why the gang cannot go on: one pod broken (evicted, failed, its trainer terminated, its
-        image not pulled, Pending past ``startup_grace_s``), or the pod of a node that runs the acked generation gone from the API
-        while no resize is under way. Either fails the whole job."""
+        image not pulled, Pending past ``startup_grace_s``), or the pod of a node that runs the acked generation gone from the API,
+        or being deleted, while no resize is under way. Either fails the whole job."""
         listed = self.backend.pods(job.id)
         # nodes running the acked generation whose pod is gone (no resize under way): their GPUs stay
         # held until their agents report or the lease passes (a force deletion leaves containers running)
+        # A pod being deleted counts as gone: one on a lost node stays listed, terminating, until the
+        # node is deleted; the other nodes' agents keep the job's lease, so the gang hung with every GPU
         missing: list[str] = []
         if job.acked():
-            missing = sorted({g.node for g in job.in_use_gpus} - {p.spec.node_name for p in listed})
+            missing = sorted({g.node for g in job.in_use_gpus} - {p.spec.node_name for p in _live(listed)})
         for pod in _live(listed):
             state = pod_state(pod)
             # a pod Pending too long too: its peers' agents heartbeat the job, so the lease would never end it
