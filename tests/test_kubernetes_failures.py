@@ -71,6 +71,31 @@ def test_an_agent_that_cannot_start_while_its_trainer_runs_fails_the_job_with_it
     assert {g.node for g in failed.in_use_gpus} == {api_node(broker, job.id)}
 
 
+@pytest.mark.parametrize("phase", ["Running", "Pending"])
+def test_an_agent_that_keeps_crashing_fails_the_job_naming_its_last_exit(cluster, phase):  # noqa: F811
+    """The agent killed at its memory limit again and again (``CrashLoopBackOff``): the job ended
+    LOST with no word of why, and a Pending pod of it kept the job's lease for ``startup_grace_s``.
+    After :data:`AGENT_CRASHES` restarts it is the pod's problem; before, the kubelet may mend it."""
+    from airflow_elastic_gpu.backends.kubernetes_pods import AGENT_CRASHES, pod_state
+
+    broker, api, backend, job, name = a_running_pod(cluster)
+
+    def agent_crashed(restarts: int) -> None:
+        api.pods[name].status = k8s.V1PodStatus(phase=phase, init_container_statuses=[k8s.V1ContainerStatus(
+            name="elastic-agent", image="a", image_id="", ready=False, restart_count=restarts,
+            state=k8s.V1ContainerState(waiting=k8s.V1ContainerStateWaiting(reason="CrashLoopBackOff")),
+            last_state=k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(
+                exit_code=137, reason="OOMKilled")))])
+
+    agent_crashed(AGENT_CRASHES - 1)
+    assert backend.problem(broker.job(job.id)) is None
+    agent_crashed(AGENT_CRASHES)
+    problem = backend.problem(broker.job(job.id))
+    assert problem.reason == (f"elastic-agent container keeps crashing: OOMKilled (exit code 137), "
+                              f"restarted {AGENT_CRASHES} times")
+    assert not pod_state(api.pods[name]).starting(600.0)  # no longer kept alive as a pod starting
+
+
 def api_node(broker, job_id) -> str:
     return broker.job(job_id).in_use_gpus[0].node
 

@@ -114,6 +114,23 @@ _CANNOT_START = ("CreateContainerConfigError", "InvalidImageName")
 _PULL_FAILED = ("ErrImagePull", "ImagePullBackOff")
 
 
+AGENT_CRASHES = 3
+"""Restarts after which an agent container in ``CrashLoopBackOff`` is a pod's problem: the kubelet
+restarts a native sidecar that exits (10 s, 20 s, 40 s of back-off), but one that keeps crashing
+(killed at its memory limit, a broker API it cannot use) never reports, and a Pending pod of it
+kept the job's lease for ``startup_grace_s``, its reason then blaming scheduling or volumes."""
+
+
+def _crash_looping(cs: Any) -> str | None:
+    waiting = cs.state.waiting if cs.state is not None else None
+    if (cs.name != "elastic-agent" or waiting is None or waiting.reason != "CrashLoopBackOff"
+            or (cs.restart_count or 0) < AGENT_CRASHES):
+        return None
+    last = cs.last_state.terminated if cs.last_state is not None else None
+    why = f"{last.reason or 'exited'} (exit code {last.exit_code})" if last is not None else "CrashLoopBackOff"
+    return f"{cs.name} container keeps crashing: {why}, restarted {cs.restart_count} times"
+
+
 def _containers(status: Any) -> list[Any]:
     """The statuses of the agent (an init container: a native sidecar), then of the trainer."""
     return [*(status.init_container_statuses or []),
@@ -138,7 +155,8 @@ def pull_error(pod: Any) -> str | None:
 
 def pod_problem(pod: Any) -> str | None:
     """Why ``pod`` (a ``V1Pod``) can no longer train, or ``None``: eviction, a failed phase, a
-    terminated trainer (OOMKilled, Error), an invalid image name, or an image not pulled in a pod
+    terminated trainer (OOMKilled, Error), an agent that keeps crashing (:data:`AGENT_CRASHES`), an
+    invalid image name, or an image not pulled in a pod
     that has started (a sidecar restarted; a Pending pod's pull is retried: :func:`pull_error`)."""
     status = pod.status
     if status is None:
@@ -149,7 +167,7 @@ def pod_problem(pod: Any) -> str | None:
     for cs in _containers(status):
         if cs.state is None:
             continue
-        if why := _cannot_start(cs, _CANNOT_START + _PULL_FAILED if started else _CANNOT_START):
+        if why := _cannot_start(cs, _CANNOT_START + _PULL_FAILED if started else _CANNOT_START) or _crash_looping(cs):
             return why
         if cs.name == "trainer" and cs.state.terminated and cs.state.terminated.reason in (
                 "OOMKilled", "Error", "ContainerCannotRun", "StartError"):
