@@ -26,6 +26,7 @@ from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
 
 from airflow_elastic_gpu.backends.kubernetes import to_dict
+from airflow_elastic_gpu.backends.kubernetes_pods import pod_node
 
 NETWORK = "slirp4netns:allow_host_loopback=true"
 """The pod's network: its own namespace (own IP; ``/etc/hosts`` names the pod, as the kubelet's
@@ -55,7 +56,8 @@ def podman_manifest(pod: dict[str, Any], secrets_dir: Path) -> dict[str, Any]:
       has reported the trainer's exit).
     - A ``secret`` volume becomes a ``hostPath`` directory holding the same key file (podman 4.3
       maps secret volumes to its own secret store, not to Secret objects created through the API).
-    - ``nodeName`` and ``runtimeClassName`` are dropped (one host, the default runtime).
+    - The node ``affinity`` and ``runtimeClassName`` are dropped (one host, the default runtime);
+      the pod is bound to its node as the scheduler binds it (``nodeName``, as read back).
     - ``$$`` and ``$(NAME)`` in ``command``, ``args`` and env values are replaced as the kubelet
       does (podman 4.3 passes them as written).
     """
@@ -70,7 +72,7 @@ def podman_manifest(pod: dict[str, Any], secrets_dir: Path) -> dict[str, Any]:
         if "secret" in volume:
             name = volume.pop("secret")["secretName"]
             volume["hostPath"] = {"path": str(secrets_dir / name), "type": "Directory"}
-    spec.pop("nodeName", None)
+    spec.pop("affinity", None)
     spec.pop("runtimeClassName", None)
     for container in [*spec["initContainers"], *spec["containers"]]:
         environ: dict[str, str] = {}
@@ -168,6 +170,7 @@ class PodmanCoreV1:
             podman("pod", "rm", "--force", name, check=False)  # a half-played pod
             raise ApiException(status=500, reason=f"podman kube play failed: {done.stderr.strip()[-600:]}")
         self.pods[name] = copy.deepcopy(body)
+        self.pods[name].spec.node_name = pod_node(body)  # scheduled where its affinity pins it
         self.pods[name].metadata.creation_timestamp = datetime.fromtimestamp(self.created_at[name], UTC)
 
     def delete_namespaced_pod(self, name: str, namespace: str) -> None:

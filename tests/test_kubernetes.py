@@ -21,6 +21,7 @@ from airflow_elastic_gpu.backends.kubernetes import (
     KubernetesJobConfig,
     register_nodes_from_cluster,
 )
+from airflow_elastic_gpu.backends.kubernetes_pods import pod_node
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
@@ -147,7 +148,7 @@ def test_in_place_life_submit_start_resize_finish_cleanup(cluster):
     assert ref.startswith("kubernetes:ml/")
     (pod_name,) = api.pods
     pod = api.pods[pod_name]
-    assert pod.spec.node_name == next(iter({g.node for g in broker.job(a.id).target_gpus}))
+    assert pod_node(pod) == next(iter({g.node for g in broker.job(a.id).target_gpus}))
     assert api.secrets  # the token Secret exists; its token authenticates this job only
     token = api.secrets[f"elastic-gpu-token-{a.id}"].string_data["token"]
     assert broker.verify_token(a.id, token) and not broker.verify_token(a.id, a.token)  # rotated at start
@@ -223,7 +224,7 @@ def test_a_new_generation_s_pod_starts_only_once_the_old_pod_is_gone(cluster):
     assert backend.sync(broker.job(big.id)) == "create"
     assert list(api.pods) == [f"elastic-gpu-{big.id}-g2"]
     (agent,) = [c for c in api.pods[f"elastic-gpu-{big.id}-g2"].spec.init_containers if c.name == "elastic-agent"]
-    node = api.pods[f"elastic-gpu-{big.id}-g2"].spec.node_name
+    node = pod_node(api.pods[f"elastic-gpu-{big.id}-g2"])
     assert agent.args[agent.args.index("--host-node") + 1] == node  # a generation elsewhere is not run here
 
 

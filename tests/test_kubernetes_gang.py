@@ -13,7 +13,9 @@ from kubernetes.client.exceptions import ApiException
 from test_kubernetes import CONTEXT, FakeCoreV1, config, validate
 
 from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, PodBuilder, to_dict
+from airflow_elastic_gpu.backends.kubernetes_config import model
 from airflow_elastic_gpu.backends.kubernetes_gang import LABEL_NODE, GangBuilder, service_name
+from airflow_elastic_gpu.backends.kubernetes_pods import pod_node
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
@@ -67,7 +69,7 @@ def test_gang_manifests_validate_strictly_against_the_kubernetes_schema(size, me
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["ports"] == [{"name": "rendezvous", "port": 29500, "targetPort": 29500,
                                          "protocol": "TCP"}]
-    assert [p["spec"]["nodeName"] for p in pods] == list(NODES[:size])
+    assert [pod_node(k8s.V1Pod(spec=model("V1PodSpec", p["spec"]))) for p in pods] == list(NODES[:size])
     hostnames = [p["spec"]["hostname"] for p in pods]
     assert len(set(hostnames)) == size and all(len(h) <= 63 for h in hostnames)
     assert len({p["metadata"]["name"] for p in pods}) == size
@@ -100,7 +102,7 @@ def nodes_of(gpus) -> list[str]:
 
 
 def pods_by_node(api) -> dict[str, str]:
-    return {p.spec.node_name: name for name, p in api.pods.items()}
+    return {pod_node(p): name for name, p in api.pods.items()}
 
 
 def ack_all(broker, job_id, generation, nodes):

@@ -91,6 +91,13 @@ def test_a_pod_pending_past_startup_grace_fails_the_job_and_its_lease_is_no_long
     assert broker.job(job.id).last_heartbeat_s == beat_s  # no longer kept
     problem = backend.problem(broker.job(job.id))
     assert problem is not None and "has been Pending for 7" in problem.reason and "startup_grace_s 600s" in problem.reason
+    # the scheduler's word, where it has one (the pod goes through it: pinned by node affinity)
+    from kubernetes.client import models as k8s
+
+    message = "0/12 nodes are available: 1 Insufficient memory, 11 node(s) didn't match Pod's node affinity."
+    api.pods[pod].status = k8s.V1PodStatus(phase="Pending", conditions=[k8s.V1PodCondition(
+        type="PodScheduled", status="False", reason="Unschedulable", message=message)])
+    assert backend.problem(broker.job(job.id)).reason.endswith(f"(startup_grace_s 600s): not scheduled: {message}")
 
 
 def waiting_for(reason: str, message: str) -> object:

@@ -79,9 +79,13 @@ def test_pod_semantics_the_schema_cannot_check():
     (trainer,) = spec["containers"]
     assert agent["name"] == "elastic-agent" and agent["restartPolicy"] == "Always"  # native sidecar
     assert "restartPolicy" not in copy_init  # a plain init container runs to completion first
-    assert spec["nodeName"] == "gpu-node-7" and spec["restartPolicy"] == "Never"
+    assert "nodeName" not in spec and spec["restartPolicy"] == "Never"  # scheduled, not bound past the scheduler
+    assert spec["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-node-7"]}]}]}}}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     assert spec["runtimeClassName"] == "nvidia"
-    assert "nvidia.com/gpu" not in str(pod)  # GPUs come from the broker, not the device plugin's requests
+    # GPUs come from the broker, not the device plugin's requests
+    assert all("nvidia.com/gpu" not in str(c.get("resources")) for c in (copy_init, agent, trainer))
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in trainer["env"]
     for c in (copy_init, agent, trainer):  # the shared volume is in every container
         assert {"name": "elastic", "mountPath": "/elastic"} in c["volumeMounts"]
@@ -207,7 +211,8 @@ def test_building_a_pod_without_a_template_does_not_import_airflow():
         "sys.modules['airflow'] = None  # any import of Airflow now fails\n"
         "from airflow_elastic_gpu.backends.kubernetes import KubernetesJobConfig, PodBuilder\n"
         "pod = PodBuilder(KubernetesJobConfig(image='i')).pod('job-1', 'python train.py', 'node', 1)\n"
-        "assert pod.spec.node_name == 'node'\n"
+        "from airflow_elastic_gpu.backends.kubernetes_pods import pod_node\n"
+        "assert pod_node(pod) == 'node' and pod.spec.node_name is None\n"
         "assert not [m for m in sys.modules if m.startswith('airflow.')]\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

@@ -25,12 +25,17 @@ from airflow_elastic_gpu.backends.kubernetes_config import (
     model,
     resource_name,
 )
+from airflow_elastic_gpu.backends.kubernetes_pods import pin_to
 
 _COPY_LAUNCHER = (
     "import os, shutil, airflow_elastic_gpu.sidecar as s; d = os.path.dirname(s.__file__); "
     f"[shutil.copy(os.path.join(d, f), '{SHARED}') for f in ('launcher.py', 'protocol.py')]; "
     f"os.makedirs('{JOB_DIR}', exist_ok=True)"
 )
+GPU_TOLERATION = k8s.V1Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+"""Every pod tolerates the taint that GPU node pools carry (GKE's ``nvidia.com/gpu=present``, the
+NVIDIA GPU operator's): the broker chose the node for its GPUs, and the pod requests none from the
+device plugin, so the admission controller that adds this toleration to GPU pods passes it by."""
 TERMINATION_GRACE_S = 120
 """A pod's ``terminationGracePeriodSeconds``: the trainer's time to checkpoint when it is deleted."""
 _SIDECAR_REQUESTS = {"cpu": "50m", "memory": "128Mi"}
@@ -132,11 +137,11 @@ class PodBuilder:
                 annotations={**c.annotations, **{f"{LABEL_PREFIX}{k}": v for k, v in context.items()},
                              LABEL_JOB: job_id}),
             spec=k8s.V1PodSpec(
-                node_name=node, restart_policy="Never", runtime_class_name=c.runtime_class_name,
+                affinity=pin_to(node), restart_policy="Never", runtime_class_name=c.runtime_class_name,
                 init_containers=[copy_launcher, agent], containers=[trainer],
                 volumes=[k8s.V1Volume(name="elastic", empty_dir=k8s.V1EmptyDirVolumeSource()), token_volume,
                          *(model("V1Volume", v) for v in c.volumes)],
-                tolerations=[model("V1Toleration", t) for t in c.tolerations] or None,
+                tolerations=[GPU_TOLERATION, *(model("V1Toleration", t) for t in c.tolerations)],
                 image_pull_secrets=[k8s.V1LocalObjectReference(name=n) for n in c.image_pull_secrets] or None,
                 service_account_name=c.service_account_name,
                 automount_service_account_token=c.automount_service_account_token,

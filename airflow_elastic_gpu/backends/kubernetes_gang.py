@@ -46,7 +46,7 @@ from airflow_elastic_gpu.backends.kubernetes_config import (
     label_value,
     resource_name,
 )
-from airflow_elastic_gpu.backends.kubernetes_pods import pod_problem, pod_state
+from airflow_elastic_gpu.backends.kubernetes_pods import pod_node, pod_problem, pod_state
 from airflow_elastic_gpu.broker.types import JobView
 from airflow_elastic_gpu.sidecar.gang import pod_hostname
 
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend, PodBuilder
 
 LABEL_NODE = f"{LABEL_PREFIX}node"
-"""The node a gang's pod runs on (a label value; the pod's ``nodeName`` is the node itself)."""
+"""The node a gang's pod runs on (a label value; :func:`.kubernetes_pods.pod_node` reads the node itself)."""
 
 
 def service_name(job_id: str) -> str:
@@ -177,7 +177,7 @@ class GangPods:
                 done.append("recreate")
             live = [p for p in live if p not in deleted]
         elif not resizing:
-            deleted = [p for p in live if p.spec.node_name not in nodes]
+            deleted = [p for p in live if pod_node(p) not in nodes]
             for pod in deleted:  # its agent acked the suspension: the generation runs without it
                 b._delete_pod(pod.metadata.name)
             if deleted:
@@ -186,9 +186,9 @@ class GangPods:
         # a deleted pod's trainer runs on through its grace period: a node gets its new pod only once
         # the job's old one there is gone (the new pod's ack would free GPUs the old trainer may use)
         listed = b.pods(job.id) if deleted else pods  # listed again only to see what this sync deleted
-        terminating = {p.spec.node_name for p in listed if p.metadata.deletion_timestamp is not None}
+        terminating = {pod_node(p) for p in listed if p.metadata.deletion_timestamp is not None}
         for node in nodes:
-            if any(p.spec.node_name == node for p in live):
+            if any(pod_node(p) == node for p in live):
                 continue
             if node in in_use_nodes and not resizing:
                 continue  # lost while it ran: a failure of the gang, not a pod to re-create silently
@@ -209,7 +209,7 @@ class GangPods:
                         pods: list[Any]) -> None:
         """Ack ``generation`` for every node the job gives up whose pod is gone from the API (not
         even terminating): nothing of the job runs there any more, and no agent is left to ack."""
-        listed = {p.spec.node_name for p in pods}
+        listed = {pod_node(p) for p in pods}
         for node in sorted(in_use_nodes - set(nodes) - listed):
             self.backend.broker.ack(job.id, generation, node=node)
 
@@ -241,13 +241,13 @@ class GangPods:
         # node is deleted; the other nodes' agents keep the job's lease, so the gang hung with every GPU
         missing: list[str] = []
         if job.acked():
-            missing = sorted({g.node for g in job.in_use_gpus} - {p.spec.node_name for p in _live(listed)})
+            missing = sorted({g.node for g in job.in_use_gpus} - {pod_node(p) for p in _live(listed)})
         for pod in _live(listed):
             state = pod_state(pod)
             # a pod Pending too long too: its peers' agents heartbeat the job, so the lease would never end it
             if (reason := state.why_stopped(self.backend.config.startup_grace_s)) is not None:
-                return Problem(f"{reason} (node {pod.spec.node_name} of the gang; every pod of the job is stopped)",
-                               node=pod.spec.node_name, running=state.trainer_running)
+                return Problem(f"{reason} (node {pod_node(pod)} of the gang; every pod of the job is stopped)",
+                               node=pod_node(pod), running=state.trainer_running)
         if missing:
             pods_of = "the pod of node" if len(missing) == 1 else "the pods of nodes"
             # every GPU held (running) as for a single pod deleted from outside (a force deletion
@@ -259,7 +259,7 @@ class GangPods:
 
     def log_pod(self, job_id: str) -> Any | None:
         """The pod whose trainer log tells the story: a broken one, else the first by node."""
-        pods = sorted(self.backend.pods(job_id), key=lambda p: (pod_problem(p) is None, p.spec.node_name or ""))
+        pods = sorted(self.backend.pods(job_id), key=lambda p: (pod_problem(p) is None, pod_node(p) or ""))
         return pods[0] if pods else None
 
     def delete_service(self, job_id: str) -> None:

@@ -9,7 +9,35 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kubernetes.client import models as k8s
+
 from airflow_elastic_gpu.backends.kubernetes_config import LABEL_GENERATION
+
+
+def pin_to(node: str) -> k8s.V1Affinity:
+    """The affinity that puts a pod on ``node`` through the scheduler (as DaemonSets' pods are put):
+    a required node affinity on the node's name (``matchFields`` ``metadata.name``). Not
+    ``nodeName``, which skips the scheduler: a checkpoint claim of a ``WaitForFirstConsumer``
+    storage class (the default on EKS, GKE, AKS) then never binds and its pod stays Pending, and a
+    pod the node has no CPU or memory for fails (``OutOfcpu``) instead of waiting."""
+    return k8s.V1Affinity(node_affinity=k8s.V1NodeAffinity(
+        required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(node_selector_terms=[
+            k8s.V1NodeSelectorTerm(match_fields=[k8s.V1NodeSelectorRequirement(
+                key="metadata.name", operator="In", values=[node])])])))
+
+
+def pod_node(pod: Any) -> str | None:
+    """The node ``pod`` (a ``V1Pod`` the backend made) runs on or is pinned to (:func:`pin_to`):
+    its ``nodeName`` once scheduled; before, the node its affinity names."""
+    if pod.spec.node_name:
+        return pod.spec.node_name
+    affinity = pod.spec.affinity.node_affinity if pod.spec.affinity is not None else None
+    required = affinity.required_during_scheduling_ignored_during_execution if affinity is not None else None
+    for term in required.node_selector_terms if required is not None else []:
+        for field in term.match_fields or []:
+            if field.key == "metadata.name" and field.operator == "In" and len(field.values or []) == 1:
+                return field.values[0]
+    return None
 
 
 def _any_live(pods: list[Any]) -> bool:
@@ -29,7 +57,7 @@ class PodState:
     pending_s: float | None = None  # seconds since it was created, while Pending
     trainer_running: bool = False  # its trainer container runs (whatever its agent does)
     trainer_exit_code: int | None = None  # its trainer container's, once terminated
-    pulling: str | None = None  # Pending, an image not pulled yet (:func:`pull_error`): the kubelet retries
+    pulling: str | None = None  # Pending, an image not pulled yet (:func:`pull_error`) or not scheduled
 
     def why_stopped(self, grace_s: float) -> str | None:
         """Why the pod can no longer train (:func:`pod_problem`), or why it will not start: Pending
@@ -51,9 +79,9 @@ def pod_state(pod: Any) -> PodState:
     phase = (pod.status.phase if pod.status else None) or "Pending"
     created = pod.metadata.creation_timestamp
     pending_s = (datetime.now(UTC) - created).total_seconds() if phase == "Pending" and created else None
-    return PodState(pod.metadata.name, pod.spec.node_name, int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
+    return PodState(pod.metadata.name, pod_node(pod), int(pod.metadata.labels.get(LABEL_GENERATION, 0)),
                     phase, pod_problem(pod), pending_s, trainer_running(pod), trainer_exit_code(pod),
-                    pull_error(pod))
+                    pull_error(pod) or unschedulable(pod))
 
 
 def _trainer_state(pod: Any) -> Any | None:
@@ -151,6 +179,16 @@ def pull_error(pod: Any) -> str | None:
     if status is None or (status.phase or "Pending") != "Pending":
         return None
     return next((why for cs in _containers(status) if (why := _cannot_start(cs, _PULL_FAILED))), None)
+
+
+def unschedulable(pod: Any) -> str | None:
+    """Why the scheduler has not placed ``pod`` (a ``V1Pod``, Pending): its ``PodScheduled=False``
+    condition's message (``0/12 nodes are available: 1 Insufficient cpu ...``), or ``None``."""
+    status = pod.status
+    if status is None or (status.phase or "Pending") != "Pending":
+        return None
+    return next((f"not scheduled: {c.message or c.reason}" for c in status.conditions or []
+                 if c.type == "PodScheduled" and c.status == "False" and (c.message or c.reason)), None)
 
 
 def pod_problem(pod: Any) -> str | None:
