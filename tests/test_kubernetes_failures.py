@@ -100,6 +100,29 @@ def api_node(broker, job_id) -> str:
     return broker.job(job_id).in_use_gpus[0].node
 
 
+def test_a_job_whose_command_runs_on_one_node_is_never_spread_when_gpus_go_out_of_service(cluster):  # noqa: F811
+    """A single-node job of up to 4 GPUs runs on 4; then each node has one GPU out of service. Its
+    target of 4 was spread 3 + 1 over two nodes, which its command cannot run: the backend raised
+    "spans nodes" at every poll while the trainer ran on in the unhealthy GPU, and the local
+    backend would run two trainers of it. It is now kept to one node, at most its healthy GPUs."""
+    from airflow_elastic_gpu.broker.types import JobSpec
+
+    broker, api, backend, job, name = a_running_pod(cluster, gpus=1)
+    job = broker.submit(JobSpec("single", "python train.py --gpus {num_gpus}", 1, 4, total_steps=100,
+                                backend="kubernetes"))
+    broker.cancel(broker.jobs()[0].id, "make room")
+    api.terminated()
+    broker.rebalance()
+    assert len(broker.job(job.id).target_gpus) == 4
+    broker.ack(job.id, broker.job(job.id).target_generation)
+    for node in ("gpu-node-0", "gpu-node-1"):
+        broker.set_gpus_healthy(node, [3], False)
+    broker.rebalance()
+    target = broker.job(job.id).target_gpus
+    assert len({g.node for g in target}) == 1 and 1 <= len(target) <= 3 and all(g.index != 3 for g in target)
+    # a gang's command may still be spread (the test below)
+
+
 def test_a_job_the_broker_spreads_over_nodes_with_gpus_out_of_service_runs_as_a_gang(cluster):  # noqa: F811
     """Each node has one GPU out of service (kube-sync read it unhealthy): the broker takes a job of
     4 GPUs for a gang and places it 3 + 1 over two nodes, and the backend runs it as one (a pod per

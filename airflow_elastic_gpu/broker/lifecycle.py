@@ -64,6 +64,7 @@ from airflow_elastic_gpu.broker.types import (
 )
 from airflow_elastic_gpu.scheduling.core import apply_ack, record_progress
 from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.sidecar.protocol import GANG_PLACEHOLDERS
 from airflow_elastic_gpu.states import TERMINAL, EventKind, JobStatus
 
 
@@ -256,7 +257,7 @@ class Lifecycle(Endings):
                  f"(the largest has {largest} GPUs)")
         if spec.backend not in ("local", "kubernetes"):
             raise InvalidRequest(f"{where}: jobs on several nodes run on the local and kubernetes backends only")
-        missing = [p for p in ("{nnodes}", "{node_rank}", "{master_addr}", "{master_port}") if p not in spec.command]
+        missing = [p for p in GANG_PLACEHOLDERS if p not in spec.command]
         if missing:
             raise InvalidRequest(
                 f"{where}: such a job runs on several nodes, so its command must use the gang's "

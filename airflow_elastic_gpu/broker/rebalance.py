@@ -33,7 +33,7 @@ taken, never what may be published.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -41,12 +41,14 @@ from typing import Any
 from sqlalchemy import (
     Row,
     String,
+    and_,
     bindparam,
     case,
     delete,
     func,
     insert,
     literal_column,
+    or_,
     select,
     true,
     update,
@@ -83,13 +85,18 @@ from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore
 from airflow_elastic_gpu.scheduling.policy import Policy, stored_policy
 from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+from airflow_elastic_gpu.sidecar.protocol import GANG_PLACEHOLDERS
 from airflow_elastic_gpu.states import EventKind, JobStatus
 
 log = logging.getLogger(__name__)
 
 # a rebalance's statements, built once (parameters bound per call)
 _SERVED = delete(RebalanceRequest).where(RebalanceRequest.pool == bindparam("pool"))
-_ACTIVE_JOBS = (select(*BOOK_COLUMNS).where(Job.pool == bindparam("pool"), UNFINISHED)
+# whether a job may run on several nodes: its command uses every gang placeholder (the simulator's
+# jobs may, as submit lets them)
+_MULTI_NODE = or_(Job.backend == "simulated",
+                  and_(*(Job.command.contains(p, autoescape=True) for p in GANG_PLACEHOLDERS))).label("multi_node")
+_ACTIVE_JOBS = (select(*BOOK_COLUMNS, _MULTI_NODE).where(Job.pool == bindparam("pool"), UNFINISHED)
                 .order_by(Job.submit_s, Job.id))
 _FINISHED_MEASURED = (Job.pool == bindparam("pool"), Job.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"),
                       Job.throughput.is_not(None))
@@ -341,6 +348,16 @@ class Rebalancing(Releases):
         held = {kind: defaultdict(list, {j: [gpu_by_id[i] for i in ids] for j, ids in by_job.items()})
                 for kind, by_job in held_ids.items()}
         books = [book_of(j, held["target"][j.id], held["in_use"][j.id]) for j in jobs]
+        # A job whose command cannot run on several nodes gets at most a node's healthy GPUs: with
+        # GPUs out of service (the device plugin's health) no node may have its max_gpus any more,
+        # and a larger target spread it over nodes, which its backend cannot run (submit checks
+        # the command against the nodes of then)
+        node_size = Counter(g.name for g in gpus if g.schedulable and g.healthy)
+        largest = max(node_size.values(), default=0)
+        for job, book in zip(jobs, books):
+            if not job.multi_node and book.max_gpus > largest >= book.min_gpus:
+                book.max_gpus = largest
+                book.requested_gpus = min(book.requested_gpus or largest, largest)
         for job, book in zip(jobs, books):
             # an agent silent for half the lease since the job's start or resume (a new pod has
             # that long to start its agent): no new generation, which would give the job a whole

@@ -25,6 +25,7 @@ No I/O, no clock: the time is passed in (seconds on the caller's clock).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -178,6 +179,16 @@ class JobBook:
             throughput_by_type=self.throughput_by_type if throughput_by_type is None else throughput_by_type,
             relative_speed=self.relative_speed,
         )
+
+
+def at_most(gpus: Sequence[GpuId], n: int) -> tuple[GpuId, ...]:
+    """``gpus`` if there are at most ``n``, else ``n`` of them on as few nodes as may be (the nodes
+    holding most of them first). A policy keeps a running job's count, and the broker may lower a
+    job's ``max_gpus`` below it (a command that runs on one node, a node's GPUs out of service)."""
+    if len(gpus) <= n:
+        return tuple(gpus)
+    on = Counter(g.node for g in gpus)
+    return tuple(sorted(sorted(gpus, key=lambda g: (-on[g.node], g.node, g.index))[:n]))
 
 
 def gpu_type_of(gpus: Iterable[GpuId], node_types: Mapping[str, str]) -> str | None:
@@ -350,7 +361,7 @@ class SchedulingCore:
         for job_id, new in publishable(
             [b.job_id for b in books],
             {b.job_id: b.target for b in books},
-            {b.job_id: decision.allocations.get(b.job_id, ()) for b in books},
+            {b.job_id: at_most(decision.allocations.get(b.job_id, ()), b.max_gpus) for b in books},
             {g: b.job_id for b in books for g in b.in_use},
             {g: b.job_id for b in books for g in b.target},
             {b.job_id for b in books if b.target_generation > 0},

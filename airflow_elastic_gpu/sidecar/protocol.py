@@ -100,6 +100,8 @@ def failed_exit(status: dict[str, Any]) -> bool:
 PLACEHOLDERS = ("{num_gpus}", "{nnodes}", "{node_rank}", "{master_addr}", "{master_port}")
 """What the launcher replaces in a training command: the node's GPU count, the gang's node count,
 this node's rank (0 on a single node), and the rendezvous address and port of the generation."""
+GANG_PLACEHOLDERS = PLACEHOLDERS[1:]
+"""The placeholders a command must use to run on several nodes (a gang)."""
 
 
 def expand_command(command: str, desired: dict[str, Any]) -> str:
