@@ -107,7 +107,7 @@ def test_a_job_whose_command_runs_on_one_node_is_never_spread_when_gpus_go_out_o
     backend would run two trainers of it. It is now kept to one node, at most its healthy GPUs."""
     from airflow_elastic_gpu.broker.types import JobSpec
 
-    broker, api, backend, job, name = a_running_pod(cluster, gpus=1)
+    broker, api, _backend, job, _name = a_running_pod(cluster, gpus=1)
     job = broker.submit(JobSpec("single", "python train.py --gpus {num_gpus}", 1, 4, total_steps=100,
                                 backend="kubernetes"))
     broker.cancel(broker.jobs()[0].id, "make room")
