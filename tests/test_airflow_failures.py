@@ -78,17 +78,26 @@ def test_a_task_in_the_worker_returns_its_jobs_result_when_the_clean_up_keeps_fa
     assert failing_stop == [result["job_id"]] * CLEANUP_TRIES
 
 
-def test_a_deferred_tasks_deadline_holds_while_its_polls_keep_failing(worker_env, monkeypatch):
+@pytest.mark.parametrize("hangs", [False, True], ids=["polls fail", "a poll hangs"])
+def test_a_deferred_tasks_deadline_holds_while_its_polls_keep_failing(worker_env, monkeypatch, hangs):
     """The deadline was checked only after a poll that worked: a broker or cluster API that kept
-    failing put the time-out off for as long as it failed."""
+    failing put the time-out off for as long as it failed, and a poll stuck on a database lock for
+    as long as it was stuck (now one is given up after ``POLL_TIMEOUT_S``)."""
+    import threading
+
+    from airflow_elastic_gpu.triggers import training
+
     broker, _, _ = worker_env
     broker.register_node("localhost", 2)
     job = broker.submit(JobSpec("long", "python train.py", 1, 2, total_steps=10**6))
-    failing = [True]
+    failing, released = [True], threading.Event()
     real_poll = JobWatcher.poll
+    monkeypatch.setattr(training, "POLL_TIMEOUT_S", 0.2)
 
     def poll(self):
-        if failing[0]:
+        if failing[0] and hangs:
+            released.wait(60)  # a lock held by a stuck client
+        elif failing[0]:
             raise RuntimeError("the cluster API is unreachable")
         return real_poll(self)
 
@@ -104,6 +113,7 @@ def test_a_deferred_tasks_deadline_holds_while_its_polls_keep_failing(worker_env
             assert not task.done()
             await asyncio.sleep(0.05)
         failing[0] = False
+        released.set()
         return await asyncio.wait_for(task, 20)
 
     event = asyncio.run(follow())

@@ -28,8 +28,8 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from airflow_elastic_gpu.broker.types import (
     BrokerError,
@@ -46,6 +46,7 @@ from airflow_elastic_gpu.triggers.threads import in_daemon_thread
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
 TRIGGER_CLASSPATH = "airflow_elastic_gpu.triggers.training.ElasticTrainingTrigger"
+_T = TypeVar("_T")
 TIMEOUT_REASON = "execution_timeout"
 """How the reason of a job cancelled at its task's deadline begins (a time-out: retried)."""
 TIME_OUT_TRIES = 3
@@ -75,6 +76,10 @@ USER_ACTION_CANCEL = "__airflow_user_action__"
 user acted on (marked it failed or success, cleared it), just before it calls ``on_kill``; and one
 whose trigger timeout passed (a ``start_from_trigger`` task's execution_timeout), without
 ``on_kill``."""
+POLL_TIMEOUT_S = 60.0
+"""The longest a poll of the job is waited for (seconds; at least 10 poll intervals): one stuck on a
+database lock or an API server that never answers is then taken for a failed poll, so that the
+task's execution_timeout is still enforced while it is deferred (its thread is left behind)."""
 STATE_QUERY_TIMEOUT_S = 10.0
 """How long a trigger waits for the triggerer's supervisor to say whether its task instance is
 still deferred (a triggerer shutting down has stopped reading the answers)."""
@@ -280,7 +285,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         missing_since: float | None = None  # when the triggerer's broker first had no such job
         while True:
             try:
-                job = await asyncio.to_thread(self._poll)
+                job = await self._within_poll_timeout(self._poll)
                 missing_since = None
                 if not job.status.terminal and self._past_deadline():
                     if await asyncio.to_thread(self._time_out):
@@ -317,7 +322,10 @@ class ElasticTrainingTrigger(BaseTrigger):
                                  exc, self.poll_interval)
                 await asyncio.to_thread(self._drop_watcher)
                 if self._past_deadline() and not timed_out:  # not put off by polls that keep failing
-                    timed_out = await asyncio.to_thread(self._try_time_out)
+                    try:
+                        timed_out = await self._within_poll_timeout(self._try_time_out)
+                    except TimeoutError:  # stuck as the poll was: counted as a failed try
+                        timed_out = False
                     if not timed_out and (failures := failures + 1) >= TIME_OUT_TRIES:
                         # the broker stays out of reach: the worker, whose broker it is, ends the job
                         reason = (f"{TIMEOUT_REASON}: the task's time ran out and the triggerer could not "
@@ -335,6 +343,17 @@ class ElasticTrainingTrigger(BaseTrigger):
 
     def _past_deadline(self) -> bool:
         return self.deadline_s is not None and time.time() >= self.deadline_s
+
+    async def _within_poll_timeout(self, call: Callable[[], _T]) -> _T:
+        """``call()`` in a thread, waited for :data:`POLL_TIMEOUT_S` (at least 10 poll intervals).
+
+        :raises TimeoutError: no answer by then (the thread is left to finish by itself)."""
+        limit_s = max(POLL_TIMEOUT_S, 10 * self.poll_interval)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(call), limit_s)
+        except TimeoutError:
+            raise TimeoutError(f"no answer in {limit_s:.0f}s (a database lock held, or an API server that does "
+                               "not answer)") from None
 
     def _try_time_out(self) -> bool:
         """:meth:`_time_out` after a failed poll (the job may have ended; the broker may be away:
