@@ -110,3 +110,23 @@ def test_a_host_that_is_no_url_is_named_as_the_connections(monkeypatch, no_broke
         {"conn_type": "elastic_gpu", "host": "postgresql+psycopg://db:notaport/broker"}))
     with pytest.raises(ValueError, match="connection 'elastic_gpu_default': its host is not a database URL"):
         GpuBrokerHook().get_url()
+
+
+@pytest.mark.parametrize(("executor", "refused"), [
+    ("LocalExecutor", False), ("CeleryExecutor", True), ("LocalExecutor,KubernetesExecutor", True),
+    ("airflow.providers.celery.executors.celery_executor.CeleryExecutor", True),
+    ("fast:airflow.executors.local_executor.LocalExecutor", False),
+])
+def test_the_computed_sqlite_broker_is_refused_under_an_executor_of_several_machines(
+        monkeypatch, no_broker_url_set, executor, refused):
+    """No connection (or one Airflow could not read for a moment, which it reports as not defined)
+    and no ``[elastic_gpu] broker_url``: each Celery worker made a SQLite broker of its own."""
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", executor)
+    hook = hook_with(monkeypatch, None)
+    if refused:
+        with pytest.raises(ValueError, match=r"runs tasks on several machines.*Set \[elastic_gpu\] broker_url"):
+            hook.get_url()
+    else:
+        assert hook.get_url() == f"sqlite:///{no_broker_url_set / 'elastic_gpu_broker.db'}"
+    monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__BROKER_URL", SECRET_URL)  # set: any executor
+    assert hook_with(monkeypatch, None).get_url() == SECRET_URL

@@ -39,6 +39,28 @@ from airflow_elastic_gpu.config import (
 from airflow_elastic_gpu.get_provider_info import CONN_FIELDS, CONN_TYPE, HIDDEN_FIELDS
 
 
+ONE_HOST_EXECUTORS = frozenset({"LocalExecutor", "SequentialExecutor", "DebugExecutor"})
+"""Airflow executors that run every task on the scheduler's host."""
+
+
+def _check_one_host(conf: Any) -> None:
+    """Refuse the computed default broker (a SQLite file in ``$AIRFLOW_HOME``) under an executor that
+    runs tasks on several machines: each would have a broker of its own, and hand out the same GPUs
+    again. Airflow 3 also reports a connection that it could not read for a moment (its API server
+    away) as not defined, which made a worker of such a deployment fall back to that file.
+
+    :raises ValueError: ``[core] executor`` names another executor (each of a list, in any of its
+        forms: ``CeleryExecutor``, ``alias:module.Class``, ``module.Class``)."""
+    executors = (conf.get("core", "executor", fallback=None) if conf is not None else None) or "LocalExecutor"
+    names = [item.strip().rsplit(":", 1)[-1].rsplit(".", 1)[-1] for item in executors.split(",") if item.strip()]
+    if others := [n for n in names if n not in ONE_HOST_EXECUTORS]:
+        raise ValueError(
+            f"no broker database is configured, and [core] executor ({', '.join(others)}) runs tasks on several "
+            "machines: each would use a SQLite broker of its own and hand out the same GPUs again. Set "
+            "[elastic_gpu] broker_url ($AIRFLOW_ELASTIC_GPU_BROKER_URL) to one PostgreSQL database for every "
+            "component (and the connection elastic_gpu_default's Broker database URL, if you use it)")
+
+
 class GpuBrokerHook(BaseHook):
     """Gives operators and triggers a :class:`GpuBroker` for a connection id.
 
@@ -121,11 +143,14 @@ class GpuBrokerHook(BaseHook):
         ``[elastic_gpu] broker_url`` only where that is set: the computed default, a SQLite file on
         this host, would give each worker a broker of its own (the same GPUs handed out twice).
 
-        :raises ValueError: an ``airflow.cfg`` that cannot be parsed; a connection whose host is not
+        :raises ValueError: an ``airflow.cfg`` that cannot be parsed; no connection nor
+            ``[elastic_gpu] broker_url`` under an executor of several machines; a connection whose host is not
             a URL or a host name; a connection that is defined, gives no URL, while ``[elastic_gpu] broker_url`` is not set either.
         """
         conf = airflow_conf()
         if self.connection is None:
+            if not get_option("broker_url", conf=conf):
+                _check_one_host(conf)
             return default_broker_url(conf=conf)
         url = self._field("url") or self._url_of_fields()
         if url:
