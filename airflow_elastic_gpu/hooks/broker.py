@@ -38,7 +38,6 @@ from airflow_elastic_gpu.config import (
 )
 from airflow_elastic_gpu.get_provider_info import CONN_FIELDS, CONN_TYPE, HIDDEN_FIELDS
 
-
 ONE_HOST_EXECUTORS = frozenset({"LocalExecutor", "SequentialExecutor", "DebugExecutor"})
 """Airflow executors that run every task on the scheduler's host."""
 
