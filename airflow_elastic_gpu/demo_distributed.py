@@ -345,6 +345,7 @@ def run(s: Settings) -> dict:
         "makespan_s": None if makespan is None else round(makespan, 1),
         "mean_jct_s": round(sum(f.jct_s for f in ends) / len(ends), 1) if ends else None,
         "trainings_succeeded": sum(f.status == "succeeded" for f in figures),
+        "failed_tries": sum(f.failed_tries for f in figures),
         "trainings": [asdict(f) for f in figures],
         "trainings_started_per_worker": dict(Counter(f.workers[0] for f in figures if f.workers)),
         "trainings_completed_per_worker": dict(Counter(f.workers[-1] for f in figures if f.workers)),
@@ -356,7 +357,8 @@ def run(s: Settings) -> dict:
     s.results.write_text(json.dumps(result, indent=2) + "\n")
     total = sum(violations.values())
     console.print(
-        f"[bold]5/5[/bold] {result['trainings_succeeded']}/{len(figures)} trainings succeeded; "
+        f"[bold]5/5[/bold] {result['trainings_succeeded']}/{s.jobs} trainings succeeded"
+        + (f" ({result['failed_tries']} after a failed try)" if result["failed_tries"] else "") + "; "
         f"started per worker {result['trainings_started_per_worker']}, completed per worker "
         f"{result['trainings_completed_per_worker']}; "
         + ("no triggerer was killed" if kill is None else

@@ -100,12 +100,14 @@ class TrainingFigures:
     accuracy: float | None
     workers: list[str]
     triggerers: list[str]
+    failed_tries: int = 0  # earlier tries of the task whose job ended without success (a retry replaced it)
 
 
 def training_figures(broker: GpuBroker, obs: Observer) -> list[TrainingFigures]:
     """Per broker job of the run, its figures joined with what Airflow showed of its task."""
-    out = []
-    for j in broker.jobs(POOL):
+    out, jobs = [], broker.jobs(POOL)
+    failed = Counter(j.key.split("@", 1)[0] for j in jobs if "@" in j.key and j.status.value != "succeeded")
+    for j in jobs:
         if "@" in j.key or j.key.count("/") < 3:  # a try's job a retry replaced (key@job id), or no task's
             continue
         dag_id, task_id, rest = j.key.split("/", 2)
@@ -120,7 +122,7 @@ def training_figures(broker: GpuBroker, obs: Observer) -> list[TrainingFigures]:
             queueing_delay_s=None if j.queueing_delay_s is None else round(j.queueing_delay_s, 1),
             gpu_seconds=round(j.gpu_seconds, 1), gpus_over_time=counts, resizes_up=up, resizes_down=down,
             accuracy=(j.metrics or {}).get("accuracy"), workers=obs.workers.get(i, []),
-            triggerers=[h for h, _ in obs.triggerers.get(i, [])]))
+            triggerers=[h for h, _ in obs.triggerers.get(i, [])], failed_tries=failed[j.key]))
     return sorted(out, key=lambda f: f.map_index)
 
 

@@ -71,6 +71,6 @@ def test_the_distributed_demos_figures_skip_a_try_a_retry_replaced(tmp_path):
         retry = broker.submit(JobSpec("train_0", "t", 1, 1, total_steps=10, key=key))
         assert retry.id != first.id and broker.job(first.id).key.startswith(key + "@")
         figures = training_figures(broker, Observer(engine=broker.engine, run_id="manual__1", t0=0.0))
-        assert [f.map_index for f in figures] == [0]
+        assert [(f.map_index, f.failed_tries) for f in figures] == [(0, 1)]  # the failed try is told
     finally:
         broker.engine.dispose()
