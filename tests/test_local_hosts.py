@@ -6,6 +6,8 @@ started a second trainer of it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_local_backend import local  # noqa: F401 - a fixture
 from test_local_processes import SLEEPER, marked
@@ -37,8 +39,11 @@ def test_another_hosts_trigger_and_retry_leave_a_running_job_to_its_host(local, 
         seen, _ = watcher.poll()
     assert seen.status is JobStatus.RUNNING and other.problem(seen) is None
     spec = JobSpec("j", SLEEPER, 1, 1, total_steps=10, key="d/t/r/-1")  # a retry's submit: the key's job
-    with pytest.raises(BackendError, match=f"started on host {here}, not this one \\(gpu-host-b\\)"):
-        submit_and_start(broker, other, spec, env=None, labels={}, log=logging.getLogger("test"))
+    started = submit_and_start(broker, other, spec, env=None, labels={}, log=logging.getLogger("test"))
+    assert started.reattached and started.job.id == job.id  # followed from here, as its trigger follows it
+    assert set(marked(job.id)) == running  # nothing started from here
+    with pytest.raises(BackendError, match=re.escape(f"started on host {here}, not this one (gpu-host-b)")):
+        other.start(broker.job(job.id))  # run-local --key there: refused, naming both
     if not shared_work_dir:  # the task's stop from there neither kills nor reports the processes of host A
         other.stop(job.id, timeout_s=1)
         after = broker.job(job.id)

@@ -390,12 +390,11 @@ class LocalBackend:
     def sync(self, job: JobView, *, env: Mapping[str, str] | None = None,
              context: Mapping[str, str] | None = None) -> None:
         """Nothing to do: the job's agent applies the broker's targets itself."""
-        return
 
     def problem(self, job: JobView) -> Problem | None:
-        """The job was started but neither its agent nor its launcher runs any more (a host
-        restart, or processes killed by hand). None for a job of another host: the lease tells."""
-        if job.backend_ref is None or started_elsewhere(job.backend_ref) or self.is_running(job.id):
+        """The job was started but neither its agent nor its launcher runs any more (a host restart, or
+        processes killed by hand); None for another host's job unless it exited cleanly (the lease tells)."""
+        if job.backend_ref is None or self.is_running(job.id):
             return None
         h = self.handle(job.id)
         if h is not None and h.exited_cleanly():
@@ -403,6 +402,8 @@ class LocalBackend:
             parser.skip(self.log_path(job.id))  # its end: the final metrics line
             return Problem("the trainer had exited cleanly, and its agent is gone without reporting it",
                            gone=True, finished=parser.metrics or {})
+        if started_elsewhere(job.backend_ref):
+            return None
         # a trainer (or worker) left running by its dead launcher: the job keeps its GPUs until the
         # stop that follows has killed it (a process stuck in the kernel may outlive SIGKILL)
         return Problem("the job's agent and launcher processes are gone (host restart or killed by hand)",

@@ -32,16 +32,18 @@ their workers: a pid the job recorded counts as the job's only while its process
 reboot the pid may be any process's, and the backend must never kill that)."""
 
 
-@functools.cache  # a process does not outlive the boot it started in
 @functools.cache
 def host_id() -> str:
-    """This host, as a job reference records where the local backend started a job: its host name
-    and, where there is one, its ``/etc/machine-id`` (two containers may share a name)."""
-    try:
-        machine = Path("/etc/machine-id").read_text().strip()
-    except OSError:
-        machine = ""
-    return f"{socket.gethostname()}/{machine}" if machine else socket.gethostname()
+    """Where this process sees processes, as a job reference records where the local backend started
+    a job: the host name, its ``/etc/machine-id`` where there is one, and the PID namespace (two
+    containers may share a name and a machine id, each seeing only its own processes)."""
+    parts = [socket.gethostname()]
+    for read in (lambda: Path("/etc/machine-id").read_text().strip(), lambda: os.readlink("/proc/self/ns/pid")):
+        try:
+            parts.append(read())
+        except OSError:
+            continue
+    return "/".join(p for p in parts if p)
 
 
 def started_elsewhere(backend_ref: str | None) -> str | None:
@@ -57,6 +59,7 @@ def started_elsewhere(backend_ref: str | None) -> str | None:
     return host if isinstance(host, str) and host != host_id() else None
 
 
+@functools.cache  # a process does not outlive the boot it started in
 def boot_id() -> str | None:
     """This boot of the host (Linux's ``/proc/sys/kernel/random/boot_id``), None where unknown."""
     try:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from airflow_elastic_gpu.backends.base import Backend, abandon, check_env, start_job
+from airflow_elastic_gpu.backends.local_processes import started_elsewhere
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec, JobView
 from airflow_elastic_gpu.states import JobStatus
@@ -55,6 +56,11 @@ def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env:
     if job.status.terminal:  # this attempt's job ended, or a retry's succeeded one: nothing to start
         log.info("job %s of this task already %s (this try's, while the triggerer was away, or a retried "
                  "try's success): not trained again", job.id, job.status.value)
+        return Started(job, True)
+    if backend.name == "local" and (host := started_elsewhere(job.backend_ref)) is not None:
+        # a retry or trigger on another machine of a distributed Airflow: its processes run there
+        log.info("job %s runs on host %s, not this one: followed from here (its agent there reports to the "
+                 "broker, whose lease ends it if that host is lost), not started again", job.id, host)
         return Started(job, True)
     try:
         running = backend.is_running(job.id)
