@@ -257,6 +257,29 @@ def test_a_pod_of_a_running_gang_left_terminating_on_a_lost_node_fails_the_job(c
     assert f"the pod of node {NODES[1]} was deleted" in problem.reason and problem.running
 
 
+def test_a_recreate_resize_published_during_a_poll_does_not_fail_the_gang(cluster):
+    """The poll's own rebalance publishes a new generation and its sync deletes the gang's pods to
+    re-create them: the job the poll read still reads acked, and its terminating pods were taken
+    for pods deleted from outside."""
+    from airflow_elastic_gpu.triggers.watcher import JobWatcher
+
+    broker, api = cluster
+    api.graceful = True
+    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    real = broker.maybe_rebalance
+
+    def rebalance_with_a_new_job(pool):  # the poll's periodic rebalance: another job came meanwhile
+        broker.submit(JobSpec("other", "python train.py", 4, 4, total_steps=100, backend="kubernetes"))
+        return real(pool)
+
+    broker.maybe_rebalance = rebalance_with_a_new_job
+    JobWatcher(broker, backend, job.id).poll()
+    assert broker.job(job.id).target_generation == 2 and broker.job(job.id).status is JobStatus.RUNNING
+
+
 def test_pods_of_two_nodes_deleted_from_outside_fail_the_job_with_every_gpu_held(cluster, clock):
     """Two pods of a three-node gang deleted by someone else: the job fails naming both nodes. Their
     GPUs were freed at once, taken for stopped; a pod force-deleted (grace 0, or by the pod garbage

@@ -239,8 +239,10 @@ class GangPods:
         # held until their agents report or the lease passes (a force deletion leaves containers running)
         # A pod being deleted counts as gone: one on a lost node stays listed, terminating, until the
         # node is deleted; the other nodes' agents keep the job's lease, so the gang hung with every GPU
+        # (the target read again: a poll's own rebalance may have published a resize that this
+        # poll's sync carried out, deleting the pods, since ``job`` was read)
         missing: list[str] = []
-        if job.acked():
+        if job.acked() and self.backend.broker.target(job.id).generation <= job.acked_generation:
             missing = sorted({g.node for g in job.in_use_gpus} - {pod_node(p) for p in _live(listed)})
         for pod in _live(listed):
             state = pod_state(pod)
