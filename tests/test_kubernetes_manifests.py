@@ -291,3 +291,31 @@ def test_the_command_pattern_and_env_reach_the_container_as_written():
     assert args[-1] == command and args[args.index("--checkpoint-dir") + 1] == "/ckpt/$(USER)"
     agent_args = [kubelet_expands(a, {}) for a in agent["args"]]
     assert agent_args[agent_args.index("--progress-pattern") + 1] == r"step (\d+)$"
+
+
+def test_a_pod_templates_tolerations_and_affinity_are_kept_with_the_pin_to_the_node():
+    """The generated tolerations (the GPU taint's) and node affinity replaced the template's whole
+    list and affinity: the template's toleration of a dedicated node pool's taint was lost, and the
+    pod, now scheduled, stayed Pending. Its required terms are narrowed to the broker's node."""
+    from airflow_elastic_gpu.backends.kubernetes_pods import pod_node
+
+    template = copy.deepcopy(TEMPLATE)
+    template["spec"]["tolerations"] = [{"key": "dedicated", "value": "training", "effect": "NoSchedule"}]
+    zone = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a", "b"]}
+    anti = {"labelSelector": {"matchLabels": {"team": "vision"}}, "topologyKey": "kubernetes.io/hostname"}
+    template["spec"]["affinity"] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [zone]}]}},
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 10, "podAffinityTerm": anti}]}}
+    built = PodBuilder(config(full_pod_spec=template)).pod("job-1", "python train.py", "gpu-node-7", 3)
+    pod = to_dict(built)
+    validate(pod)
+    assert pod["spec"]["tolerations"] == [template["spec"]["tolerations"][0], {
+        "key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert term == {"matchExpressions": [zone],
+                    "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-node-7"]}]}
+    assert pod["spec"]["affinity"]["podAntiAffinity"] == template["spec"]["affinity"]["podAntiAffinity"]
+    assert pod_node(built) == "gpu-node-7"

@@ -3,6 +3,7 @@ API calls); the layout is described in :mod:`.kubernetes` and ``docs/kubernetes.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 
 from kubernetes.client import models as k8s
@@ -25,7 +26,7 @@ from airflow_elastic_gpu.backends.kubernetes_config import (
     model,
     resource_name,
 )
-from airflow_elastic_gpu.backends.kubernetes_pods import pin_to
+from airflow_elastic_gpu.backends.kubernetes_pods import pin_to, pin_within
 
 _COPY_LAUNCHER = (
     "import os, shutil, airflow_elastic_gpu.sidecar as s; d = os.path.dirname(s.__file__); "
@@ -155,7 +156,13 @@ class PodBuilder:
         if c.pod_template_file or c.full_pod_spec:  # Airflow's pod generator, only when it is needed
             from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
 
-            pod = checked_merge(PodGenerator.reconcile_pods(self._template(), pod), c)
+            template, own = self._template(), pod.spec.tolerations
+            pod = PodGenerator.reconcile_pods(copy.deepcopy(template), pod)
+            # the generated list and affinity would replace the template's whole: its tolerations
+            # are kept beside ours (the scheduler applies taints), its affinity pinned to the node
+            pod.spec.tolerations = [*(t for t in template.spec.tolerations or [] if t not in own), *own]
+            pod.spec.affinity = pin_within(template.spec.affinity, node)
+            pod = checked_merge(pod, c)
         return pod
 
     def _template(self) -> k8s.V1Pod:

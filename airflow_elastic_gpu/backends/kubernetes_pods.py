@@ -4,6 +4,7 @@ train (eviction, a failed phase, a container that cannot start or was killed).""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,6 +27,27 @@ def pin_to(node: str) -> k8s.V1Affinity:
                 key="metadata.name", operator="In", values=[node])])])))
 
 
+def pin_within(affinity: Any | None, node: str) -> k8s.V1Affinity:
+    """A pod template's ``affinity`` (``V1Affinity`` or None) pinned to ``node`` as :func:`pin_to`
+    pins: the node's name is added to each of its required node selector terms (terms are ORed,
+    a term's requirements ANDed), and its preferences, pod affinity and anti-affinity are kept."""
+    pinned = pin_to(node)
+    if affinity is None:
+        return pinned
+    out = copy.deepcopy(affinity)
+    node_affinity = out.node_affinity or k8s.V1NodeAffinity()
+    required = node_affinity.required_during_scheduling_ignored_during_execution
+    if required is None or not required.node_selector_terms:
+        node_affinity.required_during_scheduling_ignored_during_execution = \
+            pinned.node_affinity.required_during_scheduling_ignored_during_execution
+    else:
+        (name,) = pinned.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms[0].match_fields
+        for term in required.node_selector_terms:
+            term.match_fields = [*(term.match_fields or []), name]
+    out.node_affinity = node_affinity
+    return out
+
+
 def pod_node(pod: Any) -> str | None:
     """The node ``pod`` (a ``V1Pod`` the backend made) runs on or is pinned to (:func:`pin_to`):
     its ``nodeName`` once scheduled; before, the node its affinity names."""
@@ -34,7 +56,7 @@ def pod_node(pod: Any) -> str | None:
     affinity = pod.spec.affinity.node_affinity if pod.spec.affinity is not None else None
     required = affinity.required_during_scheduling_ignored_during_execution if affinity is not None else None
     for term in required.node_selector_terms if required is not None else []:
-        for field in term.match_fields or []:
+        for field in reversed(term.match_fields or []):  # ours is the last (:func:`pin_within`)
             if field.key == "metadata.name" and field.operator == "In" and len(field.values or []) == 1:
                 return field.values[0]
     return None
