@@ -33,7 +33,7 @@ taken, never what may be published.
 from __future__ import annotations
 
 import logging
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -348,14 +348,14 @@ class Rebalancing(Releases):
         held = {kind: defaultdict(list, {j: [gpu_by_id[i] for i in ids] for j, ids in by_job.items()})
                 for kind, by_job in held_ids.items()}
         books = [book_of(j, held["target"][j.id], held["in_use"][j.id]) for j in jobs]
-        # A job whose command cannot run on several nodes gets at most a node's healthy GPUs: with
-        # GPUs out of service (the device plugin's health) no node may have its max_gpus any more,
-        # and a larger target spread it over nodes, which its backend cannot run (submit checks
-        # the command against the nodes of then)
-        node_size = Counter(g.name for g in gpus if g.schedulable and g.healthy)
-        largest = max(node_size.values(), default=0)
+        # A job whose command cannot run on several nodes is never spread over them, and gets at most
+        # the GPUs a node has free of draining: with GPUs out of service (the device plugin's health)
+        # no node may have its max_gpus any more, and a larger target spread it over nodes, which
+        # its backend cannot run (submit checks the command against the nodes of then)
+        largest = max((len(n.gpu_indices) for n in nodes), default=0)
         for job, book in zip(jobs, books):
-            if not job.multi_node and book.max_gpus > largest >= book.min_gpus:
+            book.single_node = not job.multi_node
+            if book.single_node and book.max_gpus > largest >= book.min_gpus:
                 book.max_gpus = largest
                 book.requested_gpus = min(book.requested_gpus or largest, largest)
         for job, book in zip(jobs, books):

@@ -81,6 +81,8 @@ class JobBook:
         its last heartbeat, start or resume (with the default fence period its launcher has fenced
         the trainer by then): its allocation is not changed until it reports again or is declared
         lost (a new generation would give it a whole lease again).
+    :param single_node: the job cannot run on several nodes (its command has no gang placeholders): a
+        decision that spreads it is not published (it keeps its GPUs, or waits, until one node has room).
     """
 
     job_id: str
@@ -116,6 +118,7 @@ class JobBook:
     family: str | None = None
     finishing: bool = False
     unreachable: bool = False
+    single_node: bool = False
 
     @property
     def at_last_step(self) -> bool:
@@ -358,10 +361,12 @@ class SchedulingCore:
         by_id = {b.job_id: b for b in books}
         usable = {GpuId(n.name, i) for n in nodes for i in n.gpu_indices}
         out = []
+        wanted = {b.job_id: at_most(decision.allocations.get(b.job_id, ()), b.max_gpus) for b in books}
+        spread = {b.job_id for b in books if b.single_node and len({g.node for g in wanted[b.job_id]}) > 1}
         for job_id, new in publishable(
             [b.job_id for b in books],
             {b.job_id: b.target for b in books},
-            {b.job_id: at_most(decision.allocations.get(b.job_id, ()), b.max_gpus) for b in books},
+            wanted,
             {g: b.job_id for b in books for g in b.in_use},
             {g: b.job_id for b in books for g in b.target},
             {b.job_id for b in books if b.target_generation > 0},
@@ -370,7 +375,7 @@ class SchedulingCore:
             else (),
             unacked={b.job_id for b in books if b.target_generation > b.acked_generation},
             fixed={b.job_id for b in books if b.finishing or b.unreachable
-                   or (b.at_last_step and usable.issuperset(b.target))},
+                   or (b.at_last_step and usable.issuperset(b.target))} | spread,
         ):
             book = by_id[job_id]
             previous = len(book.target)
