@@ -45,7 +45,8 @@ class LoggedCoreV1(FakeCoreV1):
     def read_namespaced_pod_log(self, name, namespace, container, tail_lines, limit_bytes=None,
                                 _preload_content=True):
         # the kubelet's ReadLogs: from the first of the last tail_lines lines, at most limit_bytes on
-        body = "\n".join(self.logs.get(name, "").splitlines()[-tail_lines:]).encode()[:limit_bytes]
+        lines = self.logs.get(name, "").splitlines()
+        body = "\n".join(lines[max(0, len(lines) - tail_lines):] if tail_lines else []).encode()[:limit_bytes]
         if _preload_content:
             return str(body)
         self.responses.append(RawResponse(body))
@@ -93,6 +94,19 @@ def test_a_clean_exit_that_its_agent_did_not_report_is_the_jobs_success(cluster,
         assert ended.status is JobStatus.SUCCEEDED and ended.metrics["accuracy"] == 0.97
     else:  # stopped on request: not a finished training (the lease or the agent's report decides)
         assert ended.status is JobStatus.RUNNING
+
+
+def test_a_clean_exit_after_a_line_longer_than_the_log_limit_is_the_jobs_success(cluster):
+    """The last lines alone over the byte limit (a metrics line of 70 KB): the tail went 200 -> 50
+    -> 12 -> 3 -> 0 lines, and the kubelet answers 0 lines with nothing."""
+    broker, api, backend = cluster
+    job, name = started(broker, backend, api)
+    api.trainer_exited(name, '{"final": true, "blob": "' + "x" * 70_000 + '"}\n'
+                       + protocol.launcher_line("trainer exited with code 0"))
+    watcher = JobWatcher(broker, backend, job.id)
+    for _ in range(GONE_POLLS):
+        watcher.poll()
+    assert broker.job(job.id).status is JobStatus.SUCCEEDED
 
 
 def test_a_job_declared_lost_whose_trainer_had_finished_succeeds(cluster, clock):

@@ -135,7 +135,7 @@ def pod_log(core_v1: Any, name: str, namespace: str, lines: int) -> str:
         text = _read_log(core_v1, name, namespace, lines)
         if lines <= 1 or len(text.encode("utf-8", "replace")) < LOG_LIMIT_BYTES:
             return text
-        lines //= 4
+        lines = max(1, lines // 4)  # never 0: the kubelet answers tailLines=0 with nothing
 
 
 def _read_log(core_v1: Any, name: str, namespace: str, lines: int) -> str:
