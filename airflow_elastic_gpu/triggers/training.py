@@ -153,6 +153,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         self._submit_future: concurrent.futures.Future[JobView] | None = None
         self._stopped = False  # the job was stopped when Airflow cancelled the trigger (on_kill skips)
         self._stop_lock = threading.Lock()
+        self._unanswered: dict[str, concurrent.futures.Future[Any]] = {}  # calls past POLL_TIMEOUT_S, by name
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         kwargs: dict[str, Any] = {
@@ -288,7 +289,7 @@ class ElasticTrainingTrigger(BaseTrigger):
                 job = await self._within_poll_timeout(self._poll)
                 missing_since = None
                 if not job.status.terminal and self._past_deadline():
-                    if await asyncio.to_thread(self._time_out):
+                    if await self._within_poll_timeout(self._time_out):
                         continue  # the next poll reads the cancelled job and fires its end
                     self.deadline_s = None  # another try of the task follows the job: not this one's to end
             except NotFound as exc:  # this triggerer's broker is not the worker's, for a moment or for good
@@ -345,13 +346,20 @@ class ElasticTrainingTrigger(BaseTrigger):
         return self.deadline_s is not None and time.time() >= self.deadline_s
 
     async def _within_poll_timeout(self, call: Callable[[], _T]) -> _T:
-        """``call()`` in a thread, waited for :data:`POLL_TIMEOUT_S` (at least 10 poll intervals).
+        """``call()`` in a daemon thread, waited for :data:`POLL_TIMEOUT_S` (at least 10 poll
+        intervals); not called again while an earlier call of it has not answered (no pile of stuck
+        threads, and none in the event loop's executor, which every trigger shares).
 
-        :raises TimeoutError: no answer by then (the thread is left to finish by itself)."""
-        limit_s = max(POLL_TIMEOUT_S, 10 * self.poll_interval)
+        :raises TimeoutError: no answer by then, or the earlier call's still missing."""
+        name, limit_s = getattr(call, "__name__", "call"), max(POLL_TIMEOUT_S, 10 * self.poll_interval)
+        if (earlier := self._unanswered.get(name)) is not None and not earlier.done():
+            raise TimeoutError(f"an earlier {name} has not answered yet (a database lock held, or an API server "
+                               "that does not answer)")
+        future = in_daemon_thread(call, f"elastic-gpu{name}")
         try:
-            return await asyncio.wait_for(asyncio.to_thread(call), limit_s)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit_s)
         except TimeoutError:
+            self._unanswered[name] = future
             raise TimeoutError(f"no answer in {limit_s:.0f}s (a database lock held, or an API server that does "
                                "not answer)") from None
 
