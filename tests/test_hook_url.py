@@ -99,6 +99,20 @@ def test_a_uri_connection_keeps_its_login_password_port_and_database(monkeypatch
     assert GpuBrokerHook().get_url() == "sqlite:////data/broker.db"
 
 
+@pytest.mark.parametrize(("uri", "expected"), [
+    ("elastic-gpu://u:pw@db:5432/broker?sslmode=require&pool=a100",  # TLS kept; pool is the connection's own
+     "postgresql+psycopg://u:pw@db:5432/broker?sslmode=require"),
+    ("elastic-gpu://u:pw@%5B%3A%3A1%5D:5432/broker", "postgresql+psycopg://u:pw@[::1]:5432/broker"),
+    ("elastic-gpu://u:pw@[::1]:5432/broker", "postgresql+psycopg://u:pw@[::1]:5432/broker"),
+    ("elastic-gpu://u:pw@%2Fvar%2Frun%2Fpostgresql/broker", "postgresql+psycopg://u:pw@/broker?host=%2Fvar%2Frun%2Fpostgresql"),
+])
+def test_a_uri_connection_keeps_its_query_and_an_ipv6_or_socket_host(monkeypatch, no_broker_url_set, uri, expected):
+    from sqlalchemy.engine import make_url
+
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", uri)
+    assert make_url(GpuBrokerHook().get_url()) == make_url(expected)
+
+
 def test_a_broker_url_from_a_command_has_no_trailing_newline(monkeypatch, no_broker_url_set):
     """``[elastic_gpu] broker_url`` from ``_CMD`` (Airflow keeps the command's newline)."""
     monkeypatch.setenv("AIRFLOW__ELASTIC_GPU__BROKER_URL_CMD", "echo postgresql+psycopg://u:pw@db/broker")
@@ -116,6 +130,7 @@ def test_a_host_that_is_no_url_is_named_as_the_connections(monkeypatch, no_broke
     ("LocalExecutor", False), ("CeleryExecutor", True), ("LocalExecutor,KubernetesExecutor", True),
     ("airflow.providers.celery.executors.celery_executor.CeleryExecutor", True),
     ("fast:airflow.executors.local_executor.LocalExecutor", False),
+    ("LocalExecutor;team_a=LocalExecutor", False), ("LocalExecutor;team_a=CeleryExecutor", True),
 ])
 def test_the_computed_sqlite_broker_is_refused_under_an_executor_of_several_machines(
         monkeypatch, no_broker_url_set, executor, refused):

@@ -48,10 +48,12 @@ def _check_one_host(conf: Any) -> None:
     again. Airflow 3 also reports a connection that it could not read for a moment (its API server
     away) as not defined, which made a worker of such a deployment fall back to that file.
 
-    :raises ValueError: ``[core] executor`` names another executor (each of a list, in any of its
-        forms: ``CeleryExecutor``, ``alias:module.Class``, ``module.Class``)."""
+    :raises ValueError: ``[core] executor`` names another executor (each of a list and of every
+        team's, in any of its forms: ``CeleryExecutor``, ``alias:module.Class``, ``module.Class``)."""
     executors = (conf.get("core", "executor", fallback=None) if conf is not None else None) or "LocalExecutor"
-    names = [item.strip().rsplit(":", 1)[-1].rsplit(".", 1)[-1] for item in executors.split(",") if item.strip()]
+    # "a,b" or, per team (Airflow 3's multi-team), "a;team1=b,c": every executor named
+    items = [item for group in executors.split(";") for item in group.split("=", 1)[-1].split(",")]
+    names = [item.strip().rsplit(":", 1)[-1].rsplit(".", 1)[-1] for item in items if item.strip()]
     if others := [n for n in names if n not in ONE_HOST_EXECUTORS]:
         raise ValueError(
             f"no broker database is configured, and [core] executor ({', '.join(others)}) runs tasks on several "
@@ -168,24 +170,35 @@ class GpuBrokerHook(BaseHook):
 
     def _url_of_fields(self) -> str | None:
         """The URL in the connection's standard fields, for a connection without a *Broker database
-        URL* field: its host holding a whole URL (connections made before that field existed) or a
-        host name (``postgresql+psycopg`` then), with its login, password, port and schema (the
-        database) where set. A URI such as ``elastic-gpu://user:pw@db:5432/broker`` or
-        ``elastic-gpu://postgresql+psycopg://user:pw@db:5432/broker`` comes as such fields: Airflow
-        keeps only ``driver://host`` of it as the host."""
+        URL* field: its host holding a whole URL (connections made before that field existed), a
+        host name or address (``postgresql+psycopg`` then) or a Unix socket directory, with its
+        login, password, port and schema (the database) where set, and the extra's other keys as
+        the URL's query (``sslmode``...). A URI such as ``elastic-gpu://user:pw@db:5432/broker?sslmode=require``
+        or ``elastic-gpu://postgresql+psycopg://user:pw@db:5432/broker`` comes as such fields: Airflow
+        keeps only ``driver://host`` of it as the host, and its query as the extra."""
         from sqlalchemy.engine import make_url
         from sqlalchemy.exc import ArgumentError
 
         c = self.connection
         if not c.host:
             return None
+        host = c.host
         try:
-            url = make_url(c.host if "://" in c.host else f"postgresql+psycopg://{c.host}")
+            if "://" in host:
+                url = make_url(host)
+            elif host.startswith("/"):  # a socket directory (%2Fvar%2Frun%2Fpostgresql in a URI)
+                url = make_url("postgresql+psycopg://").update_query_dict({"host": host})
+            else:
+                bare_ipv6 = ":" in host and not host.startswith("[")
+                url = make_url(f"postgresql+psycopg://{f'[{host}]' if bare_ipv6 else host}")
         except (ArgumentError, ValueError) as exc:
             raise ValueError(f"Airflow connection {self.broker_conn_id!r}: its host is not a database URL "
                              f"or a host name ({exc})") from None
         fields = {"username": c.login, "password": c.password, "port": c.port, "database": c.schema}
-        return url.set(**{k: v for k, v in fields.items() if v}).render_as_string(hide_password=False)
+        query = {k: str(v) for k, v in self._extra.items() if k not in CONN_FIELDS and not k.startswith("extra__")
+                 and isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+        return (url.set(**{k: v for k, v in fields.items() if v}).update_query_dict(query)
+                .render_as_string(hide_password=False))
 
     def default_pool(self) -> str:
         """The GPU pool of a training that names none: the connection's ``pool`` field, else
