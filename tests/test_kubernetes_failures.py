@@ -76,18 +76,23 @@ def test_an_agent_that_keeps_crashing_fails_the_job_naming_its_last_exit(cluster
     """The agent killed at its memory limit again and again (``CrashLoopBackOff``): the job ended
     LOST with no word of why, and a Pending pod of it kept the job's lease for ``startup_grace_s``.
     After :data:`AGENT_CRASHES` restarts it is the pod's problem; before, the kubelet may mend it."""
+    from datetime import UTC, datetime, timedelta
+
     from airflow_elastic_gpu.backends.kubernetes_pods import AGENT_CRASHES, pod_state
 
     broker, api, backend, job, name = a_running_pod(cluster)
 
-    def agent_crashed(restarts: int) -> None:
+    def agent_crashed(restarts: int, ran_s: float = 5.0) -> None:
+        end = datetime.now(UTC)
         api.pods[name].status = k8s.V1PodStatus(phase=phase, init_container_statuses=[k8s.V1ContainerStatus(
             name="elastic-agent", image="a", image_id="", ready=False, restart_count=restarts,
             state=k8s.V1ContainerState(waiting=k8s.V1ContainerStateWaiting(reason="CrashLoopBackOff")),
             last_state=k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(
-                exit_code=137, reason="OOMKilled")))])
+                exit_code=137, reason="OOMKilled", started_at=end - timedelta(seconds=ran_s), finished_at=end)))])
 
     agent_crashed(AGENT_CRASHES - 1)
+    assert backend.problem(broker.job(job.id)) is None
+    agent_crashed(AGENT_CRASHES + 5, ran_s=3 * 86400)  # killed now and then over days: not a crash loop
     assert backend.problem(broker.job(job.id)) is None
     agent_crashed(AGENT_CRASHES)
     problem = backend.problem(broker.job(job.id))

@@ -171,12 +171,20 @@ restarts a native sidecar that exits (10 s, 20 s, 40 s of back-off), but one tha
 kept the job's lease for ``startup_grace_s``, its reason then blaming scheduling or volumes."""
 
 
+AGENT_CRASH_RUN_S = 600.0
+"""A run of the agent shorter than this (the kubelet's own back-off reset) counts as a crash loop's:
+one killed now and then over days of a job's life has a restart count, but ran for long."""
+
+
 def _crash_looping(cs: Any) -> str | None:
     waiting = cs.state.waiting if cs.state is not None else None
     if (cs.name != "elastic-agent" or waiting is None or waiting.reason != "CrashLoopBackOff"
             or (cs.restart_count or 0) < AGENT_CRASHES):
         return None
     last = cs.last_state.terminated if cs.last_state is not None else None
+    if last is not None and last.started_at and last.finished_at and (
+            last.finished_at - last.started_at).total_seconds() >= AGENT_CRASH_RUN_S:
+        return None  # it ran long before this exit: the kubelet restarts it, as any sidecar
     why = f"{last.reason or 'exited'} (exit code {last.exit_code})" if last is not None else "CrashLoopBackOff"
     return f"{cs.name} container keeps crashing: {why}, restarted {cs.restart_count} times"
 
