@@ -332,5 +332,7 @@ def test_the_jobs_list_comes_in_pages_with_the_total_and_a_link_to_the_next(clie
     assert "active=true" in r.headers["Link"] and "pool=default" in r.headers["Link"]
     r = client.get("/api/v1/jobs", params={"offset": 4})
     assert [j["id"] for j in r.json()] == ids[4:] and "Link" not in r.headers
-    for bad in ({"limit": 0}, {"limit": 10_001}, {"offset": -1}):
+    r = client.get("/api/v1/jobs", params={"order": "desc", "limit": 2})
+    assert [j["id"] for j in r.json()] == ids[:-3:-1] and "order=desc" in r.headers["Link"]
+    for bad in ({"limit": 0}, {"limit": 10_001}, {"offset": -1}, {"order": "newest"}):
         assert client.get("/api/v1/jobs", params=bad).status_code == 422, bad

@@ -310,15 +310,17 @@ def create_app(
     @ui.get("/jobs", response_model=list[JobOut])
     def jobs(request: Request, response: Response, b: BrokerDep, viewer: ViewerDep, pool: str | None = None,
              active: bool = False, limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = JOBS_PAGE,
-             offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0) -> list[JobOut]:
-        """One page of jobs in submit order; ``X-Total-Count`` says how many match, and a ``Link``
+             offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
+             order: Annotated[str, Query(pattern="^(asc|desc)$")] = "asc") -> list[JobOut]:
+        """One page of jobs in submit order (``order=desc``: newest first); ``X-Total-Count`` says how many match, and a ``Link``
         header with ``rel="next"`` gives the next page while there is one (a reference relative to
         this URL, RFC 8288, so that it holds behind a proxy and under Airflow's plugin prefix)."""
         total = b.count_jobs(pool, active_only=active)
         response.headers["X-Total-Count"] = str(total)
         if offset + limit < total:
             response.headers["Link"] = f'<?{request.url.include_query_params(offset=offset + limit).query}>; rel="next"'
-        return [viewer.job(job_out(j)) for j in b.jobs(pool, active_only=active, limit=limit, offset=offset)]
+        return [viewer.job(job_out(j)) for j in b.jobs(pool, active_only=active, limit=limit, offset=offset,
+                                                      newest_first=order == "desc")]
 
     airflow_id = Annotated[str, Query(min_length=1, max_length=250)]
 

@@ -83,11 +83,12 @@ class Queries(Rebalancing):
         return self._read_conn(read)
 
     def jobs(self, pool: str | None = None, *, active_only: bool = False, limit: int | None = None,
-             offset: int = 0) -> list[JobView]:
-        """Jobs (of ``pool``, or all), in submit order: the ``limit`` (all if ``None``) after the
-        first ``offset`` of them."""
+             offset: int = 0, newest_first: bool = False) -> list[JobView]:
+        """Jobs (of ``pool``, or all), in submit order (``newest_first``: the reverse): the ``limit``
+        (all if ``None``) after the first ``offset`` of them."""
         def read(conn: Connection) -> list[JobView]:
-            q = _job_filter(select(*JOB_COLUMNS), pool, active_only).order_by(Job.submit_s, Job.id)
+            order = (Job.submit_s.desc(), Job.id.desc()) if newest_first else (Job.submit_s, Job.id)
+            q = _job_filter(select(*JOB_COLUMNS), pool, active_only).order_by(*order)
             return self._views(conn, conn.execute(q.limit(limit).offset(offset or None)).all())
 
         return self._read_conn(read)

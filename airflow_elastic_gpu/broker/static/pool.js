@@ -137,7 +137,7 @@ function renderJobs(snap) {
   const hidden = isNum(snap.ended_hidden) ? snap.ended_hidden : 0;
   older.hidden = hidden <= 0;
   older.textContent = hidden > 0
-    ? `and ${hidden} older ended job${hidden === 1 ? "" : "s"} (api/v1/jobs, or \`airflow-elastic-gpu jobs\`, lists every one)` : "";
+    ? `and ${hidden} older ended job${hidden === 1 ? "" : "s"} (api/v1/jobs?order=desc pages through every one, as \`airflow-elastic-gpu jobs\` lists them)` : "";
 }
 
 function renderEvents(snap, names) {
