@@ -38,6 +38,19 @@ def test_the_database_clock_reads_the_server_and_advances_on_the_monotonic_clock
     engine.dispose()
 
 
+@pytest.mark.skipif(not hasattr(time, "CLOCK_BOOTTIME"), reason="Linux's CLOCK_BOOTTIME")
+def test_the_database_clock_advances_through_a_suspend_of_the_machine(postgres_url):
+    """Its default monotonic clock counts the time the machine was suspended: on ``time.monotonic``
+    a process resumed after X s stamped heartbeats X s in the past (until its next re-read), and a
+    reaper on a right clock freed the job's GPUs before its launcher had fenced the trainer."""
+    engine = create_broker_engine(postgres_url)
+    clock = DatabaseClock(engine)
+    assert clock._monotonic is clock_module.boot_monotonic
+    assert clock_module.boot_monotonic() == pytest.approx(time.clock_gettime(time.CLOCK_BOOTTIME), abs=0.05)
+    assert abs(clock() - server_now(engine)) < 1.0
+    engine.dispose()
+
+
 def test_the_database_clock_reads_the_server_again_every_resync_period(postgres_url, caplog):
     """Machines' monotonic clocks drift apart (and the server's clock may be stepped): a process
     that read the server once would drift off the others for good; the re-read bounds it."""

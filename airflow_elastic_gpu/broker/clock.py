@@ -7,7 +7,7 @@ ahead of the stamping process's by more than the lease's fence margin (``max(1 s
 launcher has fenced the trainer. On PostgreSQL every process therefore counts on the database
 server's clock: it reads it (``clock_timestamp()``, at the midpoint of the round trip) and
 advances it with its own monotonic clock, which a step of the machine's wall clock (an NTP
-correction, a mis-set clock) does not move; it reads it again every :data:`RESYNC_S`, which bounds
+correction, a mis-set clock) does not move and a suspend of the machine does (``CLOCK_BOOTTIME``); it reads it again every :data:`RESYNC_S`, which bounds
 both the drift of the machines' monotonic clocks (tens of ppm: a second a day) and the
 disagreement a step of the server's own clock leaves between processes that read it before and
 after. SQLite is a local file: its processes share one machine's clock, and the broker uses it.
@@ -36,6 +36,18 @@ RETRY_S = 10.0
 """After a failed re-read (the server unreachable), how long the last reading serves before the next try."""
 
 _SERVER_NOW = text("SELECT extract(epoch FROM clock_timestamp())")
+
+
+def boot_monotonic() -> float:
+    """A monotonic clock that counts the time the machine was suspended (Linux ``CLOCK_BOOTTIME``;
+    elsewhere ``time.monotonic``). ``CLOCK_MONOTONIC`` stands still in a suspend: a process resumed
+    after X seconds stamped heartbeats X seconds in the past until its next re-read, and a reaper
+    with a right clock then freed the job's GPUs before its launcher had fenced the trainer."""
+    return _clock_gettime(_BOOTTIME) if _BOOTTIME is not None else _monotonic()
+
+
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+_clock_gettime, _monotonic = getattr(time, "clock_gettime", None), time.monotonic
 _CLOCKS: weakref.WeakKeyDictionary[Engine, DatabaseClock] = weakref.WeakKeyDictionary()
 
 
@@ -44,7 +56,7 @@ class DatabaseClock:
     ``monotonic`` in between.
 
     :param engine: a PostgreSQL engine.
-    :param monotonic: the local monotonic clock (seconds; default ``time.monotonic``).
+    :param monotonic: the local monotonic clock (seconds; default :func:`boot_monotonic`).
     :param wall: the local wall clock (epoch seconds; default ``time.time``), only to report the
         skew (``skew_s``).
     :param resync_s: how often the server's clock is read again (seconds; default :data:`RESYNC_S`),
@@ -56,7 +68,7 @@ class DatabaseClock:
     def __init__(self, engine: Engine, *, monotonic: Callable[[], float] | None = None,
                  wall: Callable[[], float] | None = None, resync_s: float = RESYNC_S) -> None:
         self._engine = engine
-        self._monotonic = monotonic or time.monotonic
+        self._monotonic = monotonic or boot_monotonic
         self._wall = wall or time.time
         self._resync_s = resync_s
         self._reading = threading.Lock()
