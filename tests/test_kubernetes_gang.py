@@ -183,16 +183,23 @@ def test_a_gang_in_recreate_mode_replaces_every_pod_together(cluster):
     assert dropped not in pods_by_node(api)
 
 
+def an_acked_gang(cluster, mechanism: str = "inplace"):
+    """A gang started, its first generation acked on every node, on an API server where a deleted
+    pod terminates through its grace period: the broker, the API, the backend and the job."""
+    broker, api = cluster
+    api.graceful = True
+    backend = KubernetesBackend(config(resize_mechanism=mechanism), broker, api)
+    job = submit_gang(broker)
+    backend.start(job)
+    ack_all(broker, job.id, 1, NODES)
+    return broker, api, backend, job
+
+
 def test_a_gang_s_new_pod_on_a_node_waits_for_the_old_one_there_to_be_gone(cluster):
     """Recreate mode, on an API server where a deleted pod terminates through its grace period:
     the new generation's pod on a node starts only once the old one there is gone (the new pod's
     ack frees GPUs the old trainer may still use), and the dropped node is acked only then too."""
-    broker, api = cluster
-    api.graceful = True
-    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
-    job = submit_gang(broker)
-    backend.start(job)
-    ack_all(broker, job.id, 1, NODES)
+    broker, api, backend, job = an_acked_gang(cluster, "recreate")
     broker.submit(JobSpec("other", "python train.py", 4, 4, total_steps=100, backend="kubernetes"))
     kept = nodes_of(broker.target(job.id).gpus)
     assert backend.sync(broker.job(job.id)) == "recreate+wait+wait"
@@ -245,12 +252,7 @@ def test_a_pod_of_a_running_gang_left_terminating_on_a_lost_node_fails_the_job(c
     """A node lost (unreachable): its pod is deleted by the node lifecycle controller but stays
     listed, terminating, until the node object goes. The other nodes' agents keep the job's lease,
     so nothing else ends the gang: it hung, every GPU held, its trainers waiting for the lost one."""
-    broker, api = cluster
-    api.graceful = True
-    backend = KubernetesBackend(config(), broker, api)
-    job = submit_gang(broker)
-    backend.start(job)
-    ack_all(broker, job.id, 1, NODES)
+    broker, api, backend, job = an_acked_gang(cluster)
     assert backend.problem(broker.job(job.id)) is None
     api.delete_namespaced_pod(pods_by_node(api)[NODES[1]], "ml")  # never terminated: its kubelet is gone
     problem = backend.problem(broker.job(job.id))
@@ -263,12 +265,7 @@ def test_a_recreate_resize_published_during_a_poll_does_not_fail_the_gang(cluste
     for pods deleted from outside."""
     from airflow_elastic_gpu.triggers.watcher import JobWatcher
 
-    broker, api = cluster
-    api.graceful = True
-    backend = KubernetesBackend(config(resize_mechanism="recreate"), broker, api)
-    job = submit_gang(broker)
-    backend.start(job)
-    ack_all(broker, job.id, 1, NODES)
+    broker, _api, backend, job = an_acked_gang(cluster, "recreate")
     real = broker.maybe_rebalance
 
     def rebalance_with_a_new_job(pool):  # the poll's periodic rebalance: another job came meanwhile
