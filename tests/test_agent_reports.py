@@ -17,7 +17,7 @@ from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.sidecar.agent import Agent, Outcome, classify
 from airflow_elastic_gpu.sidecar.http_transport import BrokerRejected, BrokerUnavailable, JobGone
-from airflow_elastic_gpu.sidecar.logparse import LogParser
+from airflow_elastic_gpu.sidecar.logparse import LogParser, log_excerpt
 from airflow_elastic_gpu.states import Target
 
 
@@ -274,9 +274,9 @@ def test_a_dead_launchers_failure_is_reported_with_a_log_tail_the_broker_takes(t
 
 
 def test_a_log_excerpt_cuts_each_line_and_the_whole():
-    assert protocol.log_excerpt(["a", "b\x00"]) == "a\nb\ufffd"
-    assert protocol.log_excerpt(["x" * 600], line_chars=500) == "x" * 500
-    assert protocol.log_excerpt([str(i) * 100 for i in range(10)], total_chars=250) == \
+    assert log_excerpt(["a", "b\x00"]) == "a\nb\ufffd"
+    assert log_excerpt(["x" * 600], line_chars=500) == "x" * 500
+    assert log_excerpt([str(i) * 100 for i in range(10)], total_chars=250) == \
         ("\n".join(str(i) * 100 for i in range(10)))[-250:]
 
 

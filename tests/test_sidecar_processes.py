@@ -193,6 +193,7 @@ def test_a_launcher_that_dies_of_an_error_kills_its_trainer_first(tmp_path, monk
     write(shared / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
     errors: list[BaseException] = []
     monkeypatch.setattr(signal, "signal", lambda *_a: None)  # run() sets its handlers: the main thread's only
+    monkeypatch.setattr(protocol, "become_subreaper", lambda: False)  # nor make the test process a subreaper
 
     def run() -> None:
         try:

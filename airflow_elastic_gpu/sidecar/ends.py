@@ -16,7 +16,7 @@ from typing import Any
 from airflow_elastic_gpu.sidecar import protocol, stops
 from airflow_elastic_gpu.sidecar.calls import BrokerTransport, Outcome
 from airflow_elastic_gpu.sidecar.gang import Gang
-from airflow_elastic_gpu.sidecar.logparse import LogParser
+from airflow_elastic_gpu.sidecar.logparse import LogParser, log_excerpt
 
 log = logging.getLogger("airflow_elastic_gpu.sidecar.agent")
 FROZEN_LAUNCHER_S = 2.0
@@ -112,7 +112,7 @@ class EndReports:
         return self.parsers[node]
 
     def _with_tail(self, reason: str) -> str:
-        lines = protocol.log_excerpt(self._log_parser().tail)
+        lines = log_excerpt(self._log_parser().tail)
         return f"{reason}. Last log lines:\n{lines}" if lines else reason
 
     def _report_exit(self, code: int | None) -> int:

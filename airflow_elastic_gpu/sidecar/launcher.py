@@ -2,18 +2,15 @@
 
 It is the entry point of the training container (or process, locally), so it
 uses only the standard library; copy ``launcher.py`` and ``protocol.py`` into any
-image. Usage::
-
-    python launcher.py --shared-dir DIR [--checkpoint-dir DIR] [--grace-s 30] -- CMD ...
-
+image. Usage: ``python launcher.py --shared-dir DIR [--checkpoint-dir DIR] [--grace-s 30] -- CMD ...``.
 ``CMD`` is split like a shell would (``shlex``) after ``{num_gpus}`` is replaced by the generation's GPU
 count on this node (and, for a job on several nodes, ``{nnodes}``, ``{node_rank}``, ``{master_addr}`` and
 ``{master_port}``, see :data:`protocol.PLACEHOLDERS`). The trainer gets ``CUDA_VISIBLE_DEVICES``,
 ``ELASTIC_GPU_COUNT``, ``ELASTIC_GENERATION``, ``ELASTIC_NNODES``, ``ELASTIC_NODE_RANK`` and
-``ELASTIC_CHECKPOINT_DIR``; it runs in its own process group so that stopping it (SIGTERM, then SIGKILL
-after ``--grace-s`` seconds) reaches every worker ``torchrun`` started. The launcher exits with the
-trainer's exit code when the trainer ends by itself, 0 after a requested stop, 127 if the command is not
-found, 126 if it cannot be run. A trainer that is one node of a gang (``nnodes`` > 1) and exits non-zero is given ``--peer-wait-s``
+``ELASTIC_CHECKPOINT_DIR``; it runs in its own process group, and the launcher is the subreaper of its
+processes, so that stopping it (SIGTERM, then SIGKILL after ``--grace-s`` seconds) reaches every worker
+``torchrun`` started and every process that left its tree. The launcher exits with the trainer's exit code
+when it ends by itself, 0 after a requested stop, 127 if the command is not found, 126 if it cannot run. A trainer that is one node of a gang (``nnodes`` > 1) and exits non-zero is given ``--peer-wait-s``
 (5 s), or the longer ``peer_wait_s`` of the agent's lease (a gang of pods: 34 s), for the gang's next
 generation or a stop: each node sees a generation at its own poll, and a peer's trainer stopped first breaks
 the others' rendezvous, so that exit is the resize's stop (the trainer restarts on the new generation from
@@ -25,13 +22,14 @@ Fencing: once the agent has written ``lease.json`` (its last confirmed contact w
 process (locally: its pid) has been gone that long; state ``fenced``. It starts no trainer while the lease
 is stale, restarts the fenced one only when the agent, back in contact, writes ``resume`` (the broker still
 runs the job with that generation) or a newer generation, and exits with 75 (``EX_TEMPFAIL``) once its agent
-has been gone for a whole lease after a fence (the broker has declared the job lost by then). A watchdog
-thread SIGKILLs the trainer at ``kill_s`` when the launcher's own loop is blocked (a hung shared directory).
+has been gone for a whole lease after a fence (the job is lost by then). A watchdog thread SIGKILLs the
+trainer at ``kill_s`` when the launcher's own loop is blocked (a hung shared directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -87,6 +85,7 @@ class Launcher:
         self.fenced_s: float | None = None
         self._terminated = threading.Event()
         self.watchdog_killed: subprocess.Popen[bytes] | None = None  # the trainer the watchdog SIGKILLed
+        self.subreaper = False  # every process below this launcher is the trainer's (run(): its subreaper)
 
     # -- files
     def _status(self, state: str, exit_code: int | None = None) -> None:
@@ -197,12 +196,13 @@ class Launcher:
         return proc.returncode
 
     def _kill_workers(self) -> None:
-        """SIGKILL the trainer's recorded workers still alive, wait for them to be gone, forget them. One
-        alive after SIGKILL may hold its GPU: stuck in the kernel (state D: a GPU driver), or still
-        the worker it was (its start time recorded: a process whose threads are still exiting); it is
-        SIGKILLed every second and named in ``train.log`` until gone, nothing reported meanwhile
-        (``docs/fencing.md``). Another alive after 2 s has the pid now (left alone), as does one
-        started at another time than the worker recorded (never signalled)."""
+        """SIGKILL the trainer's workers still alive (the trainer has ended; with the subreaper, all below the
+        launcher), wait for them to be gone, forget them. One alive after SIGKILL may hold its GPU: stuck in the
+        kernel (state D: a GPU driver) or its threads still exiting; it is SIGKILLed every second and named in
+        ``train.log`` until gone, nothing reported meanwhile (``docs/fencing.md``). Another alive after 2 s has the
+        pid now, as does one started at another time than recorded (both left alone)."""
+        if self.subreaper:  # else no root: the ended trainer's pid may be anyone's
+            self._track(None)
         starts = self.starts
         tree = [p for p in self.tree if protocol.same_process(p, starts.get(p))]
         protocol.signal_processes(tree, signal.SIGKILL, starts)
@@ -229,12 +229,16 @@ class Launcher:
                      if (now := protocol.proc_stat(p)) is not None and now[1] == found[p][1]]  # not a new pid holder
         self.tree, self.starts = [], {}
 
-    def _track(self, root: int) -> bool:
-        """Take in the trainer's workers now (:func:`protocol.process_tree` of its process
-        ``root``); True when they changed."""
-        found = protocol.process_tree(root, {p: self.starts.get(p) for p in self.tree})
-        tree = sorted(found)
-        changed, self.tree, self.starts = tree != self.tree, tree, found
+    def _track(self, root: int | None) -> bool:
+        """Take in the processes below the trainer ``root``, or below this launcher as their subreaper (a double
+        fork, a dead parent's worker: :func:`protocol.become_subreaper`); reap adopted ones ended. True on a change."""
+        own = {p.pid for p in (self.proc, self.watchdog_killed) if p is not None}  # trainers: their Popen's
+        found = {p: t for p, t in protocol.process_tree(os.getpid() if self.subreaper else root, {
+            p: self.starts.get(p) for p in self.tree}).items() if p not in own}
+        for pid in [p for p in found if (protocol.proc_stat(p) or ("",))[0] == "Z"]:
+            with contextlib.suppress(ChildProcessError):  # not this launcher's child (yet)
+                os.waitpid(pid, os.WNOHANG)
+        changed, self.tree, self.starts = sorted(found) != self.tree, sorted(found), found
         return changed
 
     def _fence(self, reason: str) -> None:
@@ -260,7 +264,8 @@ class Launcher:
         self._status(protocol.FENCED)
 
     def run(self) -> int:
-        """Run until the trainer exits or is stopped; its exit code (0 when stopped)."""
+        """Run until the trainer exits or is stopped; its exit code (0 when stopped). The process's entry."""
+        self.subreaper = protocol.become_subreaper()
         signal.signal(signal.SIGTERM, lambda *_: self._terminated.set())
         signal.signal(signal.SIGINT, lambda *_: self._terminated.set())
         echo = _Echo(self.dir / protocol.LOG) if self.echo else None
@@ -475,14 +480,11 @@ class _Echo:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for flag, kind, default in (("--checkpoint-dir", Path, None), ("--grace-s", float, 30.0), ("--poll-s", float, 0.2),
+                                ("--peer-wait-s", float, 5.0)):  # --peer-wait-s: see the module docstring
+        parser.add_argument(flag, type=kind, default=default)
     parser.add_argument("--shared-dir", required=True, type=Path)
-    parser.add_argument("--checkpoint-dir", type=Path)
-    parser.add_argument("--grace-s", type=float, default=30.0)
-    parser.add_argument("--poll-s", type=float, default=0.2)
     parser.add_argument("--echo", action="store_true", help="copy the trainer's log to stdout")
-    parser.add_argument("--peer-wait-s", type=float, default=5.0,
-                        help="a gang node's trainer exiting non-zero: how long to wait for the gang's "
-                             "next generation (a peer stopped first) before reporting the exit")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -490,10 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no training command given (put it after --)")
     args.shared_dir.mkdir(parents=True, exist_ok=True)
     cmd = command[0] if len(command) == 1 else shlex.join(command)
-    return Launcher(
-        args.shared_dir, cmd, checkpoint_dir=args.checkpoint_dir,
-        grace_s=args.grace_s, poll_s=args.poll_s, echo=args.echo, peer_wait_s=args.peer_wait_s,
-    ).run()
+    return Launcher(args.shared_dir, cmd, checkpoint_dir=args.checkpoint_dir, grace_s=args.grace_s,
+                    poll_s=args.poll_s, echo=args.echo, peer_wait_s=args.peer_wait_s).run()
 
 
 if __name__ == "__main__":

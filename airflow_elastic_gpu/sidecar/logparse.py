@@ -13,6 +13,7 @@ import logging
 import math
 import re
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,12 @@ def _finite(metrics: Any) -> Any:
     if isinstance(metrics, list):
         return [_finite(v) for v in metrics]
     return metrics
+
+
+def log_excerpt(lines: Iterable[str], *, line_chars: int = 500, total_chars: int = 8000) -> str:
+    """The last log ``lines`` as one text fit for a job's reason: each line cut to its last
+    ``line_chars`` characters (a progress bar redrawn with ``\r`` and no newline is one line of
+    megabytes), NUL characters replaced (no database column takes them), and the whole cut to its
+    last ``total_chars`` characters (the broker's API takes a reason of at most 20,000)."""
+    kept = [line[-line_chars:].replace("\x00", "\ufffd") for line in lines]
+    return "\n".join(kept)[-total_chars:]

@@ -161,15 +161,6 @@ _GENERATION_LINE = re.compile(r"^\[launcher [^\]]*\] generation (\d+): starting"
 _LAUNCHER_LINE = re.compile(r"^\[launcher [^\]]*\] (.*)$")
 
 
-def log_excerpt(lines: Iterable[str], *, line_chars: int = 500, total_chars: int = 8000) -> str:
-    """The last log ``lines`` as one text fit for a job's reason: each line cut to its last
-    ``line_chars`` characters (a progress bar redrawn with ``\r`` and no newline is one line of
-    megabytes), NUL characters replaced (no database column takes them), and the whole cut to its
-    last ``total_chars`` characters (the broker's API takes a reason of at most 20,000)."""
-    kept = [line[-line_chars:].replace("\x00", "\ufffd") for line in lines]
-    return "\n".join(kept)[-total_chars:]
-
-
 def recorded_processes(statuses: Iterable[Mapping[str, Any]]) -> dict[int, int | None]:
     """The trainers and workers that launchers' ``status.json`` files record, pid -> start time
     (:func:`proc_stat`'s; None when not recorded), but none of a launcher whose trainer has
@@ -208,8 +199,7 @@ def launcher_notes(text: str) -> list[str]:
 
 def parse_generation_line(line: str) -> int | None:
     """The generation a :func:`generation_line` marks, or ``None`` for any other line."""
-    m = _GENERATION_LINE.match(line)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if (m := _GENERATION_LINE.match(line)) else None
 
 
 def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
@@ -395,6 +385,16 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
         return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def become_subreaper() -> bool:
+    """Adopt orphans of descendants (Linux ``PR_SET_CHILD_SUBREAPER``): a process leaving the trainer's tree
+    (a double fork, a worker whose parent died) stays below the launcher, not init. False where it cannot."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # 36: PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):  # not Linux
+        return False
 
 
 def process_tree(root: int, known: Mapping[int, int | None]) -> dict[int, int | None]:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from airflow_elastic_gpu.backends.base import Backend, BackendError
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import EventView, JobView
-from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.logparse import log_excerpt
 from airflow_elastic_gpu.states import ENDED_KINDS, PUBLISH_KINDS, EventKind, JobStatus
 
 GONE_POLLS = 3
@@ -153,7 +153,7 @@ class JobWatcher:
             self.log.warning("job %s: %s", job.id, problem.reason)
             self.broker.finish(job.id, 0, problem.finished or None)
             return
-        tail = protocol.log_excerpt(self.backend.log_tail(job.id))
+        tail = log_excerpt(self.backend.log_tail(job.id))
         # a gang: the broken pod's node only, the other nodes' GPUs stay held until their trainers stop
         reason = f"{problem.reason}. Last log lines:\n{tail}" if tail else problem.reason
         self.broker.fail(job.id, reason, node=problem.node, hold=problem.running)
