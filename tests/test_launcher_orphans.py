@@ -61,3 +61,10 @@ def test_a_detached_helper_of_the_trainer_is_stopped_with_it_at_a_resize_and_a_s
             with contextlib.suppress(OSError):
                 if str(trainer).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_a_python_without_ctypes_runs_the_launcher_without_the_subreaper(monkeypatch):
+    """A Python built without libffi (some minimal images) has no ``ctypes``: the launcher died of
+    the import before it wrote a status, and the trainer container crash-looped."""
+    monkeypatch.setitem(sys.modules, "ctypes", None)
+    assert protocol.become_subreaper() is False

@@ -232,7 +232,7 @@ class Launcher:
     def _track(self, root: int | None) -> bool:
         """Take in the processes below the trainer ``root``, or below this launcher as their subreaper (a double
         fork, a dead parent's worker: :func:`protocol.become_subreaper`); reap adopted ones ended. True on a change."""
-        own = {p.pid for p in (self.proc, self.watchdog_killed) if p is not None}  # trainers: their Popen's
+        own = {p.pid for p in (self.proc, self.watchdog_killed) if p is not None and p.returncode is None}  # Popen's
         found = {p: t for p, t in protocol.process_tree(os.getpid() if self.subreaper else root, {
             p: self.starts.get(p) for p in self.tree}).items() if p not in own}
         for pid in [p for p in found if (protocol.proc_stat(p) or ("",))[0] == "Z"]:
@@ -265,7 +265,7 @@ class Launcher:
 
     def run(self) -> int:
         """Run until the trainer exits or is stopped; its exit code (0 when stopped). The process's entry."""
-        self.subreaper = protocol.become_subreaper()
+        self.subreaper = protocol.become_subreaper() or os.getpid() == 1  # PID 1 (a pod's) adopts them anyway
         signal.signal(signal.SIGTERM, lambda *_: self._terminated.set())
         signal.signal(signal.SIGINT, lambda *_: self._terminated.set())
         echo = _Echo(self.dir / protocol.LOG) if self.echo else None

@@ -393,7 +393,7 @@ def become_subreaper() -> bool:
     try:
         import ctypes
         return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # 36: PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):  # not Linux
+    except (ImportError, OSError, AttributeError):  # not Linux, or a Python built without ctypes
         return False
 
 
