@@ -100,27 +100,21 @@ class Queries(Rebalancing):
 
     def job_names(self, job_ids: Sequence[str]) -> dict[str, str]:
         """Job id -> name of those of ``job_ids`` the broker has (one light query, for labels)."""
-        ids = sorted(set(job_ids))
-
-        def read(conn: Connection) -> dict[str, str]:
-            found: dict[str, str] = {}
-            for i in range(0, len(ids), 500):  # a bounded IN list per query
-                rows = conn.execute(select(Job.id, Job.name).where(Job.id.in_(ids[i:i + 500])))
-                found.update((r.id, r.name) for r in rows)
-            return found
-
-        return self._read_conn(read)
+        return {i: r.name for i, r in self._rows_by_id(job_ids, Job.name).items()}
 
     def job_keys(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
         """Job id -> (key, family) of those of ``job_ids`` the broker has (for what a viewer of the
         read-only views may read of them: :mod:`.api_access`)."""
+        return {i: (r.key, r.family) for i, r in self._rows_by_id(job_ids, Job.key, Job.family).items()}
+
+    def _rows_by_id(self, job_ids: Sequence[str], *columns: Any) -> dict[str, Row[Any]]:
+        """Job id -> the row of ``columns`` (and the id) of those of ``job_ids`` the broker has."""
         ids = sorted(set(job_ids))
 
-        def read(conn: Connection) -> dict[str, tuple[str, str | None]]:
-            found: dict[str, tuple[str, str | None]] = {}
+        def read(conn: Connection) -> dict[str, Row[Any]]:
+            found: dict[str, Row[Any]] = {}
             for i in range(0, len(ids), 500):  # a bounded IN list per query
-                rows = conn.execute(select(Job.id, Job.key, Job.family).where(Job.id.in_(ids[i:i + 500])))
-                found.update((r.id, (r.key, r.family)) for r in rows)
+                found.update((r.id, r) for r in conn.execute(select(Job.id, *columns).where(Job.id.in_(ids[i:i + 500]))))
             return found
 
         return self._read_conn(read)
