@@ -15,6 +15,11 @@ from kubernetes.client import models as k8s
 from airflow_elastic_gpu.backends.kubernetes_config import LABEL_GENERATION
 
 
+def _named(node: str) -> k8s.V1NodeSelectorRequirement:
+    """The requirement of a node selector term that selects ``node`` by its name."""
+    return k8s.V1NodeSelectorRequirement(key="metadata.name", operator="In", values=[node])
+
+
 def pin_to(node: str) -> k8s.V1Affinity:
     """The affinity that puts a pod on ``node`` through the scheduler (as DaemonSets' pods are put):
     a required node affinity on the node's name (``matchFields`` ``metadata.name``). Not
@@ -23,28 +28,24 @@ def pin_to(node: str) -> k8s.V1Affinity:
     pod the node has no CPU or memory for fails (``OutOfcpu``) instead of waiting."""
     return k8s.V1Affinity(node_affinity=k8s.V1NodeAffinity(
         required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(node_selector_terms=[
-            k8s.V1NodeSelectorTerm(match_fields=[k8s.V1NodeSelectorRequirement(
-                key="metadata.name", operator="In", values=[node])])])))
+            k8s.V1NodeSelectorTerm(match_fields=[_named(node)])])))
 
 
 def pin_within(affinity: Any | None, node: str) -> k8s.V1Affinity:
     """A pod template's ``affinity`` (``V1Affinity`` or None) pinned to ``node`` as :func:`pin_to`
     pins: the node's name is added to each of its required node selector terms (terms are ORed,
     a term's requirements ANDed), and its preferences, pod affinity and anti-affinity are kept."""
-    pinned = pin_to(node)
     if affinity is None:
-        return pinned
+        return pin_to(node)
     out = copy.deepcopy(affinity)
-    node_affinity = out.node_affinity or k8s.V1NodeAffinity()
-    required = node_affinity.required_during_scheduling_ignored_during_execution
+    required = out.node_affinity.required_during_scheduling_ignored_during_execution if out.node_affinity else None
     if required is None or not required.node_selector_terms:
-        node_affinity.required_during_scheduling_ignored_during_execution = \
-            pinned.node_affinity.required_during_scheduling_ignored_during_execution
+        out.node_affinity = out.node_affinity or k8s.V1NodeAffinity()
+        out.node_affinity.required_during_scheduling_ignored_during_execution = \
+            pin_to(node).node_affinity.required_during_scheduling_ignored_during_execution
     else:
-        (name,) = pinned.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms[0].match_fields
         for term in required.node_selector_terms:
-            term.match_fields = [*(term.match_fields or []), name]
-    out.node_affinity = node_affinity
+            term.match_fields = [*(term.match_fields or []), _named(node)]
     return out
 
 
