@@ -450,7 +450,7 @@ class LocalBackend:
             return
         for d in {h.job_dir, *h.launcher_dirs()}:
             stops.request_stop(d, "the job was stopped by its backend")
-        if started_elsewhere(h.to_ref()):  # a work directory shared with its host: its launchers stop it
+        if h.elsewhere:  # a work directory shared with its host: its launchers stop it
             return
         deadline = time.monotonic() + (self.grace_s + 10 if timeout_s is None else timeout_s)
         while time.monotonic() < deadline and any(h.owns(p) for p in h.launcher_pids):

@@ -56,6 +56,11 @@ def started_elsewhere(backend_ref: str | None) -> str | None:
         host = json.loads(backend_ref or "{}").get("host")
     except (ValueError, AttributeError):
         return None
+    return _other_host(host)
+
+
+def _other_host(host: object) -> str | None:
+    """``host`` (a recorded :func:`host_id`) when it is one and not this one, else None."""
     return host if isinstance(host, str) and host != host_id() else None
 
 
@@ -158,6 +163,11 @@ class LocalHandle:
     boot: str | None = None
     starts: tuple[tuple[int, int], ...] = ()
     host: str | None = None
+
+    @property
+    def elsewhere(self) -> str | None:
+        """The host they were started on when it is not this one (:func:`started_elsewhere`)."""
+        return _other_host(self.host)
 
     @property
     def launcher_pids(self) -> list[int]:
