@@ -275,12 +275,19 @@ def _gpus(broker: GpuBroker):
     return [g for node in broker.snapshot().nodes for g in node.gpus]
 
 
-def test_an_env_rendered_to_a_non_string_is_refused_before_the_job_is_submitted(worker_env):
+def test_a_template_rendered_to_a_bad_value_fails_the_task_before_the_job_is_submitted(worker_env):
     broker, _, trainer = worker_env
     op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 3", total_steps=3,
                                  virtual_gpus=2, env={"EPOCHS": "{{ params.epochs }}"})
     op.env = {"EPOCHS": 3}  # what render_template_as_native_obj=True makes of the template
-    with pytest.raises(AirflowException, match=r"train: env\['EPOCHS'\] must be a string"):
+    # a retry renders the same value: failed at once, not retried
+    with pytest.raises(AirflowFailException, match=r"train: env\['EPOCHS'\] must be a string"):
+        op.execute({"ti": _FakeTI()})
+    op.env, op.command, op.max_gpus = {}, "   ", 2  # a template rendered to nothing; a mapped max_gpus < min
+    with pytest.raises(AirflowFailException, match=r"train: command must not be empty"):
+        op.execute({"ti": _FakeTI()})
+    op.command, op.min_gpus = f"{sys.executable} {trainer} x 3", 3
+    with pytest.raises(AirflowFailException, match=r"train: .*max_gpus"):
         op.execute({"ti": _FakeTI()})
     assert broker.jobs() == []
 

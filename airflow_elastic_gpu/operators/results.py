@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from airflow_elastic_gpu.broker.types import JobView
@@ -24,3 +26,13 @@ def asset_metadata(job: JobView) -> dict[str, Any]:
     out = {k: v for k, v in metrics(job).items() if isinstance(v, (str, int, float, bool)) or v is None}
     return {**out, "gpu_hours": job.gpu_seconds / 3600.0, "name": job.name, "pool": job.pool,
             "checkpoint_dir": job.checkpoint_dir}
+
+
+def annotate_outlets(assets: Sequence[Any], job: JobView, context: Any, log: logging.Logger) -> None:
+    """Put :func:`asset_metadata` into the event of each of ``assets`` (the task's outlet assets; Airflow
+    emits the events when the task succeeds); nothing without ``context["outlet_events"]``."""
+    events = context.get("outlet_events") if hasattr(context, "get") else None
+    for asset in assets if events is not None else ():
+        extra = asset_metadata(job)
+        events[asset].extra.update(extra)
+        log.info("asset %s: %s", asset.uri, extra)

@@ -323,9 +323,7 @@ class ElasticTrainingOperator(BaseOperator):
     def _execute(self, context: Any, started_s: float) -> dict[str, Any] | None:
         ti = context["ti"]
         labels = self.task_labels(context)
-        try:
-            broker = self.hook.broker
-            backend = self._make_backend()
+        try:  # the rendered template fields: a retry renders the same values, so it is not retried
             spec = JobSpec(
                 name=self.job_name or (self.task_id if ti.map_index < 0 else f"{self.task_id}[{ti.map_index}]"),
                 command=self.command, min_gpus=self.min_gpus, max_gpus=self.max_gpus,
@@ -336,7 +334,12 @@ class ElasticTrainingOperator(BaseOperator):
                 family=task_family(ti.dag_id, ti.task_id), attempt=self._attempt, max_tries=max_tries_of(ti),
                 clear_number=clear_number_of(context),
             )
-            job = submit_and_start(broker, backend, spec, env=self.env, labels=labels, log=self.log,
+            env = check_env(self.env)
+        except (BrokerError, BackendError) as exc:
+            raise AirflowFailException(f"{self.task_id}: {exc}") from None
+        try:
+            broker, backend = self.hook.broker, self._make_backend()
+            job = submit_and_start(broker, backend, spec, env=env, labels=labels, log=self.log,
                                    on_submitted=lambda submitted: setattr(self, "_job_id", submitted.id)).job
         except (BrokerError, BackendError) as exc:  # a refusal too: a pool's size changes (a drain ends)
             raise AirflowException(f"{self.task_id}: {exc}") from None
@@ -461,18 +464,8 @@ class ElasticTrainingOperator(BaseOperator):
         self.log.info("job %s succeeded: %s", job.id, result)
         if warning := job.progress_warning():
             self.log.warning("%s", warning)
-        self._annotate_outlets(job, context)
+        results.annotate_outlets([o for o in (self.outlets or []) if isinstance(o, Asset)], job, context, self.log)
         return result
-
-    def _annotate_outlets(self, job: JobView, context: Any) -> None:
-        """Put :meth:`asset_metadata` into the event of each outlet asset (Airflow emits the events
-        when the task succeeds)."""
-        assets = [o for o in (self.outlets or []) if isinstance(o, Asset)]
-        events = context.get("outlet_events") if hasattr(context, "get") else None
-        extra = self.asset_metadata(job) if assets and events is not None else {}
-        for asset in assets if extra else ():
-            events[asset].extra.update(extra)
-            self.log.info("asset %s: %s", asset.uri, extra)
 
     metrics = staticmethod(results.metrics)
     asset_metadata = staticmethod(results.asset_metadata)
