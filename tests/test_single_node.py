@@ -61,3 +61,26 @@ def test_a_job_is_not_spread_over_gpus_that_other_jobs_still_drain(broker, clock
     clock.advance(1)
     broker.rebalance()
     assert len(nodes_of(broker, x.id)) == 1
+
+
+def test_placeholders_in_another_case_do_not_make_a_command_a_gangs(broker_url, clock):
+    """SQLite's LIKE ignores ASCII case: ``{NNODES}`` counted as ``{nnodes}``, and the rebalance
+    could spread a command the launcher cannot shape for several nodes over them."""
+    from sqlalchemy import select
+
+    from airflow_elastic_gpu.broker.models import Job
+    from airflow_elastic_gpu.broker.rebalance import _MULTI_NODE
+
+    b = GpuBroker(broker_url, clock=clock)
+    try:
+        b.register_node("n0", 4)
+        gang = "torchrun --nnodes={nnodes} --node_rank={node_rank} --rdzv_endpoint={master_addr}:{master_port}"
+        names = {"upper": gang.upper(), "gang": gang, "one-missing": gang.replace("{node_rank}", "0"),
+                 "like-wildcards": "torchrun --nnodes=_nnodes% --node_rank=_node_rank% %master_addr%:%master_port%"}
+        for name, command in names.items():
+            b.submit(JobSpec(name, command, 1, 4, total_steps=10, backend="local"))
+        with b.engine.connect() as db:
+            multi = dict(db.execute(select(Job.name, _MULTI_NODE)).all())
+        assert multi == {"upper": False, "gang": True, "one-missing": False, "like-wildcards": False}
+    finally:
+        b.engine.dispose()

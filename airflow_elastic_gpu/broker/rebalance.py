@@ -74,6 +74,7 @@ from airflow_elastic_gpu.broker.rows import (
     Executor,
     book_of,
     by_type_of,
+    holds,
     read_pool,
     request_rebalance,
     throughput_of,
@@ -95,7 +96,7 @@ _SERVED = delete(RebalanceRequest).where(RebalanceRequest.pool == bindparam("poo
 # whether a job may run on several nodes: its command uses every gang placeholder (the simulator's
 # jobs may, as submit lets them)
 _MULTI_NODE = or_(Job.backend == "simulated",
-                  and_(*(Job.command.contains(p, autoescape=True) for p in GANG_PLACEHOLDERS))).label("multi_node")
+                  and_(*(holds(Job.command, p) for p in GANG_PLACEHOLDERS))).label("multi_node")
 _ACTIVE_JOBS = (select(*BOOK_COLUMNS, _MULTI_NODE).where(Job.pool == bindparam("pool"), UNFINISHED)
                 .order_by(Job.submit_s, Job.id))
 _FINISHED_MEASURED = (Job.pool == bindparam("pool"), Job.status == literal_column(f"'{JobStatus.SUCCEEDED.value}'"),

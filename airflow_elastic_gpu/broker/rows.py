@@ -11,7 +11,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import (
+    ColumnElement,
     Connection,
+    Integer,
     Row,
     bindparam,
     case,
@@ -23,7 +25,9 @@ from sqlalchemy import (
     union_all,
     update,
 )
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.functions import FunctionElement
 
 from airflow_elastic_gpu.broker.models import (
     Event,
@@ -69,6 +73,30 @@ is compiled once (a bound list is expanded on every execution)."""
 
 _UNMEASURED = ThroughputModel()  # immutable: shared by every job not measured yet (most queued jobs)
 
+
+class _Position(FunctionElement[int]):
+    """``position(needle, haystack)``: the 1-based place of ``needle`` in ``haystack``, 0 when absent."""
+
+    type = Integer()
+    inherit_cache = True
+
+
+@compiles(_Position)
+def _instr(element: _Position, compiler: Any, **kw: Any) -> str:  # SQLite: instr(haystack, needle)
+    needle, haystack = element.clauses
+    return f"instr({compiler.process(haystack, **kw)}, {compiler.process(needle, **kw)})"
+
+
+@compiles(_Position, "postgresql")
+def _strpos(element: _Position, compiler: Any, **kw: Any) -> str:
+    needle, haystack = element.clauses
+    return f"strpos({compiler.process(haystack, **kw)}, {compiler.process(needle, **kw)})"
+
+
+def holds(column: Any, text: str) -> ColumnElement[bool]:
+    """``column`` holds ``text``, case-sensitively on every database: SQLite's ``LIKE`` (thus
+    SQLAlchemy's ``contains``) ignores ASCII case, so ``{NNODES}`` matched ``{nnodes}``."""
+    return _Position(literal(text), column) > 0
 
 def _model(observed: Iterable[Any]) -> ThroughputModel:
     return ThroughputModel(tuple((int(n), float(t)) for n, t in observed)) if observed else _UNMEASURED
