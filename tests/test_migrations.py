@@ -4,7 +4,7 @@ deployment goes through the same steps)."""
 
 import pytest
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect, text
+from sqlalchemy import create_engine, inspect, text
 
 from airflow_elastic_gpu.broker.db import _alembic_config, run_migration, schema_is_current
 from airflow_elastic_gpu.broker.service import GpuBroker
@@ -57,7 +57,8 @@ def test_the_family_column_is_filled_from_the_names_of_existing_jobs(broker):
     broker.register_node("n0", 1)
     for key, name in (("a", "sweep[3]"), ("b", "train"), ("c", "odd[name]"), ("d", "[3]"),
                       ("nightly/train/scheduled__2026-11-24T00:00:00+00:00/-1", "train"),
-                      ("nightly/sweep/manual__1/2@8f3c", "sweep[2]")):
+                      ("nightly/sweep/manual__1/2@8f3c", "sweep[2]"),
+                      ("prod/nightly/eval/scheduled__2026-11-24T00:00:00+00:00/-1", "eval")):
         broker.submit(JobSpec(name=name, command="python train.py", key=key, total_steps=10))
     run_migration(broker.engine, "downgrade", "0009")
     run_migration(broker.engine, "upgrade", "head")
@@ -66,7 +67,9 @@ def test_the_family_column_is_filled_from_the_names_of_existing_jobs(broker):
     assert families == {"a": "sweep", "b": "train", "c": "odd[name]", "d": "[3]",  # as JobSpec sets them
                         # the operator's jobs: dag_id.task_id, as the operator now sets it
                         "nightly/train/scheduled__2026-11-24T00:00:00+00:00/-1": "nightly.train",
-                        "nightly/sweep/manual__1/2@8f3c": "nightly.sweep"}
+                        "nightly/sweep/manual__1/2@8f3c": "nightly.sweep",
+                        # with a deployment (a database taken below 0010 and back): not "prod.nightly"
+                        "prod/nightly/eval/scheduled__2026-11-24T00:00:00+00:00/-1": "nightly.eval"}
 
 
 def _previous(revision: str) -> str:
@@ -90,6 +93,37 @@ def test_event_and_sample_ids_are_64_bit_on_postgresql(broker, clock):
     assert broker.events(after_id=2**31 + 5)[-1].id > 2**31
     with broker.engine.connect() as conn:
         assert conn.execute(text("SELECT max(id) FROM progress_sample")).scalar() > 2**31
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("broker_url", ["postgresql"], indirect=True)
+def test_a_rebalance_watermark_past_2_31_goes_down_below_its_64_bit_revision_and_back(broker):
+    """0008's downgrade made the watermark a 32-bit integer before zeroing it: out of range."""
+    broker.register_node("n0", 1)
+    with broker.engine.begin() as conn:
+        conn.execute(text("UPDATE gpu_pool SET served_request_id = 3000000000"))
+    run_migration(broker.engine, "downgrade", "0007")
+    run_migration(broker.engine, "upgrade", "head")
+    job = broker.submit(JobSpec(name="train", command="python train.py", key="a", total_steps=10))
+    broker.rebalance()
+    assert broker.job(job.id).target_gpus
+
+
+def test_a_database_at_a_revision_this_version_does_not_know_is_refused_with_what_to_do(broker_url, clock):
+    """A newer version's schema (or another application's Alembic table, e.g. Airflow's metadata
+    database): Alembic's own error named only the revision, and a worker could not tell why."""
+    GpuBroker(broker_url, clock=clock).engine.dispose()
+    engine = create_engine(broker_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = '0099'"))
+        with pytest.raises(RuntimeError, match=r"at schema revision '0099', which this version of "
+                                               r"airflow-elastic-gpu does not know: a newer version"):
+            GpuBroker(broker_url, clock=clock)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0099"
+    finally:
+        engine.dispose()
 
 
 def test_a_sqlite_migration_that_would_leave_a_dangling_reference_is_refused_and_rolled_back(tmp_path, clock):

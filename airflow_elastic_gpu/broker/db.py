@@ -213,7 +213,8 @@ def run_migration(engine: Engine, direction: str, revision: str) -> None:
     advises, enforcement is off during the migration (the pragma works only outside a transaction)
     and ``PRAGMA foreign_key_check`` must find no dangling reference before the commit.
 
-    :raises RuntimeError: a migration left rows that refer to missing ones (SQLite).
+    :raises RuntimeError: a migration left rows that refer to missing ones (SQLite), or the
+        database is at a revision this version does not know (:func:`_check_known`).
     """
     cfg = _alembic_config()
     step = {"upgrade": command.upgrade, "downgrade": command.downgrade}[direction]
@@ -230,6 +231,7 @@ def run_migration(engine: Engine, direction: str, revision: str) -> None:
                 current = MigrationContext.configure(conn).get_current_revision()
                 if direction == "upgrade" and current == revision:
                     return
+                _check_known(cfg, current, engine)
                 cfg.attributes["connection"] = conn
                 step(cfg, revision)
                 if sqlite and (dangling := conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()):
@@ -238,3 +240,16 @@ def run_migration(engine: Engine, direction: str, revision: str) -> None:
         finally:
             if pragma:
                 pragma("PRAGMA foreign_keys=ON")
+
+
+def _check_known(cfg: Config, current: str | None, engine: Engine) -> None:
+    """:raises RuntimeError: ``current`` (the database's Alembic revision) is none of this version's:
+    a newer version of the broker migrated it, or it is another application's database (Airflow's
+    metadata database has an ``alembic_version`` table too). Nothing is changed then."""
+    if current is None or current in {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}:
+        return
+    raise RuntimeError(
+        f"the broker database {engine.url.render_as_string(hide_password=True)} is at schema revision "
+        f"{current!r}, which this version of airflow-elastic-gpu does not know: a newer version migrated it "
+        "(install that version here too), or it is not a broker database (e.g. Airflow's metadata database: "
+        "give the broker a database of its own); nothing was changed")

@@ -50,5 +50,5 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("rebalance_request")
     _requests_table(sa.Integer())
+    op.execute("UPDATE gpu_pool SET served_request_id = 0")  # first: a watermark past 2^31 fits no integer
     _watermark_type(sa.Integer(), sa.BigInteger())
-    op.execute("UPDATE gpu_pool SET served_request_id = 0")

@@ -25,8 +25,10 @@ branch_labels = None
 depends_on = None
 
 _MAP_INDEX = re.compile(r"\[\d+\]$")
-# the operator's key: dag_id/task_id/run_id/map_index, "@<job id>" added when the job ended
-_OPERATOR_KEY = re.compile(r"^([^/]+)/([^/]+)/.+/-?\d+(@[^/]*)?$")
+# the operator's key: [deployment/]dag_id/task_id/run_id/map_index, "@<job id>" added when the job
+# ended (the deployment came after this revision: met when a database is downgraded past it and back;
+# no part holds a "/")
+_OPERATOR_KEY = re.compile(r"^(?:[^/]+/)?([^/]+)/([^/]+)/[^/]+/-?\d+(@[^/]*)?$")
 
 
 def family_of(name: str, key: str) -> str:
