@@ -32,6 +32,7 @@ load their assets from a CDN, are off unless asked for (``api_docs=True``).
 import hmac
 import ipaddress
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -81,7 +82,9 @@ API_PREFIX = "/api/v1"
 ABOUT_THE_JOB = {JOB_ANSWER_HEADER: "1"}  # an answer about the resource asked for, not an unknown path
 STATIC = Path(__file__).with_name("static")
 JOBS_PAGE = 1000  # jobs per answer of ``/api/v1/jobs`` unless ``limit`` asks for another page size
-MAX_JOBS_PAGE = 10_000  # at most (about 2 KiB of JSON each: a broker's whole history made answers of 100s of MB)
+# at most: a job's JSON is about 2 KiB, but up to 36 KiB with the longest reason and metrics (a broker's
+# whole history made answers of 100s of MB)
+MAX_JOBS_PAGE = 1000
 bearer = HTTPBearer(auto_error=False)
 
 
@@ -162,7 +165,18 @@ def create_app(
         return made[0]
 
     BrokerDep = Annotated[GpuBroker, Depends(get_broker)]
-    ViewerDep = Annotated[Viewer, Depends(ui_viewer or reads_all)]
+
+    def viewer_of(viewer: Annotated[Viewer, Depends(ui_viewer or reads_all)]) -> Viewer:
+        """The request's viewer; one limited to some DAGs reads those of this server's deployment (a
+        broker that deployments share has another deployment's DAG of the same id: another DAG)."""
+        if viewer.dag_ids is None:
+            return viewer
+        try:
+            return replace(viewer, deployment=own_deployment())
+        except ValueError as exc:  # this server's configuration: no request mends it
+            raise HTTPException(500, f"this server's {exc}") from None
+
+    ViewerDep = Annotated[Viewer, Depends(viewer_of)]
     timelines: dict[str, tuple[int, TimelineOut]] = {}  # pool -> (its newest event's id, its timeline then)
 
     def hidden_jobs(b: GpuBroker, viewer: Viewer, job_ids: Iterable[str | None],
@@ -174,13 +188,14 @@ def create_app(
         keys.update(b.job_keys([i for i in set(job_ids) if i is not None and i not in keys]))
         return {i for i, (key, family) in keys.items() if viewer.hides(key, family)}
 
-    def job_auth(job_id: str, b: BrokerDep,
+    def job_auth(job_id: str,
                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
         if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token: send the job's API token",
                                 headers={"WWW-Authenticate": "Bearer", **ABOUT_THE_JOB})
+        # the broker (its database) only then: a request without a token is refused whatever its state;
         # no job has a NUL in its id, and PostgreSQL refuses one in text (a 500 before any token check)
-        if "\x00" in job_id or not b.verify_token(job_id, credentials.credentials):
+        if "\x00" in job_id or not get_broker().verify_token(job_id, credentials.credentials):
             raise HTTPException(status.HTTP_403_FORBIDDEN, f"the token is not valid for job {job_id!r}",
                                 headers=ABOUT_THE_JOB)
         return job_id
@@ -209,7 +224,10 @@ def create_app(
                        request: Request) -> None:
         if not expected_ui_token:
             return
-        given = credentials.credentials if credentials else request.query_params.get("token", "")
+        # ?token= opens the page only (its address, which it sends on as a header): in the views' URLs,
+        # and the next-page links that repeat them, it would reach proxies' and servers' logs
+        page = getattr(request.scope.get("route"), "path", None) == "/ui"
+        given = credentials.credentials if credentials else request.query_params.get("token", "") if page else ""
         if not hmac.compare_digest(given.encode(), expected_ui_token.encode()):
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "this view needs the UI token",
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -283,7 +301,7 @@ def create_app(
 
     @ui.get("/pools/{pool}/snapshot", response_model=SnapshotOut)
     def snapshot(pool: str, b: BrokerDep, viewer: ViewerDep, events: Annotated[int, Query(ge=0, le=10_000)] = 50,
-                 ended: Annotated[int, Query(ge=0, le=10_000)] = 100) -> SnapshotOut:
+                 ended: Annotated[int, Query(ge=0, le=MAX_JOBS_PAGE)] = 100) -> SnapshotOut:
         if pool not in b.pools():
             raise NotFound(f"unknown GPU pool {pool!r}")
         snap = snapshot_out(b.snapshot(pool, events=events, ended=ended))

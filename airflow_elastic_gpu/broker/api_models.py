@@ -56,7 +56,9 @@ def check_metrics(metrics: dict[str, Any] | None, max_bytes: int = MAX_METRICS_B
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON true is no step, generation or exit code, nor "7" a number (pydantic's lax mode
+    # read them as 1 and 7); an integer is still a float's value
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ProgressIn(_Strict):
@@ -100,7 +102,7 @@ class FinishIn(_EndReport):
 
 
 class FailIn(_EndReport):
-    reason: str = Field(min_length=1, max_length=20_000, description="why the job cannot go on")
+    reason: str = Field(min_length=1, max_length=20_000, pattern=r"\S", description="why the job cannot go on")
     exit_code: int | None = Field(default=None, ge=-255, le=255)
 
 

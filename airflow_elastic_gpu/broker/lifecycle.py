@@ -365,7 +365,7 @@ class Lifecycle(Endings):
         (default: the acked one); see :func:`~airflow_elastic_gpu.scheduling.core.record_progress`.
         Samples for a finished job, or an older generation, are ignored.
 
-        :raises InvalidRequest: negative or non-finite step.
+        :raises InvalidRequest: negative or non-finite step, or a generation not published yet.
         :raises NotFound: unknown job.
         """
         if isinstance(step, bool) or not (isinstance(step, (int, float)) and step >= 0 and step != float("inf")):
@@ -381,6 +381,9 @@ class Lifecycle(Endings):
                 if JobStatus(job.status) in TERMINAL:
                     return
                 gen = job.acked_generation if generation is None else generation
+                if gen > job.target_generation:  # its sample would pair with the real generation's first
+                    raise InvalidRequest(f"generation {gen} of job {job_id} has not been published "
+                                         f"(its latest is {job.target_generation})")
                 if not reported:
                     reported.append(self.clock() if time_s is None else time_s)
                 now = reported[0]
