@@ -341,3 +341,25 @@ def test_the_jobs_list_comes_in_pages_with_the_total_and_a_link_to_the_next(clie
         assert client.get("/api/v1/jobs", params=bad).status_code == 422, bad
     # up to 36 KiB of JSON a job: at most 1,000 a page, the snapshot's ended ones too
     assert client.get("/api/v1/pools/default/snapshot", params={"ended": 1001}).status_code == 422
+
+
+def test_a_job_that_ends_between_two_pages_of_active_jobs_moves_no_other_out_of_them(client, broker, clock):
+    """With offset paging, a job of the first page that ended shifted the next page by one: its first
+    job was on neither page. The next page is the jobs after the last one shown (either order)."""
+    from urllib.parse import urljoin
+
+    ids = []
+    for i in range(5):
+        ids.append(broker.submit(JobSpec(f"j{i}", "j", 1, 1, total_steps=10)).id)
+        clock.advance(1)
+    # ascending: j0 ends after the first page; descending (j0 ended): j4 ends after the first page
+    for order, pages in (("asc", ids[:4]), ("desc", [ids[4], ids[3], ids[2], ids[1]])):
+        url = f"/api/v1/jobs?active=true&limit=2&order={order}"
+        first = client.get(url)
+        broker.cancel(first.json()[0]["id"])  # ends while the client reads the first page
+        link = first.headers["Link"]
+        assert "offset" not in link and f"after={first.json()[-1]['id']}" in link
+        second = client.get(urljoin(url, link[1:link.index(">")]))
+        assert [j["id"] for j in first.json() + second.json()] == pages, order
+    r = client.get("/api/v1/jobs", params={"after": "no-such-job"})
+    assert r.status_code == 404 and "no-such-job" in r.text

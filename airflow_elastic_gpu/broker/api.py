@@ -329,16 +329,22 @@ def create_app(
     def jobs(request: Request, response: Response, b: BrokerDep, viewer: ViewerDep, pool: str | None = None,
              active: bool = False, limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE)] = JOBS_PAGE,
              offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
+             after: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
              order: Annotated[str, Query(pattern="^(asc|desc)$")] = "asc") -> list[JobOut]:
-        """One page of jobs in submit order (``order=desc``: newest first); ``X-Total-Count`` says how many match, and a ``Link``
-        header with ``rel="next"`` gives the next page while there is one (a reference relative to
-        this URL, RFC 8288, so that it holds behind a proxy and under Airflow's plugin prefix)."""
-        total = b.count_jobs(pool, active_only=active)
-        response.headers["X-Total-Count"] = str(total)
-        if offset + limit < total:
-            response.headers["Link"] = f'<?{request.url.include_query_params(offset=offset + limit).query}>; rel="next"'
-        return [viewer.job(job_out(j)) for j in b.jobs(pool, active_only=active, limit=limit, offset=offset,
-                                                      newest_first=order == "desc")]
+        """One page of jobs in submit order (``order=desc``: newest first), after the first ``offset``
+        and after job ``after``; ``X-Total-Count`` says how many match (``after`` aside), and a ``Link``
+        header with ``rel="next"`` gives the next page while there is one: the jobs after this page's
+        last (a job that ends or is removed meanwhile moves no other out of the next page, as it
+        would with an offset), a reference relative to this URL (RFC 8288, so that it holds behind a
+        proxy and under Airflow's plugin prefix)."""
+        response.headers["X-Total-Count"] = str(b.count_jobs(pool, active_only=active))
+        page = b.jobs(pool, active_only=active, limit=limit + 1, offset=offset, newest_first=order == "desc",
+                      after=after)
+        if len(page) > limit:
+            page = page[:limit]
+            url = request.url.remove_query_params("offset").include_query_params(after=page[-1].id)
+            response.headers["Link"] = f'<?{url.query}>; rel="next"'
+        return [viewer.job(job_out(j)) for j in page]
 
     airflow_id = Annotated[str, Query(min_length=1, max_length=250)]
 

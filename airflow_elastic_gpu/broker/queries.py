@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, Select, func, select
+from sqlalchemy import Connection, Row, Select, func, select, tuple_
 from sqlalchemy.orm import Session, selectinload
 
 from airflow_elastic_gpu.broker.models import (
@@ -83,12 +83,23 @@ class Queries(Rebalancing):
         return self._read_conn(read)
 
     def jobs(self, pool: str | None = None, *, active_only: bool = False, limit: int | None = None,
-             offset: int = 0, newest_first: bool = False) -> list[JobView]:
+             offset: int = 0, newest_first: bool = False, after: str | None = None) -> list[JobView]:
         """Jobs (of ``pool``, or all), in submit order (``newest_first``: the reverse): the ``limit``
-        (all if ``None``) after the first ``offset`` of them."""
+        (all if ``None``) after the first ``offset`` of them, and after job ``after`` in that order
+        (a page that follows the last job of the one before: jobs ending or removed meanwhile shift
+        no later one out of it, as they would shift an offset).
+
+        :raises NotFound: ``after`` is no job the broker has (removed by a clean-up meanwhile).
+        """
         def read(conn: Connection) -> list[JobView]:
             order = (Job.submit_s.desc(), Job.id.desc()) if newest_first else (Job.submit_s, Job.id)
             q = _job_filter(select(*JOB_COLUMNS), pool, active_only).order_by(*order)
+            if after is not None:
+                anchor = conn.execute(select(Job.submit_s, Job.id).where(Job.id == after)).first()
+                if anchor is None:
+                    raise NotFound(f"unknown job {after!r} to list jobs after")
+                key = tuple_(Job.submit_s, Job.id)
+                q = q.where(key < tuple_(*anchor) if newest_first else key > tuple_(*anchor))
             return self._views(conn, conn.execute(q.limit(limit).offset(offset or None)).all())
 
         return self._read_conn(read)
