@@ -46,6 +46,7 @@ from airflow_elastic_gpu.broker.db import create_broker_engine, migrate
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import BrokerError, JobSpec
 from airflow_elastic_gpu.config import mask_url
+from airflow_elastic_gpu.simulator.results import nearest_rank
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "broker_load.json"
@@ -292,7 +293,7 @@ def run_load(url: str, clients: int = 64, ops: int = 10_000, seed: int = 0, pool
         "ops_per_s": done / elapsed,
         "latency_ms": {
             op: {"count": len(v), "p50": 1000 * statistics.median(v),
-                 "p99": 1000 * sorted(v)[max(0, int(0.99 * len(v)) - 1)]}
+                 "p99": 1000 * nearest_rank(v, 0.99)}
             for op, v in sorted(latencies.items())
         },
         "invariant_checks": checks[0],

@@ -22,7 +22,7 @@ from airflow_elastic_gpu.simulator.engine import (
     simulate,
 )
 from airflow_elastic_gpu.simulator.profiles import ProfileError, bundled_data, load_profiles
-from airflow_elastic_gpu.simulator.results import JobRecord, contention
+from airflow_elastic_gpu.simulator.results import JobRecord, contention, nearest_rank
 from airflow_elastic_gpu.simulator.trace import TraceError, TraceJob, load_trace, write_trace
 from airflow_elastic_gpu.simulator.workload import WorkloadError, generate_workload
 
@@ -196,6 +196,28 @@ def test_slowdown_and_finish_time_fairness_follow_their_definitions():
     assert rho == pytest.approx(r.jobs[0].slowdown) and rho > 1  # 1 GPU of the 4 it could use
     s = r.summary()
     assert s["max_slowdown"] == pytest.approx(rho) and s["share_ftf_rho_above_1"] == 1.0
+
+
+def test_a_job_of_no_work_has_a_summary():
+    """``simulate`` takes jobs from code too (a trace file refuses them): one of no work divided by
+    its isolated run time, 0, and the summary raised ZeroDivisionError; one that ended at 0.0 read
+    as unfinished (an infinite makespan)."""
+    r = simulate([TraceJob("z", 0, 1, 0, "imagenet"), TraceJob("a", 0, 1, 3600, "imagenet")], ClusterShape(1, 4),
+                 "static")
+    s = r.summary()
+    z = next(i for i, j in enumerate(r.jobs) if j.job_id == "z")
+    assert r.jobs[z].end_s == 0.0 and s["makespan_s"] == r.jobs[1 - z].end_s and r.fairness()[z][1] == 1.0
+    r.jobs[z] = JobRecord("z", "m", 0, 1, 0, 0, start_s=0, end_s=2.0, best_speeds=(1.0,))  # no work, yet it took time
+    assert r.fairness()[z][1] == math.inf
+
+
+def test_quantiles_are_nearest_rank():
+    assert nearest_rank([3.0, 1.0, 2.0], 0.99) == 3.0  # fewer than 100: the largest
+    assert nearest_rank([float(i) for i in range(1, 201)], 0.99) == 198.0  # rank ceil(198) = 198
+    assert nearest_rank([float(i) for i in range(1, 47)], 0.99) == 46.0  # not the 45th (int() - 1)
+    assert nearest_rank([5.0], 0.5) == 5.0
+    with pytest.raises(ValueError, match="no values"):
+        nearest_rank([], 0.5)
 
 
 def test_contention_is_the_time_average_of_jobs_in_the_system():

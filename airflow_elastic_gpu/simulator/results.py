@@ -87,6 +87,18 @@ class JobRecord:
         return self.work / speed
 
 
+def nearest_rank(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0 < q <= 1) of ``values`` by the nearest-rank rule: the smallest value
+    with at least ``q`` of them at or below it (with fewer than 100 values, p99 is the largest).
+
+    :raises ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("no values to take a quantile of")
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, max(0, math.ceil(q * len(ranked)) - 1))]
+
+
 def contention(jobs: list[JobRecord]) -> list[float]:
     """Per job (same order): the time-average number of jobs in the system (submitted, not finished,
     itself included) over its life ``[submit_s, end_s]``; Themis's ``N``. ``nan`` for an unfinished job."""
@@ -132,7 +144,9 @@ class SimulationResult:
         """Per job (order of ``jobs``): ``(contention N, finish-time fairness rho)`` (see the module doc)."""
         out = []
         for j, n in zip(self.jobs, contention(self.jobs)):
-            rho = j.jct_s / j.isolated_jct_s(self.cluster.capacity / n) if math.isfinite(n) else math.inf
+            isolated = j.isolated_jct_s(self.cluster.capacity / n) if math.isfinite(n) else math.inf
+            # a job of no work (a simulation's own input; traces refuse one) ran as fast as it could
+            rho = j.jct_s / isolated if isolated > 0 else 1.0 if j.jct_s <= 0 else math.inf
             out.append((n, rho))
         return out
 
@@ -140,12 +154,12 @@ class SimulationResult:
         """Averages and tails over all jobs (seconds); see ``docs/simulator.md`` for each field."""
         jct = sorted(j.jct_s for j in self.jobs)
         first = min(j.submit_s for j in self.jobs)
-        last = max(j.end_s or math.inf for j in self.jobs)
+        last = max(j.end_s if j.end_s is not None else math.inf for j in self.jobs)  # an end at 0.0 is one
         makespan = last - first
         gpu_s = sum(j.gpu_s for j in self.jobs)
 
         def pct(q: float) -> float:
-            return jct[min(len(jct) - 1, max(0, math.ceil(q * len(jct)) - 1))]
+            return nearest_rank(jct, q)
 
         avg_lb = sum(j.lower_bound_jct_s for j in self.jobs) / len(self.jobs)
         slowdowns = [j.slowdown for j in self.jobs]
