@@ -140,18 +140,21 @@ def test_a_stopped_process_that_took_a_launchers_pid_is_left_alone(tmp_path):
     """The launcher's pid was taken since by another process, stopped (a suspended shell job): the
     stop's SIGKILL of a frozen launcher checks the start time the agent recorded."""
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    # a second launcher of the job (a gang's), alive and not stopping: the job's launchers are not all gone
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
     try:
         other.send_signal(signal.SIGSTOP)
         protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
         protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.RUNNING, "pid": None})
         agent = Agent(_CancelledJobBroker(SimpleNamespace(pid=other.pid)), "job", tmp_path,
-                      launcher_pid=other.pid, stop_timeout_s=4)
+                      launcher_pid=[other.pid, live.pid], stop_timeout_s=4)
         agent.launcher_starts[other.pid] -= 1  # recorded for the launcher that had the pid before
         assert agent._stopped("a test") is False
         assert protocol.pid_alive(other.pid)
     finally:
-        other.kill()
-        other.wait()
+        for proc in (other, live):
+            proc.kill()
+            proc.wait()
 
 
 _LEADER_EXITS = """

@@ -136,6 +136,7 @@ class Agent(EndReports):
         self.unapplied = 0  # a finishing gang: the newest generation it did not apply (logged once)
         self.node, self.gang_domain, self.rendezvous_port = node, gang_domain, rendezvous_port
         self.newest_generation = 0  # the newest target generation the broker has answered
+        self.ended: int | None = None  # run()'s result once the job's end was dealt with while applying a target
         self.terminating = threading.Event()
         if poll_s * 3 > self.periods.fence_s:
             log.warning("poll period %gs is long for a fence of %gs: the trainer may be fenced between two "
@@ -154,7 +155,9 @@ class Agent(EndReports):
         if any (a gang's node whose trainer exited before the others' is not gone: the job ends once
         every node's has)."""
         exited = {s.get("launcher_pid") for s in self._launcher_statuses() if s.get("state") == protocol.EXITED}
-        return next((p for p in self.launcher_pids if not protocol.pid_alive(p) and p not in exited), None)
+        # the launcher, not a process that took its pid since (an OOM kill, then a reused pid)
+        return next((p for p in self.launcher_pids
+                     if not protocol.same_process(p, self.launcher_starts.get(p)) and p not in exited), None)
 
     def terminate(self) -> None:
         """End :meth:`run` at its next poll (SIGTERM); a trainer exit already written is still reported."""
@@ -202,6 +205,8 @@ class Agent(EndReports):
                 self._renew(sent_s, target)
                 self.newest_generation = max(self.newest_generation, target.generation)
                 written = self.written = self._apply(target, written)
+                if self.ended is not None:
+                    return self.ended
             if self._report_progress(contact) is Outcome.ENDED:
                 return self._stop_ended("the broker no longer knows the job as running")
             status = self._status()
@@ -226,6 +231,14 @@ class Agent(EndReports):
                 self.terminating.wait(self.poll_s)
                 continue
             unsure_since = None
+            if self._may_be_replaced() and self._ends_the_job(status):
+                # this poll's heartbeat may predate the generation that replaces this pod (published,
+                # and the pod deleted, while a progress or ack call waited on the rebalance's lock)
+                if self.terminating.is_set():
+                    continue  # the pod is being deleted: the loop's top deals with it
+                self._refresh()
+                if self.ended is not None:
+                    return self.ended
             if status.get("state") == protocol.EXITED:
                 return self._report_exit(protocol.exit_code(status))
             if self.gang is not None and contact and status.get("state") != protocol.STOPPED:
@@ -356,7 +369,12 @@ class Agent(EndReports):
                 plan = self.gang.publish(target.generation, pairs)
             except ValueError as exc:  # not runnable here: fail the job rather than run half of it
                 log.error("%s", exc)
-                self._report_end("fail", functools.partial(self.broker.fail, self.job_id, str(exc)))
+                # the fail frees the job's GPUs: every node's trainer stops first, as at any gang's end
+                if self._stopped(str(exc)):
+                    self.ended = self._report_end("fail", functools.partial(self.broker.fail, self.job_id, str(exc)))
+                else:
+                    log.error("the gang's launchers did not stop: the broker's lease will end the job")
+                    self.ended = 1
                 return written
             protocol.write_json(self.dir / protocol.DESIRED, {"generation": target.generation, "gpus": pairs,
                                                               "stop": False})

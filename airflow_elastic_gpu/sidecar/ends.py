@@ -210,7 +210,8 @@ class EndReports:
             if all(s.get("state") in (protocol.STOPPED, protocol.EXITED) for s in self._launcher_statuses()):
                 return True
             # a launcher killed (OOM, SIGKILL) or dead of an error leaves its trainer running
-            if (self.launcher_pids and all(not protocol.pid_alive(p) for p in self.launcher_pids)
+            if (self.launcher_pids and all(not protocol.same_process(p, self.launcher_starts.get(p))
+                                           for p in self.launcher_pids)
                     and self._orphans_killed()):
                 return True
             # a launcher stopped by SIGSTOP or a debugger neither stops its trainer nor fences it

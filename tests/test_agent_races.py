@@ -1,0 +1,133 @@
+"""The agent's judgement at the edges of a job's life, with a stand-in broker and launcher files (no
+processes but one whose pid stands for a reused one): a gang failed only once its trainers stopped,
+a dead launcher whose pid another process took, and a pod replaced while a call of the agent waited."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+from airflow_elastic_gpu.scheduling.state import GpuId
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.agent import Agent
+from airflow_elastic_gpu.states import JobStatus, Target
+
+
+class Broker:
+    """Answers heartbeats with ``targets`` in turn (the last one for ever) and records reports."""
+
+    def __init__(self, *targets: Target) -> None:
+        self.targets, self.calls = list(targets), []
+
+    def heartbeat(self, job_id: str) -> Target:
+        return self.targets.pop(0) if len(self.targets) > 1 else self.targets[0]
+
+    def progress(self, *args, **kwargs) -> None:
+        pass
+
+    def ack(self, *args, **kwargs) -> bool:
+        return True
+
+    def finish(self, job_id, *args, **kwargs) -> None:
+        self.calls.append(("finish", args, kwargs))
+
+    def fail(self, job_id, reason, *args, **kwargs) -> None:
+        self.calls.append(("fail", reason, kwargs))
+
+
+def run(agent: Agent, within_s: float = 30) -> int:
+    """``agent.run()``'s result; an agent still running after ``within_s`` is terminated and fails the test."""
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(agent.run()), daemon=True)
+    thread.start()
+    thread.join(within_s)
+    if thread.is_alive():
+        agent.terminate()
+        thread.join(5)
+        raise AssertionError(f"the agent still ran after {within_s}s")
+    return result[0]
+
+
+def _gang(tmp_path: Path) -> Path:
+    for rank, node in enumerate(("a", "b")):
+        (tmp_path / "nodes" / node).mkdir(parents=True)
+        protocol.write_json(tmp_path / "nodes" / node / protocol.DESIRED, {
+            "generation": 1, "gpus": [0], "nnodes": 2, "node_rank": rank, "stop": False})
+        protocol.write_json(tmp_path / "nodes" / node / protocol.STATUS, {
+            "generation": 1, "state": protocol.RUNNING, "launcher_pid": os.getpid()})
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [["a", 0], ["b", 0]], "stop": False})
+    return tmp_path
+
+
+def test_a_gang_generation_it_cannot_run_fails_the_job_only_once_every_trainer_stopped(tmp_path):
+    """A node joined the pool after the job started (no launcher there): the job was failed at once,
+    which frees its GPUs, while both nodes' trainers ran on them until the next heartbeat."""
+    d = _gang(tmp_path)
+    target = Target("j", JobStatus.RUNNING, 2, (GpuId("a", 0), GpuId("c", 0)), 60.0)
+    stuck = Broker(target)
+    assert run(Agent(stuck, "j", d, poll_s=0.01, stop_timeout_s=0.3), 10) == 1
+    assert stuck.calls == [], "nothing reported while the trainers run: the lease ends the job"
+    assert all((d / "nodes" / n / protocol.STOP).exists() for n in ("a", "b"))
+
+    def launchers_stop() -> None:  # each launcher stops its trainer once asked
+        while not all((d / "nodes" / n / protocol.STOP).exists() for n in ("a", "b")):
+            threading.Event().wait(0.01)
+        for n in ("a", "b"):
+            protocol.write_json(d / "nodes" / n / protocol.STATUS, {"generation": 1, "state": protocol.STOPPED})
+
+    for n in ("a", "b"):
+        (d / "nodes" / n / protocol.STOP).unlink()
+        protocol.write_json(d / "nodes" / n / protocol.STATUS, {"generation": 1, "state": protocol.RUNNING,
+                                                                 "launcher_pid": os.getpid()})
+    threading.Thread(target=launchers_stop, daemon=True).start()
+    stopping = Broker(target)
+    assert run(Agent(stopping, "j", d, poll_s=0.01, stop_timeout_s=5)) == 0
+    [(what, reason, _)] = stopping.calls
+    assert what == "fail" and "no launcher on" in reason
+
+
+def test_a_dead_launcher_whose_pid_another_process_took_is_gone(tmp_path):
+    """An OOM-killed launcher's pid reused: the agent heartbeat on for ever, so neither the fence
+    nor the lease ended the job, and its GPUs stayed held."""
+    other = subprocess.Popen(["sleep", "30"])  # the process that has the launcher's pid now
+    try:
+        agent = Agent(Broker(), "j", tmp_path, launcher_pid=other.pid)
+        protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.RUNNING,
+                                                          "launcher_pid": other.pid})
+        assert agent._launcher_gone() is None  # the launcher itself
+        agent.launcher_starts[other.pid] += 1  # recorded as started at another time: it ended
+        assert agent._launcher_gone() == other.pid
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_pod_replaced_while_a_call_waited_is_not_the_jobs_failure(tmp_path):
+    """A re-created pod (one generation a pod): the broker publishes generation 2 and the backend
+    deletes the pod while the agent's progress report waits on the rebalance's lock. The launcher
+    reads stopped; the agent's heartbeat of that poll said generation 1, and it failed the job
+    ("the launcher was stopped from outside the broker")."""
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+    protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.RUNNING})
+    (tmp_path / protocol.LOG).write_text('{"step": 5}\n')
+
+    class Replacing(Broker):
+        def progress(self, *args, **kwargs) -> None:  # slow: the rebalance publishing generation 2
+            self.targets = [Target("j", JobStatus.RUNNING, 2, (GpuId("n1", 0),), 60.0)]
+            protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.STOPPED})
+
+        def heartbeat(self, job_id: str) -> Target:
+            with open(tmp_path / protocol.LOG, "a") as log:
+                log.write('{"step": 6}\n')  # progress to report on every poll
+            return super().heartbeat(job_id)
+
+    for terminated in (False, True):  # the agent's SIGTERM came before its next poll, or not yet
+        protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.RUNNING})
+        broker = Replacing(Target("j", JobStatus.RUNNING, 1, (GpuId("n1", 0),), 60.0))
+        agent = Agent(broker, "j", tmp_path, poll_s=0.01, pod_generation=1, host_node="n1", end_report_timeout_s=1)
+        if terminated:
+            broker.progress = lambda *a, _p=broker.progress, _agent=agent, **k: (_p(), _agent.terminate())
+        assert run(agent, 10) == 0
+        assert broker.calls == [], terminated
