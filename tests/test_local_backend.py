@@ -62,7 +62,9 @@ def cmdline(pid: int) -> str:
 
 def test_the_broker_url_is_on_no_command_line_of_the_job(local, tmp_path):
     broker, backend = local
+    backend.grace_s = 100.0  # the agent's stop waits it out (it waited 60 s, then left the job to its lease)
     job, handle = run_job(broker, backend, "sleep 600")
+    assert "--stop-timeout-s 110.0" in cmdline(handle.agent_pid) and "--grace-s 100.0" in cmdline(handle.launcher_pid)
     trainer = wait_for(lambda: (protocol.read_json(handle.job_dir / protocol.STATUS) or {}).get("pid"), 30,
                        "the trainer to start")
     for pid in (handle.agent_pid, handle.launcher_pid, trainer):  # what `ps -ef` shows to every user

@@ -310,9 +310,9 @@ class LocalBackend:
                                    "kernel?): not starting a second trainer on their GPUs")
             launcher_pid, node_pids = self._start_launchers(job, job_dir, env)
         pids = [pid for _, pid in node_pids] or [launcher_pid]
-        agent = [self.python, "-m", AGENT_MODULE, "--job-id", job.id,
-                 "--shared-dir", str(job_dir), "--poll-s", str(self.poll_s),
-                 *(a for pid in pids for a in ("--launcher-pid", str(pid))), "--lease-s", repr(lease_s)]
+        agent = [self.python, "-m", AGENT_MODULE, "--job-id", job.id, "--shared-dir", str(job_dir), "--poll-s", str(self.poll_s),
+                 *(a for pid in pids for a in ("--launcher-pid", str(pid))), "--lease-s", repr(lease_s),
+                 "--stop-timeout-s", repr(max(60.0, self.grace_s + 10))]  # a stop waits out the launcher's grace
         if self.fence_s is not None:
             agent += ["--fence-s", repr(self.fence_s)]
         if job.progress_pattern:

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --node: the DNS domain of the gang's pods (SERVICE.NAMESPACE.svc)")
     parser.add_argument("--rendezvous-port", type=int, default=29500,
                         help="with --node: the rendezvous port at the rank-0 node's pod")
+    parser.add_argument("--stop-timeout-s", type=float, default=60.0,
+                        help="how long a stop waits for the trainer (at least the launcher's --grace-s): a job's "
+                             "end is reported, and its GPUs freed, only once its trainer stopped")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     broker: BrokerTransport
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         poll_s=args.poll_s, launcher_pid=args.launcher_pid, lease_s=args.lease_s, fence_s=args.fence_s,
         fence_margin_s=args.fence_margin_s, pod_generation=args.pod_generation, node=args.node,
         host_node=args.host_node,
-        gang_domain=args.gang_domain, rendezvous_port=args.rendezvous_port,
+        gang_domain=args.gang_domain, rendezvous_port=args.rendezvous_port, stop_timeout_s=args.stop_timeout_s,
     )
     signal.signal(signal.SIGTERM, lambda *_: agent.terminate())
     return agent.run()
