@@ -9,6 +9,7 @@ once with the reason, its GPUs freed and nothing left running.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
@@ -29,6 +30,7 @@ from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.config import mask_url
 from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.triggers.submit import submit_and_start
 
 PRINT_ENV = "import json, os\nprint(json.dumps({'environ': dict(os.environ)}), flush=True)\n"
 SECRET = "hunter2-not-for-trainers"
@@ -330,6 +332,23 @@ def test_a_new_pool_does_not_take_this_hosts_gpus_a_second_time(local):
     assert backend.ensure_pool("default") is None
     broker.register_node("gpu-box-7", 2, pool="other")  # a pool of other GPUs: nothing to register
     assert backend.ensure_pool("other") is None
+
+
+def test_a_local_pool_whose_nodes_share_a_device_index_starts_no_job(local):
+    """Every node of a local pool runs on this host: a node added by hand (``nodes add n1 --gpus 2``,
+    GPUs 0 and 1) shared node ``localhost``'s devices, and two jobs trained on the same GPUs."""
+    broker, backend = local
+    broker.register_node("n1", 2)  # the default pool, with localhost's 0 and 1
+    with pytest.raises(BackendError, match=r"nodes 'localhost' and 'n1' with device index 0: the local backend "
+                                           r"runs every node of its pool on this host"):
+        backend.ensure_pool("default")
+    job = broker.submit(JobSpec("j", "sleep 600", 1, 1, total_steps=1))
+    with pytest.raises(BackendError, match="device index 0"):
+        submit_and_start(broker, backend, JobSpec("k", "sleep 600", 1, 1, total_steps=1, key="k"), env=None,
+                         labels={}, log=logging.getLogger("test"))
+    assert [j.name for j in broker.jobs()] == [job.name]  # refused before the broker had it
+    broker.remove_node("n1")
+    assert backend.ensure_pool("default") is None
 
 
 @pytest.mark.parametrize("argv", [["nodes", "detect", "--pool", "other"],

@@ -45,7 +45,7 @@ from airflow_elastic_gpu.backends.base import (  # BackendError: also from here
 from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backend's public names
     LOCAL_NODE,
     check_host_not_in_another_pool,
-    claim_host_gpus,
+    check_pool_of_this_host,
     detect_gpus,
     register_host_gpus,
 )
@@ -187,7 +187,7 @@ class LocalBackend:
         :raises BackendError: ``virtual_gpus`` < 1, or this host's GPUs are already a node of another
             pool, or the real ones of another broker (:func:`claim_host_gpus`): handed out twice."""
         if pool in self.broker.pools():
-            claim_host_gpus(self.work_dir, self.broker, pool, registering=False)
+            check_pool_of_this_host(self.work_dir, self.broker, pool)
             return None
         check_host_not_in_another_pool(self.broker, pool)
         try:

@@ -104,6 +104,26 @@ def check_host_not_in_another_pool(broker: GpuBroker, pool: str) -> None:
         )
 
 
+def check_pool_of_this_host(work_dir: Path, broker: GpuBroker, pool: str) -> None:
+    """Check an existing ``pool`` before a local job of it starts: the local backend runs every node
+    of its pool on this host, so no two nodes may name the same device index (a node added by hand,
+    ``nodes add n1 --gpus 2``, was given GPUs 0 and 1, which node ``localhost`` had too: two jobs
+    trained on the same devices); and this host's real GPUs are this broker's (:func:`claim_host_gpus`).
+
+    :raises BackendError: naming the nodes and the index they share, or :func:`claim_host_gpus`'s.
+    """
+    owner: dict[int, str] = {}
+    for node in sorted(broker.nodes(pool), key=lambda n: n.name):
+        for gpu in node.gpus:
+            if (first := owner.setdefault(gpu.gpu.index, node.name)) != node.name:
+                raise BackendError(
+                    f"pool {pool!r} has nodes {first!r} and {node.name!r} with device index {gpu.gpu.index}: the "
+                    "local backend runs every node of its pool on this host, so both would hand that GPU to a "
+                    f"job. Remove one (airflow-elastic-gpu nodes remove {node.name} --pool {pool}) or give local "
+                    "jobs a pool of their own (--pool, the operator's gpu_pool=)")
+    claim_host_gpus(work_dir, broker, pool, registering=False)
+
+
 def claim_host_gpus(work_dir: Path, broker: GpuBroker, pool: str, *, registering: bool) -> None:
     """Keep this host's real GPUs in one broker: the first broker found with them in ``pool`` is
     recorded in the host's claim, :data:`CLAIM_FILE` in :func:`.config.default_host_claim_dir`
