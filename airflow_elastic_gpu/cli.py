@@ -34,7 +34,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from sqlalchemy.exc import DatabaseError, OperationalError
 
 from airflow_elastic_gpu.backends.base import BackendError, start_job
-from airflow_elastic_gpu.broker.db import sqlite_file
+from airflow_elastic_gpu.broker.db import SchemaError, sqlite_file
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
@@ -227,7 +227,9 @@ def _job(broker: GpuBroker, given: str) -> JobView:
     if matches := [j.id for j in found]:
         raise NotFound(f"{len(matches)} active jobs' ids start with {given!r}: {', '.join(matches[:5])}"
                        f"{' ...' if len(matches) > 5 else ''}; give more of the id")
-    if ended := sorted(j.id for j in broker.jobs() if j.id.startswith(given)):
+    if len(ended := sorted(j.id for j in broker.jobs() if j.id.startswith(given))) == 1:
+        return broker.job(ended[0])  # one job has it: `cancel` of an ended job answers as for its whole id
+    if ended:
         raise NotFound(f"no queued or running job's id starts with {given!r}; ended job(s) {', '.join(ended[:5])}"
                        f"{' ...' if len(ended) > 5 else ''} do (an ended job is named by its whole id)")
     raise NotFound(f"unknown job {given!r}: no job has this id and no queued or running job's id starts "
@@ -302,8 +304,8 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     try:
         [view] = follow(broker, [job.id])
     except KeyboardInterrupt:  # the job's processes are detached: they run on, with their GPUs
-        console.print(f"\njob {job.id} still runs (it holds its GPUs); `airflow-elastic-gpu cancel {job.id[:8]}` "
-                      "stops it", markup=False, highlight=False)
+        console.print(f"\njob {job.id} goes on without this command (queued, or running on its GPUs); "
+                      f"`airflow-elastic-gpu cancel {job.id[:8]}` stops it", markup=False, highlight=False)
         return 130
     # as the operator does at a job's end: nothing of it left running, and the default checkpoint
     # directory of a success renamed out of the key's way (a later run of the key trains anew)
@@ -468,9 +470,13 @@ def _run(args: argparse.Namespace) -> int:
         notes.print(f"[red]error:[/red] {said} {escape(url)}: {escape(first)}. "
                     f"Check {check} ({escape(where)}) is right.", soft_wrap=True, highlight=False)
         return 2
-    except OSError as exc:  # a file or directory the command cannot make or read: one line
+    except (OSError, SchemaError) as exc:  # a file the command cannot make or read, a database of
+        # another version or application: one line
         notes.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT
+        notes.print("interrupted", highlight=False)
+        return 130
 
 
 if __name__ == "__main__":

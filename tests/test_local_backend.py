@@ -252,7 +252,8 @@ def test_ctrl_c_while_run_local_follows_says_the_job_runs_on_and_how_to_stop_it(
                      str(tmp_path / "jobs"), "--", "sleep", "30"]) == 130
     (job,) = broker.jobs()
     out = " ".join(capsys.readouterr().out.split())
-    assert f"job {job.id} still runs (it holds its GPUs); `airflow-elastic-gpu cancel {job.id[:8]}` stops it" in out
+    assert (f"job {job.id} goes on without this command (queued, or running on its GPUs); "
+            f"`airflow-elastic-gpu cancel {job.id[:8]}` stops it") in out
     assert not job.status.terminal
 
 
@@ -332,6 +333,23 @@ def test_a_new_pool_does_not_take_this_hosts_gpus_a_second_time(local):
     assert backend.ensure_pool("default") is None
     broker.register_node("gpu-box-7", 2, pool="other")  # a pool of other GPUs: nothing to register
     assert backend.ensure_pool("other") is None
+
+
+def test_a_start_interrupted_by_ctrl_c_fails_the_job_rather_than_leave_it_running_unwatched(local, monkeypatch):
+    """``run-local`` interrupted while it started the job: the job stayed running with no agent
+    (until its lease ended it) and the launcher it had spawned ran on."""
+    broker, backend = local
+    job = broker.submit(JobSpec("j", "sleep 600", 1, 1, total_steps=1))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalBackend, "_start_launchers", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        start_job(broker, backend, job)
+    view = ended(broker, job.id)
+    assert view.status is JobStatus.FAILED and "could not start the job" in view.reason
+    assert not view.in_use_gpus and not view.target_gpus
 
 
 def test_a_local_pool_whose_nodes_share_a_device_index_starts_no_job(local):

@@ -163,14 +163,14 @@ def start_job(broker: GpuBroker, backend: Backend, job: JobView, *, env: Mapping
     fresh = job.backend_ref is None
     try:
         ref = backend.start(job, env=check_env(env), context=context)
-    except Exception as exc:
+    except BaseException as exc:  # Ctrl-C, a task's termination too: nothing left holding GPUs unwatched
         if fresh:
             abandon(broker, backend, job.id, exc)
         raise
     return broker.start(job.id, ref)
 
 
-def abandon(broker: GpuBroker, backend: Backend, job_id: str, error: Exception) -> None:
+def abandon(broker: GpuBroker, backend: Backend, job_id: str, error: BaseException) -> None:
     """Fail a job that could not be started (``error`` says why) and stop what was started of it; a
     failure of either step is logged and noted on ``error`` (which the caller raises), never hidden.
 

@@ -214,7 +214,7 @@ def run_migration(engine: Engine, direction: str, revision: str) -> None:
     and ``PRAGMA foreign_key_check`` must find no dangling reference before the commit.
 
     :raises RuntimeError: a migration left rows that refer to missing ones (SQLite), or the
-        database is at a revision this version does not know (:func:`_check_known`).
+        database is at a revision this version does not know (:class:`SchemaError`, :func:`_check_known`).
     """
     cfg = _alembic_config()
     step = {"upgrade": command.upgrade, "downgrade": command.downgrade}[direction]
@@ -242,13 +242,17 @@ def run_migration(engine: Engine, direction: str, revision: str) -> None:
                 pragma("PRAGMA foreign_keys=ON")
 
 
+class SchemaError(RuntimeError):
+    """The broker database is at a schema revision this version does not know."""
+
+
 def _check_known(cfg: Config, current: str | None, engine: Engine) -> None:
-    """:raises RuntimeError: ``current`` (the database's Alembic revision) is none of this version's:
+    """:raises SchemaError: ``current`` (the database's Alembic revision) is none of this version's:
     a newer version of the broker migrated it, or it is another application's database (Airflow's
     metadata database has an ``alembic_version`` table too). Nothing is changed then."""
     if current is None or current in {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}:
         return
-    raise RuntimeError(
+    raise SchemaError(
         f"the broker database {engine.url.render_as_string(hide_password=True)} is at schema revision "
         f"{current!r}, which this version of airflow-elastic-gpu does not know: a newer version migrated it "
         "(install that version here too), or it is not a broker database (e.g. Airflow's metadata database: "
