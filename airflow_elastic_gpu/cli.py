@@ -27,6 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from alembic.runtime.migration import MigrationContext
 from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
@@ -34,7 +35,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from sqlalchemy.exc import DatabaseError, OperationalError
 
 from airflow_elastic_gpu.backends.base import BackendError, start_job
-from airflow_elastic_gpu.broker.db import SchemaError, sqlite_file
+from airflow_elastic_gpu.broker.db import SchemaError, ensure_schema, sqlite_file
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
@@ -85,7 +86,18 @@ def _broker(args: argparse.Namespace, *, existing: bool = False) -> GpuBroker:
         raise NotFound(f"no broker database at {path}: nothing has used this broker yet (check "
                        f"$AIRFLOW_HOME, --broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url"
                        f"{hint})")
-    return GpuBroker(url, reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S)
+    broker = GpuBroker(url, reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S, migrate=not existing)
+    def check_schema() -> None:  # a database without the broker's tables is not made one by a command that reads
+        with broker.engine.connect() as conn:
+            if MigrationContext.configure(conn).get_current_revision() is None:
+                raise NotFound(f"no broker database at {mask_url(url)}: it holds no broker schema (nothing has "
+                               "used this broker yet, or the URL names another database: check --broker-url, "
+                               "$AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url)")
+        ensure_schema(broker.engine)  # a broker of an older version: upgraded
+
+    if existing:
+        broker._retrying(check_schema)
+    return broker
 
 
 def _say_where(args: argparse.Namespace, work_dir: Path | None = None) -> None:

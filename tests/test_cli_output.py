@@ -281,6 +281,27 @@ def test_ctrl_c_and_a_database_of_another_version_end_a_command_with_one_line(tm
     assert "error: the broker database" in err and "revision 'abc123'" in err and "Traceback" not in err
 
 
+def test_a_reading_command_does_not_write_the_brokers_schema_into_another_database(tmp_path, capsys):
+    """``--broker-url sqlite:///other.db jobs`` added the broker's tables to an unrelated file (an
+    empty one too) and showed an empty table."""
+    import sqlite3
+
+    from airflow_elastic_gpu.cli import main
+
+    other, empty = tmp_path / "other.db", tmp_path / "empty.db"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE t (x)")
+    empty.touch()
+    for path in (other, empty):
+        assert main(["--broker-url", f"sqlite:///{path}", "jobs"]) == 2
+        assert "holds no broker schema" in " ".join(capsys.readouterr().err.split())
+    for path, tables in ((other, [("t",)]), (empty, [])):
+        with sqlite3.connect(path) as db:
+            assert db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall() == tables
+    assert main(["--broker-url", f"sqlite:///{other}", "nodes", "add", "n0", "--gpus", "1"]) == 0  # a writer may
+    assert main(["--broker-url", f"sqlite:///{other}", "jobs"]) == 0
+
+
 def test_a_pool_holding_parameters_its_policy_does_not_take_is_repaired_by_the_next_setting(
         tmp_path, monkeypatch, capsys):
     """Before parameters were checked against the pool's own policy, a static pool could store
