@@ -35,6 +35,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
     work_dir = Path(args.work_dir).expanduser() if args.work_dir else default_work_dir()
     _say_where(args, work_dir)
+    if args.work_dir and not work_dir.is_dir():  # a mistyped path said "nothing to remove"
+        raise FileNotFoundError(f"--work-dir {work_dir} is not a directory")
     found = local_cleanup.leftovers(_broker(args, existing=True), work_dir, args.older_than * 86400.0)
     if not found:
         console.print(f"nothing to remove: no directory under {escape(str(work_dir))} belongs to a job "

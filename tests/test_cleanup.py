@@ -174,6 +174,8 @@ def test_the_cli_lists_with_dry_run_then_removes(tmp_path, monkeypatch, capsys):
     assert (work / job.id).exists()
     assert main(["cleanup", "--older-than", "0", "--work-dir", str(work)]) == 0
     assert "freed 2.0 MiB in 1 directories" in capsys.readouterr().out and not (work / job.id).exists()
+    assert main(["cleanup", "--older-than", "0", "--work-dir", str(tmp_path / "jbos")]) == 2  # mistyped
+    assert f"--work-dir {tmp_path / 'jbos'} is not a directory" in " ".join(capsys.readouterr().err.split())
     with pytest.raises(SystemExit):
         main(["cleanup", "--older-than", "-2"])
     assert "a number of days from 0 to 36500, got '-2'" in capsys.readouterr().err
