@@ -114,6 +114,27 @@ def test_the_brokers_figures_are_not_replaced_by_trainer_metrics_of_the_same_nam
     assert (result["job_id"], result["exit_code"], result["accuracy"]) == (job.id, 0, 0.9)
 
 
+def test_a_subclass_asset_metadata_is_what_the_outlet_events_get(tmp_path):
+    from types import SimpleNamespace
+
+    from airflow.sdk import Asset
+
+    class Mine(ElasticTrainingOperator):
+        def asset_metadata(self, job):
+            return {"model": f"{job.name}-v2"}
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    broker.register_node("n0", 1)
+    job = broker.submit(JobSpec("t", "python train.py", total_steps=10))
+    broker.ack(job.id, 1)
+    broker.finish(job.id)
+    model = Asset("file:///models/t")
+    op = Mine(task_id="train", command="python train.py", total_steps=10, outlets=[model])
+    events = {model: SimpleNamespace(extra={})}
+    op._result(broker.job(job.id), {"outlet_events": events})
+    assert events[model].extra == {"model": "t-v2"}
+
+
 def test_trigger_fires_on_the_brokers_terminal_state_and_on_kill_releases_gpus(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'broker.db'}"
     monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
@@ -289,6 +310,11 @@ def test_a_template_rendered_to_a_bad_value_fails_the_task_before_the_job_is_sub
     op.command, op.min_gpus = f"{sys.executable} {trainer} x 3", 3
     with pytest.raises(AirflowFailException, match=r"train: .*max_gpus"):
         op.execute({"ti": _FakeTI()})
+    # the connection's pool is no template: mended there, the next try takes it (retried)
+    op.min_gpus, op.hook.default_pool = 1, lambda: "bad/pool"
+    with pytest.raises(AirflowException, match=r"the connection's pool must not contain '/'") as raised:
+        op.execute({"ti": _FakeTI()})
+    assert not isinstance(raised.value, AirflowFailException)
     assert broker.jobs() == []
 
 

@@ -335,20 +335,18 @@ def test_a_new_pool_does_not_take_this_hosts_gpus_a_second_time(local):
     assert backend.ensure_pool("other") is None
 
 
-def test_a_start_interrupted_by_ctrl_c_fails_the_job_rather_than_leave_it_running_unwatched(local, monkeypatch):
-    """``run-local`` interrupted while it started the job: the job stayed running with no agent
-    (until its lease ended it) and the launcher it had spawned ran on."""
+@pytest.mark.parametrize("where", [(LocalBackend, "_start_launchers"), (GpuBroker, "start")])
+def test_a_start_interrupted_by_ctrl_c_fails_the_job_rather_than_leave_it_unwatched(local, monkeypatch, where):
+    """``run-local`` interrupted while it started the job (or recorded the start): the job stayed running
+    with no agent (until its lease ended it) and the launcher it had spawned ran on."""
     broker, backend = local
     job = broker.submit(JobSpec("j", "sleep 600", 1, 1, total_steps=1))
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(LocalBackend, "_start_launchers", interrupted)
+    monkeypatch.setattr(*where, lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         start_job(broker, backend, job)
     view = ended(broker, job.id)
-    assert view.status is JobStatus.FAILED and "could not start the job" in view.reason
+    assert view.status is JobStatus.FAILED and "could not start the job: KeyboardInterrupt" in view.reason
+    assert not backend.is_running(job.id)
     assert not view.in_use_gpus and not view.target_gpus
 
 
@@ -356,16 +354,15 @@ def test_a_local_pool_whose_nodes_share_a_device_index_starts_no_job(local):
     """Every node of a local pool runs on this host: a node added by hand (``nodes add n1 --gpus 2``,
     GPUs 0 and 1) shared node ``localhost``'s devices, and two jobs trained on the same GPUs."""
     broker, backend = local
-    broker.register_node("n1", 2)  # the default pool, with localhost's 0 and 1
-    with pytest.raises(BackendError, match=r"nodes 'localhost' and 'n1' with device index 0: the local backend "
-                                           r"runs every node of its pool on this host"):
+    broker.register_node("gpu1", 2)  # the default pool, with localhost's 0 and 1
+    with pytest.raises(BackendError, match=r"nodes 'gpu1' and 'localhost' with device index 0: the local backend "
+                                           r"runs every node of its pool on this host.*nodes remove gpu1 "):
         backend.ensure_pool("default")
-    job = broker.submit(JobSpec("j", "sleep 600", 1, 1, total_steps=1))
     with pytest.raises(BackendError, match="device index 0"):
         submit_and_start(broker, backend, JobSpec("k", "sleep 600", 1, 1, total_steps=1, key="k"), env=None,
                          labels={}, log=logging.getLogger("test"))
-    assert [j.name for j in broker.jobs()] == [job.name]  # refused before the broker had it
-    broker.remove_node("n1")
+    assert broker.jobs() == []  # refused before the broker had it
+    broker.remove_node("gpu1")
     assert backend.ensure_pool("default") is None
 
 

@@ -209,6 +209,8 @@ def test_a_job_of_no_work_has_a_summary():
     assert r.jobs[z].end_s == 0.0 and s["makespan_s"] == r.jobs[1 - z].end_s and r.fairness()[z][1] == 1.0
     r.jobs[z] = JobRecord("z", "m", 0, 1, 0, 0, start_s=0, end_s=2.0, best_speeds=(1.0,))  # no work, yet it took time
     assert r.fairness()[z][1] == math.inf
+    r.jobs[z] = JobRecord("z", "m", 0, 1, 10, 10, start_s=0, best_speeds=(1.0,))  # unfinished: inf, not inf/inf
+    assert r.fairness()[z][1] == math.inf and r.summary()["max_ftf_rho"] == math.inf
 
 
 def test_quantiles_are_nearest_rank():

@@ -163,11 +163,11 @@ def start_job(broker: GpuBroker, backend: Backend, job: JobView, *, env: Mapping
     fresh = job.backend_ref is None
     try:
         ref = backend.start(job, env=check_env(env), context=context)
+        return broker.start(job.id, ref)  # unrecorded, what was started would run on with nobody to stop it
     except BaseException as exc:  # Ctrl-C, a task's termination too: nothing left holding GPUs unwatched
         if fresh:
             abandon(broker, backend, job.id, exc)
         raise
-    return broker.start(job.id, ref)
 
 
 def abandon(broker: GpuBroker, backend: Backend, job_id: str, error: BaseException) -> None:
@@ -177,7 +177,7 @@ def abandon(broker: GpuBroker, backend: Backend, job_id: str, error: BaseExcepti
     Its GPUs stay held until nothing of it runs any more (the backend's stop reports it, or the
     check after the stop, or else the pool's lease passes): a start may fail after it spawned a
     trainer, which another job's must not meet on the GPUs."""
-    reason = f"the {backend.name} backend could not start the job: {error}"
+    reason = f"the {backend.name} backend could not start the job: {str(error) or type(error).__name__}"
 
     def release() -> None:
         # a backend whose stop frees them itself once nothing of the job runs (the local one: it

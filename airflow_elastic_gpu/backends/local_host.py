@@ -116,10 +116,11 @@ def check_pool_of_this_host(work_dir: Path, broker: GpuBroker, pool: str) -> Non
     for node in sorted(broker.nodes(pool), key=lambda n: n.name):
         for gpu in node.gpus:
             if (first := owner.setdefault(gpu.gpu.index, node.name)) != node.name:
+                added = first if is_host_node(node.name) else node.name  # not this host's own node
                 raise BackendError(
                     f"pool {pool!r} has nodes {first!r} and {node.name!r} with device index {gpu.gpu.index}: the "
                     "local backend runs every node of its pool on this host, so both would hand that GPU to a "
-                    f"job. Remove one (airflow-elastic-gpu nodes remove {node.name} --pool {pool}) or give local "
+                    f"job. Remove one (airflow-elastic-gpu nodes remove {added} --pool {pool}) or give local "
                     "jobs a pool of their own (--pool, the operator's gpu_pool=)")
     claim_host_gpus(work_dir, broker, pool, registering=False)
 

@@ -89,7 +89,7 @@ class Queries(Rebalancing):
         (a page that follows the last job of the one before: jobs ending or removed meanwhile shift
         no later one out of it, as they would shift an offset).
 
-        :raises NotFound: ``after`` is no job the broker has (removed by a clean-up meanwhile).
+        :raises NotFound: ``after`` is no job the broker has (the broker keeps every job's row).
         """
         def read(conn: Connection) -> list[JobView]:
             order = (Job.submit_s.desc(), Job.id.desc()) if newest_first else (Job.submit_s, Job.id)

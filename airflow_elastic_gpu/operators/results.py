@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from airflow_elastic_gpu.broker.types import JobView
@@ -28,11 +28,13 @@ def asset_metadata(job: JobView) -> dict[str, Any]:
             "checkpoint_dir": job.checkpoint_dir}
 
 
-def annotate_outlets(assets: Sequence[Any], job: JobView, context: Any, log: logging.Logger) -> None:
-    """Put :func:`asset_metadata` into the event of each of ``assets`` (the task's outlet assets; Airflow
-    emits the events when the task succeeds); nothing without ``context["outlet_events"]``."""
+def annotate_outlets(assets: Sequence[Any], job: JobView, context: Any, log: logging.Logger,
+                     metadata: Callable[[JobView], dict[str, Any]] = asset_metadata) -> None:
+    """Put ``metadata(job)`` (the operator's :meth:`asset_metadata`, which a subclass may override)
+    into the event of each of ``assets`` (the task's outlet assets; Airflow emits the events when
+    the task succeeds); nothing without ``context["outlet_events"]``."""
     events = context.get("outlet_events") if hasattr(context, "get") else None
     for asset in assets if events is not None else ():
-        extra = asset_metadata(job)
+        extra = metadata(job)
         events[asset].extra.update(extra)
         log.info("asset %s: %s", asset.uri, extra)

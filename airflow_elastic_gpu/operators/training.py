@@ -323,12 +323,17 @@ class ElasticTrainingOperator(BaseOperator):
     def _execute(self, context: Any, started_s: float) -> dict[str, Any] | None:
         ti = context["ti"]
         labels = self.task_labels(context)
+        try:  # the connection's pool (or the configuration's): mended there, a retry takes it
+            if not (pool := self.gpu_pool):
+                check_pool_name("the connection's pool", pool := self.hook.default_pool())
+        except BrokerError as exc:
+            raise AirflowException(f"{self.task_id}: {exc}") from None
         try:  # the rendered template fields: a retry renders the same values, so it is not retried
             spec = JobSpec(
                 name=self.job_name or (self.task_id if ti.map_index < 0 else f"{self.task_id}[{ti.map_index}]"),
                 command=self.command, min_gpus=self.min_gpus, max_gpus=self.max_gpus,
                 requested_gpus=self.requested_gpus, total_steps=self.total_steps, key=task_key(ti),
-                pool=self.gpu_pool or self.hook.default_pool(), priority=self.priority,
+                pool=pool, priority=self.priority,
                 progress_pattern=self.progress_pattern, checkpoint_dir=self.checkpoint_dir, backend=self.backend,
                 preemptible=self.preemptible, relative_speed=self.relative_speed,
                 family=task_family(ti.dag_id, ti.task_id), attempt=self._attempt, max_tries=max_tries_of(ti),
@@ -464,7 +469,8 @@ class ElasticTrainingOperator(BaseOperator):
         self.log.info("job %s succeeded: %s", job.id, result)
         if warning := job.progress_warning():
             self.log.warning("%s", warning)
-        results.annotate_outlets([o for o in (self.outlets or []) if isinstance(o, Asset)], job, context, self.log)
+        results.annotate_outlets([o for o in (self.outlets or []) if isinstance(o, Asset)], job, context, self.log,
+                                 self.asset_metadata)
         return result
 
     metrics = staticmethod(results.metrics)

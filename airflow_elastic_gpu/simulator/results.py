@@ -144,9 +144,11 @@ class SimulationResult:
         """Per job (order of ``jobs``): ``(contention N, finish-time fairness rho)`` (see the module doc)."""
         out = []
         for j, n in zip(self.jobs, contention(self.jobs)):
-            isolated = j.isolated_jct_s(self.cluster.capacity / n) if math.isfinite(n) else math.inf
-            # a job of no work (a simulation's own input; traces refuse one) ran as fast as it could
-            rho = j.jct_s / isolated if isolated > 0 else 1.0 if j.jct_s <= 0 else math.inf
+            if not math.isfinite(n):  # unfinished
+                rho = math.inf
+            else:  # a job of no work (a simulation's own input; traces refuse one): 1 if it took no time
+                isolated = j.isolated_jct_s(self.cluster.capacity / n)
+                rho = j.jct_s / isolated if isolated > 0 else 1.0 if j.jct_s <= 0 else math.inf
             out.append((n, rho))
         return out
 
