@@ -131,3 +131,25 @@ def test_a_pod_replaced_while_a_call_waited_is_not_the_jobs_failure(tmp_path):
             broker.progress = lambda *a, _p=broker.progress, _agent=agent, **k: (_p(), _agent.terminate())
         assert run(agent, 10) == 0
         assert broker.calls == [], terminated
+
+
+_SIGNAL_WHILE_LOCKED = """
+import os, signal, sys, threading, time
+from airflow_elastic_gpu.sidecar.agent_cli import on_signal
+event = threading.Event()
+signal.signal(signal.SIGTERM, on_signal(event.set))
+with event._cond:  # the instant Event.wait holds its condition's lock
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.2)  # the handler runs in this thread, here
+print("set" if event.wait(5) else "not set", flush=True)
+"""
+
+
+def test_a_sigterm_while_the_agent_holds_its_events_lock_does_not_hang_it():
+    """The handler called ``Event.set`` in the main thread, which may hold the event's lock inside
+    ``Event.wait``: it waited for itself for ever (a CPython hazard), with the trainer's GPUs."""
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_LOCKED], capture_output=True, text=True,
+                         timeout=30, check=False)
+    assert run.stdout.strip() == "set", run.stderr[-2000:]

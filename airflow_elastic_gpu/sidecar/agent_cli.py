@@ -12,10 +12,20 @@ import argparse
 import logging
 import os
 import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from airflow_elastic_gpu.sidecar.agent import DEFAULT_LEASE_S, Agent
 from airflow_elastic_gpu.sidecar.calls import BrokerTransport
+
+
+def on_signal(call: Callable[[], None]) -> Callable[..., None]:
+    """A signal handler that runs ``call`` in a thread of its own. A handler runs in the main thread
+    between two bytecodes, perhaps while that thread holds the lock ``call`` takes (``Event.set``
+    while ``Event.wait`` holds its condition's lock for an instant): run there, ``call`` would wait
+    for its own thread for ever, and the agent would hang with the trainer's GPUs."""
+    return lambda *_: threading.Thread(target=call, name="signal", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         host_node=args.host_node,
         gang_domain=args.gang_domain, rendezvous_port=args.rendezvous_port, stop_timeout_s=args.stop_timeout_s,
     )
-    signal.signal(signal.SIGTERM, lambda *_: agent.terminate())
+    signal.signal(signal.SIGTERM, on_signal(agent.terminate))
     return agent.run()
 

@@ -266,8 +266,8 @@ class Launcher:
     def run(self) -> int:
         """Run until the trainer exits or is stopped; its exit code (0 when stopped). The process's entry."""
         self.subreaper = protocol.become_subreaper() or os.getpid() == 1  # PID 1 (a pod's) adopts them anyway
-        signal.signal(signal.SIGTERM, lambda *_: self._terminated.set())
-        signal.signal(signal.SIGINT, lambda *_: self._terminated.set())
+        for sig in (signal.SIGTERM, signal.SIGINT):  # set from a thread: see agent_cli.on_signal
+            signal.signal(sig, lambda *_: threading.Thread(target=self._terminated.set, daemon=True).start())
         echo = _Echo(self.dir / protocol.LOG) if self.echo else None
         if echo is not None:
             threading.Thread(target=echo.follow, daemon=True).start()
