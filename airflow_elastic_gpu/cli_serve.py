@@ -28,14 +28,14 @@ def cmd_broker(args: argparse.Namespace) -> int:
     # stripped, as a command's output ends with a newline that no client sends
     ui_token = get_option("ui_token", conf=airflow_conf()).strip() or None
     check_bind_address(args.host, ui_token)
+    overrides = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),
+                                   ("max_metrics_bytes", args.max_metrics_bytes)) if v is not None}
+    limits = ApiLimits.from_env(given=overrides)  # before the database is touched (or migrated)
     # the database answers before the server does: a bad or unreachable URL is one line and exit 2
     # here, not a server whose every API call fails with 500 behind a page that loads
     probe = _broker(args)
     probe.pools()
     probe.engine.dispose()
-    overrides = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),
-                                   ("max_metrics_bytes", args.max_metrics_bytes)) if v is not None}
-    limits = ApiLimits.from_env(given=overrides)
     app = create_app(broker_url=args.broker_url or default_broker_url(), ui_token=ui_token, limits=limits,
                      api_docs=args.api_docs)
     shown = mask_url(args.broker_url or default_broker_url())

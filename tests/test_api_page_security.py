@@ -109,6 +109,8 @@ def test_broker_serve_refuses_an_open_public_address(tmp_path, monkeypatch, caps
     out = " ".join((captured.out + captured.err).split())
     assert "--host 0.0.0.0 would let anyone who reaches it read every job" in out
     assert not (tmp_path / "b.db").exists()  # refused before touching the database
+    assert cli(["--broker-url", f"sqlite:///{tmp_path / 'b.db'}", "broker", "serve", "--max-body-bytes", "-1"]) == 2
+    assert "--max-body-bytes must be a positive integer" in capsys.readouterr().err and not (tmp_path / "b.db").exists()
 
 
 def test_the_image_and_compose_file_do_not_serve_open_views():
