@@ -112,8 +112,8 @@ def test_a_deferred_tasks_deadline_holds_while_its_polls_keep_failing(worker_env
             assert time.monotonic() < deadline, "the job was not timed out while the polls failed"
             assert not task.done()
             await asyncio.sleep(0.05)
-        # one stuck poll at a time, in a daemon thread: none piled up in the loop's shared executor
-        assert sum(t.name == "elastic-gpu_poll" for t in threading.enumerate()) <= 1
+        # a few stuck polls at most, in daemon threads: none piled up in the loop's shared executor
+        assert sum(t.name == "elastic-gpu_poll" for t in threading.enumerate()) <= training.MAX_UNANSWERED
         failing[0] = False
         released.set()
         return await asyncio.wait_for(task, 20)

@@ -114,27 +114,6 @@ def test_the_brokers_figures_are_not_replaced_by_trainer_metrics_of_the_same_nam
     assert (result["job_id"], result["exit_code"], result["accuracy"]) == (job.id, 0, 0.9)
 
 
-def test_a_subclass_asset_metadata_is_what_the_outlet_events_get(tmp_path):
-    from types import SimpleNamespace
-
-    from airflow.sdk import Asset
-
-    class Mine(ElasticTrainingOperator):
-        def asset_metadata(self, job):
-            return {"model": f"{job.name}-v2"}
-
-    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
-    broker.register_node("n0", 1)
-    job = broker.submit(JobSpec("t", "python train.py", total_steps=10))
-    broker.ack(job.id, 1)
-    broker.finish(job.id)
-    model = Asset("file:///models/t")
-    op = Mine(task_id="train", command="python train.py", total_steps=10, outlets=[model])
-    events = {model: SimpleNamespace(extra={})}
-    op._result(broker.job(job.id), {"outlet_events": events})
-    assert events[model].extra == {"model": "t-v2"}
-
-
 def test_trigger_fires_on_the_brokers_terminal_state_and_on_kill_releases_gpus(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'broker.db'}"
     monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)

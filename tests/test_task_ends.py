@@ -302,3 +302,63 @@ def test_a_stop_that_fails_when_the_trigger_is_cancelled_leaves_the_cancel_and_o
     trigger._kill = broker_away
     asyncio.run(_mark_failed_while_it_watches(trigger))
     assert broker.job(job.id).status is JobStatus.CANCELLED
+
+
+def test_a_subclass_asset_metadata_is_what_the_outlet_events_get(tmp_path):
+    from types import SimpleNamespace
+
+    from airflow.sdk import Asset
+
+    class Mine(ElasticTrainingOperator):
+        def asset_metadata(self, job):
+            return {"model": f"{job.name}-v2"}
+
+    from airflow_elastic_gpu.broker.service import GpuBroker
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    broker.register_node("n0", 1)
+    job = broker.submit(JobSpec("t", "python train.py", total_steps=10))
+    broker.ack(job.id, 1)
+    broker.finish(job.id)
+    model = Asset("file:///models/t")
+    op = Mine(task_id="train", command="python train.py", total_steps=10, outlets=[model])
+    events = {model: SimpleNamespace(extra={})}
+    op._result(broker.job(job.id), {"outlet_events": events})
+    assert events[model].extra == {"model": "t-v2"}
+
+
+def test_one_call_that_never_answers_does_not_stop_the_trigger_following_the_job(worker_env, monkeypatch):
+    """A backend call stuck for ever (an API server that accepted the connection and never answers)
+    was given up after ``POLL_TIMEOUT_S``, but every later poll was refused while it had not
+    answered: without an execution_timeout the trigger never fired the job's end."""
+    from airflow_elastic_gpu.backends.local import LocalBackend
+    from airflow_elastic_gpu.triggers import training
+
+    monkeypatch.setattr(training, "POLL_TIMEOUT_S", 0.3)
+    broker, _, _ = worker_env
+    broker.register_node("localhost", 2)
+    job = broker.submit(JobSpec("j", "python train.py", 1, 1, total_steps=10))
+    broker.ack(job.id, 1)
+    release, calls = threading.Event(), []
+
+    def sync(self, view, *, env=None, context=None):
+        calls.append(view.id)
+        if len(calls) == 1:
+            release.wait(60)  # the one stuck client
+
+    monkeypatch.setattr(LocalBackend, "sync", sync)
+    monkeypatch.setattr(LocalBackend, "problem", lambda self, view: None)
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, poll_interval=0.03)
+    trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
+
+    async def follow():
+        running = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.sleep(0.5)
+        broker.finish(job.id)
+        return await asyncio.wait_for(running, 20)
+
+    try:
+        event = asyncio.run(follow())
+    finally:
+        release.set()
+    assert event.payload["status"] == "succeeded" and len(calls) >= 2

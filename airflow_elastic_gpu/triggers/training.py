@@ -77,6 +77,8 @@ user acted on (marked it failed or success, cleared it), just before it calls ``
 whose trigger timeout passed (a ``start_from_trigger`` task's execution_timeout), without
 ``on_kill``."""
 POLL_TIMEOUT_S = 60.0
+MAX_UNANSWERED = 3
+"""Calls of one kind past :data:`POLL_TIMEOUT_S` a trigger leaves running before it stops calling."""
 """The longest a poll of the job is waited for (seconds; at least 10 poll intervals): one stuck on a
 database lock or an API server that never answers is then taken for a failed poll, so that the
 task's execution_timeout is still enforced while it is deferred (its thread is left behind)."""
@@ -153,7 +155,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         self._submit_future: concurrent.futures.Future[JobView] | None = None
         self._stopped = False  # the job was stopped when Airflow cancelled the trigger (on_kill skips)
         self._stop_lock = threading.Lock()
-        self._unanswered: dict[str, concurrent.futures.Future[Any]] = {}  # calls past POLL_TIMEOUT_S, by name
+        self._unanswered: dict[str, list[concurrent.futures.Future[Any]]] = {}  # past POLL_TIMEOUT_S, by name
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         kwargs: dict[str, Any] = {
@@ -347,19 +349,23 @@ class ElasticTrainingTrigger(BaseTrigger):
 
     async def _within_poll_timeout(self, call: Callable[[], _T]) -> _T:
         """``call()`` in a daemon thread, waited for :data:`POLL_TIMEOUT_S` (at least 10 poll
-        intervals); not called again while an earlier call of it has not answered (no pile of stuck
-        threads, and none in the event loop's executor, which every trigger shares).
+        intervals). A call past it is left to answer in its thread, and the next one (with the new
+        clients a failed poll makes) goes ahead: one stuck client (an API server that accepted the
+        connection and never answers) wedged the trigger, which then never fired the job's end. At
+        most :data:`MAX_UNANSWERED` of a kind are left so (no pile of stuck threads, and none in the
+        event loop's executor, which every trigger shares).
 
-        :raises TimeoutError: no answer by then, or the earlier call's still missing."""
+        :raises TimeoutError: no answer by then, or too many earlier calls still missing."""
         name, limit_s = getattr(call, "__name__", "call"), max(POLL_TIMEOUT_S, 10 * self.poll_interval)
-        if (earlier := self._unanswered.get(name)) is not None and not earlier.done():
-            raise TimeoutError(f"an earlier {name} has not answered yet (a database lock held, or an API server "
-                               "that does not answer)")
+        stuck = self._unanswered[name] = [f for f in self._unanswered.get(name, []) if not f.done()]
+        if len(stuck) >= MAX_UNANSWERED:
+            raise TimeoutError(f"{len(stuck)} earlier {name} calls have not answered yet (a database lock held, "
+                               "or an API server that does not answer)")
         future = in_daemon_thread(call, f"elastic-gpu{name}")
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit_s)
         except TimeoutError:
-            self._unanswered[name] = future
+            stuck.append(future)
             raise TimeoutError(f"no answer in {limit_s:.0f}s (a database lock held, or an API server that does "
                                "not answer)") from None
 
