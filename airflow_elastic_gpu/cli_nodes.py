@@ -45,10 +45,11 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             raise BackendError(f"kube-sync needs Airflow's Kubernetes provider ({exc}): "
                                "pip install 'airflow-elastic-gpu[airflow]'") from None
 
+        from airflow_elastic_gpu.backends.kubernetes_config import with_request_timeout
         from airflow_elastic_gpu.backends.kubernetes_nodes import register_nodes_from_cluster
 
         try:
-            core_v1 = KubernetesHook(conn_id=args.kubernetes_conn_id).core_v1_client
+            core_v1 = with_request_timeout(KubernetesHook(conn_id=args.kubernetes_conn_id).core_v1_client)
         except ConfigException as exc:  # no kube-config, no in-cluster service account
             raise BackendError(f"no Kubernetes cluster to read through connection {args.kubernetes_conn_id!r}: "
                                f"{exc} (set the connection's kube_config_path, or run in the cluster)") from None

@@ -430,3 +430,27 @@ def test_a_stop_tries_every_deletion_and_names_the_one_that_failed(tmp_path):
     assert api.services == {} and api.secrets == {}
     assert ("delete service", service_name(job.id)) in api.calls
     broker.engine.dispose()
+
+
+def test_a_call_to_an_api_server_that_never_answers_times_out():
+    """The Kubernetes client sets no time-out: a call to an API server that accepted the connection
+    and never answered waited for ever (a trigger's poll, a worker's wait, ``nodes kube-sync``).
+    The real client, against a socket that accepts and stays silent."""
+    import socket
+    import time as clock
+
+    from kubernetes import client
+
+    from airflow_elastic_gpu.backends.kubernetes_config import with_request_timeout
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        config = client.Configuration()
+        config.host = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        core_v1 = with_request_timeout(client.CoreV1Api(client.ApiClient(config)), (1.0, 1.0))
+        started = clock.monotonic()
+        with pytest.raises(Exception, match="(?i)timed? ?out"):
+            core_v1.list_namespaced_pod("default")
+        assert clock.monotonic() - started < 20
+    finally:
+        silent.close()

@@ -65,6 +65,7 @@ from airflow_elastic_gpu.backends.kubernetes_config import (  # noqa: F401 - re-
     label_value,
     resource_name,
     to_dict,
+    with_request_timeout,
 )
 from airflow_elastic_gpu.backends.kubernetes_nodes import register_nodes_from_cluster  # noqa: F401 - re-exported
 from airflow_elastic_gpu.backends.kubernetes_pods import (  # re-exported: the backend's public names
@@ -148,7 +149,7 @@ class KubernetesBackend:
         if self._core_v1 is None:
             from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
 
-            self._core_v1 = KubernetesHook(conn_id=self.config.kubernetes_conn_id).core_v1_client
+            self._core_v1 = with_request_timeout(KubernetesHook(conn_id=self.config.kubernetes_conn_id).core_v1_client)
         return self._core_v1
 
     def ensure_pool(self, pool: str) -> str | None:

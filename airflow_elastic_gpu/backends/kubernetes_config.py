@@ -41,6 +41,27 @@ def hardened_security_context(*, read_only_root: bool) -> dict[str, Any]:
     return context
 
 
+REQUEST_TIMEOUT_S = (10.0, 60.0)
+"""Connect and read time-outs of every call the Kubernetes backend makes (seconds): the client sets
+none, and a call to an API server that accepted the connection and never answered waited for ever."""
+
+
+def with_request_timeout(core_v1: Any, timeout_s: float | tuple[float, float] = REQUEST_TIMEOUT_S) -> Any:
+    """``core_v1`` (a ``CoreV1Api``) whose calls that name no ``_request_timeout`` get ``timeout_s``.
+
+    :returns: ``core_v1`` itself (its ``api_client``'s ``call_api`` wrapped)."""
+    api = core_v1.api_client
+    call = api.call_api
+
+    def call_api(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("_request_timeout") is None:
+            kwargs["_request_timeout"] = timeout_s
+        return call(*args, **kwargs)
+
+    api.call_api = call_api
+    return core_v1
+
+
 @functools.cache
 def _api_client() -> Any:
     """The Kubernetes client's (de)serializer, made on first use: the settings are checked when a
