@@ -362,3 +362,36 @@ def test_one_call_that_never_answers_does_not_stop_the_trigger_following_the_job
     finally:
         release.set()
     assert event.payload["status"] == "succeeded" and len(calls) >= 2
+
+
+@pytest.mark.parametrize("error", ["backend", "database"])
+def test_a_restarted_trigger_that_cannot_reattach_for_a_moment_hands_the_job_to_the_worker(worker_env, monkeypatch,
+                                                                                          error):
+    """``start_from_trigger``: the trigger submits again after a triggerer restart and reattaches.
+    One failure there (a cluster API's 503, the database away past the reconnect deadline) fired an
+    event without the job, or crashed ``run``: the try failed, and the job trained on, followed by
+    nobody. Now the event names the job, and the worker follows it to its end."""
+    from sqlalchemy.exc import OperationalError
+
+    from airflow_elastic_gpu.backends.base import BackendError
+    from airflow_elastic_gpu.backends.local import LocalBackend
+
+    broker, backend, trainer = worker_env
+    op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 40", total_steps=40,
+                                 virtual_gpus=1, poll_interval=0.2, start_from_trigger=True)
+    kwargs = op.start_trigger_args.trigger_kwargs
+    first = ElasticTrainingTrigger(**kwargs)
+    first.task_instance = _trigger_ti()
+    job_id = asyncio.run(asyncio.to_thread(first._submit)).id
+    wait_for(lambda: backend.is_running(job_id), 30, "the job to run")
+    failure = (BackendError("the API server answered 503") if error == "backend"
+               else OperationalError("SELECT 1", {}, Exception("server closed the connection")))
+    with monkeypatch.context() as m:
+        m.setattr(LocalBackend, "is_running", lambda self, jid: (_ for _ in ()).throw(failure))
+        again = ElasticTrainingTrigger(**ElasticTrainingTrigger(**kwargs).serialize()[1])
+        again.task_instance = _trigger_ti()  # the same try, on the restarted triggerer
+        event = asyncio.run(asyncio.wait_for(again.run().__anext__(), 30))
+    assert event.payload["job_id"] == job_id and event.payload["status"] == "error"
+    result = op.execute_complete({"ti": _FakeTI()}, event.payload)
+    assert result["job_id"] == job_id and result["final_step"] == 40
+    assert broker.job(job_id).status is JobStatus.SUCCEEDED

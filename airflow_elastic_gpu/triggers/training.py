@@ -32,7 +32,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from airflow_elastic_gpu.broker.types import (
-    BrokerError,
     JobSpec,
     JobView,
     NotFound,
@@ -153,6 +152,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         self._watcher: JobWatcher | None = None
         self._dropped: JobWatcher | None = None  # the watcher before the last failed poll
         self._submit_future: concurrent.futures.Future[JobView] | None = None
+        self._submitted_id: str | None = None  # the job the broker has for this try, once it answered
         self._stopped = False  # the job was stopped when Airflow cancelled the trigger (on_kill skips)
         self._stop_lock = threading.Lock()
         self._unanswered: dict[str, list[concurrent.futures.Future[Any]]] = {}  # past POLL_TIMEOUT_S, by name
@@ -207,7 +207,8 @@ class ElasticTrainingTrigger(BaseTrigger):
             relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
             attempt=attempt_of(ti),  # no max_tries: the triggerer's task instance does not have the real one
         )
-        return submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log).job
+        return submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log,
+                                on_submitted=lambda submitted: setattr(self, "_submitted_id", submitted.id)).job
 
     def _submitting(self) -> concurrent.futures.Future[JobView]:
         """:meth:`_submit` in a thread of its own; its future outlives a cancelled :meth:`run`, so
@@ -275,14 +276,18 @@ class ElasticTrainingTrigger(BaseTrigger):
 
     async def _events(self) -> AsyncIterator[TriggerEvent]:
         if self.job_id is None:
-            from airflow_elastic_gpu.backends import BackendError
-
             try:
                 self.job_id = (await asyncio.wrap_future(self._submitting())).id
-            except (BrokerError, BackendError, ValueError, OSError, AirflowFailException) as exc:
+            except Exception as exc:  # noqa: BLE001 - every failure fires (a raise left the job unfollowed)
                 self.log.error("could not submit the training: %s", exc)
-                yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc),
-                                    "retry": not isinstance(exc, AirflowFailException)})  # a bad setting: none
+                if isinstance(exc, AirflowFailException) or self._submitted_id is None:  # a bad setting: no retry
+                    yield TriggerEvent({"job_id": None, "status": "error", "reason": str(exc),
+                                        "retry": not isinstance(exc, AirflowFailException)})
+                    return
+                # the broker has the job (a re-submission after a restart meeting a cluster API or a
+                # database away for a moment; a start that failed it): the worker follows it to its end
+                yield TriggerEvent({"job_id": self._submitted_id, "status": "error", "deadline_s": self.deadline_s,
+                                    "reason": f"could not start or reattach to the job: {exc}"})
                 return
         timed_out, failures = False, 0  # failures: time-outs tried past the deadline that failed
         missing_since: float | None = None  # when the triggerer's broker first had no such job
