@@ -157,7 +157,10 @@ def create_app(
     body_context = {"max_metrics_bytes": limits.max_metrics_bytes}
 
     def own_deployment() -> str:  # through Airflow's conf where there is one (its _CMD forms too)
-        return deployment if deployment is not None else default_deployment(conf=airflow_conf())
+        try:
+            return deployment if deployment is not None else default_deployment(conf=airflow_conf())
+        except ValueError as exc:  # this server's configuration: no request mends it
+            raise HTTPException(500, f"this server's {exc}") from None
 
     def get_broker() -> GpuBroker:
         if not made:  # created on first use: importing the app must not touch a database
@@ -169,12 +172,7 @@ def create_app(
     def viewer_of(viewer: Annotated[Viewer, Depends(ui_viewer or reads_all)]) -> Viewer:
         """The request's viewer; one limited to some DAGs reads those of this server's deployment (a
         broker that deployments share has another deployment's DAG of the same id: another DAG)."""
-        if viewer.dag_ids is None:
-            return viewer
-        try:
-            return replace(viewer, deployment=own_deployment())
-        except ValueError as exc:  # this server's configuration: no request mends it
-            raise HTTPException(500, f"this server's {exc}") from None
+        return viewer if viewer.dag_ids is None else replace(viewer, deployment=own_deployment())
 
     ViewerDep = Annotated[Viewer, Depends(viewer_of)]
     timelines: dict[str, tuple[int, TimelineOut]] = {}  # pool -> (its newest event's id, its timeline then)
@@ -356,10 +354,7 @@ def create_app(
         """The job an Airflow task instance submitted (its latest: a retry's job when a try
         replaced the one before), of Airflow deployment ``deployment`` (default the server's
         ``[elastic_gpu] deployment``; ``""``: none); 404 when it has submitted none."""
-        try:
-            name = deployment if deployment is not None else own_deployment()
-        except ValueError as exc:  # this server's configuration: no request mends it
-            raise HTTPException(500, f"this server's {exc}") from None
+        name = deployment if deployment is not None else own_deployment()
         job = b.job_by_key(task_key(dag_id, task_id, run_id, map_index, deployment=name))
         if job is None or viewer.hides(job.key, job.family):  # a DAG it may not read: none to see
             where = f"{dag_id}.{task_id} (run {run_id}" + ("" if map_index < 0 else f", map index {map_index}") + ")"
