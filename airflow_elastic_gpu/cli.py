@@ -87,6 +87,7 @@ def _broker(args: argparse.Namespace, *, existing: bool = False) -> GpuBroker:
                        f"$AIRFLOW_HOME, --broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url"
                        f"{hint})")
     broker = GpuBroker(url, reconnect_deadline_s=CLI_RECONNECT_DEADLINE_S, migrate=not existing)
+
     def check_schema() -> None:  # a database without the broker's tables is not made one by a command that reads
         with broker.engine.connect() as conn:
             if MigrationContext.configure(conn).get_current_revision() is None:

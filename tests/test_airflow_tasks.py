@@ -320,6 +320,21 @@ def _trigger_ti(run_id: str = "manual__1", ti_id: str = "0193a1b2-try-1"):
     return SimpleNamespace(id=ti_id, dag_id="sft", task_id="train", run_id=run_id, map_index=-1, try_number=1)
 
 
+def _started_from_trigger(op: ElasticTrainingOperator) -> tuple[dict, str]:
+    """``op``'s trigger arguments, and the job its first trigger submitted and started."""
+    kwargs = op.start_trigger_args.trigger_kwargs
+    first = ElasticTrainingTrigger(**kwargs)
+    first.task_instance = _trigger_ti()
+    return kwargs, asyncio.run(asyncio.to_thread(first._submit)).id
+
+
+def _made_again(kwargs: dict) -> ElasticTrainingTrigger:
+    """The trigger made again from its stored arguments (a restarted triggerer), for the same try."""
+    again = ElasticTrainingTrigger(**ElasticTrainingTrigger(**kwargs).serialize()[1])
+    again.task_instance = _trigger_ti()
+    return again
+
+
 def test_started_from_the_triggerer_the_trigger_submits_the_job_and_a_restarted_one_reattaches(worker_env):
     broker, _backend, trainer = worker_env
     op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 30", total_steps=30,
@@ -328,13 +343,9 @@ def test_started_from_the_triggerer_the_trigger_submits_the_job_and_a_restarted_
     assert op.start_trigger_args.next_method == "execute_complete"
     kwargs = op.start_trigger_args.trigger_kwargs
     assert kwargs["job_id"] is None and kwargs["command"] == op.command
-    first = ElasticTrainingTrigger(**kwargs)
-    first.task_instance = _trigger_ti()
-    job_id = asyncio.run(asyncio.to_thread(first._submit)).id
+    kwargs, job_id = _started_from_trigger(op)
     # the triggerer restarts: the trigger is made again from its stored arguments and submits again
-    again = ElasticTrainingTrigger(**ElasticTrainingTrigger(**kwargs).serialize()[1])
-    again.task_instance = _trigger_ti()
-    event = asyncio.run(asyncio.wait_for(again.run().__anext__(), 60))
+    event = asyncio.run(asyncio.wait_for(_made_again(kwargs).run().__anext__(), 60))
     assert event.payload["job_id"] == job_id and event.payload["status"] == "succeeded"
     (job,) = broker.jobs()
     assert job.key == "sft/train/manual__1/-1" and job.in_use_gpus == ()
@@ -351,14 +362,9 @@ def test_a_trigger_made_again_after_its_job_ended_fires_that_end_and_a_retry_tra
     broker, backend, trainer = worker_env
     op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 30", total_steps=30,
                                  virtual_gpus=2, poll_interval=0.2, start_from_trigger=True)
-    kwargs = op.start_trigger_args.trigger_kwargs
-    first = ElasticTrainingTrigger(**kwargs)
-    first.task_instance = _trigger_ti()
-    job_id = asyncio.run(asyncio.to_thread(first._submit)).id
+    kwargs, job_id = _started_from_trigger(op)
     wait_for(lambda: broker.job(job_id).status.terminal, timeout_s=60)  # no trigger watched it end
-    again = ElasticTrainingTrigger(**ElasticTrainingTrigger(**kwargs).serialize()[1])
-    again.task_instance = _trigger_ti()
-    event = asyncio.run(asyncio.wait_for(again.run().__anext__(), 60))
+    event = asyncio.run(asyncio.wait_for(_made_again(kwargs).run().__anext__(), 60))
     assert event.payload["job_id"] == job_id and event.payload["status"] == "succeeded"
     assert [j.id for j in broker.jobs()] == [job_id], "the ended job was not submitted again"
     retry = ElasticTrainingTrigger(**kwargs)

@@ -16,7 +16,7 @@ import time
 import pytest
 from airflow.exceptions import AirflowException
 from airflow.sdk.exceptions import AirflowFailException
-from test_airflow_tasks import _FakeTI, _trigger_ti
+from test_airflow_tasks import _FakeTI, _made_again, _started_from_trigger, _trigger_ti
 from test_sidecar import wait_for
 
 from airflow_elastic_gpu.broker.types import JobSpec
@@ -379,18 +379,13 @@ def test_a_restarted_trigger_that_cannot_reattach_for_a_moment_hands_the_job_to_
     broker, backend, trainer = worker_env
     op = ElasticTrainingOperator(task_id="train", command=f"{sys.executable} {trainer} x 40", total_steps=40,
                                  virtual_gpus=1, poll_interval=0.2, start_from_trigger=True)
-    kwargs = op.start_trigger_args.trigger_kwargs
-    first = ElasticTrainingTrigger(**kwargs)
-    first.task_instance = _trigger_ti()
-    job_id = asyncio.run(asyncio.to_thread(first._submit)).id
+    kwargs, job_id = _started_from_trigger(op)
     wait_for(lambda: backend.is_running(job_id), 30, "the job to run")
     failure = (BackendError("the API server answered 503") if error == "backend"
                else OperationalError("SELECT 1", {}, Exception("server closed the connection")))
     with monkeypatch.context() as m:
         m.setattr(LocalBackend, "is_running", lambda self, jid: (_ for _ in ()).throw(failure))
-        again = ElasticTrainingTrigger(**ElasticTrainingTrigger(**kwargs).serialize()[1])
-        again.task_instance = _trigger_ti()  # the same try, on the restarted triggerer
-        event = asyncio.run(asyncio.wait_for(again.run().__anext__(), 30))
+        event = asyncio.run(asyncio.wait_for(_made_again(kwargs).run().__anext__(), 30))  # the same try
     assert event.payload["job_id"] == job_id and event.payload["status"] == "error"
     result = op.execute_complete({"ti": _FakeTI()}, event.payload)
     assert result["job_id"] == job_id and result["final_step"] == 40

@@ -98,6 +98,7 @@ def holds(column: Any, text: str) -> ColumnElement[bool]:
     SQLAlchemy's ``contains``) ignores ASCII case, so ``{NNODES}`` matched ``{nnodes}``."""
     return _Position(literal(text), column) > 0
 
+
 def _model(observed: Iterable[Any]) -> ThroughputModel:
     return ThroughputModel(tuple((int(n), float(t)) for n, t in observed)) if observed else _UNMEASURED
 
