@@ -9,6 +9,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+import pytest
+
 from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.sidecar.agent import Agent
@@ -132,6 +134,53 @@ def test_a_pod_replaced_while_a_call_waited_is_not_the_jobs_failure(tmp_path):
         assert run(agent, 10) == 0
         assert broker.calls == [], terminated
 
+
+
+def _stops_when_asked(d: Path, stopped: dict) -> None:
+    """A stand-in launcher: its trainer runs until ``stop.json`` appears, then reports ``stopped``."""
+    while not (d / protocol.STOP).exists():
+        threading.Event().wait(0.01)
+    protocol.write_json(d / protocol.STATUS, stopped)
+
+
+@pytest.mark.parametrize("restored", ["an older generation", "the same generation on other GPUs"])
+def test_a_broker_whose_record_went_back_has_the_trainer_stopped_and_the_job_failed(tmp_path, restored):
+    """The broker's database restored from a backup (or failed over to a replica that lost the latest
+    commits): it answers with generation 1 on GPU 0, or with a generation 2 of its own on GPU 0, while
+    the trainer runs generation 2 on GPU 1. The agent took the answer as nothing new and renewed the
+    lease: the trainer trained on, on a GPU the broker then handed to another job."""
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 2, "gpus": [1], "stop": False})
+    running = {"generation": 2, "state": protocol.RUNNING, "launcher_pid": os.getpid()}
+    protocol.write_json(tmp_path / protocol.STATUS, running)
+    generation = 1 if restored == "an older generation" else 2
+    broker = Broker(Target("j", JobStatus.RUNNING, generation, (GpuId("n1", 0),), 60.0))
+    threading.Thread(target=_stops_when_asked, args=(tmp_path, {**running, "state": protocol.STOPPED}),
+                     daemon=True).start()
+    assert run(Agent(broker, "j", tmp_path, poll_s=0.01, stop_timeout_s=5)) == 0
+    [(what, reason, _)] = broker.calls
+    assert what == "fail" and "restored or failed over" in reason, reason
+    assert protocol.read_json(tmp_path / protocol.DESIRED)["generation"] == 2, "nothing new was written"
+    assert not (tmp_path / protocol.LEASE).exists(), "the lease was not renewed on the broker's word"
+
+
+def test_a_gang_whose_broker_record_went_back_stops_every_node(tmp_path):
+    """The same for a gang of launchers on one host: generation 1 names other GPUs after a restore."""
+    d = _gang(tmp_path)
+    for n in ("a", "b"):
+        threading.Thread(target=_stops_when_asked, daemon=True, args=(d / "nodes" / n, {
+            "generation": 1, "state": protocol.STOPPED, "launcher_pid": os.getpid()})).start()
+    broker = Broker(Target("j", JobStatus.RUNNING, 1, (GpuId("a", 0), GpuId("b", 1)), 60.0))
+    assert run(Agent(broker, "j", d, poll_s=0.01, stop_timeout_s=5)) == 0
+    [(what, reason, _)] = broker.calls
+    assert what == "fail" and "names other GPUs" in reason, reason
+
+
+def test_the_broker_answering_the_generation_written_is_not_a_restore(tmp_path):
+    """The usual answer (the generation the trainer runs, on its GPUs) changes nothing."""
+    protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 2, "gpus": [1], "stop": False})
+    agent = Agent(Broker(), "j", tmp_path)
+    assert agent._went_back(Target("j", JobStatus.RUNNING, 2, (GpuId("n1", 1),), 60.0), 2) is None
+    assert agent._went_back(Target("j", JobStatus.RUNNING, 3, (GpuId("n1", 0),), 60.0), 2) is None
 
 _SIGNAL_WHILE_LOCKED = """
 import os, signal, sys, threading, time

@@ -431,3 +431,38 @@ def test_a_cancelled_job_s_gpu_goes_to_the_next_job_only_once_its_trainer_has_st
     assert "its trainer stopped" in release.message, release.message
     assert broker.job(job.id).status is JobStatus.CANCELLED and broker.job(job.id).in_use_gpus == ()
     broker.cancel(waiting.id)
+
+
+def test_a_broker_database_restored_from_a_backup_stops_the_trainer_it_no_longer_knows(tmp_path, trainer):
+    """The broker's database restored from a backup taken before the job moved to another GPU: the
+    broker knows it on GPU 0 (generation 1) while its trainer runs on GPU 1 (generation 2), a GPU
+    the broker may hand to another job. The agent stops the trainer and fails the job, naming why."""
+    import sqlite3
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
+    broker.register_node("localhost", 2)
+    broker.configure_pool(lease_s=3.0, policy_params=RESIZE_AT_ONCE)
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=30.0)
+    job = broker.submit(JobSpec("restored", f"{sys.executable} {trainer} x 100000", 1, 1, total_steps=100000))
+    broker.start(job.id, backend.start(job))
+    try:
+        handle = backend.handle(job.id)
+        wait_for(lambda: broker.job(job.id).acked_generation == 1, 30, "the job to run")
+        backup = sqlite3.connect(tmp_path / "backup.db")
+        with sqlite3.connect(tmp_path / "broker.db") as live:
+            live.backup(backup)
+        (first,) = broker.job(job.id).in_use_gpus
+        broker.set_gpus_healthy("localhost", [first.index], False)  # the job moves to the other GPU
+        broker.rebalance()
+        wait_for(lambda: broker.job(job.id).acked_generation == 2, 30, "the job to run on the other GPU")
+        moved_pid = protocol.read_json(handle.job_dir / protocol.STATUS)["pid"]
+        with sqlite3.connect(tmp_path / "broker.db") as live:
+            backup.backup(live)  # the restore
+        backup.close()
+        ended = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 30, "the job's end")
+        assert ended.status is JobStatus.FAILED and "went back from 2 to 1" in ended.reason, ended.reason
+        assert not protocol.pid_alive(moved_pid), "the trainer on the GPU the broker forgot still runs"
+        assert protocol.read_json(handle.job_dir / protocol.STATUS)["state"] == protocol.STOPPED
+    finally:
+        backend.stop(job.id, timeout_s=5)
+        broker.engine.dispose()

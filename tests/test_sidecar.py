@@ -325,7 +325,8 @@ class MovedOnBroker:
 
 
 def running(shared: Path, generation: int) -> None:
-    protocol.write_json(shared / protocol.DESIRED, {"generation": generation, "gpus": [0, 1], "stop": False})
+    """The launcher runs ``generation`` on GPU 0 (:class:`MovedOnBroker`'s GPU)."""
+    protocol.write_json(shared / protocol.DESIRED, {"generation": generation, "gpus": [0], "stop": False})
     protocol.write_json(shared / protocol.STATUS, {"generation": generation, "state": protocol.RUNNING})
 
 

@@ -202,6 +202,9 @@ class Agent(EndReports):
             if contact:
                 if target.status.terminal:
                     return self._stop_ended(f"job is {target.status.value} in the broker")
+                if (back := self._went_back(target, written)) is not None:
+                    log.error("%s: the trainer may run on GPUs the broker can hand to another job", back)
+                    return self._stop_ended(back)
                 self._renew(sent_s, target)
                 self.newest_generation = max(self.newest_generation, target.generation)
                 written = self.written = self._apply(target, written)
@@ -274,6 +277,25 @@ class Agent(EndReports):
                 self._report_failure(f"the launcher (pid {gone}) died without reporting an exit; its trainer was killed")
                 return 1
             self.terminating.wait(self.poll_s)
+
+    def _went_back(self, target: Target, written: int) -> str | None:
+        """Why the broker's record of the job is older than what the trainer was given (its database
+        restored from a backup, or failed over to a replica that lost the latest commits), or None:
+        its generation is below the one written, or the one written names other GPUs there. The
+        broker then does not know the GPUs the trainer runs on and may hand them to another job, so
+        the job is stopped and failed (its next try resumes from its checkpoint)."""
+        if target.generation < written:
+            return (f"the broker's generation went back from {written} to {target.generation} "
+                    "(its database restored or failed over?)")
+        desired = self._desired()
+        if not written or target.generation != written or int(desired.get("generation", 0)) != written:
+            return None
+        mine = desired.get("gpus")
+        theirs = self._part(target)["gpus"] if self.gang is None else [[g.node, g.index] for g in target.gpus]
+        if mine is None or [list(g) if isinstance(g, list | tuple) else g for g in mine] == theirs:
+            return None
+        return (f"the broker's generation {written} names other GPUs ({theirs}) than the trainer was given "
+                f"({mine}): its database restored or failed over?")
 
     def _may_be_replaced(self) -> bool:
         """Whether the broker may replace this agent's pod (one of a generation, on a node, or a
