@@ -84,7 +84,13 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         table.add_column(col)
     # list: the pool named with --pool, else every pool; add/detect/kube-sync: every pool (the new
     # node among them)
-    for n in broker.nodes(args.pool if args.action == "list" and args.pool_given else None):
+    shown = broker.nodes(args.pool if args.action == "list" and args.pool_given else None)
+    if args.action == "list" and args.name_given:  # `nodes list NAME`: that node only
+        shown = [n for n in shown if n.name == args.name]
+        if not shown:
+            raise NotFound(f"unknown node {args.name!r}"
+                           + (f" in pool {args.pool!r}" if args.pool_given else "") + " (`nodes list` shows every node)")
+    for n in shown:
         table.add_row(Text(n.pool), Text(n.name), "yes" if n.schedulable else "no", str(len(n.gpus)),
                       Text(n.gpus[0].gpu_type) if n.gpus else "-",
                       str(sum(g.in_use_by is not None for g in n.gpus)),
@@ -123,7 +129,7 @@ def add_nodes_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--label-selector", default="nvidia.com/gpu.present=true",
                    help="which of the cluster's nodes have GPUs (kube-sync; default nvidia.com/gpu.present=true)")
     p.add_argument("name", nargs="?", default=None,
-                   help=f"node name (add: default {LOCAL_NODE!r}; drain, uncordon, remove: required)")
+                   help=f"node name (add: default {LOCAL_NODE!r}; drain, uncordon, remove: required; list: that node only)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (add)")
     p.add_argument("--gpu", type=int, action="append", default=None, metavar="INDEX",
                    help="drain/uncordon: only this GPU of the node (a failing one: Xid or ECC errors); repeat for several")

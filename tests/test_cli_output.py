@@ -133,6 +133,11 @@ def test_nodes_list_shows_the_pool_it_is_given(tmp_path, monkeypatch, capsys):
     assert "a-node" in out and "b-node" in out
     assert main(["nodes", "list", "--pool", "nope"]) != 0
     assert "unknown GPU pool 'nope'; known pools: default, other" in capsys.readouterr().err
+    assert main(["nodes", "list", "b-node"]) == 0  # a name: that node only (it was ignored)
+    out = capsys.readouterr().out
+    assert "b-node" in out and "a-node" not in out
+    assert main(["nodes", "list", "a-node", "--pool", "other"]) != 0
+    assert "unknown node 'a-node' in pool 'other'" in capsys.readouterr().err
 
 
 def test_names_and_messages_with_brackets_are_printed_as_they_are(tmp_path, monkeypatch, capsys):
