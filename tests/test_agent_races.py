@@ -202,3 +202,33 @@ def test_a_sigterm_while_the_agent_holds_its_events_lock_does_not_hang_it():
     run = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_LOCKED], capture_output=True, text=True,
                          timeout=30, check=False)
     assert run.stdout.strip() == "set", run.stderr[-2000:]
+
+
+def test_a_trainer_its_killed_launcher_never_recorded_is_killed_before_the_job_fails(tmp_path):
+    """The launcher SIGKILLed between starting the trainer and writing its pid to ``status.json``
+    (or a worker started since the last record): the agent killed only the recorded processes and
+    failed the job, which freed its GPUs while the unrecorded trainer trained on them."""
+    import sys
+
+    from airflow_elastic_gpu.backends.local_processes import JOB_MARK
+
+    env = {**os.environ, JOB_MARK: "job-unrecorded"}
+    launcher = subprocess.Popen(["sleep", "30"], env=env)
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
+                               start_new_session=True)
+    try:
+        protocol.write_json(tmp_path / protocol.DESIRED, {"generation": 1, "gpus": [0], "stop": False})
+        protocol.write_json(tmp_path / protocol.STATUS, {"generation": 1, "state": protocol.STARTING,
+                                                          "launcher_pid": launcher.pid})
+        broker = Broker(Target("job-unrecorded", JobStatus.RUNNING, 1, (GpuId("n1", 0),), 60.0))
+        agent = Agent(broker, "job-unrecorded", tmp_path, poll_s=0.01, launcher_pid=launcher.pid)
+        launcher.kill()
+        launcher.wait()
+        assert run(agent, 30) == 1
+        [(what, reason, _)] = broker.calls
+        assert what == "fail" and "died without reporting an exit" in reason, reason
+        assert trainer.wait(5) == -9, "the unrecorded trainer was killed"
+    finally:
+        for p in (launcher, trainer):
+            p.kill()
+            p.wait()

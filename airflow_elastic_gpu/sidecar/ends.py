@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from airflow_elastic_gpu.backends.local_processes import marked_processes
 from airflow_elastic_gpu.sidecar import protocol, stops
 from airflow_elastic_gpu.sidecar.calls import BrokerTransport, Outcome
 from airflow_elastic_gpu.sidecar.gang import Gang
@@ -235,7 +236,12 @@ class EndReports:
     def _orphans_killed(self) -> bool:
         """SIGKILL the trainers and workers of the launchers that have not stopped or exited (called
         once they are no longer alive: from their ``status.json``, pids with start times, so a pid
-        another process has now is left alone); True once none of them is alive."""
+        another process has now is left alone), and the job's processes that no ``status.json``
+        records (a trainer whose launcher was killed before it wrote its pid, a worker started since
+        the last record: the local backend marks each with the job's id); True once none is alive."""
         procs = protocol.recorded_processes(self._launcher_statuses())
+        for pid in marked_processes(self.job_id):  # never this agent itself
+            if pid not in procs and pid not in self.launcher_pids and (stat := protocol.proc_stat(pid)) is not None:
+                procs[pid] = stat[1]
         protocol.signal_processes(list(procs), signal.SIGKILL, procs)
         return not protocol.survivors(list(procs), starts=procs)
