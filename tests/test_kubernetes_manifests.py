@@ -319,3 +319,41 @@ def test_a_pod_templates_tolerations_and_affinity_are_kept_with_the_pin_to_the_n
                     "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["gpu-node-7"]}]}
     assert pod["spec"]["affinity"]["podAntiAffinity"] == template["spec"]["affinity"]["podAntiAffinity"]
     assert pod_node(built) == "gpu-node-7"
+
+
+def test_a_template_of_metadata_only_builds_a_pod():
+    """A template with labels or annotations only (no ``spec``: valid for KubernetesPodOperator)
+    crashed every pod build with ``AttributeError: 'NoneType' object has no attribute 'tolerations'``."""
+    template = {"apiVersion": "v1", "kind": "Pod", "metadata": {"labels": {"team": "vision"}}}
+    pod = to_dict(PodBuilder(config(full_pod_spec=template)).pod("job-1", "python train.py", "gpu-node-0", 1))
+    validate(pod)
+    assert pod["metadata"]["labels"]["team"] == "vision"
+
+
+def test_a_template_file_is_read_where_the_task_runs_and_a_missing_one_is_named(tmp_path):
+    """Airflow's pod generator only warns about a missing template file and builds the pod without
+    it (a misspelt path, or a triggerer without the worker's file: it builds the pods of every
+    resize by re-creation, move and gang growth); the operator now reads the file on the worker and
+    hands the trigger its contents."""
+    from airflow_elastic_gpu.backends.kubernetes_config import with_pod_template_read
+    from airflow_elastic_gpu.operators.training import ElasticTrainingOperator
+
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(TEMPLATE))
+    builder = PodBuilder(config(pod_template_file=str(path)))
+    settings = {"namespace": "ml", "pod_template_file": str(path), "broker_api_url": "http://broker:8080"}
+    op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, backend="kubernetes",
+                                 image="train:1", kubernetes=settings)
+    carried = op._trigger_kwargs(job_id="job-1", labels=CONTEXT)["kubernetes"]
+    assert carried["full_pod_spec"] == TEMPLATE and carried["pod_template_file"] is None
+    path.unlink()  # the triggerer has no such file
+    pod = to_dict(PodBuilder(KubernetesJobConfig.from_dict(carried)).pod("job-1", "python train.py", "gpu-node-1", 2))
+    validate(pod)
+    assert pod["spec"]["priorityClassName"] == "batch"
+    with pytest.raises(BackendError, match=r"pod_template_file '.*gpu.yaml' cannot be read on host"):
+        builder.pod("job-1", "python train.py", "gpu-node-1", 2)
+    with pytest.raises(BackendError, match="cannot be read"):
+        with_pod_template_read(settings)
+    path.write_text("- a list\n")
+    with pytest.raises(BackendError, match="holds no pod"):
+        builder.pod("job-1", "python train.py", "gpu-node-1", 2)

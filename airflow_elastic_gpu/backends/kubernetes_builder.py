@@ -24,6 +24,7 @@ from airflow_elastic_gpu.backends.kubernetes_config import (
     hardened_security_context,
     label_value,
     model,
+    read_pod_template,
     resource_name,
 )
 from airflow_elastic_gpu.backends.kubernetes_pods import pin_to, pin_within
@@ -160,8 +161,9 @@ class PodBuilder:
             pod = PodGenerator.reconcile_pods(copy.deepcopy(template), pod)
             # the generated list and affinity would replace the template's whole: its tolerations
             # are kept beside ours (the scheduler applies taints), its affinity pinned to the node
-            pod.spec.tolerations = [*(t for t in template.spec.tolerations or [] if t not in own), *own]
-            pod.spec.affinity = pin_within(template.spec.affinity, node)
+            base = template.spec or k8s.V1PodSpec(containers=[])  # a template of metadata only has none
+            pod.spec.tolerations = [*(t for t in base.tolerations or [] if t not in own), *own]
+            pod.spec.affinity = pin_within(base.affinity, node)
             pod = checked_merge(pod, c)
         return pod
 
@@ -170,6 +172,5 @@ class PodBuilder:
         from airflow.providers.cncf.kubernetes.pod_generator import PodGenerator
 
         c = self.config
-        if c.pod_template_file:
-            return PodGenerator.deserialize_model_file(c.pod_template_file)
-        return PodGenerator.deserialize_model_dict(c.full_pod_spec)
+        return PodGenerator.deserialize_model_dict(
+            read_pod_template(c.pod_template_file) if c.pod_template_file else c.full_pod_spec)

@@ -329,6 +329,41 @@ def resource_name(prefix: str, job_id: str, generation: int | None = None) -> st
     return re.sub(r"[^a-z0-9-]", "-", name)[:63].strip("-")
 
 
+def read_pod_template(path: str) -> dict[str, Any]:
+    """The pod of ``pod_template_file`` ``path`` (YAML or JSON), as a dict.
+
+    :raises BackendError: the file is missing or unreadable on this host (named), not YAML, or not a
+        mapping. (Airflow's ``PodGenerator.deserialize_model_file`` only logs a warning for a missing
+        file and returns an empty pod: every pod was then built without the template.)"""
+    import socket
+
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise BackendError(f"pod_template_file {path!r} cannot be read on host {socket.gethostname()!r}: "
+                           f"{exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise BackendError(f"pod_template_file {path!r} is not YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise BackendError(f"pod_template_file {path!r} holds no pod (a YAML mapping), got {type(data).__name__}")
+    return data
+
+
+def with_pod_template_read(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``pod_template_file`` read into ``full_pod_spec`` (unless that is set): read
+    where the task runs, so that the pods a trigger builds later (a resize by re-creation, a move to
+    another node, a gang's growth) need no copy of the file in the triggerer.
+
+    :raises BackendError: as :func:`read_pod_template`."""
+    path = settings.get("pod_template_file")
+    if not path or settings.get("full_pod_spec") is not None:
+        return settings
+    return {**settings, "pod_template_file": None, "full_pod_spec": read_pod_template(path)}
+
+
 def checked_merge(pod: Any, c: KubernetesJobConfig) -> Any:
     """``pod`` (a ``V1Pod``) merged with ``pod_template_file`` or ``full_pod_spec``, held to the settings' own
     checks: the merge lets the template's values win where the generated ones read as unset.

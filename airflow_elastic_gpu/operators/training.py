@@ -22,6 +22,7 @@ from typing import Any
 
 from airflow_elastic_gpu.backends import Backend, BackendError, backend_settings, make_backend
 from airflow_elastic_gpu.backends.base import check_env
+from airflow_elastic_gpu.backends.kubernetes_config import with_pod_template_read
 from airflow_elastic_gpu.broker.types import (
     DEFAULT_POOL,
     MAX_NAME_CHARS,
@@ -259,11 +260,11 @@ class ElasticTrainingOperator(BaseOperator):
 
     def _kubernetes_settings(self) -> dict[str, Any] | None:
         """The pod settings, with the connection's (or the config's) broker API URL unless the
-        operator gave one."""
-        if self.kubernetes is None or self.broker_api_url_given:
-            return self.kubernetes
-        url = self.hook.broker_api_url()
-        return {**self.kubernetes, "broker_api_url": url} if url else self.kubernetes
+        operator gave one, and the pod template file read here (the triggerer may not have it)."""
+        if self.kubernetes is None:
+            return None
+        url = None if self.broker_api_url_given else self.hook.broker_api_url()
+        return {**with_pod_template_read(self.kubernetes), **({"broker_api_url": url} if url else {})}
 
     def _trigger_kwargs(self, *, job_id: str | None, labels: dict[str, str] | None,
                         deadline_s: float | None = None) -> dict[str, Any]:
