@@ -93,7 +93,12 @@ class Gpu(Base):
 
 class Job(Base):
     __tablename__ = "job"
-    __table_args__ = (Index("ix_job_pool_status", "pool", "status"), Index("ix_job_pool_family_end", "pool", "family", "end_s"))
+    __table_args__ = (
+        Index("ix_job_pool_status", "pool", "status"), Index("ix_job_pool_family_end", "pool", "family", "end_s"),
+        # the pool page's latest ended jobs, and /jobs in submit order (migration 0016)
+        Index("ix_job_pool_end_id", "pool", "end_s", "id"), Index("ix_job_pool_submit_id", "pool", "submit_s", "id"),
+        Index("ix_job_submit_id", "submit_s", "id"),
+    )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     key: Mapped[str] = mapped_column(String(512), unique=True)
@@ -215,6 +220,7 @@ class Event(Base):
     """Something the broker did or saw, with its reason (resizes carry predicted gain and overhead)."""
 
     __tablename__ = "event"
+    __table_args__ = (Index("ix_event_pool_id", "pool", "id"),)  # a pool's latest events (migration 0016)
 
     # 64-bit on PostgreSQL (migration 0009); SQLite's INTEGER PRIMARY KEY is 64-bit already
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)

@@ -274,8 +274,9 @@ class Queries(Rebalancing):
             # the statements see one moment (``_read``), so a job ending meanwhile is in exactly one
             # of the two lists and the count below agrees with them
             rows = {r.id: r for r in s.execute(of_pool.where(Job.status.in_(ACTIVE))).all()}
-            last_ended = s.execute(of_pool.where(Job.status.not_in(ACTIVE))
-                                   .order_by(Job.end_s.desc().nulls_last(), Job.id).limit(ended)).all()
+            # latest first along ix_job_pool_end_id (every ended job has its end_s): no sort of them all
+            last_ended = s.execute(of_pool.where(Job.status.not_in(ACTIVE), Job.end_s.is_not(None))
+                                   .order_by(Job.end_s.desc(), Job.id.desc()).limit(ended)).all()
             rows.update((r.id, r) for r in last_ended)
             ended_total = s.scalar(select(func.count()).select_from(Job).where(
                 Job.pool == pool, Job.status.not_in(ACTIVE))) or 0
