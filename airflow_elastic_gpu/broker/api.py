@@ -78,6 +78,9 @@ from airflow_elastic_gpu.config import (
 )
 from airflow_elastic_gpu.sidecar.protocol import JOB_ANSWER_HEADER
 
+TIMELINE_MAX_AGE_S = 30.0
+"""A pool's cached timeline is made again after this many seconds even without a new event of it."""
+
 API_PREFIX = "/api/v1"
 ABOUT_THE_JOB = {JOB_ANSWER_HEADER: "1"}  # an answer about the resource asked for, not an unknown path
 STATIC = Path(__file__).with_name("static")
@@ -175,7 +178,7 @@ def create_app(
         return viewer if viewer.dag_ids is None else replace(viewer, deployment=own_deployment())
 
     ViewerDep = Annotated[Viewer, Depends(viewer_of)]
-    timelines: dict[str, tuple[int, TimelineOut]] = {}  # pool -> (its newest event's id, its timeline then)
+    timelines: dict[str, tuple[int, float, TimelineOut]] = {}  # pool -> (its newest event's id, when, its timeline then)
 
     def hidden_jobs(b: GpuBroker, viewer: Viewer, job_ids: Iterable[str | None],
                     known: Iterable[JobOut] = ()) -> set[str]:
@@ -311,14 +314,17 @@ def create_app(
     def pool_timeline(pool: str, b: BrokerDep, viewer: ViewerDep) -> TimelineOut:
         if pool not in b.pools():
             raise NotFound(f"unknown GPU pool {pool!r}")
-        # made again only after a new event of the pool (an ack or an end moves a bar): every open
-        # page asks every 2 s, and a timeline reads up to TIMELINE_EVENTS events
-        newest = b.events(pool, limit=1, latest=True)
+        # made again only after a new event of the pool (an ack or an end moves a bar), or once
+        # TIMELINE_MAX_AGE_S old: every open page asks every 2 s, and a timeline reads up to
+        # TIMELINE_EVENTS events. (On PostgreSQL an event's id is taken at its INSERT and seen at its
+        # COMMIT: an ack committed after a later event's, the newest id did not change, and its bar
+        # was missing until the pool's next event, hours in a quiet pool.)
+        newest, now = b.events(pool, limit=1, latest=True), b.clock()
         mark = newest[-1].id if newest else 0
         cached = timelines.get(pool)
-        if cached is None or cached[0] != mark:
-            cached = timelines[pool] = (mark, timeline(b, pool))
-        tl = cached[1].model_copy(update={"time_s": b.clock()})
+        if cached is None or cached[0] != mark or not 0 <= now - cached[1] < TIMELINE_MAX_AGE_S:
+            cached = timelines[pool] = (mark, now, timeline(b, pool))
+        tl = cached[2].model_copy(update={"time_s": now})
         hidden = hidden_jobs(b, viewer, [s.job_id for s in tl.segments] + [e.job_id for e in tl.resizes])
         return tl.model_copy(update={"segments": [viewer.segment(s, hidden) for s in tl.segments],
                                      "resizes": [viewer.event(e, hidden) for e in tl.resizes]})
