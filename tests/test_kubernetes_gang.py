@@ -437,3 +437,30 @@ def test_a_gang_pod_pending_past_the_startup_grace_fails_the_job(cluster):
     stuck.metadata.creation_timestamp = datetime.now(UTC) - timedelta(hours=3)
     problem = backend.problem(broker.job(job.id))
     assert problem.node == NODES[2] and "Pending for 10800s (startup_grace_s 60s)" in problem.reason
+
+
+def test_a_job_of_the_gangs_shape_on_one_node_runs_as_a_gang_the_broker_may_spread(tmp_path):
+    """A command with the gang's placeholders whose max_gpus fits one node ran as a single pod, while
+    the broker may spread such a job over nodes at any rebalance (here its node drained): every sync
+    then raised "spans nodes ... but is not larger than a node", for every later backend too, and the
+    pod's agent never applied the generation (its trainer on the drained node, its new GPUs idle)."""
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    broker.register_node("big", 8, gpu_type="A100")
+    for node in ("small-0", "small-1"):
+        broker.register_node(node, 4, gpu_type="A100")
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE)
+    api = FakeCoreV1WithServices()
+    job = broker.submit(JobSpec("j", GANG, 4, 8, total_steps=1000, backend="kubernetes"))
+    KubernetesBackend(config(), broker, api).start(job)
+    assert pods_by_node(api).keys() == {"big"} and api.services, "one pod, of a gang of one node"
+    ack_all(broker, job.id, 1, ["big"])
+    broker.set_node_schedulable("big", False)  # drained for maintenance
+    broker.maybe_rebalance("default")
+    spread = broker.job(job.id)
+    assert nodes_of(spread.target_gpus) == ["small-0", "small-1"]
+    done = KubernetesBackend(config(), broker, api).sync(spread)  # a renewed backend (a later poll)
+    assert "create" in done and {"small-0", "small-1"} <= pods_by_node(api).keys(), done
+    ack_all(broker, job.id, spread.target_generation, ["big", "small-0", "small-1"])
+    KubernetesBackend(config(), broker, api).sync(broker.job(job.id))
+    assert pods_by_node(api).keys() == {"small-0", "small-1"}, "the drained node's pod is deleted"
+    broker.engine.dispose()

@@ -117,10 +117,12 @@ class KubernetesBackend:
         return GangPods(self)
 
     def is_gang(self, job: JobView, pods: list[Any] | None = None) -> bool:
-        """True when ``job`` runs one pod per node: its ``max_gpus`` exceeds the healthy GPUs of
-        every schedulable node of its pool (the rule of ``submit``), or its target spans nodes, or
-        its pods say so already (a node added later changes nothing). ``pods``: the job's pods as
-        :meth:`pods` lists them, if the caller has them."""
+        """True when ``job`` runs one pod per node: its command takes the gang's shape (every one of
+        ``GANG_PLACEHOLDERS``: the broker may spread such a job over nodes at any rebalance, a node
+        of its drained, say, so it runs one pod per node from its start, on one node too), or its
+        ``max_gpus`` exceeds the healthy GPUs of every schedulable node of its pool (the rule of
+        ``submit``), or its target spans nodes, or its pods say so already (a node added later
+        changes nothing). ``pods``: the job's pods as :meth:`pods` lists them, if the caller has them."""
         if job.id not in self._gang_jobs:
             from airflow_elastic_gpu.backends.kubernetes_gang import LABEL_NODE
 
@@ -132,7 +134,8 @@ class KubernetesBackend:
                 largest = max((sum(g.healthy for g in n.gpus) for n in self.broker.nodes(job.pool) if n.schedulable),
                               default=0)
                 spans = len({g.node for g in job.target_gpus}) > 1
-                self._gang_jobs[job.id] = spans or job.max_gpus > largest
+                shaped = all(p in job.command for p in protocol.GANG_PLACEHOLDERS)
+                self._gang_jobs[job.id] = shaped or spans or job.max_gpus > largest
         return self._gang_jobs[job.id]
 
     def for_job(self, job: JobView) -> KubernetesBackend:
