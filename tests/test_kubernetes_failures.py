@@ -454,3 +454,30 @@ def test_a_call_to_an_api_server_that_never_answers_times_out():
         assert clock.monotonic() - started < 20
     finally:
         silent.close()
+
+
+def test_a_retried_start_replaces_its_token_secret_in_a_namespace_at_its_secrets_quota(cluster):  # noqa: F811
+    """A namespace at its ``secrets`` quota answers a create of the Secret an earlier try made with
+    403 "exceeded quota" (quota admission before the existence check), not 409: the retried start
+    failed; it now replaces the Secret, and a 403 with no Secret to replace is still an error."""
+    broker, api = cluster
+    job = submit(broker, "j", 1, 1)
+    over = ApiException(status=403, reason="Forbidden")
+    over.body = '{"message": "secrets \\"elastic-gpu-token-x\\" is forbidden: exceeded quota: q"}'
+
+    def refused(namespace, body):
+        raise over
+
+    real_replace = api.replace_namespaced_secret
+
+    def replace(name, namespace, body):  # the real API: 404 for a Secret that does not exist
+        if name not in api.secrets:
+            raise ApiException(status=404, reason="NotFound")
+        real_replace(name, namespace, body)
+
+    api.replace_namespaced_secret, api.create_namespaced_secret = replace, refused
+    with pytest.raises(BackendError, match="exceeded quota.*none to replace: 404"):
+        KubernetesBackend(config(), broker, api).start(job)
+    api.secrets["elastic-gpu-token-" + job.id] = k8s.V1Secret()  # the earlier try's Secret
+    KubernetesBackend(config(), broker, api).start(job)
+    assert api.pods and api.secrets["elastic-gpu-token-" + job.id].metadata is not None

@@ -464,3 +464,29 @@ def test_a_job_of_the_gangs_shape_on_one_node_runs_as_a_gang_the_broker_may_spre
     KubernetesBackend(config(), broker, api).sync(broker.job(job.id))
     assert pods_by_node(api).keys() == {"small-0", "small-1"}, "the drained node's pod is deleted"
     broker.engine.dispose()
+
+
+class AtServiceQuota(FakeCoreV1WithServices):
+    """A namespace at its ``services`` ResourceQuota: a create is refused with 403 once a Service
+    exists, that very Service too (quota admission runs before the existence check)."""
+
+    def create_namespaced_service(self, namespace, body):
+        if self.services:
+            raise ApiException(status=403, reason="Forbidden")
+        super().create_namespaced_service(namespace, body)
+
+
+def test_a_new_backend_syncs_a_gang_whose_namespace_is_at_its_service_quota(cluster):
+    """Every backend made the Service again and took only 409 for "it exists": after a triggerer
+    restart (or the trigger's new clients after a failed poll) each sync raised, the recreate
+    resize never made its new pods, and the gang was LOST at its lease."""
+    broker, _ = cluster
+    api = AtServiceQuota()
+    KubernetesBackend(config(resize_mechanism="recreate"), broker, api).start(submit_gang(broker))
+    (job,) = broker.jobs()
+    ack_all(broker, job.id, 1, NODES)
+    broker.submit(JobSpec("other", "python train.py", 4, 4, total_steps=100, backend="kubernetes"))
+    assert broker.target(job.id).generation == 2  # the gang shrinks: a recreate resize
+    done = KubernetesBackend(config(resize_mechanism="recreate"), broker, api).sync(broker.job(job.id))
+    assert "recreate" in done or "wait" in done, done
+    assert len(api.services) == 1

@@ -202,9 +202,18 @@ class KubernetesBackend:
         try:
             self.core_v1.create_namespaced_secret(self.config.namespace, secret)
         except ApiException as exc:
-            if exc.status != 409:
+            # a Secret of an earlier try: 409, or 403 in a namespace at its secrets quota (checked
+            # before the existence), where replacing it is allowed
+            over_quota = exc.status == 403 and "exceeded quota" in str(exc.body or "")
+            if exc.status != 409 and not over_quota:
                 raise BackendError(f"cannot create the job's token Secret: {exc.status} {exc.reason}") from None
-            self.core_v1.replace_namespaced_secret(secret.metadata.name, self.config.namespace, secret)
+            try:
+                self.core_v1.replace_namespaced_secret(secret.metadata.name, self.config.namespace, secret)
+            except ApiException as again:
+                if not over_quota:
+                    raise
+                raise BackendError(f"cannot create the job's token Secret: {exc.status} {exc.reason} "
+                                   f"({exc.body}; none to replace: {again.status} {again.reason})") from None
         self._sync(job, env, context, pods, starting=True)
         return ref
 

@@ -161,9 +161,9 @@ class GangPods:
         nodes = sorted({g.node for g in target.gpus})
         in_use_nodes = {g.node for g in job.in_use_gpus}
         resizing = job.acked_generation < target.generation
-        self._ensure_service(job.id, context)
         if pods is None:
             pods = b.pods(job.id)
+        self._ensure_service(job.id, context, made=bool(pods))
         live = _live(pods)
         if any(pod_state(p).starting(b.config.startup_grace_s) for p in live) and b.may_keep_lease(job):
             b.broker.heartbeat(job.id)  # a node's pod has not started its agent yet (see KubernetesBackend._sync)
@@ -219,9 +219,14 @@ class GangPods:
                                checkpoint_dir=job.checkpoint_dir, env=env, context=context)
         return self.backend.create_pod(job, pod, others_run=True)
 
-    def _ensure_service(self, job_id: str, context: Mapping[str, str] | None) -> None:
-        """Create the job's headless Service, once per backend (a sync runs every poll)."""
-        if job_id in self._services:
+    def _ensure_service(self, job_id: str, context: Mapping[str, str] | None, *, made: bool = False) -> None:
+        """Create the job's headless Service, once per backend (a sync runs every poll), unless it
+        was ``made`` (the job has pods: its first sync made the Service before them). A namespace at
+        its ``services`` quota refuses a create of a Service that exists with 403, not 409 (the
+        quota is checked first): a gang's every later backend (a triggerer restart, the trigger's
+        new clients after a failed poll) failed its syncs, and the gang was LOST."""
+        if job_id in self._services or made:
+            self._services.add(job_id)
             return
         try:
             self.backend.core_v1.create_namespaced_service(self.namespace, self.builder.service(job_id, context))
