@@ -14,6 +14,7 @@ from test_kubernetes import FakeCoreV1, config, submit
 from airflow_elastic_gpu.backends.kubernetes import KubernetesBackend
 from airflow_elastic_gpu.broker.models import JobStatus
 from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import JobSpec
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.triggers.watcher import GONE_POLLS, JobWatcher
 
@@ -131,3 +132,50 @@ def test_the_trainers_last_log_lines_are_read_as_lines(cluster):
     job, name = started(broker, backend, api)
     api.logs[name] = "step 10\nCUDA error: out of memory\n"
     assert backend.log_tail(job.id) == ["step 10", "CUDA error: out of memory"]
+
+
+class GangCoreV1(LoggedCoreV1):
+    """:class:`LoggedCoreV1` with the Service calls a gang needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.services: dict[str, object] = {}
+
+    def create_namespaced_service(self, namespace, body):
+        self.services[body.metadata.name] = body
+
+    def delete_namespaced_service(self, name, namespace):
+        self.services.pop(name, None)
+
+
+@pytest.mark.parametrize("rank0_printed", [True, False])
+def test_a_lost_gang_whose_trainers_had_all_finished_succeeds(tmp_path, clock, rank0_printed):
+    """As for one pod: every node's trainer exited cleanly while the broker's API was out of reach,
+    the job was declared LOST; the gang's pods were never read for a clean exit, so it stayed LOST
+    and the task's retry trained the whole job again. A node stopped on request (also exit 0) is
+    not a clean exit, and the job stays LOST."""
+    from test_kubernetes_gang import GANG
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}", clock=clock)
+    for node in ("gpu-node-0", "gpu-node-1"):
+        broker.register_node(node, 4, gpu_type="A100")
+    api = GangCoreV1()
+    backend = KubernetesBackend(config(), broker, api)
+    job = broker.submit(JobSpec("g", GANG, 8, 8, total_steps=1000, backend="kubernetes"))
+    backend.start(job)
+    for node in ("gpu-node-0", "gpu-node-1"):
+        broker.ack(job.id, 1, node=node)
+    for _ in range(2):  # the agents silent for a lease (the broker's API away): LOST
+        clock.advance(broker.pool_config().lease_s * 0.6)
+        broker.rebalance()
+    assert broker.job(job.id).status is JobStatus.LOST
+    rank0, other = sorted(api.pods)
+    api.trainer_exited(rank0, FINISHED)
+    api.trainer_exited(other, '{"step": 1000}\n' + protocol.launcher_line("trainer exited with code 0")
+                       if rank0_printed else STOPPED)
+    polled, _ = JobWatcher(broker, backend, job.id).poll()
+    if rank0_printed:
+        assert polled.status is JobStatus.SUCCEEDED and polled.metrics["accuracy"] == 0.97, polled.reason
+    else:
+        assert polled.status is JobStatus.LOST
+    broker.engine.dispose()

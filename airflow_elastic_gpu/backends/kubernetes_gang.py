@@ -246,6 +246,10 @@ class GangPods:
         # node is deleted; the other nodes' agents keep the job's lease, so the gang hung with every GPU
         # (the target read again: a poll's own rebalance may have published a resize that this
         # poll's sync carried out, deleting the pods, since ``job`` was read)
+        if (finished := self._finished(job, listed)) is not None:
+            return Problem("every node's trainer had exited cleanly, and their agents are gone without reporting "
+                           "it (the broker's API out of reach until the pods' grace period ended)",
+                           gone=True, finished=finished)
         missing: list[str] = []
         if job.acked() and self.backend.broker.target(job.id).generation <= job.acked_generation:
             missing = sorted({g.node for g in job.in_use_gpus} - {pod_node(p) for p in _live(listed)})
@@ -263,6 +267,22 @@ class GangPods:
                            "from outside the broker (every pod of the job is stopped)",
                            node=missing[0], running=True)
         return None
+
+    def _finished(self, job: JobView, pods: list[Any]) -> dict[str, Any] | None:
+        """The final metrics (``{}`` when none printed them) of a gang every pod of which (not being
+        deleted: the pods of nodes the gang dropped are) had its trainer exit cleanly, its
+        launcher's last word its clean exit (a stop on request also exits 0), as for one pod
+        (:meth:`KubernetesBackend._clean_exit`); else None. Rank 0 prints the metrics, on any node."""
+        live = _live(pods)
+        if not live or any(pod_state(p).trainer_exit_code != 0 for p in live):
+            return None
+        metrics: dict[str, Any] = {}
+        for pod in live:
+            found = self.backend._clean_exit(job, pod.metadata.name)
+            if found is None:
+                return None
+            metrics = metrics or found
+        return metrics
 
     def log_pod(self, job_id: str) -> Any | None:
         """The pod whose trainer log tells the story: a broken one, else the first by node."""
