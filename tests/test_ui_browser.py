@@ -9,7 +9,7 @@ import sys
 
 import httpx
 import pytest
-from conftest import REPO
+from conftest import REPO, RESIZE_AT_ONCE
 from test_api import api_server, broker  # noqa: F401 - fixtures
 from test_sidecar import TRAINER, wait_for
 
@@ -325,3 +325,57 @@ def test_the_pool_list_shows_the_pool_of_a_task_job_that_came_later_and_a_zoom_s
     wait_for(lambda: chrome.execute_script("return document.getElementById('timeline').layout.uirevision")
              == "default", 30, "the default pool shown")
     assert chrome.execute_script("return [...colourOf.keys()]") == []  # a100's job is not shown here
+
+
+def test_a_sweep_of_many_short_jobs_is_one_bar_trace_of_the_latest_rows_redrawn_only_on_change(
+        broker, clock, api_server, chrome):  # noqa: F811
+    """The timeline's window holds thousands of short jobs: a plotly trace per job, redrawn every
+    refresh, blocked the page for seconds and squeezed a row per job into the chart. All bars are
+    one trace, of the running jobs and the latest ended ones, the page says how many it shows, and a
+    refresh that changes nothing draws nothing."""
+    broker.configure_pool(policy_params=RESIZE_AT_ONCE, lease_s=10**6)
+    for i in range(620):
+        job = broker.submit(JobSpec(f"sweep-{i}", "t", 1, 1, total_steps=10))
+        broker.ack(job.id, broker.job(job.id).target_generation)
+        clock.advance(2)
+        broker.finish(job.id)
+        clock.advance(1)
+    running = broker.submit(JobSpec("still-running", "t", 1, 1, total_steps=10**6))
+    broker.ack(running.id, 1)
+    chrome.get(f"{api_server}/ui?pool=default")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 120, "page data")
+    traces = chrome.execute_script("return document.getElementById('timeline').data.map(t => t.type)")
+    assert sorted(traces) == ["bar", "scatter"], len(traces)  # the bars, and the resizes' diamonds
+    rows = chrome.execute_script("return [...new Set(document.getElementById('timeline').data[0].y)]")
+    assert "still-running" in rows and "sweep-619" in rows and "sweep-0" not in rows
+    note = chrome.execute_script("return document.getElementById('timeline-note').textContent")
+    assert f"showing the latest {len(rows)} of 621 jobs" in note, note
+    # nothing changed (the clock stands still): two more refreshes draw nothing; a job's end does
+    chrome.execute_script("window.__reacts = 0; const react = Plotly.react;"
+                          "Plotly.react = (...a) => { window.__reacts += 1; return react(...a); };")
+    seq = chrome.execute_script("return latest")
+    wait_for(lambda: chrome.execute_script("return latest") >= seq + 2, 60, "two more refreshes")
+    assert chrome.execute_script("return window.__reacts") == 0
+    clock.advance(5)
+    broker.finish(running.id)
+    wait_for(lambda: chrome.execute_script("return window.__reacts") > 0, 60, "the timeline redrawn")
+    assert chrome.execute_script("return [window.__csp, window.__errors]") == [[], []]
+
+
+def test_a_long_reason_without_spaces_leaves_the_page_no_wider_than_the_window(broker, api_server, chrome):  # noqa: F811
+    """A reason of 20,000 characters without a space (a hex dump, a URL; the API takes that many)
+    made the jobs and the events tables as wide as that run: it wraps, in a box of a few lines."""
+    reason = "0x" + "f" * 19_998
+    job = broker.submit(JobSpec("hexdump", "t", 1, 1, total_steps=100))
+    broker.ack(job.id, 1)
+    broker.fail(job.id, reason)
+    chrome.get(f"{api_server}/ui?pool=default")
+    wait_for(lambda: chrome.execute_script("return document.body.dataset.ready === '1'"), 30, "page data")
+    width, window = chrome.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
+    assert width <= window, (width, window)
+    cell = chrome.execute_script(
+        f"const c = document.querySelector('#jobs tr[data-job=\"{job.id}\"] td:last-child');"
+        "return [c.textContent, c.offsetHeight]")
+    assert cell[0] == reason and cell[1] < 200, cell[1]  # all of it, in a box that scrolls
+    heights = chrome.execute_script("return [...document.querySelectorAll('#events td')].map(c => c.offsetHeight)")
+    assert max(heights) < 200, max(heights)

@@ -44,6 +44,8 @@ const fmtTime = t => {
   const day = d.toDateString() === new Date().toDateString() ? "" : d.toLocaleDateString() + " ";
   return day + d.toLocaleTimeString();
 };
+// a reason in a line of text (the status line): its start (the API takes 20,000 characters)
+const short = s => (text(s).length > 300 ? text(s).slice(0, 300) + "…" : text(s));
 // plotly.js reads a little HTML in its labels (<b>, <br>, <a>): show the characters instead
 const plotlyText = s => text(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 
@@ -121,14 +123,14 @@ function renderJobs(snap) {
     const accuracy = Object.hasOwn(metrics, "accuracy") && metrics.accuracy !== null
       ? " accuracy " + metricText(metrics.accuracy) : "";
     const tr = el("tr", j.id === focusJob ? "focus" : null,
-      el("td", null, swatch, text(j.name)),
+      el("td", "text", swatch, text(j.name)),
       el("td", null, text(j.status)),
       el("td", null, `${inUse} (${text(j.min_gpus)}-${text(j.max_gpus)})`),
       el("td", null, el("div", "bar", fill), `${fixed(j.steps_done, 0)}/${text(j.total_steps)}`),
       el("td", null, now && isNum(now[1]) ? now[1].toFixed(1) + " steps/s" : "-"),
       el("td", null, text(j.num_resizes)),
       el("td", null, fixed(j.jct_s, 0, " s")),
-      el("td", null, text(j.reason) + accuracy));
+      el("td", "text", el("div", "long", text(j.reason) + accuracy)));
     tr.dataset.job = text(j.id);
     return tr;
   });
@@ -144,11 +146,16 @@ function renderEvents(snap, names) {
   const rows = list(snap.events).slice().reverse().map(e => el(
     "tr", e.job_id && e.job_id === focusJob ? "focus" : null,
     el("td", null, fmtTime(e.time_s)),
-    el("td", null, e.job_id ? label(e.job_id, names) : ""),  // a job listed nowhere else: its id
+    el("td", "text", e.job_id ? label(e.job_id, names) : ""),  // a job listed nowhere else: its id
     el("td", null, text(e.kind)),
-    el("td", null, text(e.message))));
+    el("td", "text", el("div", "long", text(e.message)))));
   document.querySelector("#events tbody").replaceChildren(...rows);
 }
+
+// the timeline's rows: every running job's, and the latest ended ones' up to this many (a sweep of
+// short jobs leaves thousands in the timeline's window: a row each would be unreadable, and slow)
+const TIMELINE_ROWS = 50;
+let drawn = "";  // what the timeline last drew: a refresh that changes nothing redraws nothing
 
 function renderTimeline(tl, names) {
   const byJob = new Map();
@@ -158,32 +165,51 @@ function renderTimeline(tl, names) {
     byJob.get(s.job_id).push(s);
   }
   const end = s => (isNum(s.end_s) ? s.end_s : isNum(tl.time_s) ? tl.time_s : s.start_s);
-  const traces = [...byJob].map(([jobId, segs]) => ({
-    type: "bar", orientation: "h", name: plotlyText(label(jobId, names)),
-    y: segs.map(() => plotlyText(label(jobId, names))),
+  // the rows shown: every running job's, the linked job's, and those of the jobs that ended last
+  const always = new Set([...byJob].filter(([id, segs]) => id === focusJob || segs.some(s => !isNum(s.end_s)))
+                                   .map(([id]) => id));
+  const ended = [...byJob].filter(([id]) => !always.has(id))
+    .map(([id, segs]) => [id, Math.max(...segs.map(end))]).sort((a, b) => b[1] - a[1]);
+  const keep = new Set([...always, ...ended.slice(0, Math.max(0, TIMELINE_ROWS - always.size)).map(([id]) => id)]);
+  const rows = [...byJob].filter(([id]) => keep.has(id));  // in the API's order, as before
+  const segs = rows.flatMap(([, s]) => s);
+  const jobOf = rows.flatMap(([id, s]) => s.map(() => id));
+  const gpus = s => s.num_gpus + " GPU" + (s.num_gpus > 1 ? "s" : "");
+  // one trace for every bar (a trace per job took seconds to draw for a thousand jobs)
+  const traces = [{
+    type: "bar", orientation: "h", name: "GPUs held", showlegend: false,
+    y: jobOf.map(id => plotlyText(label(id, names))),
     base: segs.map(s => new Date(s.start_s * 1000)),
     x: segs.map(s => (end(s) - s.start_s) * 1000),
     // labels in the middle of their bar: a resize's diamond sits on the bar's edge (where the new
     // allocation starts), so a label at the edge would lie under it
-    text: segs.map(s => s.num_gpus + " GPU" + (s.num_gpus > 1 ? "s" : "")), textposition: "inside",
-    insidetextanchor: "middle",
-    marker: { color: colour(jobId), opacity: segs.map(s => 0.35 + 0.65 * Math.min(1, s.num_gpus / 4)) },
+    text: segs.map(gpus), textposition: "inside", insidetextanchor: "middle",
+    marker: { color: jobOf.map(colour), opacity: segs.map(s => 0.35 + 0.65 * Math.min(1, s.num_gpus / 4)) },
     hovertemplate: "%{text}<extra>%{y}</extra>",
-  }));
+  }];
   // the API gives each resize at the moment the trainer ran on its new GPUs: the start of a segment
-  const resizes = list(tl.resizes).filter(e => isNum(e.time_s));
+  const resizes = list(tl.resizes).filter(e => isNum(e.time_s) && keep.has(e.job_id));
   traces.push({
     type: "scatter", mode: "markers", name: "resize", marker: { symbol: "diamond", size: 10, color: "#1f2933" },
     x: resizes.map(e => new Date(e.time_s * 1000)),
-    y: resizes.map(e => (e.job_id ? plotlyText(label(e.job_id, names)) : "")),
+    y: resizes.map(e => plotlyText(label(e.job_id, names))),
     text: resizes.map(e => plotlyText(e.message)), hovertemplate: "%{text}<extra></extra>",
   });
-  Plotly.react("timeline", traces, {
+  const note = document.getElementById("timeline-note");
+  note.hidden = rows.length >= byJob.size;
+  note.textContent = note.hidden ? "" : `showing the latest ${rows.length.toLocaleString("en-US")} of `
+    + `${byJob.size.toLocaleString("en-US")} jobs (every running one among them)`;
+  const layout = {
     barmode: "overlay", showlegend: false, margin: { l: 120, r: 20, t: 10, b: 40 },
+    height: Math.max(320, 60 + 18 * rows.length),  // a row tall enough for its name
     // rows are job names: a category axis, whatever they look like ("2026-11-28", "42")
     xaxis: { type: "date" }, yaxis: { type: "category", automargin: true },
     uirevision: pool,  // a zoom or pan stays through the refreshes (another pool starts afresh)
-  }, { displayModeBar: false, responsive: true });
+  };
+  const now = JSON.stringify([traces, layout]);
+  if (now === drawn) return;
+  Plotly.react("timeline", traces, layout, { displayModeBar: false, responsive: true });
+  drawn = now;
 }
 
 function renderPools(pools) {
@@ -237,7 +263,7 @@ async function refresh() {
         const job = await get(`api/v1/jobs/${encodeURIComponent(focusJob)}`);
         const which = `job ${text(job.name)} (${text(job.id).slice(0, 8)})`;
         note = text(job.pool) !== shown ? `${which} is in pool ${text(job.pool)}; `
-          : `${which} ended ${text(job.status)}` + (text(job.reason) ? `: ${text(job.reason)}` : "")
+          : `${which} ended ${text(job.status)}` + (text(job.reason) ? `: ${short(job.reason)}` : "")
             + " (older than the jobs listed); ";
       } catch (err) {
         if (!/HTTP 404$/.test(text(err && err.message))) throw err;  // said as any failed refresh is
