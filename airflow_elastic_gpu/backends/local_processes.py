@@ -15,6 +15,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.marks import JOB_MARK, marked_processes
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,6 @@ processes, seconds, a minute on a loaded host."""
 STOPPED_WHILE_STARTING: set[str] = set()
 """Jobs whose stop ran inside their start, in the start's thread (a task's on_kill, called from a
 signal handler): the start kills what it spawned and fails rather than record it."""
-JOB_MARK = "ELASTIC_GPU_JOB_ID"
-"""Set to the job's id in the environment of its agent and launchers, and so of its trainers and
-their workers: a pid the job recorded counts as the job's only while its process has it (after a
-reboot the pid may be any process's, and the backend must never kill that)."""
 
 
 @functools.cache
@@ -111,30 +108,6 @@ def job_process(pid: int | None, job_id: str, *, boot: str | None = None, starte
     # no mark at all (started by an older version, or a command that cleared its environment):
     # possibly the job's, as a live pid always counted before; another job's mark: not this job's
     return not marks or f"{JOB_MARK}={job_id}".encode() in marks
-
-
-def marked_processes(job_id: str, command: str | None = None) -> list[int]:
-    """Live processes (readable by this user) whose environment carries job ``job_id``'s
-    :data:`JOB_MARK`: its agent, launchers, trainers and their workers, recorded or not (a start
-    killed before it wrote ``handle.json``); empty where there is no ``/proc``.
-
-    :param command: only those whose command line has this argument (e.g. :data:`AGENT_MODULE`)."""
-    mark = f"{JOB_MARK}={job_id}".encode()
-    try:
-        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return []
-    found = []
-    for pid in entries:
-        if pid == os.getpid():
-            continue  # a caller that is the job's own (never itself)
-        try:
-            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") and (
-                    command is None or command.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")):
-                found.append(pid)
-        except OSError:
-            continue  # gone, or another user's
-    return found
 
 
 def kill_group(pid: int) -> None:

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from airflow_elastic_gpu.backends.local_processes import marked_processes
 from airflow_elastic_gpu.sidecar import protocol, stops
 from airflow_elastic_gpu.sidecar.calls import BrokerTransport, Outcome
 from airflow_elastic_gpu.sidecar.gang import Gang
 from airflow_elastic_gpu.sidecar.logparse import LogParser, log_excerpt
+from airflow_elastic_gpu.sidecar.marks import marked_processes
 
 log = logging.getLogger("airflow_elastic_gpu.sidecar.agent")
 FROZEN_LAUNCHER_S = 2.0
