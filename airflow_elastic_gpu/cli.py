@@ -47,7 +47,7 @@ from airflow_elastic_gpu.broker.types import (
 from airflow_elastic_gpu.cli_broker import RetryNotice, from_connection
 from airflow_elastic_gpu.cli_cleanup import add_cleanup_command
 from airflow_elastic_gpu.cli_nodes import add_nodes_command
-from airflow_elastic_gpu.cli_parsing import Parser, positive_s
+from airflow_elastic_gpu.cli_parsing import Parser, absolute_path, positive_s
 from airflow_elastic_gpu.cli_serve import add_broker_command
 from airflow_elastic_gpu.cli_simulator import add_simulator_commands
 from airflow_elastic_gpu.cli_simulator import console as simulator_console
@@ -412,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress-pattern", default=None,
                    help="regex with a group (?P<step>...) that finds the step in the trainer's output "
                         "(default: JSON lines with a \"step\" key)")
-    p.add_argument("--checkpoint-dir", default=None,
+    p.add_argument("--checkpoint-dir", default=None, type=absolute_path,
                    help="the trainer's checkpoint directory, $ELASTIC_CHECKPOINT_DIR (default: "
                         "checkpoints/<key>-<hash>/ in the work directory, shared by the runs of one --key "
                         "until one succeeds)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 import sys
 from typing import Any
 
@@ -33,6 +34,14 @@ def positive_s(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
+
+
+def absolute_path(text: str) -> str:
+    """An argparse type: a path made absolute from this shell (``~`` expanded, a relative path taken
+    from the current directory): the job's processes have other working directories."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a path, got an empty one")
+    return os.path.abspath(os.path.expanduser(text))
 
 
 class Parser(argparse.ArgumentParser):

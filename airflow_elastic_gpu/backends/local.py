@@ -1,9 +1,8 @@
 """Local backend: runs a job's agent and launcher on this host as detached processes.
 
-The GPUs are the host's (``nvidia-smi``) or, where there is none, ``N``
-*virtual* GPUs: each virtual GPU is one training process (``torchrun
---nproc_per_node={num_gpus}`` with gloo on the CPU), so everything runs on a
-laptop. Each job gets a directory ``<work_dir>/<job_id>/`` (mode 0700) holding the shared
+The GPUs are the host's (``nvidia-smi``) or, where there is none, ``N`` *virtual* GPUs: each virtual
+GPU is one training process (``torchrun --nproc_per_node={num_gpus}`` with gloo on the CPU), so
+everything runs on a laptop. Each job gets a directory ``<work_dir>/<job_id>/`` (mode 0700) holding the shared
 files of :mod:`airflow_elastic_gpu.sidecar.protocol`, ``agent.log``,
 ``launcher.log`` and ``handle.json`` (the pids); the logs are 0600. A job without a
 ``checkpoint_dir`` checkpoints in ``<work_dir>/checkpoints/<its key>-<hash>/``, shared by the tries
@@ -25,7 +24,6 @@ import json
 import logging
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -47,6 +45,7 @@ from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backen
     check_host_not_in_another_pool,
     check_pool_of_this_host,
     detect_gpus,
+    nvidia_devices,
     register_host_gpus,
 )
 from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-exported
@@ -56,11 +55,14 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
     STOPPED_WHILE_STARTING,
     LocalHandle,
     boot_id,
+    check_start,
     check_started_in,
     host_id,
     kill_group,
     kill_job_processes,
     kill_unrecorded,
+    marked_processes,
+    private_file,
     start_lock,
     start_ticks,
     started_elsewhere,
@@ -68,6 +70,7 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
 from airflow_elastic_gpu.config import ENV_BROKER_URL
 from airflow_elastic_gpu.sidecar import protocol, stops
+from airflow_elastic_gpu.sidecar.launcher import VIRTUAL_GPUS
 from airflow_elastic_gpu.sidecar.logparse import LogParser
 from airflow_elastic_gpu.states import JobStatus
 
@@ -103,28 +106,6 @@ def trainer_environment(environ: Mapping[str, str], env: Mapping[str, str] | Non
     out.update(env or {})
     out.setdefault("OMP_NUM_THREADS", "1")
     return out
-
-
-def _private_file(path: Path) -> None:
-    """Create ``path`` (or keep it) with mode 0600: appenders keep the mode of an existing file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE)
-    try:
-        os.fchmod(fd, LOG_MODE)
-    finally:
-        os.close(fd)
-
-
-def _writable_dir(path: Path, what: str, mode: int = 0o777) -> None:
-    """Create ``path`` (the last part with ``mode``, less the umask) if missing.
-
-    :raises BackendError: it cannot be created, or is not a writable directory.
-    """
-    try:
-        path.mkdir(mode=mode, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise BackendError(f"{what} {str(path)!r} cannot be created: {exc}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise BackendError(f"{what} {str(path)!r} is not writable")
 
 
 def pool_lease_s(broker: GpuBroker, pool: str) -> float:
@@ -219,25 +200,13 @@ class LocalBackend:
         cannot be written (the work dir is created, mode 0700, if missing).
 
         :raises BackendError: the command is empty, does not parse, or its program is not found;
-            the work dir or ``checkpoint_dir`` cannot be created or written.
+            the work dir or ``checkpoint_dir`` cannot be created or written, or ``checkpoint_dir``
+            is not an absolute path.
         """
-        try:
-            argv = shlex.split(command.replace("{num_gpus}", "1"))
-        except ValueError as exc:
-            raise BackendError(f"command {command!r} does not parse: {exc}") from None
-        if not argv:
-            raise BackendError("command is empty")
-        if shutil.which(argv[0]) is None:
-            raise BackendError(
-                f"command not found: {argv[0]!r} (not on PATH and not an executable file); "
-                f"full command: {command!r}"
-            )
-        _writable_dir(self.work_dir, "work dir (the parent of the job directories)", JOB_DIR_MODE)
-        if checkpoint_dir is not None:
-            _writable_dir(Path(checkpoint_dir), "checkpoint_dir")
+        check_start(command, checkpoint_dir, self.work_dir, JOB_DIR_MODE)
 
     def _spawn(self, log_path: Path, argv: list[str], env: dict[str, str]) -> int:
-        _private_file(log_path)
+        private_file(log_path)
         try:
             out = subprocess.run(
                 [self.python, "-c", _SPAWN, str(log_path), *argv],
@@ -276,7 +245,7 @@ class LocalBackend:
         try:
             job_dir.mkdir(mode=JOB_DIR_MODE, exist_ok=True)
             job_dir.chmod(JOB_DIR_MODE)
-            _private_file(job_dir / protocol.LOG)
+            private_file(job_dir / protocol.LOG)
         except OSError as exc:
             raise BackendError(f"job directory {job_dir} cannot be created: {exc}") from None
         # one start of a job at a time (a trigger run in two triggerers for a moment, a cleared
@@ -294,6 +263,12 @@ class LocalBackend:
         existing = self.handle(job.id)
         if existing is not None and existing.owns(existing.agent_pid):
             return existing.to_ref()
+        if existing is not None and (host := existing.elsewhere):  # a work dir shared with that host
+            raise BackendError(f"job {job.id} was started on host {host}: its processes there are not seen from here")
+        # read again under the lock: a stop (a cancel) that held it just now has ended the job and
+        # freed its GPUs, which another job may hold already; the caller read the job before
+        if (now := self.broker.job(job.id)).status.terminal:
+            raise BackendError(f"job {job.id} is {now.status.value}: not started again")
         new_launcher = existing is None or not all(existing.owns(p) for p in existing.launcher_pids)
         if not new_launcher:
             # the agent died but the trainer runs on: start a new agent for the same launcher(s),
@@ -343,19 +318,22 @@ class LocalBackend:
         nodes = self.gang_nodes(job)
         dirs = [(node, job_dir / protocol.NODES / node) for node in nodes] or [("", job_dir)]
         checkpoint_dir = job.checkpoint_dir or str(local_checkpoints.claim(
-            self.default_checkpoint_dir(job), job.id, self.is_running, self.grace_s + 10, self._succeeded))
+            self.default_checkpoint_dir(job), job.id, self._earlier_runs, self.grace_s + 10, self._succeeded))
         node_pids: list[tuple[str, int]] = []
+        virtual = nvidia_devices() and all(g.gpu_type == "virtual" for n in self.broker.nodes(job.pool) for g in n.gpus)
         try:
             for node, shared in dirs:
                 shared.mkdir(mode=JOB_DIR_MODE, parents=True, exist_ok=True)
-                _private_file(shared / protocol.LOG)
+                private_file(shared / protocol.LOG)
                 stops.withdraw_stop(shared)
+                for stale in (protocol.DESIRED, protocol.LEASE):  # an earlier launcher's: wait for the agent's word
+                    (shared / stale).unlink(missing_ok=True)
                 launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
                             "--shared-dir", str(shared), "--grace-s", str(self.grace_s)]
                 if checkpoint_dir:
                     launcher += ["--checkpoint-dir", checkpoint_dir]
                 pid = self._spawn(shared / "launcher.log", [*launcher, "--", job.command],
-                                  {**trainer_environment(os.environ, env), JOB_MARK: job.id})
+                                  {**trainer_environment(os.environ, env), JOB_MARK: job.id, VIRTUAL_GPUS: str(int(virtual))})
                 node_pids.append((node, pid))
         except (BackendError, OSError) as exc:
             for _, pid in node_pids:  # half a gang never runs
@@ -417,6 +395,28 @@ class LocalBackend:
         """True while the job's agent or a launcher process is alive (:meth:`LocalHandle.owns`)."""
         h = self.handle(job_id)
         return h is not None and any(h.owns(p) for p in (h.agent_pid, *h.launcher_pids))
+
+    def has_processes(self, job_id: str) -> bool:
+        """True while any process of the job is alive: its agent, a launcher, a trainer or worker recorded or
+        with its mark (left when its launcher was killed). What a cleanup and a checkpoint claim wait for."""
+        h = self.handle(job_id)
+        return self.is_running(job_id) or bool(h is not None and h.recorded()) or bool(marked_processes(job_id))
+
+    def _earlier_runs(self, job_id: str) -> bool:
+        """Whether the job that used a checkpoint directory before still runs: the leftovers of one
+        that has ended with its agent and launchers gone (nothing else will stop them) are killed."""
+        if not self.is_running(job_id) and self.has_processes(job_id) and self._ended(job_id):
+            if (h := self.handle(job_id)) is not None:
+                kill_job_processes(h)
+            kill_unrecorded(job_id)  # and waits for them
+        return self.has_processes(job_id)
+
+    def _ended(self, job_id: str) -> bool:
+        """Whether the broker has ended the job (False for a job it does not know: another broker's)."""
+        try:
+            return self.broker.job(job_id).status.terminal
+        except BrokerError:
+            return False
 
     def stop(self, job_id: str, *, succeeded: bool = False, timeout_s: float | None = None) -> None:
         """Ask the launcher(s) to stop the trainer, then kill whatever is left after ``timeout_s``

@@ -93,7 +93,7 @@ def leftovers(broker: GpuBroker, work_dir: Path, older_than_s: float,
     :param work_dir: the local backend's work directory (``[elastic_gpu] work_dir``).
     :param older_than_s: the least age of the job's end (seconds, >= 0).
     :param is_running: whether a job's processes still run (default: the local backend's
-        :meth:`~.local.LocalBackend.is_running` on ``work_dir``): such a job's are not listed.
+        :meth:`~.local.LocalBackend.has_processes` on ``work_dir``): such a job's are not listed.
     :raises ValueError: a negative or non-finite ``older_than_s``.
     """
     if not 0 <= older_than_s < float("inf"):
@@ -101,7 +101,7 @@ def leftovers(broker: GpuBroker, work_dir: Path, older_than_s: float,
     if is_running is None:
         from airflow_elastic_gpu.backends.local import LocalBackend
 
-        is_running = LocalBackend(work_dir, broker).is_running
+        is_running = LocalBackend(work_dir, broker).has_processes  # a trainer left by its launcher too
     now = broker.clock()
     found = []
     jobs: dict[str, JobView | None] = {}  # a job's directory and its checkpoint: the broker asked once

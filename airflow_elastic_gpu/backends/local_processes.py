@@ -7,6 +7,8 @@ import functools
 import json
 import logging
 import os
+import shlex
+import shutil
 import signal
 import socket
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.sidecar.marks import JOB_MARK, marked_processes
 
@@ -108,6 +111,52 @@ def job_process(pid: int | None, job_id: str, *, boot: str | None = None, starte
     # no mark at all (started by an older version, or a command that cleared its environment):
     # possibly the job's, as a live pid always counted before; another job's mark: not this job's
     return not marks or f"{JOB_MARK}={job_id}".encode() in marks
+
+
+def private_file(path: Path, mode: int = 0o600) -> None:
+    """Create ``path`` (or keep it) with ``mode`` (0600): appenders keep the mode of an existing file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def writable_dir(path: Path, what: str, mode: int = 0o777) -> None:
+    """Create ``path`` (the last part with ``mode``, less the umask) if missing.
+
+    :raises BackendError: it cannot be created, or is not a writable directory.
+    """
+    try:
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BackendError(f"{what} {str(path)!r} cannot be created: {exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise BackendError(f"{what} {str(path)!r} is not writable")
+
+
+def check_start(command: str, checkpoint_dir: str | None, work_dir: Path, work_dir_mode: int) -> None:
+    """:meth:`~.local.LocalBackend.check`: a command that cannot start here, a work dir (made with
+    ``work_dir_mode`` if missing) or checkpoint dir that cannot be written, a relative checkpoint dir.
+
+    :raises BackendError: naming the problem."""
+    try:
+        argv = shlex.split(command.replace("{num_gpus}", "1"))
+    except ValueError as exc:
+        raise BackendError(f"command {command!r} does not parse: {exc}") from None
+    if not argv:
+        raise BackendError("command is empty")
+    if shutil.which(argv[0]) is None:
+        raise BackendError(
+            f"command not found: {argv[0]!r} (not on PATH and not an executable file); "
+            f"full command: {command!r}"
+        )
+    writable_dir(work_dir, "work dir (the parent of the job directories)", work_dir_mode)
+    if checkpoint_dir is not None:
+        if not Path(checkpoint_dir).is_absolute():  # "~" too: expanded by whom, where?
+            raise BackendError(f"checkpoint_dir {checkpoint_dir!r} must be an absolute path: the worker, the "
+                               "triggerer and the job's launcher each resolve a relative one from their own directory")
+        writable_dir(Path(checkpoint_dir), "checkpoint_dir")
 
 
 def kill_group(pid: int) -> None:

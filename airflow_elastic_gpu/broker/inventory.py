@@ -65,11 +65,14 @@ class Inventory(Lifecycle):
         :param num_gpus: GPUs on the node (1-1024), indices ``0..num_gpus-1``; or give ``gpu_indices``.
         :param cordoned: a new node starts drained (no job is placed on it before it is).
         :param out_of_service: indices of GPUs added now that start out of service (never offered).
-        :raises InvalidRequest: empty or too long name, pool or type; no GPUs; negative, duplicate or
+        :raises InvalidRequest: empty or too long name, pool or type; a name with ``/``, or ``.`` or
+            ``..``; no GPUs; negative, duplicate or
             too large indices; a node of that name in another pool (first registrations of a name
             take one lock on PostgreSQL, so two at the same moment in two pools cannot both pass).
         """
         check_text("node name", name, MAX_NODE_CHARS)
+        if "/" in name or name in (".", ".."):  # a gang's launchers run in a directory named after it
+            raise InvalidRequest(f"node name {name!r} may not contain '/' or be '.' or '..'")
         check_pool_name("GPU pool name", pool)
         if gpu_type is not None:
             check_text("gpu_type", gpu_type, 128)

@@ -1,0 +1,173 @@
+"""The local backend's starts and what waits for a job's processes, with real processes: a start
+that raced the job's cancel, a start of a job another host runs from a shared work directory, a
+trainer left running by its killed launcher (a checkpoint claim and a cleanup wait for it), a
+relative checkpoint directory, node names that are no directory names, and virtual GPUs on a host
+that has real ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_sidecar import wait_for
+
+from airflow_elastic_gpu.backends import local_cleanup
+from airflow_elastic_gpu.backends.base import BackendError, start_job
+from airflow_elastic_gpu.backends.local import LocalBackend
+from airflow_elastic_gpu.backends.local_processes import boot_id, kill_group
+from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.broker.types import InvalidRequest, JobSpec
+from airflow_elastic_gpu.sidecar import protocol
+from airflow_elastic_gpu.sidecar.marks import marked_processes
+
+SLEEPER = f"{sys.executable} -c 'import time; time.sleep(120)'"
+
+
+@pytest.fixture
+def local(tmp_path):
+    """A broker with one GPU and a local backend whose stops wait 2 s."""
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
+    broker.register_node("localhost", 1)
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=2)
+    yield broker, backend
+    for job in broker.jobs():
+        backend.stop(job.id, timeout_s=3)
+    broker.engine.dispose()
+
+
+def trainer_of(backend: LocalBackend, job_id: str) -> int:
+    job_dir = backend.job_dir(job_id)
+    return wait_for(lambda: (s := protocol.read_json(job_dir / protocol.STATUS) or {}).get("state")
+                    == protocol.RUNNING and s["pid"], 30, "the trainer")
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(v.decode().split("=", 1) for v in raw if b"=" in v)
+
+
+def test_a_start_that_raced_the_jobs_cancel_starts_nothing(local):
+    """A second triggerer (or a try reattaching) read the job just before its cancel, and took the
+    start lock just after the cancel's stop: it started a new launcher, which ran a trainer at once
+    from the old desired.json and lease, on the GPU the broker had given to the next job."""
+    broker, backend = local
+    a = broker.submit(JobSpec("a", SLEEPER, 1, 1, total_steps=10))
+    start_job(broker, backend, a)
+    first = trainer_of(backend, a.id)
+    stale = broker.job(a.id)
+    broker.cancel(a.id)
+    backend.stop(a.id)
+    assert not protocol.pid_alive(first)
+    with pytest.raises(BackendError, match="is cancelled: not started again"):
+        backend.start(stale)
+    assert marked_processes(a.id) == []
+
+
+def test_a_start_of_a_job_another_host_runs_from_a_shared_work_dir_is_refused(local):
+    """Two containers sharing the work directory: the other's pids are not seen here, so the start
+    took them for dead and started a second agent and launcher, a second trainer on the job's GPUs."""
+    broker, backend = local
+    job = broker.submit(JobSpec("a", SLEEPER, 1, 1, total_steps=10))
+    gone = [subprocess.Popen(["true"]) for _ in range(2)]
+    for p in gone:
+        p.wait()
+    job_dir = backend.job_dir(job.id)
+    job_dir.mkdir(parents=True, mode=0o700)
+    handle = {"job_dir": str(job_dir), "agent_pid": gone[0].pid, "launcher_pid": gone[1].pid,
+              "boot_id": boot_id(), "host": "other-container/0123456789abcdef/pid:[4026532000]"}
+    protocol.write_json(job_dir / "handle.json", handle)
+    with pytest.raises(BackendError, match="was started on host other-container"):
+        backend.start(job)  # a view read before the other start recorded its reference
+    assert marked_processes(job.id) == []
+
+
+def test_a_trainer_its_killed_launcher_left_keeps_its_directories_and_dies_before_the_next_claim(local):
+    """The agent and launcher killed together, the trainer (a session of its own) ran on: the job
+    counted as not running, so a cleanup listed its directories and the task's next job claimed its
+    checkpoint directory at once: two trainers writing one checkpoint, on one GPU."""
+    broker, backend = local
+    key = "dag/task/run/-1"
+    a = broker.submit(JobSpec("a", SLEEPER, 1, 1, total_steps=10, key=key))
+    start_job(broker, backend, a)
+    orphan = trainer_of(backend, a.id)
+    h = backend.handle(a.id)
+    for pid in (h.agent_pid, h.launcher_pid):
+        kill_group(pid)
+    wait_for(lambda: not any(map(protocol.pid_alive, (h.agent_pid, h.launcher_pid))), 10, "their deaths")
+    broker.fail(a.id, "lost: no heartbeat for the lease")
+    assert protocol.pid_alive(orphan) and not backend.is_running(a.id) and backend.has_processes(a.id)
+    assert local_cleanup.leftovers(broker, backend.work_dir, 0.0) == []
+    b = broker.submit(JobSpec("b", SLEEPER, 1, 1, total_steps=10, key=key))  # the task's retry
+    start_job(broker, backend, b)
+    new = trainer_of(backend, b.id)
+    assert environ(new)["ELASTIC_CHECKPOINT_DIR"] == str(backend.default_checkpoint_dir(broker.job(b.id)))
+    assert not protocol.pid_alive(orphan), "the ended job's trainer was killed before the directory changed hands"
+
+
+def test_a_relative_checkpoint_dir_is_refused_and_the_cli_makes_it_absolute(local, tmp_path, monkeypatch):
+    """``~/ckpt`` made a directory named ``~`` where the check ran, and every process of the job
+    (worker, triggerer, launcher) resolved a relative path from its own directory."""
+    from airflow_elastic_gpu.cli_parsing import absolute_path
+
+    _, backend = local
+    monkeypatch.chdir(tmp_path)
+    for relative in ("~/ckpt", "ckpt"):
+        with pytest.raises(BackendError, match="must be an absolute path"):
+            backend.check(SLEEPER, relative)
+    assert not (tmp_path / "~").exists()
+    assert absolute_path("ckpt") == str(tmp_path / "ckpt")
+    assert absolute_path("~/ckpt") == os.path.expanduser("~/ckpt")
+
+
+@pytest.mark.parametrize("name", ["a/.", "/tmp/x", ".", ".."])
+def test_a_node_name_that_is_no_directory_name_is_refused(local, name):
+    """A gang's launchers run in ``nodes/<node>``: ``a/.`` shared ``a``'s directory, and an absolute
+    name put the launcher's files outside the job's private directory."""
+    broker, _ = local
+    with pytest.raises(InvalidRequest, match="may not contain '/' or be '.' or '..'"):
+        broker.register_node(name, 1, pool="other")
+
+
+@pytest.mark.parametrize(("pool", "devices", "visible"), [
+    ("virtual", True, ""), ("virtual", False, "0"), ("real", True, "0")])
+def test_virtual_gpus_give_the_trainer_no_device_of_a_host_that_has_real_ones(tmp_path, monkeypatch, pool,
+                                                                            devices, visible):
+    """A pool of virtual GPUs (CPU processes) on a host with real ones (``nvidia-smi`` off the PATH,
+    or a second installation): its trainers got ``CUDA_VISIBLE_DEVICES=0``, the host's real GPU 0,
+    which another broker hands out. Without real devices a virtual index stays as it was, and a pool
+    of real GPUs gets its devices."""
+    from airflow_elastic_gpu.backends import local
+
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_HOST_CLAIM_DIR", str(tmp_path / "claim"))
+    monkeypatch.setattr(local, "nvidia_devices", lambda: devices)
+    if pool == "real":  # nvidia-smi lists one GPU
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nprintf '0, NVIDIA H200\\n'\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=2, virtual_gpus=1)
+    try:
+        backend.ensure_pool("default")
+        assert {g.gpu_type for n in broker.nodes() for g in n.gpus} == {"virtual" if pool == "virtual" else "NVIDIA H200"}
+        job = broker.submit(JobSpec("a", SLEEPER, 1, 1, total_steps=10))
+        start_job(broker, backend, job)
+        seen = environ(trainer_of(backend, job.id))
+        assert seen["CUDA_VISIBLE_DEVICES"] == visible and seen["ELASTIC_GPU_COUNT"] == "1"
+        backend.stop(job.id, timeout_s=3)
+    finally:
+        broker.engine.dispose()
+
+
+def test_the_handle_of_a_started_job_records_this_host(local):
+    """What the refusal above reads: a start here records this host, and a start again is idempotent."""
+    broker, backend = local
+    job = broker.submit(JobSpec("a", SLEEPER, 1, 1, total_steps=10))
+    start_job(broker, backend, job)
+    ref = json.loads(backend.start(broker.job(job.id)))
+    assert ref["host"] and backend.handle(job.id).elsewhere is None
