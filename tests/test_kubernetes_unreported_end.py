@@ -179,3 +179,35 @@ def test_a_lost_gang_whose_trainers_had_all_finished_succeeds(tmp_path, clock, r
     else:
         assert polled.status is JobStatus.LOST
     broker.engine.dispose()
+
+
+@pytest.mark.parametrize("how", ["evicted", "gone from the API"])
+def test_a_gang_whose_rank_0_pod_was_deleted_after_the_others_finished_is_no_success(tmp_path, how):
+    """Node 1 exited cleanly and reported it; rank 0, evaluating before it prints the final metrics,
+    had its pod evicted: the one pod left had a clean exit, and the gang was taken for finished
+    (SUCCEEDED, with no metrics and no final model) rather than failed for its retry."""
+    from datetime import UTC, datetime
+
+    from test_kubernetes_gang import GANG
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    for node in ("gpu-node-0", "gpu-node-1"):
+        broker.register_node(node, 4, gpu_type="A100")
+    api = GangCoreV1()
+    backend = KubernetesBackend(config(), broker, api)
+    job = broker.submit(JobSpec("g", GANG, 8, 8, total_steps=1000, backend="kubernetes"))
+    backend.start(job)
+    for node in ("gpu-node-0", "gpu-node-1"):
+        broker.ack(job.id, 1, node=node)
+    rank0, other = sorted(api.pods)
+    api.trainer_exited(other, '{"step": 1000}\n' + protocol.launcher_line("trainer exited with code 0"))
+    broker.finish(job.id, 0, None, node="gpu-node-1")
+    if how == "evicted":
+        api.pods[rank0].metadata.deletion_timestamp = datetime.now(UTC)
+    else:
+        del api.pods[rank0]
+    watcher = JobWatcher(broker, backend, job.id)
+    for _ in range(GONE_POLLS):
+        watcher.poll()
+    assert broker.job(job.id).status is not JobStatus.SUCCEEDED
+    broker.engine.dispose()

@@ -1,8 +1,8 @@
 """The local backend's starts and what waits for a job's processes, with real processes: a start
 that raced the job's cancel, a start of a job another host runs from a shared work directory, a
 trainer left running by its killed launcher (a checkpoint claim and a cleanup wait for it), a
-relative checkpoint directory, node names that are no directory names, and virtual GPUs on a host
-that has real ones."""
+relative checkpoint directory, node names that are no directory names, and a gang started again
+after all its processes died."""
 
 from __future__ import annotations
 
@@ -132,38 +132,6 @@ def test_a_node_name_that_is_no_directory_name_is_refused(local, name):
         broker.register_node(name, 1, pool="other")
 
 
-@pytest.mark.parametrize(("pool", "devices", "visible"), [
-    ("virtual", True, ""), ("virtual", False, "0"), ("real", True, "0")])
-def test_virtual_gpus_give_the_trainer_no_device_of_a_host_that_has_real_ones(tmp_path, monkeypatch, pool,
-                                                                            devices, visible):
-    """A pool of virtual GPUs (CPU processes) on a host with real ones (``nvidia-smi`` off the PATH,
-    or a second installation): its trainers got ``CUDA_VISIBLE_DEVICES=0``, the host's real GPU 0,
-    which another broker hands out. Without real devices a virtual index stays as it was, and a pool
-    of real GPUs gets its devices."""
-    from airflow_elastic_gpu.backends import local
-
-    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_HOST_CLAIM_DIR", str(tmp_path / "claim"))
-    monkeypatch.setattr(local, "nvidia_devices", lambda: devices)
-    if pool == "real":  # nvidia-smi lists one GPU
-        bin_dir = tmp_path / "bin"
-        bin_dir.mkdir()
-        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nprintf '0, NVIDIA H200\\n'\n")
-        (bin_dir / "nvidia-smi").chmod(0o755)
-        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
-    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=2, virtual_gpus=1)
-    try:
-        backend.ensure_pool("default")
-        assert {g.gpu_type for n in broker.nodes() for g in n.gpus} == {"virtual" if pool == "virtual" else "NVIDIA H200"}
-        job = broker.submit(JobSpec("a", SLEEPER, 1, 1, total_steps=10))
-        start_job(broker, backend, job)
-        seen = environ(trainer_of(backend, job.id))
-        assert seen["CUDA_VISIBLE_DEVICES"] == visible and seen["ELASTIC_GPU_COUNT"] == "1"
-        backend.stop(job.id, timeout_s=3)
-    finally:
-        broker.engine.dispose()
-
-
 def test_the_handle_of_a_started_job_records_this_host(local):
     """What the refusal above reads: a start here records this host, and a start again is idempotent."""
     broker, backend = local
@@ -171,3 +139,36 @@ def test_the_handle_of_a_started_job_records_this_host(local):
     start_job(broker, backend, job)
     ref = json.loads(backend.start(broker.job(job.id)))
     assert ref["host"] and backend.handle(job.id).elsewhere is None
+
+
+def test_a_gang_started_again_after_all_its_processes_died_runs(tmp_path):
+    """A gang's agent, launchers and trainers all killed (an OOM of the cgroup) while the job ran on:
+    the start deleted the launchers' old targets but not the agent's record of the generation it had
+    written, so the new agent never wrote the generation again, and the launchers waited for ever
+    while the agent kept the lease (the GPUs held)."""
+    from test_gang import GANG_ARGS, STAND_IN_GANG_TRAINER, gang_setup
+
+    broker, backend = gang_setup(tmp_path, grace_s=2)
+    script = tmp_path / "t.py"
+    script.write_text(STAND_IN_GANG_TRAINER)
+    job = broker.submit(JobSpec("g", f"{sys.executable} {script} 100000 {GANG_ARGS}", 4, 4, total_steps=100000))
+    broker.start(job.id, backend.start(job))
+
+    def running() -> bool:
+        pids = dict(backend.handle(job.id).node_pids)
+        states = {d.name: protocol.read_json(d / protocol.STATUS) or {}
+                  for d in (backend.job_dir(job.id) / protocol.NODES).glob("*")}
+        return len(states) == 2 and all(s.get("state") == protocol.RUNNING and s.get("launcher_pid") == pids[n]
+                                        for n, s in states.items())
+
+    try:
+        wait_for(running, 40, "the gang to run")
+        for pid in marked_processes(job.id):
+            kill_group(pid)
+        wait_for(lambda: not backend.has_processes(job.id), 10, "every process of the job to die")
+        assert not broker.job(job.id).status.terminal
+        backend.start(broker.job(job.id))  # the task's retry reattaching: the whole gang again
+        wait_for(running, 30, "the gang started again to run")
+    finally:
+        backend.stop(job.id, timeout_s=5)
+        broker.engine.dispose()

@@ -163,7 +163,7 @@ class GangPods:
         resizing = job.acked_generation < target.generation
         if pods is None:
             pods = b.pods(job.id)
-        self._ensure_service(job.id, context, made=bool(pods))
+        self._ensure_service(job.id, context, made=bool(pods) or job.acked_generation >= 1)
         live = _live(pods)
         if any(pod_state(p).starting(b.config.startup_grace_s) for p in live) and b.may_keep_lease(job):
             b.broker.heartbeat(job.id)  # a node's pod has not started its agent yet (see KubernetesBackend._sync)
@@ -221,7 +221,8 @@ class GangPods:
 
     def _ensure_service(self, job_id: str, context: Mapping[str, str] | None, *, made: bool = False) -> None:
         """Create the job's headless Service, once per backend (a sync runs every poll), unless it
-        was ``made`` (the job has pods: its first sync made the Service before them). A namespace at
+        was ``made`` (the job has pods, or ran: its first sync made the Service before them; a
+        re-creation leaves it without pods for a moment). A namespace at
         its ``services`` quota refuses a create of a Service that exists with 403, not 409 (the
         quota is checked first): a gang's every later backend (a triggerer restart, the trigger's
         new clients after a failed poll) failed its syncs, and the gang was LOST."""
@@ -269,12 +270,15 @@ class GangPods:
         return None
 
     def _finished(self, job: JobView, pods: list[Any]) -> dict[str, Any] | None:
-        """The final metrics (``{}`` when none printed them) of a gang every pod of which (not being
-        deleted: the pods of nodes the gang dropped are) had its trainer exit cleanly, its
-        launcher's last word its clean exit (a stop on request also exits 0), as for one pod
-        (:meth:`KubernetesBackend._clean_exit`); else None. Rank 0 prints the metrics, on any node."""
+        """The final metrics of a gang that finished unreported: a pod (not being deleted: the pods of
+        nodes the gang dropped are) on every node of its allocation, each of whose trainers exited
+        cleanly, its launcher's last word its clean exit (a stop on request also exits 0), as for
+        one pod (:meth:`KubernetesBackend._clean_exit`), and rank 0's metrics among their logs;
+        else None. Without the metrics it is no proof: the pod of rank 0, which prints them after
+        the others have ended, may have been evicted while it evaluated."""
         live = _live(pods)
-        if not live or any(pod_state(p).trainer_exit_code != 0 for p in live):
+        if (not live or {g.node for g in job.in_use_gpus or job.target_gpus} - {pod_node(p) for p in live}
+                or any(pod_state(p).trainer_exit_code != 0 for p in live)):
             return None
         metrics: dict[str, Any] = {}
         for pod in live:
@@ -282,7 +286,7 @@ class GangPods:
             if found is None:
                 return None
             metrics = metrics or found
-        return metrics
+        return metrics or None
 
     def log_pod(self, job_id: str) -> Any | None:
         """The pod whose trainer log tells the story: a broken one, else the first by node."""

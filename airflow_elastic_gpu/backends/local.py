@@ -45,7 +45,6 @@ from airflow_elastic_gpu.backends.local_host import (  # re-exported: the backen
     check_host_not_in_another_pool,
     check_pool_of_this_host,
     detect_gpus,
-    nvidia_devices,
     register_host_gpus,
 )
 from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-exported
@@ -70,7 +69,6 @@ from airflow_elastic_gpu.backends.local_processes import (  # LocalHandle: re-ex
 from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound
 from airflow_elastic_gpu.config import ENV_BROKER_URL
 from airflow_elastic_gpu.sidecar import protocol, stops
-from airflow_elastic_gpu.sidecar.launcher import VIRTUAL_GPUS
 from airflow_elastic_gpu.sidecar.logparse import LogParser
 from airflow_elastic_gpu.states import JobStatus
 
@@ -320,20 +318,21 @@ class LocalBackend:
         checkpoint_dir = job.checkpoint_dir or str(local_checkpoints.claim(
             self.default_checkpoint_dir(job), job.id, self._earlier_runs, self.grace_s + 10, self._succeeded))
         node_pids: list[tuple[str, int]] = []
-        virtual = nvidia_devices() and all(g.gpu_type == "virtual" for n in self.broker.nodes(job.pool) for g in n.gpus)
+        # the earlier launchers' targets and lease, and a gang's agent's record of what it wrote: the new
+        # launchers wait for the new agent's first word, and that agent writes the broker's target again
+        for stale in (d / f for d in {job_dir, *(s for _, s in dirs)} for f in (protocol.DESIRED, protocol.LEASE)):
+            stale.unlink(missing_ok=True)
         try:
             for node, shared in dirs:
                 shared.mkdir(mode=JOB_DIR_MODE, parents=True, exist_ok=True)
                 private_file(shared / protocol.LOG)
                 stops.withdraw_stop(shared)
-                for stale in (protocol.DESIRED, protocol.LEASE):  # an earlier launcher's: wait for the agent's word
-                    (shared / stale).unlink(missing_ok=True)
                 launcher = [self.python, "-m", "airflow_elastic_gpu.sidecar.launcher",
                             "--shared-dir", str(shared), "--grace-s", str(self.grace_s)]
                 if checkpoint_dir:
                     launcher += ["--checkpoint-dir", checkpoint_dir]
                 pid = self._spawn(shared / "launcher.log", [*launcher, "--", job.command],
-                                  {**trainer_environment(os.environ, env), JOB_MARK: job.id, VIRTUAL_GPUS: str(int(virtual))})
+                                  {**trainer_environment(os.environ, env), JOB_MARK: job.id})
                 node_pids.append((node, pid))
         except (BackendError, OSError) as exc:
             for _, pid in node_pids:  # half a gang never runs

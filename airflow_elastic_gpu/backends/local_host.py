@@ -40,13 +40,6 @@ class HostGpus:
     virtual: bool
 
 
-def nvidia_devices() -> bool:
-    """Whether this host has NVIDIA GPU device files (``/dev/nvidia<N>``), whatever ``nvidia-smi``
-    says (it may be off the ``PATH``, to use virtual GPUs): trainers of virtual GPUs are then given
-    none of them (a virtual index would name a real device another broker hands out)."""
-    return any(Path("/dev").glob("nvidia[0-9]*"))
-
-
 def detect_gpus(virtual_gpus: int | None = None, nvidia_smi: str = "nvidia-smi") -> HostGpus:
     """The host's NVIDIA GPUs via ``nvidia-smi``, else ``virtual_gpus`` virtual ones.
 

@@ -47,7 +47,6 @@ except ImportError:  # copied next to protocol.py in a bare image
 EXIT_NOT_FOUND = 127  # the shell's: the command was not found
 EXIT_CANNOT_RUN = 126  # the shell's: found, but it could not be run (not executable, no shebang, bad quoting)
 EXIT_FENCED = 75  # EX_TEMPFAIL: fenced, and no agent came back to resume the trainer
-VIRTUAL_GPUS = "ELASTIC_VIRTUAL_GPUS"  # "1" in the launcher's environment: its GPUs are virtual (CPU processes)
 STUCK_NOTE_S = 60.0  # how often a process that survives SIGKILL is named again in train.log
 
 
@@ -65,9 +64,11 @@ class Launcher:
         echo: bool = False,
         peer_wait_s: float = 5.0,
     ) -> None:
-        self.dir, self.command = shared_dir, command
+        self.dir = shared_dir
+        self.command = command
         self.checkpoint_dir = checkpoint_dir or shared_dir / "checkpoints"
-        self.grace_s, self.poll_s = grace_s, poll_s
+        self.grace_s = grace_s
+        self.poll_s = poll_s
         self.echo = echo
         self.peer_wait_s = peer_wait_s
         self.proc: subprocess.Popen[bytes] | None = None
@@ -128,8 +129,7 @@ class Launcher:
         argv = shlex.split(protocol.expand_command(self.command, desired))
         env = dict(os.environ)
         env.update(
-            # virtual GPUs (CPU processes: a pool of them may share a host with real ones) get no device
-            CUDA_VISIBLE_DEVICES="" if os.environ.get(VIRTUAL_GPUS) == "1" else ",".join(map(str, gpus)),
+            CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
             CUDA_DEVICE_ORDER="PCI_BUS_ID",  # the broker's indices are nvidia-smi's (CUDA's default: fastest first)
             ELASTIC_GPU_COUNT=str(len(gpus)),
             ELASTIC_GENERATION=str(self.generation),
