@@ -148,15 +148,11 @@ class GangCoreV1(LoggedCoreV1):
         self.services.pop(name, None)
 
 
-@pytest.mark.parametrize("rank0_printed", [True, False])
-def test_a_lost_gang_whose_trainers_had_all_finished_succeeds(tmp_path, clock, rank0_printed):
-    """As for one pod: every node's trainer exited cleanly while the broker's API was out of reach,
-    the job was declared LOST; the gang's pods were never read for a clean exit, so it stayed LOST
-    and the task's retry trained the whole job again. A node stopped on request (also exit 0) is
-    not a clean exit, and the job stays LOST."""
+def running_gang(tmp_path, clock=None):
+    """A gang of two pods on two 4-GPU nodes, both nodes acked: ``(broker, api, backend, job)``."""
     from test_kubernetes_gang import GANG
 
-    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}", clock=clock)
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}", **({"clock": clock} if clock else {}))
     for node in ("gpu-node-0", "gpu-node-1"):
         broker.register_node(node, 4, gpu_type="A100")
     api = GangCoreV1()
@@ -165,6 +161,15 @@ def test_a_lost_gang_whose_trainers_had_all_finished_succeeds(tmp_path, clock, r
     backend.start(job)
     for node in ("gpu-node-0", "gpu-node-1"):
         broker.ack(job.id, 1, node=node)
+    return broker, api, backend, job
+
+@pytest.mark.parametrize("rank0_printed", [True, False])
+def test_a_lost_gang_whose_trainers_had_all_finished_succeeds(tmp_path, clock, rank0_printed):
+    """As for one pod: every node's trainer exited cleanly while the broker's API was out of reach,
+    the job was declared LOST; the gang's pods were never read for a clean exit, so it stayed LOST
+    and the task's retry trained the whole job again. A node stopped on request (also exit 0) is
+    not a clean exit, and the job stays LOST."""
+    broker, api, backend, job = running_gang(tmp_path, clock)
     for _ in range(2):  # the agents silent for a lease (the broker's API away): LOST
         clock.advance(broker.pool_config().lease_s * 0.6)
         broker.rebalance()
@@ -188,17 +193,7 @@ def test_a_gang_whose_rank_0_pod_was_deleted_after_the_others_finished_is_no_suc
     (SUCCEEDED, with no metrics and no final model) rather than failed for its retry."""
     from datetime import UTC, datetime
 
-    from test_kubernetes_gang import GANG
-
-    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
-    for node in ("gpu-node-0", "gpu-node-1"):
-        broker.register_node(node, 4, gpu_type="A100")
-    api = GangCoreV1()
-    backend = KubernetesBackend(config(), broker, api)
-    job = broker.submit(JobSpec("g", GANG, 8, 8, total_steps=1000, backend="kubernetes"))
-    backend.start(job)
-    for node in ("gpu-node-0", "gpu-node-1"):
-        broker.ack(job.id, 1, node=node)
+    broker, api, backend, job = running_gang(tmp_path)
     rank0, other = sorted(api.pods)
     api.trainer_exited(other, '{"step": 1000}\n' + protocol.launcher_line("trainer exited with code 0"))
     broker.finish(job.id, 0, None, node="gpu-node-1")
