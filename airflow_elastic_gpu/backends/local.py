@@ -82,7 +82,6 @@ TRAINER_ENV_DROPPED = ("AIRFLOW_ELASTIC_GPU_", "AIRFLOW_CONN_", "AIRFLOW_VAR_", 
 tokens), Airflow's connections and variables, and Airflow's configuration (its database URL,
 Fernet key, secret keys)."""
 JOB_DIR_MODE = 0o700
-LOG_MODE = 0o600
 _SPAWN = (
     "import subprocess, sys\n"
     "out = open(sys.argv[1], 'ab')\n"

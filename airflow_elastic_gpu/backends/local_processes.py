@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 AGENT_MODULE = "airflow_elastic_gpu.sidecar.agent"
 """The module a job's agent runs (``python -m``)."""
+LOG_MODE = 0o600
+"""The mode of a job's logs (:func:`private_file`)."""
 START_LOCK_TIMEOUT_S = 120.0
 """How long a start or stop of a job waits for another one's (seconds): a start spawns a few Python
 processes, seconds, a minute on a loaded host."""
@@ -113,8 +115,8 @@ def job_process(pid: int | None, job_id: str, *, boot: str | None = None, starte
     return not marks or f"{JOB_MARK}={job_id}".encode() in marks
 
 
-def private_file(path: Path, mode: int = 0o600) -> None:
-    """Create ``path`` (or keep it) with ``mode`` (0600): appenders keep the mode of an existing file."""
+def private_file(path: Path, mode: int = LOG_MODE) -> None:
+    """Create ``path`` (or keep it) with ``mode``: appenders keep the mode of an existing file."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
     try:
         os.fchmod(fd, mode)

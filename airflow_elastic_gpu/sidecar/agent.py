@@ -292,7 +292,7 @@ class Agent(EndReports):
             return None
         mine = desired.get("gpus")
         theirs = self._part(target)["gpus"] if self.gang is None else [[g.node, g.index] for g in target.gpus]
-        if mine is None or [list(g) if isinstance(g, list | tuple) else g for g in mine] == theirs:
+        if mine is None or mine == theirs:  # both as JSON has them: indices, or [node, index] pairs
             return None
         return (f"the broker's generation {written} names other GPUs ({theirs}) than the trainer was given "
                 f"({mine}): its database restored or failed over?")
