@@ -281,22 +281,24 @@ def test_a_killed_agent_s_trainer_is_fenced_before_its_gpus_go_to_another_job(on
 
 def test_a_restarted_agent_resumes_a_fenced_trainer_the_broker_still_runs(one_gpu, trainer):
     broker, backend, started = one_gpu
-    broker.configure_pool(lease_s=4.0)  # fence at 2 s: room to restart the agent before the lease ends
-    job = broker.submit(JobSpec("resumed", f"{sys.executable} {trainer} x 60", 1, 1, total_steps=60))
+    # fence at 4 s, and 4 s more to restart the agent (its imports take seconds on a loaded machine) before
+    # the lease ends; the trainer (0.05 s a step) must still run when the fence comes
+    broker.configure_pool(lease_s=8.0)
+    job = broker.submit(JobSpec("resumed", f"{sys.executable} {trainer} x 300", 1, 1, total_steps=300))
     broker.start(job.id, backend.start(job))
     started.append(job.id)
     handle = backend.handle(job.id)
     wait_for(lambda: broker.job(job.id).steps_done >= 3, 30, "progress")
     trainer_pid = protocol.read_json(handle.job_dir / protocol.STATUS)["pid"]
     os.kill(handle.agent_pid, signal.SIGKILL)
-    wait_for(lambda: protocol.read_json(handle.job_dir / protocol.STATUS)["state"] == protocol.FENCED, 10, "fence")
+    wait_for(lambda: protocol.read_json(handle.job_dir / protocol.STATUS)["state"] == protocol.FENCED, 20, "fence")
     assert not protocol.pid_alive(trainer_pid)
     backend.start(job)  # a supervisor or the task's retry: a new agent for the same launcher
     again = backend.handle(job.id)
     assert again.launcher_pid == handle.launcher_pid and again.agent_pid != handle.agent_pid
     done = wait_for(lambda: broker.job(job.id).status.terminal and broker.job(job.id), 60, "job end")
     assert done.status is JobStatus.SUCCEEDED, done.reason
-    assert done.steps_done == 60
+    assert done.steps_done == 300
     status = protocol.read_json(handle.job_dir / protocol.STATUS)
     assert status["restarts"] == 1 and status["fences"] == 1
     log = (handle.job_dir / protocol.LOG).read_text()
