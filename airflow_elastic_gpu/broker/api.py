@@ -111,7 +111,7 @@ def check_bind_address(host: str, ui_token: str | None) -> None:
         pass  # a host name: other machines may reach it
     raise ValueError(
         f"--host {host} would let anyone who reaches it read every job, pool and event: set "
-        f"${ENV_UI_TOKEN} (the read-only views then need it, as a bearer token or the page's ?token=), "
+        f"${ENV_UI_TOKEN} or [elastic_gpu] ui_token (the read-only views then need it, as a bearer token or the page's ?token=), "
         "or keep --host 127.0.0.1")
 
 

@@ -1,6 +1,6 @@
-"""A job's life in the broker: submit, start, heartbeats, progress, acks, and its end.
+"""A job's life in the broker: submit, start, heartbeats, progress and acks (its end: :mod:`.endings`).
 
-Resize protocol (two-phase; DESIGN.md "Resize protocol"): a rebalance publishes a job's new target
+Resize protocol (two-phase; docs/architecture.md, "A resize"): a rebalance publishes a job's new target
 with a new generation (:mod:`.rebalance`); the agent restarts the trainer on it and :meth:`ack`\\ s
 the generation; only then do the job's in-use GPUs become the target, freeing the rest.
 
