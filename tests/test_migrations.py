@@ -126,6 +126,22 @@ def test_a_database_at_a_revision_this_version_does_not_know_is_refused_with_wha
         engine.dispose()
 
 
+def test_a_database_with_tables_of_the_brokers_names_but_no_revision_is_refused_with_what_to_do(broker_url, clock):
+    """Another application's database (or a broker's that lost its alembic_version): creating the
+    schema failed on the first table that exists, with the driver's error (``table event already exists``)."""
+    engine = create_engine(broker_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TABLE event (id INTEGER PRIMARY KEY, what TEXT)"))
+        with pytest.raises(RuntimeError, match=r"has tables named as the broker's \(event\) but no schema revision: "
+                                               r"it is not a broker database"):
+            GpuBroker(broker_url, clock=clock)
+        with engine.connect() as conn:
+            assert set(inspect(conn).get_table_names()) == {"event"}  # nothing was changed
+    finally:
+        engine.dispose()
+
+
 def test_a_sqlite_migration_that_would_leave_a_dangling_reference_is_refused_and_rolled_back(tmp_path, clock):
     """SQLite migrations run with foreign keys off (a table is altered by copying it), so
     ``PRAGMA foreign_key_check`` guards the commit: a row that refers to a missing one (here a GPU

@@ -16,7 +16,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
@@ -231,7 +231,7 @@ def run_migration(engine: Engine, direction: str, revision: str) -> None:
                 current = MigrationContext.configure(conn).get_current_revision()
                 if direction == "upgrade" and current == revision:
                     return
-                _check_known(cfg, current, engine)
+                _check_known(cfg, current, engine, conn)
                 cfg.attributes["connection"] = conn
                 step(cfg, revision)
                 if sqlite and (dangling := conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()):
@@ -243,14 +243,26 @@ def run_migration(engine: Engine, direction: str, revision: str) -> None:
 
 
 class SchemaError(RuntimeError):
-    """The broker database is at a schema revision this version does not know."""
+    """The broker database is at a schema revision this version does not know, or has tables of
+    the broker's names but no revision."""
 
 
-def _check_known(cfg: Config, current: str | None, engine: Engine) -> None:
+def _check_known(cfg: Config, current: str | None, engine: Engine, conn: Connection) -> None:
     """:raises SchemaError: ``current`` (the database's Alembic revision) is none of this version's:
     a newer version of the broker migrated it, or it is another application's database (Airflow's
-    metadata database has an ``alembic_version`` table too). Nothing is changed then."""
-    if current is None or current in {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}:
+    metadata database has an ``alembic_version`` table too); or there is none, but tables of the
+    broker's names exist (another application's, or a broker's whose revision was lost: creating
+    the schema failed on the first of them, with the driver's error). Nothing is changed then."""
+    if current is None:
+        from airflow_elastic_gpu.broker.models import Base
+
+        if found := sorted(set(inspect(conn).get_table_names()) & set(Base.metadata.tables)):
+            raise SchemaError(
+                f"the broker database {engine.url.render_as_string(hide_password=True)} has tables named as the "
+                f"broker's ({', '.join(found)}) but no schema revision: it is not a broker database (give the "
+                "broker a database of its own), or its alembic_version table was lost; nothing was changed")
+        return
+    if current in {r.revision for r in ScriptDirectory.from_config(cfg).walk_revisions()}:
         return
     raise SchemaError(
         f"the broker database {engine.url.render_as_string(hide_password=True)} is at schema revision "
