@@ -44,6 +44,8 @@ HOSTILE_NAME = "x'); DROP TABLE job; --"
     (dict(min_gpus=3, max_gpus=3), "more than GPU pool 'default' has"),
     (dict(total_steps=None), "total_steps must be an integer >= 1, got None"),
     (dict(command="   "), "command must not be empty"),
+    ({"command": "python -c 'x"}, "does not parse (as a shell would split it): No closing quotation"),
+    ({"checkpoint_dir": "ckpt"}, "checkpoint_dir 'ckpt' must be an absolute path"),
     (dict(name=""), "name must not be empty"),
     ({"family": " "}, "family must not be empty"),
     ({"family": "f" * 257}, "family must be at most 256 characters, got 257"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,7 +114,8 @@ class JobSpec:
     DAG parse time by the operator, by the CLI and by the broker).
 
     :param name: display name (e.g. ``dag.task``), at most 256 characters.
-    :param command: the training command (a shell-style string, ``{num_gpus}`` expanded at launch).
+    :param command: the training command (a shell-style string that :func:`shlex.split` splits into at
+        least one word, ``{num_gpus}`` expanded at launch).
     :param min_gpus: fewest GPUs it runs on (>= 1).
     :param max_gpus: most GPUs it can use (>= ``min_gpus``); default ``min_gpus`` (not elastic).
     :param total_steps: steps in the whole training (>= 1), to predict remaining time.
@@ -126,7 +128,8 @@ class JobSpec:
     :param priority: larger is served first (a 32-bit integer).
     :param progress_pattern: regex with a ``step`` group (or one group) parsed from the log;
         default: JSON lines with a ``"step"`` key.
-    :param checkpoint_dir: where the trainer checkpoints (the backend checks it).
+    :param checkpoint_dir: where the trainer checkpoints, an absolute path (the backend checks that it
+        can be written).
     :param backend: one of :data:`BACKENDS`.
     :param preemptible: the job may be suspended (resized to zero GPUs: checkpoint, stop, keep its
         place) when its pool allows suspension, and resumed from its checkpoint later. Off by default.
@@ -180,6 +183,12 @@ class JobSpec:
             object.__setattr__(self, "family", family_of(self.name))
         check_text("family", self.family, MAX_NAME_CHARS)
         check_text("command", self.command, 64 * 1024)
+        try:  # as every launcher splits it: a command no retry can start is refused before it is queued
+            argv = shlex.split(self.command)
+        except ValueError as exc:
+            raise InvalidRequest(f"command {self.command!r} does not parse (as a shell would split it): {exc}") from None
+        if not argv:
+            raise InvalidRequest("command must not be empty")
         check_int("min_gpus", self.min_gpus, 1)
         if self.max_gpus is None:
             object.__setattr__(self, "max_gpus", self.min_gpus)
@@ -208,6 +217,10 @@ class JobSpec:
         check_int("priority", self.priority, -MAX_INT32, MAX_INT32)
         if self.checkpoint_dir is not None:
             check_text("checkpoint_dir", self.checkpoint_dir, 4096)
+            if not self.checkpoint_dir.startswith("/"):  # "~" too: resolved by whom, where?
+                raise InvalidRequest(f"checkpoint_dir {self.checkpoint_dir!r} must be an absolute path: each process of "
+                                     "the job (worker, triggerer, launcher, container) would resolve a relative one "
+                                     "from its own directory")
         if self.backend not in BACKENDS:
             raise InvalidRequest(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.progress_pattern is not None:

@@ -42,20 +42,26 @@ ONE_HOST_EXECUTORS = frozenset({"LocalExecutor", "SequentialExecutor", "DebugExe
 """Airflow executors that run every task on the scheduler's host."""
 
 
+class NoBrokerConfigured(ValueError):
+    """No connection and no ``[elastic_gpu] broker_url`` under an executor of several machines
+    (:func:`_check_one_host`): a setting missing, or a connection Airflow could not read for a
+    moment, which it reports as not defined (a trigger reads it again for a while)."""
+
+
 def _check_one_host(conf: Any) -> None:
     """Refuse the computed default broker (a SQLite file in ``$AIRFLOW_HOME``) under an executor that
     runs tasks on several machines: each would have a broker of its own, and hand out the same GPUs
     again. Airflow 3 also reports a connection that it could not read for a moment (its API server
     away) as not defined, which made a worker of such a deployment fall back to that file.
 
-    :raises ValueError: ``[core] executor`` names another executor (each of a list and of every
+    :raises NoBrokerConfigured: ``[core] executor`` names another executor (each of a list and of every
         team's, in any of its forms: ``CeleryExecutor``, ``alias:module.Class``, ``module.Class``)."""
     executors = (conf.get("core", "executor", fallback=None) if conf is not None else None) or "LocalExecutor"
     # "a,b" or, per team (Airflow 3's multi-team), "a;team1=b,c": every executor named
     items = [item for group in executors.split(";") for item in group.split("=", 1)[-1].split(",")]
     names = [item.strip().rsplit(":", 1)[-1].rsplit(".", 1)[-1] for item in items if item.strip()]
     if others := [n for n in names if n not in ONE_HOST_EXECUTORS]:
-        raise ValueError(
+        raise NoBrokerConfigured(
             f"no broker database is configured, and [core] executor ({', '.join(others)}) runs tasks on several "
             "machines: each would use a SQLite broker of its own and hand out the same GPUs again. Set "
             "[elastic_gpu] broker_url ($AIRFLOW_ELASTIC_GPU_BROKER_URL) to one PostgreSQL database for every "

@@ -53,6 +53,7 @@ from airflow_elastic_gpu.config import (
 from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
 from airflow_elastic_gpu.links.job import ElasticJobLink
 from airflow_elastic_gpu.operators import results
+from airflow_elastic_gpu.operators.checks import check_modes, rendered_later
 from airflow_elastic_gpu.states import PUBLISH_KINDS, JobStatus
 from airflow_elastic_gpu.triggers.orphans import check_orphans
 from airflow_elastic_gpu.triggers.submit import submit_and_start
@@ -177,21 +178,8 @@ class ElasticTrainingOperator(BaseOperator):
                 deferrable = default_deferrable(conf=conf)
         except ValueError as exc:
             raise AirflowFailException(f"{self.task_id}: {exc}") from None
-        if isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)) or not (
-                0 < poll_interval < float("inf")):
-            raise AirflowFailException(f"{self.task_id}: poll_interval must be a number of seconds > 0, "
-                                   f"got {poll_interval!r}")
-        if start_from_trigger and not deferrable:
-            raise AirflowFailException(f"{self.task_id}: start_from_trigger=True needs deferrable=True")
-        if start_from_trigger:  # its trigger's arguments are fixed when the DAG is parsed
-            upstream = [name for name, value in (("command", command), ("env", env), ("checkpoint_dir", checkpoint_dir),
-                                                 ("job_name", job_name)) if resolved_later(value) or (
-                        isinstance(value, Mapping) and any(resolved_later(v) for v in value.values()))]
-            if upstream:
-                raise AirflowFailException(
-                    f"{self.task_id}: start_from_trigger=True cannot take an upstream task's output "
-                    f"({', '.join(upstream)}): the trigger's arguments are fixed when the DAG is parsed; "
-                    "start the job from a worker (start_from_trigger=False)")
+        check_modes(self.task_id, poll_interval=poll_interval, deferrable=deferrable, start_from_trigger=start_from_trigger,
+                    trigger_fields={"command": command, "env": env, "checkpoint_dir": checkpoint_dir, "job_name": job_name})
         try:
             if gpu_pool is not None:  # named as the argument the user wrote (JobSpec's field is pool)
                 check_pool_name("gpu_pool", gpu_pool)
@@ -201,11 +189,11 @@ class ElasticTrainingOperator(BaseOperator):
             # runs: checked then (execute, or the trigger's submit), here a stand-in of the right type
             spec = JobSpec(  # the one validation of a job's fields, also run by the broker at submit
                 name=self.task_id if job_name is None or resolved_later(job_name) else job_name,
-                command="resolved when the task runs" if resolved_later(command) else command,
+                command="resolved when the task runs" if rendered_later(command) else command,
                 min_gpus=min_gpus, max_gpus=max_gpus,
                 total_steps=total_steps, requested_gpus=requested_gpus,
                 pool=DEFAULT_POOL if gpu_pool is None else gpu_pool, priority=priority,
-                progress_pattern=progress_pattern, checkpoint_dir=None if resolved_later(checkpoint_dir) else checkpoint_dir,
+                progress_pattern=progress_pattern, checkpoint_dir=None if rendered_later(checkpoint_dir) else checkpoint_dir,
                 backend=backend, preemptible=preemptible, relative_speed=relative_speed,
             )
             self.kubernetes = backend_settings(backend, image=image, kubernetes=kubernetes)
@@ -408,8 +396,8 @@ class ElasticTrainingOperator(BaseOperator):
             cannot be read either (the job is cancelled where it can be and its processes stopped,
             so it holds no GPU that nobody watches), or :meth:`_result`'s.
         :raises AirflowException: the trigger could not start the job (``start_from_trigger``), the
-            triggerer could not cancel the job past the task's deadline (the job is cancelled here;
-            retried, as a time-out), or the job did not succeed.
+            triggerer could not cancel the job past the task's deadline (the job is cancelled here,
+            unless it has ended, a success returned; retried, as a time-out), or the job did not succeed.
         """
         if event.get("job_id") is None:  # a configuration error (retry false) is not retried
             raise (AirflowException if event.get("retry", True) else AirflowFailException)(
@@ -419,10 +407,14 @@ class ElasticTrainingOperator(BaseOperator):
                        f"{event.get('reason')}")
             self._job_id, self._attempt = event["job_id"], attempt_of(context["ti"])
             timed_out = bool(event.get("timed_out"))
-            if not timed_out and (job := self._job_in_worker(event["job_id"])) is not None:
+            job = self._job_in_worker(event["job_id"])
+            if job is not None and (not timed_out or job.status.terminal):  # timed out: one that ended counts
                 # the worker's broker has the job: the worker follows it, not throw a healthy training away
-                self.log.warning("%s; the worker follows the job until it ends instead. Give the triggerer the "
-                                 "worker's broker (connection and [elastic_gpu] settings)", message)
+                if self.start_from_trigger:  # the triggerer pushes no XCom: the link's job id comes now
+                    ElasticJobLink.persist(context["ti"], pool=job.pool, job_id=job.id)
+                self.log.warning("%s; %s. Give the triggerer the worker's broker (connection and [elastic_gpu] "
+                                 "settings)", message, f"the job has {job.status.value}" if job.status.terminal
+                                 else "the worker follows the job until it ends instead")
                 return self._wait_in_worker(JobWatcher(self.hook.broker, self._make_backend(), job.id, env=self.env,
                                                        context=self.task_labels(context), log=self.log), context,
                                             deadline_s=event.get("deadline_s"))

@@ -31,12 +31,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from airflow_elastic_gpu.broker.types import (
-    JobSpec,
-    JobView,
-    NotFound,
-    task_family,
-)
+from airflow_elastic_gpu.broker.types import BrokerError, JobSpec, JobView, NotFound, task_family
 from airflow_elastic_gpu.compat import AirflowFailException, BaseTrigger, TriggerEvent
 from airflow_elastic_gpu.config import airflow_conf, default_work_dir
 from airflow_elastic_gpu.triggers.orphans import check_orphans
@@ -76,11 +71,11 @@ user acted on (marked it failed or success, cleared it), just before it calls ``
 whose trigger timeout passed (a ``start_from_trigger`` task's execution_timeout), without
 ``on_kill``."""
 POLL_TIMEOUT_S = 60.0
-MAX_UNANSWERED = 3
-"""Calls of one kind past :data:`POLL_TIMEOUT_S` a trigger leaves running before it stops calling."""
 """The longest a poll of the job is waited for (seconds; at least 10 poll intervals): one stuck on a
 database lock or an API server that never answers is then taken for a failed poll, so that the
 task's execution_timeout is still enforced while it is deferred (its thread is left behind)."""
+MAX_UNANSWERED = 3
+"""Calls of one kind past :data:`POLL_TIMEOUT_S` a trigger leaves running before it stops calling."""
 STATE_QUERY_TIMEOUT_S = 10.0
 """How long a trigger waits for the triggerer's supervisor to say whether its task instance is
 still deferred (a triggerer shutting down has stopped reading the answers)."""
@@ -197,16 +192,19 @@ class ElasticTrainingTrigger(BaseTrigger):
                                virtual_nodes=int(job.get("virtual_nodes") or 1))
         map_index = int(ti.map_index)
         name = self.job_name or (ti.task_id if map_index < 0 else f"{ti.task_id}[{map_index}]")
-        spec = JobSpec(
-            name=name, command=self.command, min_gpus=job["min_gpus"], max_gpus=job.get("max_gpus"),
-            requested_gpus=job.get("requested_gpus"), total_steps=job["total_steps"],
-            key=task_key(ti),
-            pool=job.get("gpu_pool") or hook.default_pool(), priority=job.get("priority", 0),
-            progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
-            backend=self.backend, preemptible=bool(job.get("preemptible", False)),
-            relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
-            attempt=attempt_of(ti),  # no max_tries: the triggerer's task instance does not have the real one
-        )
+        try:  # the rendered arguments (a relative checkpoint_dir): a retry renders the same, so it is not retried
+            spec = JobSpec(
+                name=name, command=self.command, min_gpus=job["min_gpus"], max_gpus=job.get("max_gpus"),
+                requested_gpus=job.get("requested_gpus"), total_steps=job["total_steps"],
+                key=task_key(ti),
+                pool=job.get("gpu_pool") or hook.default_pool(), priority=job.get("priority", 0),
+                progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
+                backend=self.backend, preemptible=bool(job.get("preemptible", False)),
+                relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
+                attempt=attempt_of(ti),  # no max_tries: the triggerer's task instance does not have the real one
+            )
+        except BrokerError as exc:
+            raise AirflowFailException(str(exc)) from None
         return submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log,
                                 on_submitted=lambda submitted: setattr(self, "_submitted_id", submitted.id)).job
 
@@ -220,15 +218,18 @@ class ElasticTrainingTrigger(BaseTrigger):
         """The watcher, with a new hook (broker client) and backend after :meth:`_drop_watcher`.
         Blocking (reads the Airflow connection): call it in a thread.
 
-        :raises ClientSetupError: the triggerer cannot make them (no retry changes that)."""
+        :raises ClientSetupError: the triggerer cannot make them (no retry changes that).
+        :raises NotFound: no broker is configured (:class:`.NoBrokerConfigured`): polled again for a while."""
         if self._watcher is None:
             from airflow_elastic_gpu.backends import BackendError, make_backend
-            from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
+            from airflow_elastic_gpu.hooks.broker import GpuBrokerHook, NoBrokerConfigured
 
             try:
                 broker = GpuBrokerHook(self.broker_conn_id).broker
                 backend = make_backend(self.backend, broker=broker, work_dir=self.work_dir,
                                        kubernetes=self.kubernetes)
+            except NoBrokerConfigured as exc:  # also a connection unread for a moment: read again a while
+                raise NotFound(f"job {self.job_id} has no broker to be read in: {exc}") from exc
             except (ValueError, ImportError, BackendError) as exc:  # a bad URL, a missing driver, bad settings
                 raise ClientSetupError(f"the triggerer cannot make its broker or backend client: {exc}") from exc
             self._watcher = (JobWatcher(broker, backend, self.job_id, after_event_id=self.after_event_id,
