@@ -43,7 +43,7 @@ from airflow_elastic_gpu.broker.models import (
 from airflow_elastic_gpu.broker.types import NotFound, family_of
 from airflow_elastic_gpu.scheduling.core import JobBook
 from airflow_elastic_gpu.scheduling.state import GpuId
-from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
+from airflow_elastic_gpu.scheduling.throughput import ThroughputModel, plausible_speed
 from airflow_elastic_gpu.states import ACTIVE, EventKind
 
 Executor = Session | Connection
@@ -100,7 +100,9 @@ def holds(column: Any, text: str) -> ColumnElement[bool]:
 
 
 def _model(observed: Iterable[Any]) -> ThroughputModel:
-    return ThroughputModel(tuple((int(n), float(t)) for n, t in observed)) if observed else _UNMEASURED
+    # an absurd speed an earlier version stored is left out (it made every rebalance fail)
+    kept = tuple((int(n), float(t)) for n, t in observed or () if plausible_speed(float(t)))
+    return ThroughputModel(kept) if kept else _UNMEASURED
 
 
 def throughput_of(job: Job | Row[Any]) -> ThroughputModel:

@@ -40,6 +40,7 @@ from airflow_elastic_gpu.scheduling.state import (
 )
 from airflow_elastic_gpu.scheduling.throughput import (
     ThroughputModel,
+    plausible_speed,
     update_restart_overhead,
     with_family_by_type,
     with_pool_prior,
@@ -218,6 +219,8 @@ def record_progress(book: JobBook, *, generation: int, step: float, now_s: float
         (default :meth:`JobBook.num_gpus_of`, from the book's GPU sets).
     :param gpu_type: the one GPU type of those GPUs (:func:`gpu_type_of`), or None (several types,
         or not known): a throughput sample is also folded into ``book.throughput_by_type[gpu_type]``.
+    A speed out of :data:`~.throughput.SPEED_RANGE` (an absurd step) folds into no model.
+
     :returns: True if the sample counts (the caller stores it as the generation's latest). A step
         the generation's latest sample has already reported does not (an HTTP report sent again
         after its reply was lost, a progress pattern that matches two lines of one step): stored at
@@ -234,6 +237,9 @@ def record_progress(book: JobBook, *, generation: int, step: float, now_s: float
         book.restart_overhead_s = update_restart_overhead(book.restart_overhead_s, now_s - book.published_s)
     if previous is not None and now_s > previous[0] and step > previous[1] and num_gpus > 0:
         speed = (step - previous[1]) / (now_s - previous[0])
+        if not plausible_speed(speed):  # the step counts, its absurd speed is no sample
+            book.steps_done = step
+            return True
         book.throughput = book.throughput.with_sample(num_gpus, speed)
         if gpu_type is not None:
             by_type = book.throughput_by_type

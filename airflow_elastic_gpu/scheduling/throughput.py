@@ -23,6 +23,7 @@ is linear up to its fastest measured count and level beyond.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -30,6 +31,15 @@ from functools import cached_property
 DEFAULT_PRIOR_ALPHA = 0.05
 DEFAULT_PRIOR_STEPS_PER_S = 1.0
 EMA_WEIGHT = 0.3
+SPEED_RANGE = (1e-9, 1e9)
+"""The throughput samples a model takes (steps/s): a step per 30 years to a billion steps a second.
+A trainer's absurd report (a step of 1e308 half a second after step 0: an infinite speed; a step of
+5e-324: a denormal one) made the fits divide by zero, and every rebalance of the pool failed."""
+
+
+def plausible_speed(steps_per_s: float) -> bool:
+    """Whether ``steps_per_s`` is a finite throughput within :data:`SPEED_RANGE`."""
+    return math.isfinite(steps_per_s) and SPEED_RANGE[0] <= steps_per_s <= SPEED_RANGE[1]
 
 
 @dataclass(frozen=True)
@@ -84,12 +94,15 @@ class ThroughputModel:
         if isinstance(self.node_gpus, bool) or not isinstance(self.node_gpus, int) or self.node_gpus < 0:
             raise ValueError(f"node_gpus must be an integer >= 0, got {self.node_gpus!r}")
         for n, t in self.observed:
-            if n < 1 or t <= 0:
+            if n < 1 or not plausible_speed(t):
                 raise ValueError(f"bad throughput sample: {t} steps/s on {n} GPUs")
 
     def with_sample(self, num_gpus: int, steps_per_s: float) -> ThroughputModel:
-        """Return a model that has also seen ``steps_per_s`` (> 0) measured on ``num_gpus`` (>= 1)."""
-        if num_gpus < 1 or steps_per_s <= 0:
+        """Return a model that has also seen ``steps_per_s`` (:func:`plausible_speed`) measured on
+        ``num_gpus`` (>= 1).
+
+        :raises ValueError: a GPU count < 1 or a speed out of :data:`SPEED_RANGE`."""
+        if num_gpus < 1 or not plausible_speed(steps_per_s):
             raise ValueError(f"bad throughput sample: {steps_per_s} steps/s on {num_gpus} GPUs")
         merged = dict(self.observed)
         old = merged.get(num_gpus)
