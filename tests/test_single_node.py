@@ -84,3 +84,24 @@ def test_placeholders_in_another_case_do_not_make_a_command_a_gangs(broker_url, 
         assert multi == {"upper": False, "gang": True, "one-missing": False, "like-wildcards": False}
     finally:
         b.engine.dispose()
+
+
+def test_a_waiting_job_that_no_node_can_hold_leaves_the_pool_to_the_others():
+    """Nodes of 2 + 2 GPUs and a one-node job of 3 or more waiting (the nodes lost GPUs since its
+    submit): the policy counted 3 GPUs for it, their spread over two nodes was refused, and those
+    GPUs went to no job, decision after decision, while an elastic job could use them."""
+    from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore, apply_ack
+    from airflow_elastic_gpu.scheduling.policy import get_policy
+    from airflow_elastic_gpu.scheduling.state import NodeState
+
+    nodes = [NodeState("n0", (0, 1)), NodeState("n1", (0, 1))]
+    core = SchedulingCore(get_policy("adaptive", hysteresis=0.0, min_resize_interval_s=0.0), 10.0)
+    waiting = JobBook("one-node", 3, 4, 1000, 0.0)
+    waiting.single_node = True
+    elastic = JobBook("elastic", 1, 4, 10**6, 1.0)
+    for now in (10.0, 100.0, 1000.0, 5000.0):
+        core.rebalance(nodes, [waiting, elastic], now)
+        for book in (waiting, elastic):
+            if book.target_generation > book.acked_generation:
+                apply_ack(book, book.target_generation, now)
+    assert waiting.target == () and len(elastic.target) == 4

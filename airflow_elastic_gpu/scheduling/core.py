@@ -348,7 +348,8 @@ class SchedulingCore:
         resize, ``last_resize_s`` set to ``now_s``). A growth that needs GPUs another job has not
         given back yet waits for a later rebalance, and so does any change but a growth of a job
         that has not acked its latest generation (its trainer may run on those GPUs already: they
-        go to nobody else before it acks); a finishing or unreachable job's, or one at its last step
+        go to nobody else before it acks); a single-node job without GPUs that no node can hold
+        waits, not counted in the decision; a finishing or unreachable job's, or one at its last step
         (:attr:`JobBook.at_last_step`), is not changed at all; a running job is taken to zero GPUs (suspended)
         only by a preemptive policy, or, when the policy suspends (``suspend=True``), if it is
         preemptible. A suspension appends ``now_s`` to ``suspensions_s``; a start or resume sets
@@ -363,7 +364,12 @@ class SchedulingCore:
         """
         if not books:
             return []
-        decision = self.policy.decide(self.cluster_state(nodes, books, now_s, history, history_by_type))
+        # a single-node job without GPUs that no node can hold now (nodes lost GPUs since its submit)
+        # waits outside the decision: the GPUs a policy counted for it, whose spread is refused below,
+        # went to no job, decision after decision
+        largest = max((len(n.gpu_indices) for n in nodes), default=0)
+        placeable = [b for b in books if not (b.single_node and not b.target and b.min_gpus > largest)]
+        decision = self.policy.decide(self.cluster_state(nodes, placeable, now_s, history, history_by_type))
         by_id = {b.job_id: b for b in books}
         usable = {GpuId(n.name, i) for n in nodes for i in n.gpu_indices}
         out = []
