@@ -391,3 +391,20 @@ def test_a_number_of_the_adaptive_policy_is_never_a_bool(field, bad):
     """``pool --param hysteresis=true`` was stored as True, which Python reads as 1."""
     with pytest.raises(ValueError, match=f"^{field} must be (a number|an integer)"):
         AdaptivePolicy(**{field: bad})
+
+
+def test_a_waiting_job_of_a_higher_priority_is_not_outbid_by_a_lower_prioritys_growth():
+    """A measured waiting job competed for its start with the growth of running jobs (admission by
+    gain), scored by measured speed-ups, which a noisy super-linear sample inflates: the running job
+    of a lower priority took the only free GPU. Priority comes first: such a job is admitted at once."""
+    low = dataclasses.replace(
+        job("low", min_gpus=1, max_gpus=2, steps=10**6, alloc=gpus("n0", 0)),
+        throughput=ThroughputModel(((1, 1.0), (2, 5.0))), first_start_s=0.0, last_start_s=0.0)
+    high = dataclasses.replace(job("high", min_gpus=1, max_gpus=1, steps=10**4), submit_time_s=900.0, priority=5,
+                               throughput=ThroughputModel(((1, 1.0),)))
+    cluster = ClusterState((node("n0", 2),), (low, high), 1000.0)
+    decision = AdaptivePolicy().decide(cluster)
+    assert decision.allocations["high"] == gpus("n0", 1) and decision.allocations["low"] == gpus("n0", 0)
+    # of one priority, the start still competes with the growth (admission by gain)
+    same = dataclasses.replace(high, priority=0)
+    assert AdaptivePolicy().decide(dataclasses.replace(cluster, jobs=(low, same))).allocations["high"] == ()
