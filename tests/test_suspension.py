@@ -223,3 +223,22 @@ def test_the_simulator_suspends_a_long_job_and_resumes_it_paying_the_restart_ove
     assert jobs["short"].jct_s < plain["short"].jct_s
     assert r.summary()["avg_jct_s"] < simulate(trace, ClusterShape(1, 1), "adaptive").summary()["avg_jct_s"]
     assert [n for _, job_id, n in r.allocations if job_id == "long"][:3] == [1, 0, 1]
+
+
+def test_a_job_spanning_gpu_types_is_not_suspended_inside_its_minimum_runtime():
+    """Placed on one GPU of each type while the pool ran type-blind, then decided type-aware: each
+    type's decision saw it with its GPUs of that type only, fewer than its minimum, and left it at
+    zero; the core published that as a suspension 100 s after its start, under a 600 s minimum."""
+    nodes = [NodeState("a0", (0, 1), "A"), NodeState("b0", (0, 1), "B")]
+    other = JobBook("x", 1, 1, 10**6, 0.0)
+    span = JobBook("span", 2, 2, 10**6, 0.0, preemptible=True)
+    for book, gpus in ((other, (GpuId("a0", 0),)), (span, (GpuId("a0", 1), GpuId("b0", 0)))):
+        book.target = book.in_use = gpus
+        book.target_generation = book.acked_generation = 1
+    other.last_start_s, span.last_start_s = 0.0, 900.0
+    core = SchedulingCore(AdaptivePolicy(suspend=True, min_runtime_s=600.0), 10.0)
+    core.rebalance(nodes, [other, span], 1000.0)
+    assert span.suspensions_s == () and len(span.target) == 2
+    # its GPUs gone (one node out of service), it may be suspended at once
+    core.rebalance([nodes[0]], [other, span], 1010.0)
+    assert span.suspensions_s == (1010.0,) and span.target == ()

@@ -38,6 +38,7 @@ from airflow_elastic_gpu.scheduling.state import (
     NodeState,
     largest_node_by_type,
 )
+from airflow_elastic_gpu.scheduling.suspension import SuspensionRule
 from airflow_elastic_gpu.scheduling.throughput import (
     ThroughputModel,
     plausible_speed,
@@ -352,7 +353,8 @@ class SchedulingCore:
         waits, not counted in the decision; a finishing or unreachable job's, or one at its last step
         (:attr:`JobBook.at_last_step`), is not changed at all; a running job is taken to zero GPUs (suspended)
         only by a preemptive policy, or, when the policy suspends (``suspend=True``), if it is
-        preemptible. A suspension appends ``now_s`` to ``suspensions_s``; a start or resume sets
+        preemptible and past the policy's minimum runtime and under its hourly cap (or its GPUs are
+        gone). A suspension appends ``now_s`` to ``suspensions_s``; a start or resume sets
         ``last_start_s``.
 
         :param nodes: the pool's schedulable nodes (healthy GPUs only).
@@ -375,6 +377,15 @@ class SchedulingCore:
         out = []
         wanted = {b.job_id: at_most(decision.allocations.get(b.job_id, ()), b.max_gpus) for b in books}
         spread = {b.job_id for b in books if b.single_node and len({g.node for g in wanted[b.job_id]}) > 1}
+        suspendable: set[str] = set()
+        if getattr(self.policy, "suspend", False):
+            # the policy's limits hold whatever its decision (a job spanning GPU types, seen by a
+            # type-aware decision with its GPUs of one type only, was suspended inside its minimum
+            # runtime), unless the job's GPUs are gone (a drain, a GPU out of service)
+            rule = SuspensionRule(self.policy.min_runtime_s, self.policy.max_suspensions_per_hour)
+            suspendable = {b.job_id for b in books if b.preemptible and b.target and not wanted[b.job_id] and (
+                not usable.issuperset(b.target)
+                or rule.eligible(b.job_state(now_s, self.default_restart_overhead_s), now_s))}
         for job_id, new in publishable(
             [b.job_id for b in books],
             {b.job_id: b.target for b in books},
@@ -383,8 +394,7 @@ class SchedulingCore:
             {g: b.job_id for b in books for g in b.target},
             {b.job_id for b in books if b.target_generation > 0},
             preemptive=getattr(self.policy, "preemptive", False),
-            suspendable={b.job_id for b in books if b.preemptible} if getattr(self.policy, "suspend", False)
-            else (),
+            suspendable=suspendable,
             unacked={b.job_id for b in books if b.target_generation > b.acked_generation},
             fixed={b.job_id for b in books if b.finishing or b.unreachable
                    or (b.at_last_step and usable.issuperset(b.target))} | spread,

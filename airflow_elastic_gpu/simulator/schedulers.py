@@ -58,6 +58,11 @@ class _TimedPolicy:
         self.decisions = 0
         self.decision_s = 0.0
 
+    def __getattr__(self, name: str) -> Any:  # the policy's settings (its suspension limits) as its own
+        if name == "policy":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.policy, name)
+
     def decide(self, cluster: ClusterState) -> Any:
         t0 = time.perf_counter()
         try:
