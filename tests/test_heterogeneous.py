@@ -376,3 +376,20 @@ def test_guesses_that_land_on_one_time_go_to_the_fast_type_by_submit_time():
     decided = AdaptivePolicy().decide(ClusterState(nodes, (late, early), 10.0))
     assert decided.allocations["early"] == (GpuId("v", 0),)
     assert decided.allocations["late"] == (GpuId("k", 0),)
+
+
+def test_the_gavel_peer_decides_on_a_pool_without_gpus_and_off_gpus_taken_out_of_service():
+    """An empty pool divided by zero; a job inside its round on a node whose GPUs were all taken out
+    of service was kept on a type the pool no longer had (KeyError); a job of min_gpus 2 got 1."""
+    running = JobState("run", 1, 2, total_steps=1000, submit_time_s=0.0, allocation=(GpuId("a0", 1),),
+                       last_resize_s=990.0, first_start_s=0.0)
+    pair = JobState("pair", 2, 2, total_steps=1000, submit_time_s=5.0, requested_gpus=2)
+    policy = GavelPolicy()
+    assert policy.decide(ClusterState((NodeState("a0", (), "A"),), (running,), 1000.0)).allocations == {"run": ()}
+    nodes = (NodeState("a0", (), "A"), NodeState("b0", (0, 1), "B"))
+    decided = policy.decide(ClusterState(nodes, (running, pair), 1000.0)).allocations
+    assert {g.node for g in decided["run"]} <= {"b0"}
+    assert decided["pair"] in ((), (GpuId("b0", 0), GpuId("b0", 1)))
+    assert not (set(decided["run"]) & set(decided["pair"]))
+    one = (NodeState("b0", (0,), "B"),)  # fewer GPUs of any type than its minimum: it waits
+    assert policy.decide(ClusterState(one, (pair,), 1000.0)).allocations == {"pair": ()}

@@ -320,6 +320,8 @@ def write_rows(path, header, *rows):
         ([("a", 0, 1, 0)], "duration_s must be > 0"),
         ([("a", "soon", 1, 10)], "submit_time_s must be a number"),
         ([("a", 0, 1, "nan")], "duration_s must be finite"),
+        ([("a", 1e20, 1, 10)], "submit_time_s must be >= 0 and at most 1e\\+12"),  # the clock stood still
+        ([("a", 0, 1, 1e300)], "duration_s must be > 0 and at most 1e\\+08"),  # it never ended
         ([], "no jobs"),
     ],
 )
@@ -353,12 +355,22 @@ def test_bad_simulator_inputs_name_the_problem(tmp_path):
     with pytest.raises(TraceError, match="does not exist"):
         load_trace(tmp_path / "missing.csv")
     trace = load_trace(bundled_data("itp_cluster02_day27_3d.csv"))
-    for kwargs, message in (({"load": 0}, "load must be > 0"), ({"hours": 30}, "hours must be in"),
+    for kwargs, message in (({"load": 0}, "load must be > 0"), ({"load": float("inf")}, "at most 100, got inf"),
+                            ({"max_gpu_hours": float("inf")}, "max_gpu_hours must be > 0"), ({"hours": 30}, "hours must be in"),
                             ({"gpus": 0}, "gpus must be an integer"),
                             ({"max_gpu_hours": 0.001}, "no job of the trace")):
         with pytest.raises(WorkloadError, match=message):
             generate_workload(trace, **kwargs)
     assert cli_main(["simulate", "--trace", str(tmp_path / "missing.csv")]) == 2
+    # a profile file without the columns, or with an impossible speed (a KeyError or ZeroDivisionError before)
+    with pytest.raises(ProfileError, match="not a throughput profile file: no column source"):
+        load_profiles(write_rows(tmp_path / "p.csv", ("job_id", "num_gpus"), ("a", 1)))
+    profiles = bundled_data("throughput_profiles.csv").read_text().splitlines()
+    bad = [profiles[0], profiles[1].rsplit(",", 3)[0] + ",0,1,weak"]  # pollux bert on one GPU at 0 samples/s
+    (tmp_path / "zero.csv").write_text("\n".join(bad) + "\n")
+    with pytest.raises(ProfileError, match=r"zero.csv, line 2: num_gpus must be an integer >= 1 and samples_per_s a "
+                                           r"finite number > 0, got '1' and '0'"):
+        load_profiles(tmp_path / "zero.csv")
 
 
 def test_preemptive_policies_are_refused_by_the_broker():

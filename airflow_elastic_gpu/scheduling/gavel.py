@@ -125,7 +125,10 @@ class GavelPolicy:
         capacity = cluster.capacity_by_type()
         largest = max(capacity.values(), default=0)
         jobs = list(cluster.jobs)
-        scale = [max(1, min(j.request, largest)) for j in jobs]
+        if largest == 0:  # every GPU drained or out of service: every job waits
+            return Decision({j.job_id: () for j in jobs})
+        usable = {GpuId(n.name, i) for n in cluster.nodes for i in n.gpu_indices}
+        scale = [max(j.min_gpus, min(j.request, largest)) for j in jobs]  # above the largest: waits
         ratios = pool_speed_ratios(jobs)
         value = []
         for j, s in zip(jobs, scale):
@@ -142,7 +145,8 @@ class GavelPolicy:
         def in_round(j: JobState) -> bool:
             """True if the job runs and (re)started less than ``round_s`` ago."""
             since = j.last_resize_s if j.last_resize_s is not None else j.first_start_s
-            return bool(j.allocation) and since is not None and cluster.now_s - since < self.round_s
+            return (bool(j.allocation) and since is not None and cluster.now_s - since < self.round_s
+                    and usable.issuperset(j.allocation))  # not on GPUs taken out of service
 
         free = dict(capacity)
         chosen: dict[str, str] = {}
@@ -164,7 +168,7 @@ class GavelPolicy:
             requests = []
             for j, s in zip(jobs, scale):
                 if chosen.get(j.job_id) == t:
-                    keep = tuple(g for g in j.allocation if node_type[g.node] == t)
+                    keep = tuple(g for g in j.allocation if node_type.get(g.node) == t)
                     n = len(j.allocation) if in_round(j) else s
                     requests.append(PlacementRequest(j.job_id, n, n, keep))
             requests.sort(key=lambda r: not r.current)  # jobs that keep their GPUs first

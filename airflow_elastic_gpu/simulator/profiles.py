@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ from airflow_elastic_gpu.scheduling.state import GpuId
 from airflow_elastic_gpu.scheduling.throughput import ThroughputModel
 
 DEFAULT_SOURCE = "pollux"
+PROFILE_COLUMNS = ("source", "gpu_type", "model", "num_gpus", "num_nodes", "per_gpu_batch", "global_batch",
+                   "samples_per_s", "scaling")
+"""The columns :func:`load_profiles` reads (a ``throughput_profiles.csv`` has more)."""
 
 # The workload generator's mapping from a job's GPU-time to a Pollux model
 # (as the Pollux artifact's workload generator does it): (upper bound in GPU-hours, models).
@@ -138,13 +142,29 @@ def load_profiles(
     most GPU counts (ties: the first in the file).
 
     :param path: a ``throughput_profiles.csv``; default the bundled one.
-    :raises ProfileError: missing file, unknown source or GPU type (the message lists the known ones).
+    :raises ProfileError: missing file, a column missing, unknown source or GPU type (the message
+        lists the known ones), a GPU count that is not an integer >= 1 or a speed that is not a
+        finite number > 0 (the message names the file and line).
     """
     path = Path(path) if path is not None else bundled_data("throughput_profiles.csv")
     if not path.is_file():
         raise ProfileError(f"throughput profile file {str(path)!r} does not exist")
     with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    if missing := [c for c in PROFILE_COLUMNS if c not in (reader.fieldnames or ())]:
+        raise ProfileError(f"{path}: not a throughput profile file: no column {', '.join(missing)} "
+                           f"(it needs {', '.join(PROFILE_COLUMNS)})")
+
+    def pair(r: dict[str, str]) -> tuple[int, float]:  # (num_gpus, samples_per_s) of a row, checked
+        try:
+            n, speed = int(r["num_gpus"]), float(r["samples_per_s"])
+        except (TypeError, ValueError):
+            n, speed = 0, 0.0
+        if n < 1 or not (math.isfinite(speed) and speed > 0):
+            raise ProfileError(f"{path}, line {next(i for i, x in enumerate(rows) if x is r) + 2}: num_gpus must be an integer >= 1 and "
+                               f"samples_per_s a finite number > 0, got {r['num_gpus']!r} and {r['samples_per_s']!r}")
+        return n, speed
     kinds = sorted({(r["source"], r["gpu_type"]) for r in rows})
     sources = sorted({s for s, _ in kinds})
     if source not in sources:
@@ -165,16 +185,8 @@ def load_profiles(
     for (model, _), group in groups.items():
         if model in profiles and len(group) <= len(profiles[model].single_node) + len(profiles[model].multi_node):
             continue
-        single = sorted(
-            (int(r["num_gpus"]), float(r["samples_per_s"]))
-            for r in group
-            if (r["num_nodes"] or "1") == "1"
-        )
-        multi = sorted(
-            (int(r["num_gpus"]), float(r["samples_per_s"]))
-            for r in group
-            if (r["num_nodes"] or "1") != "1"
-        )
+        single = sorted(pair(r) for r in group if (r["num_nodes"] or "1") == "1")
+        multi = sorted(pair(r) for r in group if (r["num_nodes"] or "1") != "1")
         if single:
             profiles[model] = Profile(model, source, gpu_type, tuple(single), tuple(multi))
     return ProfileSet(source, gpu_type, profiles)

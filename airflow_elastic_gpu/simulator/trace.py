@@ -1,8 +1,8 @@
 """Job traces: CSV files with one submitted training job per row.
 
 Columns (as in the shared Philly and ITP traces): ``job_id`` (any text),
-``submit_time_s`` (seconds, >= 0), ``num_gpus`` (requested GPUs, integer >= 1),
-``duration_s`` (run time on ``num_gpus``, seconds > 0), and optionally ``model``
+``submit_time_s`` (seconds, 0 to :data:`MAX_SUBMIT_S`), ``num_gpus`` (requested GPUs, integer >= 1),
+``duration_s`` (run time on ``num_gpus``, seconds > 0, at most :data:`MAX_DURATION_S`), and optionally ``model``
 (a profile name). Other columns are ignored.
 """
 
@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REQUIRED_COLUMNS = ("job_id", "submit_time_s", "num_gpus", "duration_s")
+MAX_SUBMIT_S = 1e12
+"""The latest submit time a trace may hold (seconds, 31,700 years; epoch seconds fit): at 1e20 a
+minute is below a float's resolution, and the simulator's clock stood still, for ever."""
+MAX_DURATION_S = 1e8
+"""The longest run time a trace job may have (seconds, about three years): the simulator steps
+through a job's run, and one of 1e300 s never ended."""
 
 
 class TraceError(ValueError):
@@ -89,14 +95,14 @@ def _parse_row(path: Path, line: int, row: dict[str, str], seen: set[str]) -> Tr
         raise TraceError(f"{path}:{line}: job_id {job_id!r} appears twice")
     seen.add(job_id)
     submit = number("submit_time_s")
-    if submit < 0:
-        raise TraceError(f"{path}:{line}: submit_time_s must be >= 0, got {submit:g}")
+    if not 0 <= submit <= MAX_SUBMIT_S:
+        raise TraceError(f"{path}:{line}: submit_time_s must be >= 0 and at most {MAX_SUBMIT_S:g}, got {submit:g}")
     gpus = number("num_gpus")
     if gpus < 1 or gpus != int(gpus):
         raise TraceError(f"{path}:{line}: num_gpus must be an integer >= 1, got {row['num_gpus']!r}")
     duration = number("duration_s")
-    if duration <= 0:
-        raise TraceError(f"{path}:{line}: duration_s must be > 0, got {duration:g}")
+    if not 0 < duration <= MAX_DURATION_S:
+        raise TraceError(f"{path}:{line}: duration_s must be > 0 and at most {MAX_DURATION_S:g}, got {duration:g}")
     model = (row.get("model") or "").strip() or None
     return TraceJob(job_id, submit, int(gpus), duration, model)
 

@@ -21,6 +21,8 @@ from airflow_elastic_gpu.simulator.profiles import ProfileSet, load_profiles
 from airflow_elastic_gpu.simulator.trace import TraceJob
 
 DAY_S = 86400.0
+MAX_LOAD = 100.0
+"""The highest offered load (a hundred times the cluster's GPU-time over the window)."""
 
 
 class WorkloadError(ValueError):
@@ -44,7 +46,7 @@ def generate_workload(
         ``submit_time_s mod 86400``).
     :param gpus: cluster size; jobs asking for more are dropped.
     :param hours: arrival window length, in (0, 24].
-    :param load: offered GPU-time as a multiple of ``gpus * hours`` (> 0).
+    :param load: offered GPU-time as a multiple of ``gpus * hours`` (> 0, at most :data:`MAX_LOAD`).
     :param seed: seeds the sampling and the model draw.
     :param start_hour: window start, hour of the trace's day, in [0, 24).
     :param max_gpu_hours: largest job kept, GPU-hours (default ``gpus * hours / 8``, 16 for 16 GPUs x 8 h).
@@ -56,12 +58,12 @@ def generate_workload(
         raise WorkloadError(f"gpus must be an integer >= 1, got {gpus!r}")
     if not 0 < hours <= 24:
         raise WorkloadError(f"hours must be in (0, 24], got {hours!r}")
-    if not load > 0:
-        raise WorkloadError(f"load must be > 0, got {load!r}")
+    if not 0 < load <= MAX_LOAD:  # inf: the sampling never reached its budget
+        raise WorkloadError(f"load must be > 0 and at most {MAX_LOAD:g}, got {load!r}")
     if not 0 <= start_hour < 24:
         raise WorkloadError(f"start_hour must be in [0, 24), got {start_hour!r}")
     cap_h = max_gpu_hours if max_gpu_hours is not None else gpus * hours / 8
-    if not cap_h > 0:
+    if not 0 < cap_h < float("inf"):
         raise WorkloadError(f"max_gpu_hours must be > 0, got {max_gpu_hours!r}")
     profiles = profiles or load_profiles()
     lo, hi = start_hour * 3600.0, start_hour * 3600.0 + hours * 3600.0
