@@ -201,6 +201,7 @@ class BrokerScheduler:
         from airflow_elastic_gpu.broker.service import GpuBroker
 
         self.now = 0.0
+        self._last_submit_s = -1.0
         self._policy = _TimedPolicy(policy)
         self.broker = GpuBroker(url, policy=self._policy, clock=lambda: self.now,
                                 default_restart_overhead_s=default_restart_overhead_s)
@@ -227,7 +228,10 @@ class BrokerScheduler:
             raise SimulationError("a real broker learns each job's throughput: no known throughput in broker mode")
         from airflow_elastic_gpu.broker.types import JobSpec
 
-        self.now = now
+        # jobs submitted at one instant are served in the order submitted (the trace's), as in policy
+        # mode: the broker breaks a tie of submit times by job id, a random UUID (a schedule differed
+        # from run to run); a microsecond apart, they tie no more
+        self.now = self._last_submit_s = max(now, self._last_submit_s + 1e-6)
         view = self.broker.submit(JobSpec(
             name=family or job_id, command="simulated", min_gpus=min_gpus, max_gpus=max_gpus,
             requested_gpus=requested_gpus, total_steps=total_steps, key=job_id, backend="simulated",
