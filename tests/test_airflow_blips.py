@@ -89,12 +89,13 @@ def test_a_rendered_relative_checkpoint_dir_fails_the_task_without_retries_and_s
     with pytest.raises(AirflowFailException, match="checkpoint_dir 'ckpt/manual__1' must be an absolute path"):
         op.execute({"ti": _FakeTI()})
     assert broker.jobs() == []
-    # an absolute templated one parses (it is checked once rendered)
-    ElasticTrainingOperator(task_id="ok", command="python train.py", total_steps=5,
+    # an absolute templated one parses (it is checked once rendered), and a Jinja comment's quote too
+    ElasticTrainingOperator(task_id="ok", command="python train.py {# don't pass --fast #} --steps 10", total_steps=5,
                             checkpoint_dir="{{ var.value.checkpoint_root }}/{{ run_id }}")
 
 
-def test_a_trigger_that_starts_a_job_with_a_relative_checkpoint_dir_fires_an_error_without_retries(worker_env):
+def test_a_trigger_that_starts_a_job_with_a_relative_checkpoint_dir_fires_an_error_without_retries(worker_env,
+                                                                                                   monkeypatch):
     broker, _, _ = worker_env
     op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, poll_interval=0.1,
                                  start_from_trigger=True, virtual_gpus=2)
@@ -105,6 +106,13 @@ def test_a_trigger_that_starts_a_job_with_a_relative_checkpoint_dir_fires_an_err
     assert event.payload["job_id"] is None and event.payload["retry"] is False
     assert "must be an absolute path" in event.payload["reason"]
     assert broker.jobs() == []
+    # a bad pool in the connection is mended there: a retry reads it again
+    monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
+        {"conn_type": "elastic_gpu", "extra": {"url": str(broker.engine.url), "pool": "team/a"}}))
+    trigger = ElasticTrainingTrigger(**kwargs)
+    trigger.task_instance = _FakeTI()
+    event = asyncio.run(asyncio.wait_for(trigger.run().__anext__(), 30))
+    assert event.payload["retry"] is True and "the connection's pool must not contain '/'" in event.payload["reason"]
 
 
 def test_a_trigger_on_a_distributed_airflow_that_reads_no_connection_for_a_moment_reads_it_again(

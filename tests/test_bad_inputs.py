@@ -46,6 +46,7 @@ HOSTILE_NAME = "x'); DROP TABLE job; --"
     (dict(command="   "), "command must not be empty"),
     ({"command": "python -c 'x"}, "does not parse (as a shell would split it): No closing quotation"),
     ({"checkpoint_dir": "ckpt"}, "checkpoint_dir 'ckpt' must be an absolute path"),
+    ({"relative_speed": {"A": 1e-300, "B": 1e300}}, "the fastest type may be at most 1000 times the slowest, got inf"),
     (dict(name=""), "name must not be empty"),
     ({"family": " "}, "family must not be empty"),
     ({"family": "f" * 257}, "family must be at most 256 characters, got 257"),

@@ -29,11 +29,30 @@ def test_an_absurd_speed_is_no_sample_and_the_pool_is_still_scheduled(pool, cloc
     pool.rebalance()
 
 
+def test_a_familys_samples_scaled_out_of_range_still_make_a_model():
+    """The range is a reported sample's: a family's curve scaled through a job's own sample may leave
+    it (4e8 steps/s on 4 GPUs, scaled 10x), and refusing it failed every rebalance of the pool."""
+    from airflow_elastic_gpu.scheduling.core import JobBook, SchedulingCore
+    from airflow_elastic_gpu.scheduling.policy import get_policy
+    from airflow_elastic_gpu.scheduling.state import GpuId, NodeState
+
+    a = JobBook("a", 1, 8, 10**9, 0.0, family="f")
+    a.throughput = ThroughputModel(((1, 1.0), (4, 4e8)))
+    a.target = a.in_use = (GpuId("n0", 0),)
+    a.target_generation = a.acked_generation = 1
+    b = JobBook("b", 1, 8, 10**6, 1.0, family="f")
+    b.throughput = ThroughputModel(((1, 10.0),))
+    published = SchedulingCore(get_policy("adaptive"), 10.0).rebalance([NodeState("n0", tuple(range(8)))], [a, b], 100.0)
+    assert {p.job_id for p in published} == {"a", "b"}
+
+
 def test_a_model_takes_no_sample_out_of_range_and_a_stored_one_is_left_out():
     with pytest.raises(ValueError, match="bad throughput sample: inf steps/s on 2 GPUs"):
         ThroughputModel().with_sample(2, float("inf"))
     with pytest.raises(ValueError, match="bad throughput sample"):
-        ThroughputModel(((1, SPEED_RANGE[0] / 10),))
+        ThroughputModel().with_sample(1, SPEED_RANGE[0] / 10)
+    with pytest.raises(ValueError, match="bad throughput sample: inf"):
+        ThroughputModel(((1, float("inf")),))
     assert ThroughputModel().with_sample(1, SPEED_RANGE[1]).observed == ((1, SPEED_RANGE[1]),)
     # what an earlier version stored (SQLite's JSON keeps Infinity) is read without it
     assert _model([[1, float("inf")], [2, 3.0]]).observed == ((2, 3.0),)

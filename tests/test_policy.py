@@ -405,6 +405,9 @@ def test_a_waiting_job_of_a_higher_priority_is_not_outbid_by_a_lower_prioritys_g
     cluster = ClusterState((node("n0", 2),), (low, high), 1000.0)
     decision = AdaptivePolicy().decide(cluster)
     assert decision.allocations["high"] == gpus("n0", 1) and decision.allocations["low"] == gpus("n0", 0)
-    # of one priority, the start still competes with the growth (admission by gain)
+    # of one priority, the start still competes with the growth (admission by gain), also beside a
+    # waiting job of a lower priority, whose growth takes nothing
     same = dataclasses.replace(high, priority=0)
-    assert AdaptivePolicy().decide(dataclasses.replace(cluster, jobs=(low, same))).allocations["high"] == ()
+    background = dataclasses.replace(job("bg", min_gpus=4, max_gpus=4, steps=10**7), submit_time_s=950.0, priority=-1)
+    for jobs in ((low, same), (low, same, background)):
+        assert AdaptivePolicy().decide(dataclasses.replace(cluster, jobs=jobs)).allocations["high"] == ()

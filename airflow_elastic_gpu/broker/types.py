@@ -30,6 +30,9 @@ MAX_KEY_CHARS = 512
 MAX_POOL_CHARS = 128
 MAX_GPU_TYPES = 64
 """Most GPU types a job's ``relative_speed`` hint may name."""
+MAX_SPEED_RATIO = 1000.0
+"""Most a job's ``relative_speed`` hint may set its fastest GPU type apart from its slowest (GPU
+generations differ by 2-50x; a ratio of 1e600 made the per-type models infinite)."""
 MAX_GPU_TYPE_CHARS = 128
 _MAP_INDEX = re.compile(r"\[\d+\]$")
 
@@ -135,7 +138,7 @@ class JobSpec:
         place) when its pool allows suspension, and resumed from its checkpoint later. Off by default.
     :param relative_speed: optional hint for pools of several GPU types: GPU type (as the nodes
         report it, e.g. ``"NVIDIA A100"``) -> the job's relative single-GPU speed there (a finite
-        number > 0, any unit: only ratios count; e.g. samples/s from a profile). The type-aware
+        number > 0, any unit: only ratios count, at most 1,000 between two types; e.g. samples/s from a profile). The type-aware
         policy uses it for the types the job has not run on yet; at most 64 types.
     :param family: the training this job repeats, at most 256 characters: until the job is
         measured, the broker assumes it runs as fast as the other jobs of its family (the running
@@ -235,7 +238,7 @@ class JobSpec:
 def check_relative_speed(value: Any) -> dict[str, float]:
     """``value`` as a ``{gpu_type: speed}`` dict, or raise :class:`InvalidRequest` saying what is wrong
     (not a mapping, more than :data:`MAX_GPU_TYPES` entries, a bad type name, a speed that is not a
-    finite number > 0)."""
+    finite number > 0, speeds further apart than :data:`MAX_SPEED_RATIO`)."""
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"relative_speed must be a mapping of GPU type to speed, got {type(value).__name__}")
     if len(value) > MAX_GPU_TYPES:
@@ -246,6 +249,9 @@ def check_relative_speed(value: Any) -> dict[str, float]:
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not (math.isfinite(speed) and speed > 0):
             raise InvalidRequest(f"relative_speed[{gpu_type!r}] must be a finite number > 0, got {speed!r}")
         out[gpu_type] = float(speed)
+    if out and max(out.values()) > MAX_SPEED_RATIO * min(out.values()):  # scaled by it, a model overflowed
+        raise InvalidRequest(f"relative_speed: the fastest type may be at most {MAX_SPEED_RATIO:g} times the "
+                             f"slowest, got {max(out.values()) / min(out.values()):g}")
     return out
 
 

@@ -11,8 +11,9 @@ from airflow_elastic_gpu.compat import AirflowFailException, resolved_later
 
 def rendered_later(value: Any) -> bool:
     """Whether a template field's value is known only when the task runs: an upstream task's output
-    (:func:`.resolved_later`) or a string with Jinja in it (``"/ckpt/{{ run_id }}"``, rendered then)."""
-    return resolved_later(value) or (isinstance(value, str) and ("{{" in value or "{%" in value))
+    (:func:`.resolved_later`) or a string with Jinja in it (an expression, statement or comment:
+    ``"/ckpt/{{ run_id }}"``, rendered then)."""
+    return resolved_later(value) or (isinstance(value, str) and any(m in value for m in ("{{", "{%", "{#")))
 
 
 def check_modes(task_id: str, *, poll_interval: Any, deferrable: Any, start_from_trigger: Any,

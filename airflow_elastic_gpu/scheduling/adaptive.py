@@ -20,7 +20,7 @@ Steps of one decision:
    measured, and no measured job of its training: the pool's guess), one that has waited
    ``admission_patience`` times its predicted run time on ``min_gpus``, one that ran before and
    was not suspended (a running job moved, e.g. to another GPU type), one of a higher priority
-   than another job of the pool (whose growth could take the GPUs its start needs), and one on the makespan's
+   than a running job that could grow (and take the GPUs its start needs), and one on the makespan's
    critical path (its remaining steps at its fastest predicted count, up to ``max_gpus`` or the
    pool's GPUs, take at least the pool's backlog: every unfinished job's remaining work on one
    GPU, over the pool's GPUs; holding it back would delay the last completion one for one).
@@ -339,7 +339,9 @@ class AdaptivePolicy:
             or sum(1 for j in order if not j.allocation) >= self.admission_min_waiting)
         # the pool's backlog (s): every unfinished job's remaining work on one GPU, over the pool's GPUs
         backlog_s = sum(remaining_1_s) / capacity if by_gain_admission and capacity else 0.0
-        lowest_priority = order[-1].priority if order else 0  # the order is by priority first
+        # the lowest priority of a job whose growth could take GPUs (running, below its max, not held)
+        lowest_priority = min((j.priority for r, j in enumerate(order)
+                               if counts[r] and counts[r] < j.max_gpus and not frozen[r]), default=None)
         for r, j in enumerate(order):  # admit waiting jobs at their minimum
             if not j.allocation:
                 if free - reserved < j.min_gpus and rule is not None:  # suspend later-ranked jobs, if that pays
@@ -356,7 +358,8 @@ class AdaptivePolicy:
                 if free - reserved < j.min_gpus:
                     continue
                 if (by_gain_admission and j.throughput.from_own_training
-                        and j.priority == lowest_priority  # else a lower priority's growth could win it
+                        and (lowest_priority is None or j.priority <= lowest_priority)  # else a lower
+                        # priority's growth could win the GPUs its start needs
                         and (j.first_start_s is None or j.suspensions_s)  # not a running job moved
                         and now_s - j.submit_time_s < patience * j.remaining_time_s(j.min_gpus)
                         and not self._on_critical_path(j, remaining_1_s[r], backlog_s, capacity)):

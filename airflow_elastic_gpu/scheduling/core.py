@@ -382,7 +382,8 @@ class SchedulingCore:
             # the policy's limits hold whatever its decision (a job spanning GPU types, seen by a
             # type-aware decision with its GPUs of one type only, was suspended inside its minimum
             # runtime), unless the job's GPUs are gone (a drain, a GPU out of service)
-            rule = SuspensionRule(self.policy.min_runtime_s, self.policy.max_suspensions_per_hour)
+            rule = SuspensionRule(getattr(self.policy, "min_runtime_s", SuspensionRule.min_runtime_s),
+                                  getattr(self.policy, "max_suspensions_per_hour", SuspensionRule.max_per_hour))
             suspendable = {b.job_id for b in books if b.preemptible and b.target and not wanted[b.job_id] and (
                 not usable.issuperset(b.target)
                 or rule.eligible(b.job_state(now_s, self.default_restart_overhead_s), now_s))}

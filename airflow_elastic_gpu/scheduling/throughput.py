@@ -93,8 +93,8 @@ class ThroughputModel:
             raise ValueError(f"prior_steps_per_s must be > 0, got {self.prior_steps_per_s}")
         if isinstance(self.node_gpus, bool) or not isinstance(self.node_gpus, int) or self.node_gpus < 0:
             raise ValueError(f"node_gpus must be an integer >= 0, got {self.node_gpus!r}")
-        for n, t in self.observed:
-            if n < 1 or not plausible_speed(t):
+        for n, t in self.observed:  # a model made from others (a family's, another type's) may lie
+            if n < 1 or not (math.isfinite(t) and t > 0):  # out of SPEED_RANGE: its samples are scaled
                 raise ValueError(f"bad throughput sample: {t} steps/s on {n} GPUs")
 
     def with_sample(self, num_gpus: int, steps_per_s: float) -> ThroughputModel:

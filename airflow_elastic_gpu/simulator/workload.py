@@ -64,7 +64,7 @@ def generate_workload(
         raise WorkloadError(f"start_hour must be in [0, 24), got {start_hour!r}")
     cap_h = max_gpu_hours if max_gpu_hours is not None else gpus * hours / 8
     if not 0 < cap_h < float("inf"):
-        raise WorkloadError(f"max_gpu_hours must be > 0, got {max_gpu_hours!r}")
+        raise WorkloadError(f"max_gpu_hours must be a finite number > 0, got {max_gpu_hours!r}")
     profiles = profiles or load_profiles()
     lo, hi = start_hour * 3600.0, start_hour * 3600.0 + hours * 3600.0
 

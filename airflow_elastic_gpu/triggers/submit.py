@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from airflow_elastic_gpu.backends.base import Backend, abandon, check_env, start_job
 from airflow_elastic_gpu.backends.local_processes import started_elsewhere
 from airflow_elastic_gpu.broker.service import GpuBroker
-from airflow_elastic_gpu.broker.types import JobSpec, JobView
+from airflow_elastic_gpu.broker.types import JobSpec, JobView, task_family
 from airflow_elastic_gpu.states import JobStatus
+from airflow_elastic_gpu.triggers.task_instance import attempt_of, task_key
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,25 @@ class Started:
 
     job: JobView
     reattached: bool
+
+
+def trigger_spec(ti: Any, job: Mapping[str, Any], *, command: str, checkpoint_dir: str | None,
+                 job_name: str | None, backend: str, pool: str) -> JobSpec:
+    """The job a ``start_from_trigger`` trigger submits for task instance ``ti``: the operator's
+    fields in ``job`` (the trigger's serialized ``job`` argument) and the rendered ``command``,
+    ``checkpoint_dir`` and ``job_name``. No ``max_tries``: the triggerer's task instance does not
+    have the real one.
+
+    :raises BrokerError: a bad field (a relative ``checkpoint_dir``, once rendered).
+    """
+    map_index = int(ti.map_index)
+    return JobSpec(
+        name=job_name or (ti.task_id if map_index < 0 else f"{ti.task_id}[{map_index}]"), command=command,
+        min_gpus=job["min_gpus"], max_gpus=job.get("max_gpus"), requested_gpus=job.get("requested_gpus"),
+        total_steps=job["total_steps"], key=task_key(ti), pool=pool, priority=job.get("priority", 0),
+        progress_pattern=job.get("progress_pattern"), checkpoint_dir=checkpoint_dir, backend=backend,
+        preemptible=bool(job.get("preemptible", False)), relative_speed=job.get("relative_speed"),
+        family=task_family(ti.dag_id, ti.task_id), attempt=attempt_of(ti))
 
 
 def submit_and_start(broker: GpuBroker, backend: Backend, spec: JobSpec, *, env: Mapping[str, str] | None,

@@ -31,11 +31,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from airflow_elastic_gpu.broker.types import BrokerError, JobSpec, JobView, NotFound, task_family
+from airflow_elastic_gpu.broker.types import BrokerError, JobView, NotFound, check_pool_name
 from airflow_elastic_gpu.compat import AirflowFailException, BaseTrigger, TriggerEvent
 from airflow_elastic_gpu.config import airflow_conf, default_work_dir
 from airflow_elastic_gpu.triggers.orphans import check_orphans
-from airflow_elastic_gpu.triggers.task_instance import attempt_of, task_key
+from airflow_elastic_gpu.triggers.task_instance import attempt_of
 from airflow_elastic_gpu.triggers.threads import in_daemon_thread
 from airflow_elastic_gpu.triggers.watcher import CleanupFailed, JobWatcher
 
@@ -171,7 +171,7 @@ class ElasticTrainingTrigger(BaseTrigger):
         """
         from airflow_elastic_gpu.backends import make_backend
         from airflow_elastic_gpu.hooks.broker import GpuBrokerHook
-        from airflow_elastic_gpu.triggers.submit import submit_and_start
+        from airflow_elastic_gpu.triggers.submit import submit_and_start, trigger_spec
 
         ti = self.task_instance
         if ti is None or self.job is None or self.command is None:
@@ -190,19 +190,11 @@ class ElasticTrainingTrigger(BaseTrigger):
         backend = make_backend(self.backend, broker=hook.broker, work_dir=self.work_dir,
                                kubernetes=self.kubernetes, virtual_gpus=job.get("virtual_gpus"),
                                virtual_nodes=int(job.get("virtual_nodes") or 1))
-        map_index = int(ti.map_index)
-        name = self.job_name or (ti.task_id if map_index < 0 else f"{ti.task_id}[{map_index}]")
+        if not (pool := job.get("gpu_pool")):  # the connection's: mended there, a retry takes it (retried)
+            check_pool_name("the connection's pool", pool := hook.default_pool())
         try:  # the rendered arguments (a relative checkpoint_dir): a retry renders the same, so it is not retried
-            spec = JobSpec(
-                name=name, command=self.command, min_gpus=job["min_gpus"], max_gpus=job.get("max_gpus"),
-                requested_gpus=job.get("requested_gpus"), total_steps=job["total_steps"],
-                key=task_key(ti),
-                pool=job.get("gpu_pool") or hook.default_pool(), priority=job.get("priority", 0),
-                progress_pattern=job.get("progress_pattern"), checkpoint_dir=self.checkpoint_dir,
-                backend=self.backend, preemptible=bool(job.get("preemptible", False)),
-                relative_speed=job.get("relative_speed"), family=task_family(ti.dag_id, ti.task_id),
-                attempt=attempt_of(ti),  # no max_tries: the triggerer's task instance does not have the real one
-            )
+            spec = trigger_spec(ti, job, command=self.command, checkpoint_dir=self.checkpoint_dir,
+                                job_name=self.job_name, backend=self.backend, pool=pool)
         except BrokerError as exc:
             raise AirflowFailException(str(exc)) from None
         return submit_and_start(hook.broker, backend, spec, env=self.env, labels=self.context, log=self.log,
