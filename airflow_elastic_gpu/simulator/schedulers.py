@@ -9,6 +9,7 @@ with the simulated time passed in, in two adapters over the same scheduling core
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -230,8 +231,8 @@ class BrokerScheduler:
 
         # jobs submitted at one instant are served in the order submitted (the trace's), as in policy
         # mode: the broker breaks a tie of submit times by job id, a random UUID (a schedule differed
-        # from run to run); a microsecond apart, they tie no more
-        self.now = self._last_submit_s = max(now, self._last_submit_s + 1e-6)
+        # from run to run); the next float apart, they tie no more (at any time a trace may hold)
+        self.now = self._last_submit_s = max(now, math.nextafter(self._last_submit_s, math.inf))
         view = self.broker.submit(JobSpec(
             name=family or job_id, command="simulated", min_gpus=min_gpus, max_gpus=max_gpus,
             requested_gpus=requested_gpus, total_steps=total_steps, key=job_id, backend="simulated",
