@@ -223,10 +223,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def _job(broker: GpuBroker, given: str) -> JobView:
     """The job ``given`` names: its id, or the start of exactly one queued or running job's id
-    (``jobs`` and ``status`` show the first 8 characters).
+    (``jobs`` and ``status`` show the first 8 characters) that no ended job's id starts with too.
 
-    :raises NotFound: no job has that id and no active job's id starts with it, or several do
-        (named).
+    :raises NotFound: no job has that id and no active job's id starts with it, or several jobs'
+        ids do (named: a short prefix picked the running job while the user looked at an ended one).
     """
     if not given:
         raise NotFound("give a job id (jobs lists them)")
@@ -234,13 +234,15 @@ def _job(broker: GpuBroker, given: str) -> JobView:
         return broker.job(given)
     except NotFound:
         pass
-    found = sorted((j for j in broker.jobs(active_only=True) if j.id.startswith(given)), key=lambda j: j.id)
-    if len(found) == 1:
+    everyone = sorted((j for j in broker.jobs() if j.id.startswith(given)), key=lambda j: j.id)
+    found = [j for j in everyone if not j.status.terminal]
+    if len(found) == 1 and len(everyone) == 1:
         return found[0]
-    if matches := [j.id for j in found]:
-        raise NotFound(f"{len(matches)} active jobs' ids start with {given!r}: {', '.join(matches[:5])}"
+    if found:
+        matches = [f"{j.id} ({j.status.value})" for j in everyone]
+        raise NotFound(f"{len(matches)} jobs' ids start with {given!r}: {', '.join(matches[:5])}"
                        f"{' ...' if len(matches) > 5 else ''}; give more of the id")
-    if len(ended := sorted(j.id for j in broker.jobs() if j.id.startswith(given))) == 1:
+    if len(ended := [j.id for j in everyone]) == 1:
         return broker.job(ended[0])  # one job has it: `cancel` of an ended job answers as for its whole id
     if ended:
         raise NotFound(f"no queued or running job's id starts with {given!r}; ended job(s) {', '.join(ended[:5])}"

@@ -248,15 +248,41 @@ def test_cancel_takes_the_start_of_an_id_as_jobs_shows_it(tmp_path, monkeypatch,
     assert f"job {job.id} had already ended (cancelled): nothing to cancel" in capsys.readouterr().out
     assert main(["cancel", job.id[:8]]) == 0  # the start of the one ended job's id: as its whole id (idempotent)
     assert f"job {job.id} had already ended (cancelled): nothing to cancel" in capsys.readouterr().out
-    # several active jobs: a start they share is named as ambiguous; the ended one does not count
+    # several active jobs: a start they share is named as ambiguous
     others = [broker.submit(JobSpec(f"t{i}", "sleep 1", 1, 1, total_steps=10)) for i in range(40)]
     first = {}
     for other in others:
         first.setdefault(other.id[0], []).append(other.id)
     shared = next(ids for ids in first.values() if len(ids) > 1)
     assert main(["cancel", shared[0][0]]) == 2
-    assert f"active jobs' ids start with {shared[0][0]!r}" in capsys.readouterr().err
+    assert f"jobs' ids start with {shared[0][0]!r}" in capsys.readouterr().err
     assert all(broker.job(i).status.value != "cancelled" for i in shared)
+    broker.engine.dispose()
+
+
+def test_cancel_refuses_the_start_of_an_id_that_an_ended_job_shares_with_an_active_one(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """``cancel 5`` cancelled the one running job whose id starts with 5, while the user looked at an
+    ended job ``546a...`` in ``jobs``."""
+    import uuid
+
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    broker = GpuBroker(url)
+    broker.register_node("n0", 2)
+    ids = iter([uuid.UUID("546a3680-0000-4000-8000-000000000000"), uuid.UUID("5b6fe2a4-0000-4000-8000-000000000000")])
+    monkeypatch.setattr(uuid, "uuid4", lambda: next(ids))
+    ended = broker.submit(JobSpec("ended", "sleep 1", 1, 1, total_steps=10, key="a"))
+    broker.cancel(ended.id, "done with it")
+    running = broker.submit(JobSpec("running", "sleep 1", 1, 1, total_steps=10, key="b"))
+    capsys.readouterr()
+    assert main(["cancel", "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"2 jobs' ids start with '5': {ended.id} (cancelled), {running.id} (running)" in err
+    assert broker.job(running.id).status.value != "cancelled"
+    assert main(["cancel", "5b"]) == 0 and broker.job(running.id).status.value == "cancelled"
     broker.engine.dispose()
 
 
