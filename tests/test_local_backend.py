@@ -253,7 +253,7 @@ def test_ctrl_c_while_run_local_follows_says_the_job_runs_on_and_how_to_stop_it(
     (job,) = broker.jobs()
     out = " ".join(capsys.readouterr().out.split())
     assert (f"job {job.id} goes on without this command (queued, or running on its GPUs); "
-            f"`airflow-elastic-gpu cancel {job.id[:8]}` stops it") in out
+            f"`airflow-elastic-gpu --broker-url {broker.url} cancel {job.id[:8]}` stops it") in out  # the same broker
     assert not job.status.terminal
 
 

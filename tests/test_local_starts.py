@@ -172,3 +172,18 @@ def test_a_gang_started_again_after_all_its_processes_died_runs(tmp_path):
     finally:
         backend.stop(job.id, timeout_s=5)
         broker.engine.dispose()
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file:b?mode=memory&uri=true"])
+def test_a_broker_in_memory_is_refused_before_a_job_is_submitted(tmp_path, url):
+    """``run-local --broker-url sqlite://`` waited for ever: the job's agent, another process, opened
+    an empty in-memory database of its own (``no such table: job``), and outlived the command."""
+    from airflow_elastic_gpu.cli import main
+
+    assert main(["--broker-url", url, "run-local", "--total-steps", "3", "--work-dir", str(tmp_path / "jobs"),
+                 "--", sys.executable, "-c", "print(1)"]) == 2
+    assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir()), "no job was started"
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")
+    with pytest.raises(BackendError, match="is an in-memory SQLite database of this process"):
+        LocalBackend(tmp_path / "jobs", broker, broker_url=url).check(f"{sys.executable} -c 'print(1)'", None)
+    broker.engine.dispose()

@@ -198,9 +198,9 @@ class LocalBackend:
 
         :raises BackendError: the command is empty, does not parse, or its program is not found;
             the work dir or ``checkpoint_dir`` cannot be created or written, or ``checkpoint_dir``
-            is not an absolute path.
+            is not an absolute path; the broker is in memory (see :func:`.check_start`).
         """
-        check_start(command, checkpoint_dir, self.work_dir, JOB_DIR_MODE)
+        check_start(command, checkpoint_dir, self.work_dir, JOB_DIR_MODE, self.broker_url)
 
     def _spawn(self, log_path: Path, argv: list[str], env: dict[str, str]) -> int:
         private_file(log_path)

@@ -17,6 +17,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from airflow_elastic_gpu.backends.base import BackendError
+from airflow_elastic_gpu.broker.db import in_memory
 from airflow_elastic_gpu.sidecar import protocol
 from airflow_elastic_gpu.sidecar.marks import JOB_MARK, marked_processes
 
@@ -137,11 +138,17 @@ def writable_dir(path: Path, what: str, mode: int = 0o777) -> None:
         raise BackendError(f"{what} {str(path)!r} is not writable")
 
 
-def check_start(command: str, checkpoint_dir: str | None, work_dir: Path, work_dir_mode: int) -> None:
+def check_start(command: str, checkpoint_dir: str | None, work_dir: Path, work_dir_mode: int,
+                broker_url: str | None = None) -> None:
     """:meth:`~.local.LocalBackend.check`: a command that cannot start here, a work dir (made with
-    ``work_dir_mode`` if missing) or checkpoint dir that cannot be written, a relative checkpoint dir.
+    ``work_dir_mode`` if missing) or checkpoint dir that cannot be written, a relative checkpoint dir,
+    a ``broker_url`` of an in-memory SQLite database, which the job's agent (another process)
+    cannot reach (it waited for ever on an empty database of its own).
 
     :raises BackendError: naming the problem."""
+    if broker_url is not None and in_memory(broker_url):
+        raise BackendError(f"the broker {broker_url} is an in-memory SQLite database of this process: the job's "
+                           "agent, another process, cannot reach it; give a SQLite file or PostgreSQL")
     try:
         argv = shlex.split(command.replace("{num_gpus}", "1"))
     except ValueError as exc:

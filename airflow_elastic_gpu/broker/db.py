@@ -64,6 +64,18 @@ def sqlite_file(url: str) -> Path | None:
     return Path(database).expanduser()
 
 
+def in_memory(url: str) -> bool:
+    """Whether ``url`` is an in-memory SQLite database (``sqlite://``, ``:memory:``, a ``file:`` URI
+    with ``mode=memory``): one of this process only."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return False
+    database = parsed.database or ""
+    return parsed.get_backend_name() == "sqlite" and (
+        database in ("", ":memory:") or (database.startswith("file:") and parsed.query.get("mode") == "memory"))
+
+
 POSTGRES_CONNECT_DEFAULTS: dict[str, int] = {
     "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
     "keepalives_count": 3, "tcp_user_timeout": 60_000,
