@@ -39,8 +39,11 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         _kept(broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type), args.gpus)
     elif args.action == "kube-sync":
         try:
+            from airflow.exceptions import AirflowNotFoundException
             from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+            from kubernetes.client.exceptions import ApiException
             from kubernetes.config.config_exception import ConfigException
+            from urllib3.exceptions import HTTPError
         except ImportError as exc:
             raise BackendError(f"kube-sync needs Airflow's Kubernetes provider ({exc}): "
                                "pip install 'airflow-elastic-gpu[airflow]'") from None
@@ -50,10 +53,21 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
         try:
             core_v1 = with_request_timeout(KubernetesHook(conn_id=args.kubernetes_conn_id).core_v1_client)
+        except AirflowNotFoundException:
+            raise BackendError(f"no Airflow connection {args.kubernetes_conn_id!r}: define it (a Kubernetes "
+                               "connection), or name another with --kubernetes-conn-id") from None
         except ConfigException as exc:  # no kube-config, no in-cluster service account
             raise BackendError(f"no Kubernetes cluster to read through connection {args.kubernetes_conn_id!r}: "
                                f"{exc} (set the connection's kube_config_path, or run in the cluster)") from None
-        names = register_nodes_from_cluster(broker, core_v1, pool=args.pool, label_selector=args.label_selector)
+        try:
+            names = register_nodes_from_cluster(broker, core_v1, pool=args.pool, label_selector=args.label_selector)
+        except ApiException as exc:  # a 401/403 (the connection's rights: nodes, list), a 5xx
+            raise BackendError(f"the cluster of connection {args.kubernetes_conn_id!r} refused to list its nodes: "
+                               f"{exc.status} {exc.reason}") from None
+        except (HTTPError, OSError) as exc:  # not reached (urllib3 retried, then gave up)
+            server = getattr(getattr(core_v1, "api_client", None), "configuration", None)
+            raise BackendError(f"cannot reach the cluster of connection {args.kubernetes_conn_id!r}"
+                               f"{f' at {server.host}' if server is not None else ''}: {exc}") from None
         console.print(f"registered {len(names)} GPU node(s) of the cluster in pool {escape(repr(args.pool))}")
     elif args.action in ("drain", "uncordon", "remove"):
         if not args.name_given:

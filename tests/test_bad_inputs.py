@@ -10,6 +10,7 @@ trace CSVs and simulator parameters (``test_simulator.py``), the broker URL
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -263,6 +264,30 @@ def test_kube_sync_without_a_cluster_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "no Kubernetes cluster to read through connection 'kubernetes_default'" in " ".join(err.split())
     assert "Traceback" not in err
+    # a connection that is not defined, and a cluster that does not answer: a traceback of 49 and 102 lines
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    assert cli(["--broker-url", url, "nodes", "kube-sync", "--kubernetes-conn-id", "nosuch"]) == 2
+    assert "no Airflow connection 'nosuch': define it" in capsys.readouterr().err
+    (tmp_path / "kubeconfig").write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: c\n  cluster: {server: "
+        "'https://127.0.0.1:1', insecure-skip-tls-verify: true}\ncontexts:\n- name: c\n  context: {cluster: c, "
+        "user: u}\nusers:\n- name: u\n  user: {token: abc}\n")
+    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_DEFAULT", json.dumps(
+        {"conn_type": "kubernetes", "extra": {"kube_config_path": str(tmp_path / "kubeconfig")}}))
+    assert cli(["--broker-url", url, "nodes", "kube-sync"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the cluster of connection 'kubernetes_default' at https://127.0.0.1:1" in err
+    assert "Traceback" not in err
+    from kubernetes.client.exceptions import ApiException
+
+    from airflow_elastic_gpu.backends import kubernetes_nodes
+
+    def forbidden(*args, **kwargs):  # the connection's account may not list nodes
+        raise ApiException(status=403, reason="Forbidden")
+
+    monkeypatch.setattr(kubernetes_nodes, "register_nodes_from_cluster", forbidden)
+    assert cli(["--broker-url", url, "nodes", "kube-sync"]) == 2
+    assert "refused to list its nodes: 403 Forbidden" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "message"), [
