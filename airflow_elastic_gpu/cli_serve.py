@@ -4,6 +4,7 @@ views) and the GPU pool page, as a stand-alone server (:mod:`airflow_elastic_gpu
 from __future__ import annotations
 
 import argparse
+import socket
 
 from airflow_elastic_gpu.backends.base import BackendError
 from airflow_elastic_gpu.cli_parsing import port
@@ -36,6 +37,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     probe = _broker(args)
     probe.pools()
     probe.engine.dispose()
+    check_port_free(args.host, args.port)
     app = create_app(broker_url=args.broker_url or default_broker_url(), ui_token=ui_token, limits=limits,
                      api_docs=args.api_docs)
     shown = mask_url(args.broker_url or default_broker_url())
@@ -46,6 +48,23 @@ def cmd_broker(args: argparse.Namespace) -> int:
                   markup=False, highlight=False)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """:raises BackendError: ``port`` of ``host`` cannot be listened on (another server has it; the
+    server said it listened, then uvicorn's error and exit 3)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise BackendError(f"--host {host}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            hint = " (Airflow's worker log server listens on 8793 by default)" if port == 8793 else ""
+            raise BackendError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}; give another --port") from None
 
 
 def add_broker_command(sub: argparse._SubParsersAction) -> None:

@@ -242,6 +242,20 @@ def test_broker_serve_rejects_a_port_out_of_range(capsys):
     assert "--port: must be between 1 and 65535, got 99999" in capsys.readouterr().err
 
 
+def test_broker_serve_on_a_port_another_server_has_is_one_line_before_it_says_it_listens(tmp_path, capsys):
+    """It said "broker API on http://..." first, then uvicorn's bind error, and exited with 3."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli(["--broker-url", f"sqlite:///{tmp_path / 'b.db'}", "broker", "serve", "--port", str(port)]) == 2
+    captured = capsys.readouterr()
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use; give another --port" in captured.err
+    assert "broker API on" not in captured.out
+
+
 def test_broker_serve_refuses_a_database_it_cannot_use_before_it_listens(capsys, monkeypatch):
     """A bad or unreachable broker URL is one line and exit 2 at start-up: the server used to start,
     load its page and answer every API call with 500."""
