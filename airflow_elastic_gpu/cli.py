@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from sqlalchemy.exc import DatabaseError, OperationalError
+from sqlalchemy.exc import DatabaseError
 
 from airflow_elastic_gpu.backends.base import BackendError, start_job
 from airflow_elastic_gpu.broker.db import SchemaError, ensure_schema, sqlite_file
@@ -44,7 +44,7 @@ from airflow_elastic_gpu.broker.types import (
     JobView,
     NotFound,
 )
-from airflow_elastic_gpu.cli_broker import RetryNotice, from_connection
+from airflow_elastic_gpu.cli_broker import RetryNotice, database_error, from_connection
 from airflow_elastic_gpu.cli_cleanup import add_cleanup_command
 from airflow_elastic_gpu.cli_nodes import add_nodes_command
 from airflow_elastic_gpu.cli_parsing import Parser, absolute_path, positive_s
@@ -476,16 +476,9 @@ def _run(args: argparse.Namespace) -> int:
         notes.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
     except DatabaseError as exc:  # one line, not a traceback
-        url = mask_url(getattr(args, "broker_url", None) or default_broker_url())
-        first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        where = (f"the Airflow connection {args.conn_id!r}" if getattr(args, "conn_id", None) else
-                 "--broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url")
-        if isinstance(exc, OperationalError):  # the database cannot be reached
-            said, check = "cannot reach the broker database", "that the server runs and the URL"
-        else:  # it answers, but is no broker database (a SQLite URL naming some other file)
-            said, check = "cannot use the broker database", "that the URL"
-        notes.print(f"[red]error:[/red] {said} {escape(url)}: {escape(first)}. "
-                    f"Check {check} ({escape(where)}) is right.", soft_wrap=True, highlight=False)
+        url = getattr(args, "broker_url", None) or default_broker_url()
+        notes.print(f"[red]error:[/red] {escape(database_error(exc, url, getattr(args, 'conn_id', None)))}",
+                    soft_wrap=True, highlight=False)
         return 2
     except (OSError, SchemaError) as exc:  # a file the command cannot make or read, a database of
         # another version or application: one line

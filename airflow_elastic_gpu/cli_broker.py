@@ -9,6 +9,10 @@ import os
 from typing import Any
 
 from rich.console import Console
+from sqlalchemy.exc import DatabaseError, OperationalError
+
+from airflow_elastic_gpu.broker.db import sqlite_file
+from airflow_elastic_gpu.config import mask_url
 
 
 def from_connection(args: argparse.Namespace) -> None:
@@ -67,6 +71,21 @@ def _read(conn_id: str) -> Any:
                          "metadata DB is the one of this shell's AIRFLOW_HOME)") from None
     except Exception as exc:  # noqa: BLE001 - a secrets backend that denies it or is down: one line
         raise ValueError(f"cannot read Airflow connection {conn_id!r}: {exc}") from None
+
+
+def database_error(exc: DatabaseError, url: str, conn_id: str | None) -> str:
+    """The one line that says why the broker database ``url`` (from connection ``conn_id``, else the
+    CLI's option or settings) failed with ``exc``, and what to check (the password masked)."""
+    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    where = (f"the Airflow connection {conn_id!r}" if conn_id else
+             "--broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url")
+    if sqlite_file(url) is not None and isinstance(exc, OperationalError):  # its file: a disk full, read-only
+        said, check = "cannot use the broker database", "that its file's disk has room and may be written, and the URL"
+    elif isinstance(exc, OperationalError):  # the database cannot be reached
+        said, check = "cannot reach the broker database", "that the server runs and the URL"
+    else:  # it answers, but is no broker database (a SQLite URL naming some other file)
+        said, check = "cannot use the broker database", "that the URL"
+    return f"{said} {mask_url(url)}: {first}. Check {check} ({where}) is right."
 
 
 class RetryNotice(logging.Handler):

@@ -202,6 +202,23 @@ def test_cli_names_an_unreachable_database_in_one_line_with_the_password_masked(
     assert out.err.count("the broker database does not answer; retrying for up to 1 s") == 1
 
 
+def test_a_sqlite_broker_on_a_full_or_read_only_disk_is_not_said_to_be_a_server_away():
+    """A full disk (``disk I/O error``) and a read-only one (``unable to open database file``) were
+    told to check that "the server runs"."""
+    from sqlalchemy.exc import OperationalError
+
+    from airflow_elastic_gpu.cli_broker import database_error
+
+    for cause in ("disk I/O error", "unable to open database file"):
+        said = database_error(OperationalError("SELECT 1", {}, Exception(cause)), "sqlite:////data/b.db", None)
+        assert said.startswith(f"cannot use the broker database sqlite:////data/b.db: {cause}. Check that its file's "
+                               "disk has room and may be written")
+    away = database_error(OperationalError("SELECT 1", {}, Exception("connection refused")),
+                          "postgresql+psycopg://u:secret@db/b", "elastic_gpu_default")
+    assert away == ("cannot reach the broker database postgresql+psycopg://u:***@db/b: connection refused. Check "
+                    "that the server runs and the URL (the Airflow connection 'elastic_gpu_default') is right.")
+
+
 def test_cli_names_a_file_that_is_not_a_database_in_one_line(tmp_path, capsys):
     """SQLite's "file is not a database" is a DatabaseError, not the OperationalError the CLI caught:
     it ended in a traceback."""
