@@ -31,7 +31,7 @@ def _mib(size_bytes: int) -> str:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
-    from airflow_elastic_gpu.cli import _broker, _say_where, console
+    from airflow_elastic_gpu.cli import _broker, _say_where, console, notes
 
     work_dir = Path(args.work_dir).expanduser() if args.work_dir else default_work_dir()
     _say_where(args, work_dir)
@@ -45,19 +45,28 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     table = Table(title="would remove" if args.dry_run else "removed")
     for col in ("directory", "what", "job", "status", "ended", "size"):
         table.add_column(col, justify="right" if col == "size" else "left")
-    freed, kept = 0, 0
-    for item in found:
-        if not args.dry_run and not local_cleanup.remove(item):
-            kept += 1  # claimed by a new try of its task meanwhile
-            continue
-        freed += item.size_bytes
-        table.add_row(Text(item.path.name), item.kind, item.job.id[:8], item.job.status.value,
-                      f"{item.age_s / 86400:.1f} days ago", _mib(item.size_bytes))
-    console.print(table)
-    verb = "would free" if args.dry_run else "freed"
-    console.print(f"{verb} {_mib(freed)} in {len(found) - kept} directories under {escape(str(work_dir))}"
-                  + (f"; {kept} kept: a new try of its task claimed it meanwhile" if kept else ""))
-    return 0
+    freed, removed, kept, failed = 0, 0, 0, []
+    try:
+        for item in found:  # one that fails is said, and the others are tried
+            try:
+                if not args.dry_run and not local_cleanup.remove(item):
+                    kept += 1  # claimed by a new try of its task meanwhile
+                    continue
+            except OSError as exc:  # a permission, a busy mount point: named with its directory
+                failed.append(f"{item.path}: {exc.strerror or exc}")
+                continue
+            freed += item.size_bytes
+            removed += 1
+            table.add_row(Text(item.path.name), item.kind, item.job.id[:8], item.job.status.value,
+                          f"{item.age_s / 86400:.1f} days ago", _mib(item.size_bytes))
+    finally:  # Ctrl-C too: what was removed is said
+        console.print(table)
+        verb = "would free" if args.dry_run else "freed"
+        console.print(f"{verb} {_mib(freed)} in {removed} directories under {escape(str(work_dir))}"
+                      + (f"; {kept} kept: a new try of its task claimed it meanwhile" if kept else ""))
+    for line in failed:
+        notes.print(f"[red]error:[/red] could not remove {escape(line)}", soft_wrap=True, highlight=False)
+    return 1 if failed else 0
 
 
 def add_cleanup_command(sub: argparse._SubParsersAction) -> None:

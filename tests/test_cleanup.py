@@ -182,3 +182,37 @@ def test_the_cli_lists_with_dry_run_then_removes(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):  # in seconds it overflowed, and the error read "got inf"
         main(["cleanup", "--older-than", "1e308"])
     assert "a number of days from 0 to 36500, got '1e308'" in capsys.readouterr().err
+
+
+def test_a_directory_the_cli_cannot_remove_is_named_and_the_others_are_removed(tmp_path, monkeypatch, capsys):
+    """One OSError stopped the whole command with ``error: [Errno 16] Device or resource busy: 'mnt'``:
+    neither the directory nor those already removed were named, and the rest were not tried."""
+    import shutil
+
+    from airflow_elastic_gpu.broker.service import GpuBroker
+    from airflow_elastic_gpu.cli import main
+
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", url)
+    broker = GpuBroker(url)
+    broker.register_node("n0", 1)
+    jobs = [broker.submit(JobSpec(f"t{i}", "python train.py", 1, 1, total_steps=10, key=f"k{i}")) for i in range(3)]
+    work = tmp_path / "jobs"
+    for job in jobs:
+        broker.finish(job.id)
+        make_dir(work / job.id, 2**20)
+    busy = work / jobs[1].id
+    real = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if path == busy:
+            raise OSError(16, "Device or resource busy", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    assert main(["cleanup", "--older-than", "0", "--work-dir", str(work)]) == 1
+    captured = capsys.readouterr()
+    assert "freed 2.0 MiB in 2 directories" in captured.out
+    assert f"could not remove {busy}: Device or resource busy" in " ".join(captured.err.split())
+    assert sorted(p.name for p in work.iterdir()) == [jobs[1].id]
+    broker.engine.dispose()
