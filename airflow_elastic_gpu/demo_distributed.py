@@ -42,12 +42,14 @@ from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.cli_views import snapshot_view
-from airflow_elastic_gpu.config import ENV_BROKER_URL, ENV_WORK_DIR
+from airflow_elastic_gpu.config import ENV_BROKER_URL, ENV_WORK_DIR, mask_url
 from airflow_elastic_gpu.demo import parse_run_id
 from airflow_elastic_gpu.demo_distributed_report import (
     DAG_ID,
@@ -110,6 +112,13 @@ class Settings:
         (each takes every unassigned trigger up to its capacity) and the survivor can take most of
         the dead one's at once."""
         return math.ceil(self.jobs / 2) + 1
+
+
+HOME_MARKER = ".elastic-gpu-demo-home"
+"""The file a run leaves in its ``--home``: the next run may delete what it made there."""
+STALE = ("airflow", "logs", "jobs")
+"""What a run makes in its ``--home`` (Airflow's home, the processes' logs, the job directories),
+deleted by the next run."""
 
 
 def recreate_databases(s: Settings, drop_only: bool = False) -> None:
@@ -229,12 +238,19 @@ def run(s: Settings) -> dict:
     :raises SystemExit: a step did not happen in time, or a process of the deployment died.
     """
     check = invariant_checker()
-    for stale in ("airflow", "logs", "jobs"):  # a previous run's Airflow home, logs and job directories
-        shutil.rmtree(s.home / stale, ignore_errors=True)
-    s.home.mkdir(parents=True, exist_ok=True)
+    marker = s.home / HOME_MARKER
+    own = s.home == Settings().home  # the checkout's .demo-distributed: the demo's own (runs before the marker)
+    if not own and not marker.exists() and any((s.home / stale).exists() for stale in STALE):
+        raise SystemExit(f"--home {s.home} holds {', '.join(x for x in STALE if (s.home / x).exists())} that this "
+                         f"demo did not make (no {HOME_MARKER} there): a run deletes them; give an empty or new "
+                         "directory")
     t_setup = time.monotonic()
     console.print(f"[bold]1/5[/bold] databases {s.db_prefix}_airflow and {s.db_prefix}_broker (re-created)")
-    recreate_databases(s)
+    recreate_databases(s)  # the server answers: a run that fails here deletes nothing
+    for stale in STALE:  # a previous run's Airflow home, logs and job directories
+        shutil.rmtree(s.home / stale, ignore_errors=True)
+    s.home.mkdir(parents=True, exist_ok=True)
+    marker.write_text("made by airflow_elastic_gpu.demo_distributed: its airflow, logs and jobs are deleted at each run\n")
     broker = GpuBroker(s.db_url("broker"))
     broker.register_node("localhost", VIRTUAL_GPUS, gpu_type="virtual")
     broker.configure_pool(policy_params={"hysteresis": 1.0, "min_resize_interval_s": 10.0},
@@ -375,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=d.jobs, help="mapped trainings (default %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps, help="steps of the middle-sized training")
     p.add_argument("--step-ms", type=float, default=d.step_ms, help="milliseconds per step on one GPU")
-    p.add_argument("--home", type=Path, default=d.home, help="AIRFLOW_HOME, logs and job directories")
+    p.add_argument("--home", type=Path, default=d.home,
+                   help="where AIRFLOW_HOME, logs and job directories are made (deleted and made again at each run; "
+                        "a directory holding them that a run did not make is refused)")
     p.add_argument("--postgres-url", default=d.postgres_url, help="a PostgreSQL server (to create our databases)")
     p.add_argument("--db-prefix", default=d.db_prefix, help="our databases: PREFIX_airflow, PREFIX_broker")
     p.add_argument("--celery-broker", default=d.celery_broker, help="Redis or RabbitMQ URL for Celery")
@@ -391,7 +409,13 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (and SIGHUP) unwind like Ctrl-C does, through the cleanup of every process
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
-    result = run(s)
+    try:
+        result = run(s)
+    except OperationalError as exc:  # one line, not a traceback
+        first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or ["unreachable"])[0]
+        console.print(f"[red]error:[/red] cannot use the PostgreSQL server {escape(mask_url(s.postgres_url))}: "
+                      f"{escape(first)} (give --postgres-url)")
+        return 2
     ok = (result["dag_run_state"] == "success" and result["trainings_succeeded"] == s.jobs
           and not sum(result["invariant_violations"].values()) and result["killed_triggerer"] is not None)
     return 0 if ok else 1

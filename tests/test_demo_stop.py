@@ -74,3 +74,25 @@ def test_the_distributed_demos_figures_skip_a_try_a_retry_replaced(tmp_path):
         assert [(f.map_index, f.failed_tries) for f in figures] == [(0, 1)]  # the failed try is told
     finally:
         broker.engine.dispose()
+
+
+def test_the_distributed_demo_deletes_nothing_it_did_not_make_nor_before_its_server_answers(tmp_path, capsys):
+    """``--home ~`` deleted ``~/airflow`` (DAGs, config); and a run whose PostgreSQL was away deleted
+    the last run's logs before it failed, with a traceback."""
+    from airflow_elastic_gpu import demo_distributed
+
+    away = ["--postgres-url", "postgresql+psycopg://postgres@127.0.0.1:1/postgres", "--results",
+            str(tmp_path / "r.json")]
+    home = tmp_path / "home"
+    (home / "airflow" / "dags").mkdir(parents=True)  # a user's own Airflow home
+    try:
+        demo_distributed.main(["--home", str(home), *away])
+        raise AssertionError("a home the demo did not make was taken")
+    except SystemExit as refused:
+        assert "holds airflow that this demo did not make" in str(refused.code)
+    assert (home / "airflow" / "dags").is_dir()
+    (home / demo_distributed.HOME_MARKER).write_text("")  # a home of an earlier run: its files may go, later
+    (home / "logs").mkdir()
+    assert demo_distributed.main(["--home", str(home), *away]) == 2
+    assert "cannot use the PostgreSQL server postgresql+psycopg://postgres@127.0.0.1:1/postgres" in capsys.readouterr().out
+    assert (home / "airflow" / "dags").is_dir() and (home / "logs").is_dir()
