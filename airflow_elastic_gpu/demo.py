@@ -38,7 +38,10 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / ".demo"
 PID_FILE = DEMO / "standalone.pid"
 DAG_ID = "elastic_gpu_demo"
-PORT = int(os.environ.get("ELASTIC_GPU_DEMO_PORT", "8080"))
+PORT_GIVEN = os.environ.get("ELASTIC_GPU_DEMO_PORT", "8080")
+PORT = int(PORT_GIVEN) if PORT_GIVEN.isdigit() and 1 <= int(PORT_GIVEN) <= 65535 else 0
+"""Airflow's port (``$ELASTIC_GPU_DEMO_PORT``, default 8080); 0 for a value that is no TCP port
+(said by :func:`main`: a traceback at import before)."""
 VIRTUAL_GPUS = 4
 RUN_MARK = f"make-demo:{DEMO.resolve()}"
 """The demo's :data:`~airflow_elastic_gpu.demo_processes.MARKER` value (one per checkout)."""
@@ -172,7 +175,11 @@ def stop() -> None:
 
 def _stop_airflow() -> None:
     if PID_FILE.exists():
-        pid = int(PID_FILE.read_text())
+        try:
+            pid = int(PID_FILE.read_text())
+        except ValueError:  # empty or cut (a full disk as it was written): no pid to stop
+            PID_FILE.unlink(missing_ok=True)
+            return
         if not any("airflow" in _cmdline(p) for p in session_members(pid)):
             PID_FILE.unlink(missing_ok=True)  # stale (a reboot, a crash): that pid is someone else's now
             return
@@ -217,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stop", action="store_true", help="stop the demo's Airflow and exit")
     args = parser.parse_args(argv)
+    if not PORT and not args.stop:  # before anything is stopped
+        raise SystemExit(f"ELASTIC_GPU_DEMO_PORT must be a TCP port from 1 to 65535, got {PORT_GIVEN!r}")
     stop()
     if args.stop:
         return 0
@@ -268,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         while state not in ("success", "failed"):
             if time.monotonic() > deadline:
                 state = "timed out"
+                break
+            if proc.poll() is not None:  # its metadata DB still says "running": it would wait out TIMEOUT_S
+                state = f"Airflow exited with code {proc.returncode} (see {DEMO / 'standalone.log'})"
                 break
             time.sleep(1)
             if isinstance(live, Live):

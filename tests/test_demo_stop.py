@@ -96,3 +96,17 @@ def test_the_distributed_demo_deletes_nothing_it_did_not_make_nor_before_its_ser
     assert demo_distributed.main(["--home", str(home), *away]) == 2
     assert "cannot use the PostgreSQL server postgresql+psycopg://postgres@127.0.0.1:1/postgres" in capsys.readouterr().out
     assert (home / "airflow" / "dags").is_dir() and (home / "logs").is_dir()
+
+
+def test_a_demo_pid_file_left_empty_and_a_port_that_is_no_port_are_said_without_a_traceback(tmp_path, monkeypatch):
+    """An empty ``standalone.pid`` (a full disk as it was written) made ``make demo-stop`` and every
+    later ``make demo`` fail with a ValueError traceback; ``ELASTIC_GPU_DEMO_PORT=abc`` one at import."""
+    pid_file = tmp_path / "standalone.pid"
+    pid_file.write_text("")
+    monkeypatch.setattr(demo, "PID_FILE", pid_file)
+    demo._stop_airflow()
+    assert not pid_file.exists()
+    run = subprocess.run([sys.executable, "-m", "airflow_elastic_gpu.demo"], capture_output=True, text=True,
+                         env={**os.environ, "ELASTIC_GPU_DEMO_PORT": "abc"}, timeout=120, check=False)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "ELASTIC_GPU_DEMO_PORT must be a TCP port from 1 to 65535, got 'abc'" in run.stderr
