@@ -194,6 +194,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     if args.interval is not None and not args.watch:
         raise ValueError("--interval goes with --watch (status without it shows the pool once)")
+    if args.interval is not None and args.interval < 0.2:  # 1e-7 read the database in a busy loop
+        raise ValueError(f"--interval must be at least 0.2 seconds, got {args.interval:g}")
     args.interval = args.interval or 1.0
     _say_where(args)
     broker = _broker(args, existing=True)
@@ -393,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default=None, help=f"the pool to show (default {POOL_DEFAULT})")
     p.add_argument("--watch", action="store_true", help="refresh live until Ctrl-C")
     p.add_argument("--interval", type=positive_s, default=None,
-                   help="seconds between refreshes with --watch (default 1)")
+                   help="seconds between refreshes with --watch (default 1, at least 0.2)")
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("cancel", help="cancel a job and release its GPUs")

@@ -147,7 +147,7 @@ def test_progress_rejects_impossible_steps(broker, step):
 @pytest.mark.parametrize(("argv", "message"), [
     (["nodes", "add", "gpu-1"], "--gpus"),
     (["pool", "--param", "hysteresis"], "NAME=VALUE"),
-    (["pool", "--policy", "fifo"], "unknown scheduling policy 'fifo'"),
+    (["pool", "--policy", "fifo"], "unknown scheduling policy 'fifo'; the broker runs adaptive, optimus, static, termination"),
     (["pool", "--param", "name=1"], "bad parameters for policy 'adaptive': unknown 'name'"),
     (["pool", "--param", "hysteresis=abc"], "the value of hysteresis must be a finite number, true or false, got 'abc'"),
     (["pool", "--param", "hysteresis=true"], "hysteresis must be a number >= 0, got True"),  # was stored as True

@@ -225,6 +225,8 @@ def test_status_says_its_interval_needs_watch_and_the_cli_its_version(tmp_path, 
     monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", f"sqlite:///{tmp_path / 'b.db'}")
     assert main(["status", "--interval", "2"]) == 2  # it was taken and ignored
     assert "--interval goes with --watch" in capsys.readouterr().err
+    assert main(["status", "--watch", "--interval", "1e-7"]) == 2  # a busy loop on the database
+    assert "--interval must be at least 0.2 seconds, got 1e-07" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"airflow-elastic-gpu {version('airflow-elastic-gpu')}"

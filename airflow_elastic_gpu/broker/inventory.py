@@ -21,7 +21,7 @@ from airflow_elastic_gpu.broker.types import (
     check_pool_name,
     check_text,
 )
-from airflow_elastic_gpu.scheduling.policy import get_policy
+from airflow_elastic_gpu.scheduling.policy import get_policy, policy_classes
 from airflow_elastic_gpu.states import EventKind
 
 MAX_NODE_CHARS = 253  # a DNS name, as Kubernetes node names are
@@ -281,6 +281,9 @@ def _check_policy(name: str, params: dict[str, Any] | None) -> None:
     for key, value in (params or {}).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidRequest(f"policy parameter {key} must be a finite number, got {value!r}")
+    runs = sorted(n for n, cls in policy_classes().items() if not getattr(cls, "preemptive", False))
+    if name not in policy_classes():  # not the simulator's list: its preemptive peers are refused below
+        raise InvalidRequest(f"unknown scheduling policy {name!r}; the broker runs {', '.join(runs)}")
     try:
         chosen = get_policy(name, **(params or {}))
     except ValueError as exc:
