@@ -160,7 +160,7 @@ def test_launcher_reports_a_command_that_is_not_found(tmp_path):
 
 
 def test_local_backend_rejects_a_missing_command_before_starting_anything(tmp_path):
-    broker = GpuBroker("sqlite://")
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'b.db'}")  # a file: its agents must reach it
     broker.register_node("localhost", 1)
     backend = LocalBackend(tmp_path, broker)
     job = broker.submit(JobSpec("missing", "no-such-trainer-binary --steps 3", total_steps=3))

@@ -356,7 +356,7 @@ def test_bad_simulator_inputs_name_the_problem(tmp_path):
         load_trace(tmp_path / "missing.csv")
     trace = load_trace(bundled_data("itp_cluster02_day27_3d.csv"))
     for kwargs, message in (({"load": 0}, "load must be > 0"), ({"load": float("inf")}, "at most 100, got inf"),
-                            ({"max_gpu_hours": float("inf")}, "max_gpu_hours must be > 0"), ({"hours": 30}, "hours must be in"),
+                            ({"max_gpu_hours": float("inf")}, "max_gpu_hours must be a finite number > 0"), ({"hours": 30}, "hours must be in"),
                             ({"gpus": 0}, "gpus must be an integer"),
                             ({"max_gpu_hours": 0.001}, "no job of the trace")):
         with pytest.raises(WorkloadError, match=message):
