@@ -236,7 +236,7 @@ def _job(broker: GpuBroker, given: str) -> JobView:
         return broker.job(given)
     except NotFound:
         pass
-    everyone = sorted((j for j in broker.jobs() if j.id.startswith(given)), key=lambda j: j.id)
+    everyone = sorted(broker.jobs(id_prefix=given), key=lambda j: (j.status.terminal, j.id))  # active first
     found = [j for j in everyone if not j.status.terminal]
     if len(found) == 1 and len(everyone) == 1:
         return found[0]

@@ -4,6 +4,7 @@ views) and the GPU pool page, as a stand-alone server (:mod:`airflow_elastic_gpu
 from __future__ import annotations
 
 import argparse
+import errno
 import socket
 
 from airflow_elastic_gpu.backends.base import BackendError
@@ -32,12 +33,12 @@ def cmd_broker(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),
                                    ("max_metrics_bytes", args.max_metrics_bytes)) if v is not None}
     limits = ApiLimits.from_env(given=overrides)  # before the database is touched (or migrated)
+    check_port_free(args.host, args.port)  # so is the port
     # the database answers before the server does: a bad or unreachable URL is one line and exit 2
     # here, not a server whose every API call fails with 500 behind a page that loads
     probe = _broker(args)
     probe.pools()
     probe.engine.dispose()
-    check_port_free(args.host, args.port)
     app = create_app(broker_url=args.broker_url or default_broker_url(), ui_token=ui_token, limits=limits,
                      api_docs=args.api_docs)
     shown = mask_url(args.broker_url or default_broker_url())
@@ -51,20 +52,29 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """:raises BackendError: ``port`` of ``host`` cannot be listened on (another server has it; the
-    server said it listened, then uvicorn's error and exit 3)."""
+    """Bind ``port`` on every address of ``host`` as uvicorn (asyncio's ``create_server``) will:
+    ``SO_REUSEADDR``, IPv6 sockets ``IPV6_V6ONLY``, ``""`` for every interface.
+
+    :raises BackendError: one cannot be listened on: another server has the port (the server said
+        it listened, then uvicorn's error and exit 3), or the address is not this host's."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
         raise BackendError(f"--host {host}: {exc}") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            hint = " (Airflow's worker log server listens on 8793 by default)" if port == 8793 else ""
-            raise BackendError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}; give another --port") from None
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                where = f"[{address[0]}]:{port}" if family == socket.AF_INET6 else f"{address[0]}:{port}"
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise BackendError(f"cannot listen on {where}: not an address of this host; give "
+                                       "another --host") from None
+                hint = " (Airflow's worker log server listens on 8793 by default)" if port == 8793 else ""
+                raise BackendError(f"cannot listen on {where}: {exc.strerror}{hint}; give another --port") from None
 
 
 def add_broker_command(sub: argparse._SubParsersAction) -> None:

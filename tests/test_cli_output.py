@@ -282,7 +282,7 @@ def test_cancel_refuses_the_start_of_an_id_that_an_ended_job_shares_with_an_acti
     capsys.readouterr()
     assert main(["cancel", "5"]) == 2
     err = capsys.readouterr().err
-    assert f"2 jobs' ids start with '5': {ended.id} (cancelled), {running.id} (running)" in err
+    assert f"2 jobs' ids start with '5': {running.id} (running), {ended.id} (cancelled)" in err  # active first
     assert broker.job(running.id).status.value != "cancelled"
     assert main(["cancel", "5b"]) == 0 and broker.job(running.id).status.value == "cancelled"
     broker.engine.dispose()

@@ -83,17 +83,21 @@ class Queries(Rebalancing):
         return self._read_conn(read)
 
     def jobs(self, pool: str | None = None, *, active_only: bool = False, limit: int | None = None,
-             offset: int = 0, newest_first: bool = False, after: str | None = None) -> list[JobView]:
+             offset: int = 0, newest_first: bool = False, after: str | None = None,
+             id_prefix: str | None = None) -> list[JobView]:
         """Jobs (of ``pool``, or all), in submit order (``newest_first``: the reverse): the ``limit``
         (all if ``None``) after the first ``offset`` of them, and after job ``after`` in that order
         (a page that follows the last job of the one before: jobs ending or removed meanwhile shift
-        no later one out of it, as they would shift an offset).
+        no later one out of it, as they would shift an offset); with ``id_prefix``, only the jobs
+        whose id starts with it.
 
         :raises NotFound: ``after`` is no job the broker has (the broker keeps every job's row).
         """
         def read(conn: Connection) -> list[JobView]:
             order = (Job.submit_s.desc(), Job.id.desc()) if newest_first else (Job.submit_s, Job.id)
             q = _job_filter(select(*JOB_COLUMNS), pool, active_only).order_by(*order)
+            if id_prefix is not None:
+                q = q.where(Job.id.startswith(id_prefix, autoescape=True))
             if after is not None:
                 anchor = conn.execute(select(Job.submit_s, Job.id).where(Job.id == after)).first()
                 if anchor is None:
