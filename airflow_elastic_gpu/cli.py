@@ -321,10 +321,12 @@ def cmd_run_local(args: argparse.Namespace) -> int:
     try:
         [view] = follow(broker, [job.id])
     except KeyboardInterrupt:  # the job's processes are detached: they run on, with their GPUs
-        where = (f"--conn-id {args.conn_id} " if args.conn_id else f"--broker-url {mask_url(args.broker_url)} "
-                 if args.broker_url else "")  # the broker this command used (a password masked)
+        shown = mask_url(args.broker_url or "")  # the broker this command used, quoted for a shell
+        where = (f"--conn-id {shlex.quote(args.conn_id)} " if args.conn_id else
+                 f"--broker-url {shlex.quote(shown)} " if args.broker_url else "")
         console.print(f"\njob {job.id} goes on without this command (queued, or running on its GPUs); "
-                      f"`airflow-elastic-gpu {where}cancel {job.id[:8]}` stops it", markup=False, highlight=False)
+                      f"`airflow-elastic-gpu {where}cancel {job.id[:8]}` stops it"
+                      + (" (*** the password)" if shown != (args.broker_url or "") else ""), markup=False, highlight=False)
         return 130
     # as the operator does at a job's end: nothing of it left running, and the default checkpoint
     # directory of a success renamed out of the key's way (a later run of the key trains anew)

@@ -79,8 +79,11 @@ def database_error(exc: DatabaseError, url: str, conn_id: str | None) -> str:
     first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     where = (f"the Airflow connection {conn_id!r}" if conn_id else
              "--broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url")
-    if sqlite_file(url) is not None and isinstance(exc, OperationalError):  # its file: a disk full, read-only
-        said, check = "cannot use the broker database", "that its file's disk has room and may be written, and the URL"
+    sqlite = sqlite_file(url) is not None or url.startswith("sqlite")
+    if isinstance(exc, OperationalError) and "locked" in first:  # SQLite's write lock, held past its timeout
+        said, check = "the broker database is busy", "that no process holds it for minutes, then try again; and the URL"
+    elif isinstance(exc, OperationalError) and (sqlite or "space left" in first or "disk" in first.lower()):
+        said, check = "cannot use the broker database", "that its disk has room and its files may be written, and the URL"
     elif isinstance(exc, OperationalError):  # the database cannot be reached
         said, check = "cannot reach the broker database", "that the server runs and the URL"
     else:  # it answers, but is no broker database (a SQLite URL naming some other file)

@@ -53,19 +53,19 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
                     kept += 1  # claimed by a new try of its task meanwhile
                     continue
             except OSError as exc:  # a permission, a busy mount point: named with its directory
-                failed.append(f"{item.path}: {exc.strerror or exc}")
+                failed.append(f"{exc.filename or item.path}: {exc.strerror or exc}")
                 continue
             freed += item.size_bytes
             removed += 1
             table.add_row(Text(item.path.name), item.kind, item.job.id[:8], item.job.status.value,
                           f"{item.age_s / 86400:.1f} days ago", _mib(item.size_bytes))
-    finally:  # Ctrl-C too: what was removed is said
+    finally:  # Ctrl-C too: what was removed, and what could not be, is said
         console.print(table)
         verb = "would free" if args.dry_run else "freed"
         console.print(f"{verb} {_mib(freed)} in {removed} directories under {escape(str(work_dir))}"
                       + (f"; {kept} kept: a new try of its task claimed it meanwhile" if kept else ""))
-    for line in failed:
-        notes.print(f"[red]error:[/red] could not remove {escape(line)}", soft_wrap=True, highlight=False)
+        for line in failed:
+            notes.print(f"[red]error:[/red] could not remove {escape(line)}", soft_wrap=True, highlight=False)
     return 1 if failed else 0
 
 

@@ -39,7 +39,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         _kept(broker.register_node(args.name, args.gpus, pool=args.pool, gpu_type=args.gpu_type), args.gpus)
     elif args.action == "kube-sync":
         try:
-            from airflow.exceptions import AirflowNotFoundException
+            from airflow.exceptions import AirflowException, AirflowNotFoundException
             from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
             from kubernetes.client.exceptions import ApiException
             from kubernetes.config.config_exception import ConfigException
@@ -56,11 +56,13 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         except AirflowNotFoundException:
             raise BackendError(f"no Airflow connection {args.kubernetes_conn_id!r}: define it (a Kubernetes "
                                "connection), or name another with --kubernetes-conn-id") from None
-        except ConfigException as exc:  # no kube-config, no in-cluster service account
+        except (ConfigException, AirflowException) as exc:  # no kube-config, no in-cluster account; clashing fields
             raise BackendError(f"no Kubernetes cluster to read through connection {args.kubernetes_conn_id!r}: "
                                f"{exc} (set the connection's kube_config_path, or run in the cluster)") from None
         try:
             names = register_nodes_from_cluster(broker, core_v1, pool=args.pool, label_selector=args.label_selector)
+        except ConfigException as exc:  # a token refreshed as the nodes are listed (a cmd-path, oidc)
+            raise BackendError(f"the cluster of connection {args.kubernetes_conn_id!r}: {exc}") from None
         except ApiException as exc:  # a 401/403 (the connection's rights: nodes, list), a 5xx
             raise BackendError(f"the cluster of connection {args.kubernetes_conn_id!r} refused to list its nodes: "
                                f"{exc.status} {exc.reason}") from None

@@ -39,7 +39,10 @@ DEMO = REPO / ".demo"
 PID_FILE = DEMO / "standalone.pid"
 DAG_ID = "elastic_gpu_demo"
 PORT_GIVEN = os.environ.get("ELASTIC_GPU_DEMO_PORT", "8080")
-PORT = int(PORT_GIVEN) if PORT_GIVEN.isdigit() and 1 <= int(PORT_GIVEN) <= 65535 else 0
+try:
+    PORT = int(PORT_GIVEN.strip()) if 1 <= int(PORT_GIVEN.strip()) <= 65535 else 0
+except ValueError:
+    PORT = 0
 """Airflow's port (``$ELASTIC_GPU_DEMO_PORT``, default 8080); 0 for a value that is no TCP port
 (said by :func:`main`: a traceback at import before)."""
 VIRTUAL_GPUS = 4

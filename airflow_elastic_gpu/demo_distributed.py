@@ -42,10 +42,9 @@ from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.markup import escape
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.cli_views import snapshot_view
@@ -239,14 +238,21 @@ def run(s: Settings) -> dict:
     """
     check = invariant_checker()
     marker = s.home / HOME_MARKER
-    own = s.home == Settings().home  # the checkout's .demo-distributed: the demo's own (runs before the marker)
+    if s.home.exists() and not s.home.is_dir():
+        raise SystemExit(f"--home {s.home} is a file, not a directory")
+    own = s.home.resolve() == Settings().home.resolve()  # the checkout's .demo-distributed: the demo's own
     if not own and not marker.exists() and any((s.home / stale).exists() for stale in STALE):
         raise SystemExit(f"--home {s.home} holds {', '.join(x for x in STALE if (s.home / x).exists())} that this "
                          f"demo did not make (no {HOME_MARKER} there): a run deletes them; give an empty or new "
                          "directory")
     t_setup = time.monotonic()
     console.print(f"[bold]1/5[/bold] databases {s.db_prefix}_airflow and {s.db_prefix}_broker (re-created)")
-    recreate_databases(s)  # the server answers: a run that fails here deletes nothing
+    try:  # the server answers: a run that fails here deletes nothing
+        recreate_databases(s)
+    except DBAPIError as exc:  # unreachable, or a role that may not create databases: one line
+        first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or ["unreachable"])[0]
+        raise SystemExit(f"cannot make the demo's databases on {mask_url(s.postgres_url)}: {first} (give "
+                         "--postgres-url, a server and a role that may create databases)") from None
     for stale in STALE:  # a previous run's Airflow home, logs and job directories
         shutil.rmtree(s.home / stale, ignore_errors=True)
     s.home.mkdir(parents=True, exist_ok=True)
@@ -409,13 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (and SIGHUP) unwind like Ctrl-C does, through the cleanup of every process
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
-    try:
-        result = run(s)
-    except OperationalError as exc:  # one line, not a traceback
-        first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or ["unreachable"])[0]
-        console.print(f"[red]error:[/red] cannot use the PostgreSQL server {escape(mask_url(s.postgres_url))}: "
-                      f"{escape(first)} (give --postgres-url)")
-        return 2
+    result = run(s)
     ok = (result["dag_run_state"] == "success" and result["trainings_succeeded"] == s.jobs
           and not sum(result["invariant_violations"].values()) and result["killed_triggerer"] is not None)
     return 0 if ok else 1

@@ -211,8 +211,13 @@ def test_a_sqlite_broker_on_a_full_or_read_only_disk_is_not_said_to_be_a_server_
 
     for cause in ("disk I/O error", "unable to open database file"):
         said = database_error(OperationalError("SELECT 1", {}, Exception(cause)), "sqlite:////data/b.db", None)
-        assert said.startswith(f"cannot use the broker database sqlite:////data/b.db: {cause}. Check that its file's "
-                               "disk has room and may be written")
+        assert said.startswith(f"cannot use the broker database sqlite:////data/b.db: {cause}. Check that its disk "
+                               "has room and its files may be written")
+    locked = database_error(OperationalError("SELECT 1", {}, Exception("database is locked")), "sqlite:///b.db", None)
+    assert locked.startswith("the broker database is busy sqlite:///b.db: database is locked. Check that no process")
+    full = database_error(OperationalError("INSERT", {}, Exception('could not extend file "base/1": No space left on '
+                                                                   "device")), "postgresql+psycopg://db/b", None)
+    assert "Check that its disk has room" in full
     away = database_error(OperationalError("SELECT 1", {}, Exception("connection refused")),
                           "postgresql+psycopg://u:secret@db/b", "elastic_gpu_default")
     assert away == ("cannot reach the broker database postgresql+psycopg://u:***@db/b: connection refused. Check "

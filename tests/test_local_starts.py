@@ -174,7 +174,8 @@ def test_a_gang_started_again_after_all_its_processes_died_runs(tmp_path):
         broker.engine.dispose()
 
 
-@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file:b?mode=memory&uri=true"])
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file:b?mode=memory&uri=true",
+                                 "sqlite:///file::memory:?cache=shared&uri=true"])
 def test_a_broker_in_memory_is_refused_before_a_job_is_submitted(tmp_path, url):
     """``run-local --broker-url sqlite://`` waited for ever: the job's agent, another process, opened
     an empty in-memory database of its own (``no such table: job``), and outlived the command."""

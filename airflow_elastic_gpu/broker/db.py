@@ -65,15 +65,19 @@ def sqlite_file(url: str) -> Path | None:
 
 
 def in_memory(url: str) -> bool:
-    """Whether ``url`` is an in-memory SQLite database (``sqlite://``, ``:memory:``, a ``file:`` URI
-    with ``mode=memory``): one of this process only."""
+    """Whether ``url`` is an in-memory SQLite database (``sqlite://``, ``:memory:``; a ``file:`` URI,
+    ``uri=true``, named ``:memory:`` or with ``mode=memory`` or ``vfs=memdb``): one of this process only."""
     try:
         parsed = make_url(url)
     except ArgumentError:
         return False
-    database = parsed.database or ""
-    return parsed.get_backend_name() == "sqlite" and (
-        database in ("", ":memory:") or (database.startswith("file:") and parsed.query.get("mode") == "memory"))
+    database, query = parsed.database or "", parsed.query
+    if parsed.get_backend_name() != "sqlite":
+        return False
+    if database in ("", ":memory:"):
+        return True
+    return (database.startswith("file:") and query.get("uri") == "true"
+            and (database == "file::memory:" or query.get("mode") == "memory" or query.get("vfs") == "memdb"))
 
 
 POSTGRES_CONNECT_DEFAULTS: dict[str, int] = {
