@@ -33,6 +33,9 @@ from airflow_elastic_gpu.triggers.training import (
 def _deferred_on(broker, name: str):
     """A running job of ``broker``, the operator whose task deferred on it, and its trigger."""
     broker.register_node("localhost", 2)
+    # no agent heartbeats this job: a long lease, so that a loaded machine (a first poll a minute
+    # late, once under make test) does not declare it lost and fire its end before the test acts
+    broker.configure_pool(lease_s=3600)
     job = broker.submit(JobSpec(name, "python train.py", 1, 2, total_steps=10**6))
     broker.ack(job.id, 1)
     op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10**6, poll_interval=0.1)
