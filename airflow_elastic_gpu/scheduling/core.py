@@ -213,14 +213,14 @@ def record_progress(book: JobBook, *, generation: int, step: float, now_s: float
     Two samples of one generation give a throughput sample (steps/s on that generation's GPU
     count, folded into the job's model); the first sample of a resized generation gives a measured
     restart overhead (seconds from publish to first progress). Reports of an older generation than
-    the acked one, or of generation 0, are ignored.
+    the acked one, or of generation 0, are ignored. A speed out of :data:`~.throughput.SPEED_RANGE`
+    (an absurd step) folds into no model; its step counts.
 
     :param previous: ``(time_s, step)`` of the latest earlier sample of the same generation, or None.
     :param num_gpus: GPUs the trainer of ``generation`` runs on, where the caller counted them
         (default :meth:`JobBook.num_gpus_of`, from the book's GPU sets).
     :param gpu_type: the one GPU type of those GPUs (:func:`gpu_type_of`), or None (several types,
         or not known): a throughput sample is also folded into ``book.throughput_by_type[gpu_type]``.
-    A speed out of :data:`~.throughput.SPEED_RANGE` (an absurd step) folds into no model.
 
     :returns: True if the sample counts (the caller stores it as the generation's latest). A step
         the generation's latest sample has already reported does not (an HTTP report sent again
@@ -238,13 +238,11 @@ def record_progress(book: JobBook, *, generation: int, step: float, now_s: float
         book.restart_overhead_s = update_restart_overhead(book.restart_overhead_s, now_s - book.published_s)
     if previous is not None and now_s > previous[0] and step > previous[1] and num_gpus > 0:
         speed = (step - previous[1]) / (now_s - previous[0])
-        if not plausible_speed(speed):  # the step counts, its absurd speed is no sample
-            book.steps_done = step
-            return True
-        book.throughput = book.throughput.with_sample(num_gpus, speed)
-        if gpu_type is not None:
-            by_type = book.throughput_by_type
-            by_type[gpu_type] = by_type.get(gpu_type, ThroughputModel()).with_sample(num_gpus, speed)
+        if plausible_speed(speed):
+            book.throughput = book.throughput.with_sample(num_gpus, speed)
+            if gpu_type is not None:
+                by_type = book.throughput_by_type
+                by_type[gpu_type] = by_type.get(gpu_type, ThroughputModel()).with_sample(num_gpus, speed)
     book.steps_done = step
     return True
 
