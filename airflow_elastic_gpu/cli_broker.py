@@ -9,9 +9,8 @@ import os
 from typing import Any
 
 from rich.console import Console
-from sqlalchemy.exc import DatabaseError, OperationalError
+from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
 
-from airflow_elastic_gpu.broker.db import sqlite_file
 from airflow_elastic_gpu.config import mask_url
 
 
@@ -73,13 +72,19 @@ def _read(conn_id: str) -> Any:
         raise ValueError(f"cannot read Airflow connection {conn_id!r}: {exc}") from None
 
 
+def first_line(exc: DBAPIError) -> str:
+    """The first line (at most 300 characters) of what the database driver said in ``exc``: one line
+    instead of SQLAlchemy's statement, parameters and link."""
+    return (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
 def database_error(exc: DatabaseError, url: str, conn_id: str | None) -> str:
     """The one line that says why the broker database ``url`` (from connection ``conn_id``, else the
     CLI's option or settings) failed with ``exc``, and what to check (the password masked)."""
-    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    first = first_line(exc)
     where = (f"the Airflow connection {conn_id!r}" if conn_id else
              "--broker-url, $AIRFLOW_ELASTIC_GPU_BROKER_URL or [elastic_gpu] broker_url")
-    sqlite = sqlite_file(url) is not None or url.startswith("sqlite")
+    sqlite = url.startswith("sqlite")  # a file, or a file: URI
     if isinstance(exc, OperationalError) and "locked" in first:  # SQLite's write lock, held past its timeout
         said, check = "the broker database is busy", "that no process holds it for minutes, then try again; and the URL"
     elif isinstance(exc, OperationalError) and (sqlite or "space left" in first or "disk" in first.lower()):

@@ -47,6 +47,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from airflow_elastic_gpu.broker.service import GpuBroker
+from airflow_elastic_gpu.cli_broker import first_line
 from airflow_elastic_gpu.cli_views import snapshot_view
 from airflow_elastic_gpu.config import ENV_BROKER_URL, ENV_WORK_DIR, mask_url
 from airflow_elastic_gpu.demo import parse_run_id
@@ -250,8 +251,7 @@ def run(s: Settings) -> dict:
     try:  # the server answers: a run that fails here deletes nothing
         recreate_databases(s)
     except DBAPIError as exc:  # unreachable, or a role that may not create databases: one line
-        first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or ["unreachable"])[0]
-        raise SystemExit(f"cannot make the demo's databases on {mask_url(s.postgres_url)}: {first} (give "
+        raise SystemExit(f"cannot make the demo's databases on {mask_url(s.postgres_url)}: {first_line(exc)} (give "
                          "--postgres-url, a server and a role that may create databases)") from None
     for stale in STALE:  # a previous run's Airflow home, logs and job directories
         shutil.rmtree(s.home / stale, ignore_errors=True)
