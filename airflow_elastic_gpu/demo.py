@@ -40,9 +40,10 @@ PID_FILE = DEMO / "standalone.pid"
 DAG_ID = "elastic_gpu_demo"
 PORT_GIVEN = os.environ.get("ELASTIC_GPU_DEMO_PORT", "8080")
 try:
-    PORT = int(PORT_GIVEN.strip()) if 1 <= int(PORT_GIVEN.strip()) <= 65535 else 0
+    PORT = int(PORT_GIVEN)  # spaces around it are int()'s to drop
 except ValueError:
     PORT = 0
+PORT = PORT if 1 <= PORT <= 65535 else 0
 """Airflow's port (``$ELASTIC_GPU_DEMO_PORT``, default 8080); 0 for a value that is no TCP port
 (said by :func:`main`: a traceback at import before)."""
 VIRTUAL_GPUS = 4

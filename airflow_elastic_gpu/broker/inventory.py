@@ -281,8 +281,8 @@ def _check_policy(name: str, params: dict[str, Any] | None) -> None:
     for key, value in (params or {}).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidRequest(f"policy parameter {key} must be a finite number, got {value!r}")
-    runs = sorted(n for n, cls in policy_classes().items() if not getattr(cls, "preemptive", False))
-    if name not in policy_classes():  # not the simulator's list: its preemptive peers are refused below
+    if name not in (classes := policy_classes()):  # not the simulator's list: its preemptive peers are refused below
+        runs = sorted(n for n, cls in classes.items() if not getattr(cls, "preemptive", False))
         raise InvalidRequest(f"unknown scheduling policy {name!r}; the broker runs {', '.join(runs)}")
     try:
         chosen = get_policy(name, **(params or {}))
