@@ -60,6 +60,7 @@ from airflow_elastic_gpu.triggers.submit import submit_and_start
 from airflow_elastic_gpu.triggers.task_instance import (
     attempt_of,
     clear_number_of,
+    job_name_of,
     max_tries_of,
     task_key,
     will_retry,
@@ -319,7 +320,7 @@ class ElasticTrainingOperator(BaseOperator):
             raise AirflowException(f"{self.task_id}: {exc}") from None
         try:  # the rendered template fields: a retry renders the same values, so it is not retried
             spec = JobSpec(
-                name=self.job_name or (self.task_id if ti.map_index < 0 else f"{self.task_id}[{ti.map_index}]"),
+                name=job_name_of(ti, self.job_name),
                 command=self.command, min_gpus=self.min_gpus, max_gpus=self.max_gpus,
                 requested_gpus=self.requested_gpus, total_steps=self.total_steps, key=task_key(ti),
                 pool=pool, priority=self.priority,

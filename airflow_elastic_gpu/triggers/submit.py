@@ -13,7 +13,7 @@ from airflow_elastic_gpu.backends.local_processes import started_elsewhere
 from airflow_elastic_gpu.broker.service import GpuBroker
 from airflow_elastic_gpu.broker.types import JobSpec, JobView, task_family
 from airflow_elastic_gpu.states import JobStatus
-from airflow_elastic_gpu.triggers.task_instance import attempt_of, task_key
+from airflow_elastic_gpu.triggers.task_instance import attempt_of, job_name_of, task_key
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,8 @@ def trigger_spec(ti: Any, job: Mapping[str, Any], *, command: str, checkpoint_di
 
     :raises BrokerError: a bad field (a relative ``checkpoint_dir``, once rendered).
     """
-    map_index = int(ti.map_index)
     return JobSpec(
-        name=job_name or (ti.task_id if map_index < 0 else f"{ti.task_id}[{map_index}]"), command=command,
+        name=job_name_of(ti, job_name), command=command,
         min_gpus=job["min_gpus"], max_gpus=job.get("max_gpus"), requested_gpus=job.get("requested_gpus"),
         total_steps=job["total_steps"], key=task_key(ti), pool=pool, priority=job.get("priority", 0),
         progress_pattern=job.get("progress_pattern"), checkpoint_dir=checkpoint_dir, backend=backend,

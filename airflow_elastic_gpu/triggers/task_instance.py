@@ -24,6 +24,13 @@ def task_key(ti: Any) -> str:
     return types.task_key(ti.dag_id, ti.task_id, ti.run_id, ti.map_index, deployment=deployment)
 
 
+def job_name_of(ti: Any, given: str | None = None) -> str:
+    """The name of task instance ``ti``'s job: ``given`` (the operator's ``job_name``), else its task
+    id, with ``[map index]`` for a mapped task's instance."""
+    map_index = int(ti.map_index)
+    return given or (ti.task_id if map_index < 0 else f"{ti.task_id}[{map_index}]")
+
+
 def attempt_of(ti: Any) -> str | None:
     """The task try's identity (``JobSpec.attempt``): the task instance's id, which Airflow 3 makes
     anew for every try; None when it has none."""
