@@ -152,3 +152,18 @@ def worker_env(tmp_path, monkeypatch) -> Iterator[tuple[GpuBroker, Any, Path]]:
     for job in broker.jobs():
         backend.stop(job.id, timeout_s=10)
     broker.engine.dispose()
+
+
+def local_backend(tmp_path: Path, *, gpus: int, grace_s: float, stop_timeout_s: float) -> Iterator[tuple[GpuBroker, Any]]:
+    """For a fixture to ``yield from``: a broker (SQLite) whose node ``localhost`` has ``gpus`` GPUs and
+    a local backend (job directories under ``jobs/``, polls every 0.2 s, stops wait ``grace_s``);
+    every job's processes are stopped afterwards (each waited for ``stop_timeout_s``)."""
+    from airflow_elastic_gpu.backends.local import LocalBackend
+
+    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
+    broker.register_node("localhost", gpus)
+    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=grace_s)
+    yield broker, backend
+    for job in broker.jobs():
+        backend.stop(job.id, timeout_s=stop_timeout_s)
+    broker.engine.dispose()

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import local_backend
 from test_sidecar import wait_for
 
 from airflow_elastic_gpu import cli
@@ -39,13 +40,7 @@ SECRET = "hunter2-not-for-trainers"
 @pytest.fixture
 def local(tmp_path):
     """A broker (SQLite) with 2 GPUs, and a local backend whose job directories are under ``jobs/``."""
-    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
-    broker.register_node("localhost", 2)
-    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=5)
-    yield broker, backend
-    for job in broker.jobs():
-        backend.stop(job.id, timeout_s=10)
-    broker.engine.dispose()
+    yield from local_backend(tmp_path, gpus=2, grace_s=5, stop_timeout_s=10)
 
 
 def run_job(broker: GpuBroker, backend: LocalBackend, command: str, **env: str):

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import local_backend
 from test_sidecar import wait_for
 
 from airflow_elastic_gpu.backends import local_cleanup
@@ -30,13 +31,7 @@ SLEEPER = f"{sys.executable} -c 'import time; time.sleep(120)'"
 @pytest.fixture
 def local(tmp_path):
     """A broker with one GPU and a local backend whose stops wait 2 s."""
-    broker = GpuBroker(f"sqlite:///{tmp_path / 'broker.db'}")
-    broker.register_node("localhost", 1)
-    backend = LocalBackend(tmp_path / "jobs", broker, poll_s=0.2, grace_s=2)
-    yield broker, backend
-    for job in broker.jobs():
-        backend.stop(job.id, timeout_s=3)
-    broker.engine.dispose()
+    yield from local_backend(tmp_path, gpus=1, grace_s=2, stop_timeout_s=3)
 
 
 def trainer_of(backend: LocalBackend, job_id: str) -> int:
