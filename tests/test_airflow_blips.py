@@ -13,6 +13,7 @@ import time
 import pytest
 from airflow.exceptions import AirflowException
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+from test_airflow_failures import _ended_job, first_event_once_mended
 from test_airflow_tasks import _FakeTI
 from test_sidecar import wait_for
 
@@ -122,24 +123,14 @@ def test_a_trigger_on_a_distributed_airflow_that_reads_no_connection_for_a_momen
     configuration error; the task's worker then followed the job for its whole length. It reads
     the connection again now, as it does when its broker has no such job."""
     broker, _, _ = worker_env
-    broker.register_node("localhost", 2)
-    job = broker.submit(JobSpec("followed", "python train.py", 1, 2, total_steps=10))
-    broker.ack(job.id, 1)
-    broker.finish(job.id, 0, {"final": True, "step": 10})
+    job = _ended_job(broker)
     url = os.environ["AIRFLOW_ELASTIC_GPU_BROKER_URL"]
     monkeypatch.delenv("AIRFLOW_ELASTIC_GPU_BROKER_URL")
     monkeypatch.delenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", raising=False)
     monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
     op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, poll_interval=0.1)
     trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
-
-    async def follow():
-        first = asyncio.ensure_future(trigger.run().__anext__())
-        await asyncio.sleep(1.0)  # several polls without a connection
-        assert not first.done()
-        monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
-            {"conn_type": "elastic_gpu", "extra": {"url": url}}))  # readable again
-        return await asyncio.wait_for(first, 30)
-
-    event = asyncio.run(follow())
+    # several polls without a connection; then it is readable again
+    event = first_event_once_mended(trigger, lambda: monkeypatch.setenv("AIRFLOW_CONN_ELASTIC_GPU_DEFAULT", json.dumps(
+        {"conn_type": "elastic_gpu", "extra": {"url": url}})))
     assert event.payload["status"] == "succeeded" and event.payload["job_id"] == job.id

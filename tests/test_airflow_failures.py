@@ -35,6 +35,19 @@ def _ended_job(broker):
     return broker.finish(job.id, 0, {"final": True, "step": 10})
 
 
+def first_event_once_mended(trigger, mend):
+    """``trigger``'s first event, which must not come in its first second (several polls that cannot
+    follow the job), and comes once ``mend()`` has mended what kept it from the job."""
+    async def follow():
+        first = asyncio.ensure_future(trigger.run().__anext__())
+        await asyncio.sleep(1.0)
+        assert not first.done()
+        mend()
+        return await asyncio.wait_for(first, 30)
+
+    return asyncio.run(follow())
+
+
 @pytest.fixture
 def failing_stop(monkeypatch):
     """``LocalBackend.stop`` raises what a read-only disk raises (an ``OSError``, not a
@@ -430,23 +443,13 @@ def test_a_trigger_whose_connection_cannot_be_read_for_a_moment_follows_the_job_
     broker was then the [elastic_gpu] section's, which has no such job, and the trigger fired an
     error at once, on which the worker cancelled a healthy training and failed its task for good."""
     broker, _, _ = worker_env
-    broker.register_node("localhost", 2)
-    job = broker.submit(JobSpec("followed", "python train.py", 1, 2, total_steps=10))
-    broker.ack(job.id, 1)
-    broker.finish(job.id, 0, {"final": True, "step": 10})
+    job = _ended_job(broker)
     real_url = os.environ["AIRFLOW_ELASTIC_GPU_BROKER_URL"]
     monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", f"sqlite:///{tmp_path / 'fallback.db'}")
     op = ElasticTrainingOperator(task_id="train", command="python train.py", total_steps=10, poll_interval=0.1)
     trigger = ElasticTrainingTrigger(**op._trigger_kwargs(job_id=job.id, labels=None))
-
-    async def follow():
-        first = asyncio.ensure_future(trigger.run().__anext__())
-        await asyncio.sleep(1.0)  # several polls that find no such job
-        assert not first.done()
-        monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", real_url)  # the connection is read again
-        return await asyncio.wait_for(first, 30)
-
-    event = asyncio.run(follow())
+    # several polls find no such job; then the connection is read again
+    event = first_event_once_mended(trigger, lambda: monkeypatch.setenv("AIRFLOW_ELASTIC_GPU_BROKER_URL", real_url))
     assert event.payload["status"] == "succeeded" and event.payload["job_id"] == job.id
 
 
