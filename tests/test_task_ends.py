@@ -393,3 +393,35 @@ def test_a_restarted_trigger_that_cannot_reattach_for_a_moment_hands_the_job_to_
     result = op.execute_complete({"ti": _FakeTI()}, event.payload)
     assert result["job_id"] == job_id and result["final_step"] == 40
     assert broker.job(job_id).status is JobStatus.SUCCEEDED
+
+
+
+def test_a_cancel_that_comes_as_a_poll_answers_is_not_lost(worker_env, monkeypatch):
+    """The triggerer's cancel (a user marked the task failed) that came while a poll's answer was
+    on its way was lost (``asyncio.wait_for`` on Python 3.11 returned the answer instead): the
+    trigger polled on for ever, and ``make test`` hung once. Cancelled at each step of the answer's
+    way through the event loop, the poll raises the cancel every time."""
+    from airflow_elastic_gpu.triggers import training
+
+    broker, _, _ = worker_env
+    _, _, trigger = _deferred_on(broker, "cancelled-as-it-answers")
+
+    def answered(call, name):  # the poll's thread has answered already
+        done = concurrent.futures.Future()
+        done.set_result(call())
+        return done
+
+    monkeypatch.setattr(training, "in_daemon_thread", answered)
+
+    async def cancel_after(steps: int) -> bool:
+        task = asyncio.ensure_future(trigger._within_poll_timeout(lambda: "answered"))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        if task.done():
+            return False  # answered before the cancel came: nothing to lose
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return True
+
+    assert sum(asyncio.run(cancel_after(steps)) for steps in range(1, 8)) >= 3

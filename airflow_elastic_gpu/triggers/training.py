@@ -360,8 +360,10 @@ class ElasticTrainingTrigger(BaseTrigger):
             raise TimeoutError(f"{len(stuck)} earlier {name} calls have not answered yet (a database lock held, "
                                "or an API server that does not answer)")
         future = in_daemon_thread(call, f"elastic-gpu{name}")
-        try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit_s)
+        try:  # not wait_for: on Python 3.11 it lost a cancel that came as the call answered (the
+            # triggerer's, when a user marks the task failed), and the trigger polled on for ever
+            async with asyncio.timeout(limit_s):
+                return await asyncio.shield(asyncio.wrap_future(future))
         except TimeoutError:
             stuck.append(future)
             raise TimeoutError(f"no answer in {limit_s:.0f}s (a database lock held, or an API server that does "
